@@ -1,0 +1,68 @@
+//! `reference-downstream`: a small but real business service for the intent
+//! worker to call, with the three recovery capabilities of DESIGN.md §5 and
+//! injectable faults (§9).
+//!
+//! URL modes: `POST /replay/{resource}` (durable idempotency keys with receipt
+//! replay), `POST /lookup/{resource}` (no dedupe, but
+//! `GET /lookup/{resource}/by-key/{key}` finds the receipt) and
+//! `POST /none/{resource}` (neither). Faults are armed through
+//! `POST /_control/faults`; they live in memory, while the data is durable in
+//! Postgres, so a restart keeps the data and forgets the faults. See
+//! README.md for the full contract.
+//!
+//! # Counting, for tests
+//!
+//! Tests assert on the downstream's own tables, never on logs. With `<schema>`
+//! the value of `DOWNSTREAM_SCHEMA` (default `downstream`):
+//!
+//! ```sql
+//! -- business changes (e.g. refunds) made for one key
+//! SELECT count(*) FROM <schema>.mutations WHERE idem_key = $1;
+//! -- write requests received for one key (replays, dropped and faulted included)
+//! SELECT count(*) FROM <schema>.requests WHERE kind = 'write' AND idem_key = $1;
+//! -- lookups received for one key
+//! SELECT count(*) FROM <schema>.requests WHERE kind = 'lookup' AND idem_key = $1;
+//! ```
+//!
+//! `requests.status` is NULL for a request whose connection was dropped on
+//! purpose (or that was still in flight), and `requests.fault` names the fault
+//! it consumed.
+//!
+//! # Layout
+//!
+//! `config` (env), `server` (accept loop, start-up line, signals), `http`
+//! (one request, one response), `routes` (the life of a business request),
+//! `control` (fault API), `faults` (the in-memory fault book), `store` (SQL),
+//! `receipt` (receipt JSON).
+
+mod config;
+mod control;
+mod faults;
+mod http;
+mod receipt;
+mod routes;
+mod server;
+mod store;
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    // stdout is reserved for the single start-up line; logs go to stderr.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn")),
+        )
+        .init();
+    let config = config::Config::from_env()?;
+    tracing::info!(schema = %config.schema, addr = %config.addr,
+        retention_secs = config.replay_retention.as_secs(), "starting");
+    let store = store::Store::open(&config.database_url, &config.schema).await?;
+    let app = Arc::new(routes::App::new(store, config.replay_retention));
+    server::serve(app, config.addr).await
+}

@@ -1,0 +1,351 @@
+//! Routing and the life of one business request, faults included.
+//!
+//! The order is the contract the crash tests rely on:
+//! 1. classify and validate the request (pure: a 400/404 consumes no fault);
+//! 2. take the first matching fault from the book;
+//! 3. log the request in `requests` in its own committed insert, *before*
+//!    anything else happens, so dropped and faulted requests are counted too;
+//! 4. before-commit faults: `drop_before_commit`, `status`, `slow`,
+//!    `lookup_miss`;
+//! 5. do the work (the write commits, or the lookup reads);
+//! 6. after-commit faults, whatever the outcome of step 5:
+//!    `drop_after_commit`, `wrong_receipt`, `status_after_commit`,
+//!    `slow_after_commit`;
+//! 7. record the status we answer with, then answer (dropped requests keep a
+//!    NULL status).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::control;
+use crate::faults::{Direction, Fault, FaultBook, FaultKind};
+use crate::http::{percent_decode, Request, Response};
+use crate::receipt;
+use crate::store::{Replay, Store};
+
+/// Shared state of the running service.
+#[derive(Debug)]
+pub struct App {
+    pub store: Store,
+    pub faults: FaultBook,
+    pub retention: Duration,
+    wrong_receipts: AtomicU64,
+}
+
+impl App {
+    pub fn new(store: Store, retention: Duration) -> App {
+        App {
+            store,
+            faults: FaultBook::default(),
+            retention,
+            wrong_receipts: AtomicU64::new(0),
+        }
+    }
+}
+
+/// What the connection handler should do with the socket.
+#[derive(Debug)]
+pub enum Reply {
+    Respond(Response),
+    /// Close with a reset and send nothing.
+    Drop,
+}
+
+/// The three downstream capabilities, as spelled in the URL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Replay,
+    Lookup,
+    None,
+}
+
+impl Mode {
+    fn parse(s: &str) -> Option<Mode> {
+        match s {
+            "replay" => Some(Mode::Replay),
+            "lookup" => Some(Mode::Lookup),
+            "none" => Some(Mode::None),
+            _ => None,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Replay => "replay",
+            Mode::Lookup => "lookup",
+            Mode::None => "none",
+        }
+    }
+}
+
+/// A valid business operation, ready to run.
+#[derive(Debug)]
+enum Op {
+    Write {
+        mode: Mode,
+        resource: String,
+        key: Option<String>,
+        body: Value,
+    },
+    Lookup {
+        mode: Mode,
+        resource: String,
+        key: String,
+    },
+}
+
+/// What gets logged about a business request, valid or not.
+#[derive(Debug)]
+struct Call {
+    direction: Direction,
+    mode: Option<String>,
+    resource: Option<String>,
+    key: Option<String>,
+}
+
+/// Entry point for every parsed request. `too_large` is set when the body was
+/// refused unread (over 1 MiB): business requests are still logged as 413.
+pub async fn handle(app: &App, req: Request, too_large: bool) -> Reply {
+    let segments: Vec<&str> = req.path.trim_start_matches('/').split('/').collect();
+    match (req.method.as_str(), segments.as_slice()) {
+        ("GET", ["healthz"]) => Reply::Respond(Response::json(200, json!({"status": "ok"}))),
+        (_, ["_control", ..]) if too_large => {
+            Reply::Respond(Response::error(413, "body_too_large"))
+        }
+        (_, ["_control", ..]) => Reply::Respond(control::handle(app, &req, &segments[1..])),
+        _ => business(app, &req, &segments, too_large).await,
+    }
+}
+
+async fn business(app: &App, req: &Request, segments: &[&str], too_large: bool) -> Reply {
+    let (call, parsed) = classify(req, segments);
+    // The body was never read, so whatever validation said, the answer is 413.
+    let parsed = if too_large {
+        Err(Response::error(413, "body_too_large"))
+    } else {
+        parsed
+    };
+    let fault = match parsed {
+        Ok(_) => app.faults.take(call.direction, call.key.as_deref()),
+        Err(_) => None,
+    };
+    let logged = app
+        .store
+        .log_request(
+            call.direction.as_str(),
+            call.mode.as_deref(),
+            call.resource.as_deref(),
+            call.key.as_deref(),
+            fault.as_ref().map(|f| f.kind.as_str()),
+        )
+        .await;
+    let log_id = match logged {
+        Ok(id) => id,
+        Err(err) => {
+            // Without the log row the tests' send counts would be wrong, so
+            // refuse rather than process an uncounted request.
+            tracing::error!(error = %err, "could not log request; refusing it");
+            return Reply::Respond(Response::error(503, "request_log_unavailable"));
+        }
+    };
+    let op = match parsed {
+        Ok(op) => op,
+        Err(response) => return finish(app, log_id, response).await,
+    };
+    if let Some(fault) = &fault {
+        tracing::info!(fault = fault.kind.as_str(), key = ?call.key, "injecting fault");
+    }
+
+    // Before the work.
+    if let Some(f) = &fault {
+        match f.kind {
+            FaultKind::DropBeforeCommit => return Reply::Drop,
+            FaultKind::Status => return finish(app, log_id, injected_status(f, 503)).await,
+            FaultKind::Slow => sleep_ms(f.delay_ms).await,
+            FaultKind::LookupMiss if matches!(op, Op::Lookup { .. }) => {
+                return finish(app, log_id, Response::error(404, "not_found")).await;
+            }
+            _ => {}
+        }
+    }
+
+    let response = run(app, &op).await;
+
+    // After the work (committed, if it was a successful write).
+    let response = match fault {
+        Some(f) => match f.kind {
+            FaultKind::DropAfterCommit => return Reply::Drop,
+            FaultKind::WrongReceipt => wrong_receipt(app, &op, &response),
+            FaultKind::StatusAfterCommit => injected_status(&f, 500),
+            FaultKind::SlowAfterCommit => {
+                sleep_ms(f.delay_ms).await;
+                response
+            }
+            _ => response,
+        },
+        None => response,
+    };
+    finish(app, log_id, response).await
+}
+
+/// Work out what the request is, for logging, and whether it is valid.
+fn classify(req: &Request, segments: &[&str]) -> (Call, Result<Op, Response>) {
+    let header_key = req
+        .header("idempotency-key")
+        .filter(|k| !k.is_empty())
+        .map(str::to_owned);
+    let mode_text = segments
+        .first()
+        .filter(|s| !s.is_empty())
+        .map(|s| s.to_string());
+    let resource = segments.get(1).and_then(|s| percent_decode(s));
+    let mode = mode_text.as_deref().and_then(Mode::parse);
+    let is_get = req.method == "GET";
+    let mut call = Call {
+        direction: if is_get {
+            Direction::Lookup
+        } else {
+            Direction::Write
+        },
+        mode: mode_text,
+        resource: resource.clone(),
+        key: if is_get { None } else { header_key.clone() },
+    };
+    let resource = resource.filter(|r| !r.is_empty());
+
+    let parsed = match (req.method.as_str(), segments.len()) {
+        ("POST", 2) => match (mode, resource) {
+            (None, _) => Err(Response::error(404, "unknown_mode")),
+            (_, None) => Err(Response::error(404, "no_route")),
+            (Some(mode), Some(resource)) => validate_write(mode, resource, header_key, &req.body),
+        },
+        ("GET", 4) if segments[2] == "by-key" => {
+            let key = percent_decode(segments[3]).filter(|k| !k.is_empty());
+            call.key = key.clone();
+            match (mode, resource, key) {
+                (None, _, _) => Err(Response::error(404, "unknown_mode")),
+                (Some(Mode::None), _, _) => Err(Response::error(404, "lookup_not_supported")),
+                (Some(mode), Some(resource), Some(key)) => Ok(Op::Lookup {
+                    mode,
+                    resource,
+                    key,
+                }),
+                _ => Err(Response::error(400, "bad_lookup_path")),
+            }
+        }
+        _ => Err(Response::error(404, "no_route")),
+    };
+    (call, parsed)
+}
+
+fn validate_write(
+    mode: Mode,
+    resource: String,
+    key: Option<String>,
+    body: &[u8],
+) -> Result<Op, Response> {
+    let body: Value = match serde_json::from_slice(body) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => return Err(Response::error(400, "body_must_be_json_object")),
+    };
+    if mode == Mode::Replay && key.is_none() {
+        return Err(Response::error(400, "idempotency_key_required"));
+    }
+    Ok(Op::Write {
+        mode,
+        resource,
+        key,
+        body,
+    })
+}
+
+/// Do the actual business work.
+async fn run(app: &App, op: &Op) -> Response {
+    let result = match op {
+        Op::Write {
+            mode: Mode::Replay,
+            resource,
+            key,
+            body,
+        } => {
+            let key = key
+                .as_deref()
+                .expect("validated: replay writes carry a key");
+            app.store
+                .replay_write(resource, key, body, app.retention)
+                .await
+                .map(|outcome| match outcome {
+                    Replay::Created(r) | Replay::Replayed(r) => Response::json(201, r),
+                    Replay::KeyReused => Response::error(422, "idempotency_key_reused"),
+                })
+        }
+        Op::Write {
+            mode,
+            resource,
+            key,
+            body,
+        } => app
+            .store
+            .plain_write(mode.as_str(), resource, key.as_deref(), body)
+            .await
+            .map(|r| Response::json(201, r)),
+        Op::Lookup { resource, key, .. } => {
+            app.store
+                .find_receipt(resource, key)
+                .await
+                .map(|found| match found {
+                    Some(r) => Response::json(200, r),
+                    None => Response::error(404, "not_found"),
+                })
+        }
+    };
+    result.unwrap_or_else(|err| {
+        tracing::error!(error = %err, "request failed");
+        Response::error(500, "internal")
+    })
+}
+
+/// A success answer carrying someone else's receipt. For a lookup, the
+/// arguments are copied from the real record when there is one, so only the
+/// identity gives the lie away.
+fn wrong_receipt(app: &App, op: &Op, real: &Response) -> Response {
+    let n = app.wrong_receipts.fetch_add(1, Ordering::Relaxed) + 1;
+    match op {
+        Op::Write {
+            mode,
+            resource,
+            body,
+            ..
+        } => Response::json(201, receipt::wrong(n, mode.as_str(), resource, body)),
+        Op::Lookup { mode, resource, .. } => {
+            let arguments = real.body.get("arguments").cloned().unwrap_or(json!({}));
+            Response::json(200, receipt::wrong(n, mode.as_str(), resource, &arguments))
+        }
+    }
+}
+
+fn injected_status(fault: &Fault, default: u16) -> Response {
+    let status = fault.status.unwrap_or(default);
+    let response = Response::json(
+        status,
+        json!({"error": "injected_fault", "fault": fault.kind.as_str()}),
+    );
+    match &fault.retry_after {
+        Some(v) => response.with_header("Retry-After", v),
+        None => response,
+    }
+}
+
+async fn sleep_ms(ms: u64) {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+/// Record the status, then hand the response to the connection.
+async fn finish(app: &App, log_id: i64, response: Response) -> Reply {
+    if let Err(err) = app.store.set_status(log_id, response.status).await {
+        tracing::warn!(error = %err, log_id, "could not record response status");
+    }
+    Reply::Respond(response)
+}

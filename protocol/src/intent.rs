@@ -1,0 +1,196 @@
+//! The intent an agent publishes (DESIGN.md section 7) and its strict decoder. The
+//! worker records an intent in the ledger before any network call, so anything
+//! ambiguous (repeated or unknown fields, keys that would collide once joined into the
+//! idempotency key) is refused here, before it can reach the ledger.
+
+mod rules;
+mod top_level;
+
+use serde_json::Value;
+
+use crate::fingerprint::{canonical_json, fingerprint};
+use crate::DecodeError;
+use rules::{ACTION_ID, CALL_ID, REPLY_TO, TENANT, TOOL};
+use top_level::Entries;
+
+/// Largest accepted intent body, in bytes.
+pub const MAX_INTENT_BYTES: usize = 256 * 1024;
+/// Longest `tenant`, `action_id`, `call_id` and `reply_to`, in characters.
+pub const MAX_KEY_LEN: usize = 200;
+/// Longest `tool`, in characters.
+pub const MAX_TOOL_LEN: usize = 64;
+
+/// The top-level fields the contract allows; anything else is refused.
+const KNOWN_FIELDS: [&str; 6] = [
+    "tenant",
+    "action_id",
+    "tool",
+    "arguments",
+    "call_id",
+    "reply_to",
+];
+
+/// A request for one side effect. `(tenant, action_id)` is the logical action key;
+/// `tool` and `arguments` are what the fingerprint covers.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Intent {
+    /// The tenant that owns the action; also the results routing key.
+    pub tenant: String,
+    /// The application's key for this logical action, unique within the tenant.
+    pub action_id: String,
+    /// Which adapter performs the action.
+    pub tool: String,
+    /// The tool's arguments; always a JSON object.
+    pub arguments: Value,
+    /// The model call that produced the request; informational only, never part of
+    /// identity, since a retried model call must hit the same ledger row.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub call_id: Option<String>,
+    /// Routing key for result events, when it differs from the tenant.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reply_to: Option<String>,
+}
+
+impl Intent {
+    /// The intent fingerprint: SHA-256 of the canonical `{tool, arguments}`.
+    pub fn fingerprint(&self) -> String {
+        fingerprint(&self.tool, &self.arguments)
+    }
+
+    /// The arguments as RFC 8785 canonical JSON.
+    pub fn canonical_arguments(&self) -> String {
+        canonical_json(&self.arguments)
+    }
+
+    /// The intent as a JSON body that [`decode_intent`] accepts (given valid fields).
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("strings and JSON values always serialize")
+    }
+}
+
+/// Decodes and validates an intent body, reporting the first broken rule in the order
+/// documented on [`DecodeError`].
+pub fn decode_intent(body: &[u8]) -> Result<Intent, DecodeError> {
+    if body.len() > MAX_INTENT_BYTES {
+        return Err(DecodeError::TooLarge {
+            size: body.len(),
+            limit: MAX_INTENT_BYTES,
+        });
+    }
+    let entries = top_level::parse(body)?;
+    if let Some(name) = top_level::first_duplicate(&entries) {
+        return Err(DecodeError::DuplicateField(top_level::echo_name(name)));
+    }
+    if let Some((name, _)) = entries
+        .iter()
+        .find(|(name, _)| !KNOWN_FIELDS.contains(&name.as_str()))
+    {
+        return Err(DecodeError::UnknownField(top_level::echo_name(name)));
+    }
+    let mut raw = RawFields::new(entries);
+    for name in ["tenant", "action_id", "tool", "arguments"] {
+        if !raw.has(name) {
+            return Err(DecodeError::MissingField(name));
+        }
+    }
+
+    let tenant = required_string(raw.take("tenant"), "tenant")?;
+    let action_id = required_string(raw.take("action_id"), "action_id")?;
+    let tool = required_string(raw.take("tool"), "tool")?;
+    let arguments = match raw.take("arguments") {
+        Some(value @ Value::Object(_)) => value,
+        _ => return Err(wrong_type("arguments", "a JSON object")),
+    };
+    let call_id = optional_string(raw.take("call_id"), "call_id")?;
+    let reply_to = optional_string(raw.take("reply_to"), "reply_to")?;
+
+    let mut checked = vec![
+        (&TENANT, tenant.as_str()),
+        (&ACTION_ID, action_id.as_str()),
+        (&TOOL, tool.as_str()),
+    ];
+    if let Some(call_id) = &call_id {
+        checked.push((&CALL_ID, call_id));
+    }
+    if let Some(reply_to) = &reply_to {
+        checked.push((&REPLY_TO, reply_to));
+    }
+    rules::check(&checked)?;
+
+    Ok(Intent {
+        tenant,
+        action_id,
+        tool,
+        arguments,
+        call_id,
+        reply_to,
+    })
+}
+
+/// Best effort for a body that failed strict decoding: if it is a JSON object (and
+/// within [`MAX_INTENT_BYTES`]) whose `tenant` and `action_id` are strings that pass the
+/// key rules, return them, so a `rejected` result can be addressed to the tenant.
+/// Otherwise `None`.
+///
+/// A `tenant` or `action_id` that appears twice yields `None`: with two candidates
+/// there is no honest answer to whom the rejection belongs.
+pub fn salvage_key(body: &[u8]) -> Option<(String, String)> {
+    if body.len() > MAX_INTENT_BYTES {
+        return None;
+    }
+    let entries = top_level::parse(body).ok()?;
+    let tenant = sole_string(&entries, "tenant")?;
+    let action_id = sole_string(&entries, "action_id")?;
+    rules::check(&[(&TENANT, tenant), (&ACTION_ID, action_id)]).ok()?;
+    Some((tenant.to_owned(), action_id.to_owned()))
+}
+
+/// The known fields of a body without duplicates, taken out one by one.
+struct RawFields(Entries);
+
+impl RawFields {
+    fn new(entries: Entries) -> Self {
+        RawFields(entries)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.0.iter().any(|(key, _)| key == name)
+    }
+
+    fn take(&mut self, name: &str) -> Option<Value> {
+        let index = self.0.iter().position(|(key, _)| key == name)?;
+        Some(self.0.swap_remove(index).1)
+    }
+}
+
+fn wrong_type(field: &'static str, expected: &'static str) -> DecodeError {
+    DecodeError::WrongType { field, expected }
+}
+
+fn required_string(value: Option<Value>, field: &'static str) -> Result<String, DecodeError> {
+    match value {
+        Some(Value::String(s)) => Ok(s),
+        _ => Err(wrong_type(field, "a string")),
+    }
+}
+
+/// `null` counts as absent: some serializers write every optional field.
+fn optional_string(
+    value: Option<Value>,
+    field: &'static str,
+) -> Result<Option<String>, DecodeError> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(wrong_type(field, "a string or null")),
+    }
+}
+
+fn sole_string<'a>(entries: &'a Entries, name: &str) -> Option<&'a str> {
+    let mut matches = entries.iter().filter(|(key, _)| key == name);
+    let (_, value) = matches.next()?;
+    if matches.next().is_some() {
+        return None;
+    }
+    value.as_str()
+}

@@ -1,0 +1,23 @@
+//! The wire contract of the intent worker (DESIGN.md sections 3 and 7): the intent an
+//! agent publishes, the strict decoder that guards the worker from malformed or
+//! ambiguous bodies, the intent fingerprint that detects a key reused for a different
+//! request, and the result event the worker sends back. Everything here is pure and
+//! synchronous so the worker, the publisher and the tests share one definition.
+//!
+//! # Layout
+//!
+//! - [`intent`]: the [`Intent`] type, [`decode_intent`] (strict, one error per rule)
+//!   and [`salvage_key`] (addressing a rejection for a body that failed decoding).
+//! - [`error`]: [`DecodeError`], with a human message and a stable machine code.
+//! - [`fingerprint`](mod@fingerprint): RFC 8785 canonical JSON and the SHA-256 intent fingerprint.
+//! - [`result`]: [`ResultEvent`] with its [`Status`] and [`RejectReason`].
+
+pub mod error;
+pub mod fingerprint;
+pub mod intent;
+pub mod result;
+
+pub use error::DecodeError;
+pub use fingerprint::{canonical_json, fingerprint};
+pub use intent::{decode_intent, salvage_key, Intent, MAX_INTENT_BYTES, MAX_KEY_LEN, MAX_TOOL_LEN};
+pub use result::{RejectReason, ResultEvent, Status};

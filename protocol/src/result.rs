@@ -1,0 +1,107 @@
+//! The result event the worker sends back to the agent (DESIGN.md section 7): one per
+//! state the agent must know, re-emitted when a later resolution changes it. Decoding is
+//! lenient (unknown fields are ignored) so the contract can grow without breaking
+//! agents that read older events.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// What the agent should believe about the action.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Done; the receipt is the downstream's original proof.
+    Succeeded,
+    /// Outcome unknown; the agent must not resubmit and should check status later.
+    Pending,
+    /// The downstream proved it did not and will not apply it; evidence in `message`.
+    Failed,
+    /// Refused before any dispatch; see `reason` and `detail`.
+    Rejected,
+}
+
+impl Status {
+    /// The wire spelling, e.g. `"pending"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Status::Succeeded => "succeeded",
+            Status::Pending => "pending",
+            Status::Failed => "failed",
+            Status::Rejected => "rejected",
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why an intent was rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectReason {
+    /// The key is already recorded with a different fingerprint.
+    IntentConflict,
+    /// The body broke the wire contract; `detail` holds the [`crate::DecodeError`] code.
+    InvalidMessage,
+    /// No adapter is configured for the tool.
+    UnknownTool,
+    /// The tenant in the body is not the one the transport proved.
+    TenantMismatch,
+}
+
+impl RejectReason {
+    /// The wire spelling, e.g. `"intent_conflict"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            RejectReason::IntentConflict => "intent_conflict",
+            RejectReason::InvalidMessage => "invalid_message",
+            RejectReason::UnknownTool => "unknown_tool",
+            RejectReason::TenantMismatch => "tenant_mismatch",
+        }
+    }
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One result event, routed to the agent by tenant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResultEvent {
+    /// The tenant of the action (also the routing key).
+    pub tenant: String,
+    /// The action key within the tenant.
+    pub action_id: String,
+    /// The tool of the action.
+    pub tool: String,
+    /// What the agent should believe.
+    pub status: Status,
+    /// The downstream's receipt; always written, as `null` when there is none, so
+    /// agents can rely on the field being present.
+    pub receipt: Option<Value>,
+    /// What the agent should do next: `"check_status"` for `pending`, otherwise `null`.
+    pub next_action: Option<String>,
+    /// Dispatch attempts so far.
+    pub attempts: u32,
+    /// A sentence for the agent (and the model) to read.
+    pub message: String,
+    /// The intent fingerprint; `null` when the message could not be fingerprinted.
+    pub fingerprint: Option<String>,
+    /// Why it was rejected; only present on `rejected`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<RejectReason>,
+    /// Machine detail for `rejected`, e.g. a [`crate::DecodeError::code`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// Unique per event, so agents can drop redelivered copies.
+    pub event_id: String,
+    /// When the state was reached, RFC 3339.
+    pub occurred_at: String,
+}

@@ -1,0 +1,354 @@
+//! Strict decoding of intent bodies: the DESIGN.md example decodes, and every rule of the
+//! wire contract rejects a realistic bad body with its own `DecodeError` variant.
+
+use protocol::{decode_intent, DecodeError, Intent, MAX_INTENT_BYTES, MAX_KEY_LEN, MAX_TOOL_LEN};
+use serde_json::json;
+
+const EXAMPLE: &str = r#"{"tenant":"north-shop","action_id":"refund-204","tool":"refund",
+ "arguments":{"order":"order-731","amount_cents":4850,"currency":"USD"},
+ "call_id":"model-call-9f2","reply_to":"north-shop"}"#;
+
+fn decode(v: serde_json::Value) -> Result<Intent, DecodeError> {
+    decode_intent(v.to_string().as_bytes())
+}
+
+fn refund_with(field: &str, value: serde_json::Value) -> serde_json::Value {
+    let mut body = json!({
+        "tenant": "north-shop",
+        "action_id": "refund-204",
+        "tool": "refund",
+        "arguments": {"order": "order-731", "amount_cents": 4850, "currency": "USD"},
+    });
+    body[field] = value;
+    body
+}
+
+#[test]
+fn design_example_decodes() {
+    let intent = decode_intent(EXAMPLE.as_bytes()).unwrap();
+    assert_eq!(
+        intent,
+        Intent {
+            tenant: "north-shop".into(),
+            action_id: "refund-204".into(),
+            tool: "refund".into(),
+            arguments: json!({"order": "order-731", "amount_cents": 4850, "currency": "USD"}),
+            call_id: Some("model-call-9f2".into()),
+            reply_to: Some("north-shop".into()),
+        }
+    );
+}
+
+#[test]
+fn to_json_round_trips_and_omits_absent_options() {
+    let mut intent = decode_intent(EXAMPLE.as_bytes()).unwrap();
+    assert_eq!(decode_intent(&intent.to_json()).unwrap(), intent);
+    intent.call_id = None;
+    intent.reply_to = None;
+    let body = String::from_utf8(intent.to_json()).unwrap();
+    assert!(
+        !body.contains("call_id") && !body.contains("reply_to"),
+        "{body}"
+    );
+    assert_eq!(decode_intent(body.as_bytes()).unwrap(), intent);
+}
+
+#[test]
+fn null_optional_fields_count_as_absent() {
+    let body = json!({"tenant": "t", "action_id": "a", "tool": "x", "arguments": {},
+                      "call_id": null, "reply_to": null});
+    let intent = decode(body).unwrap();
+    assert_eq!((intent.call_id, intent.reply_to), (None, None));
+}
+
+#[test]
+fn call_id_does_not_change_the_fingerprint() {
+    let first = decode(refund_with("call_id", json!("model-call-1"))).unwrap();
+    let second = decode(refund_with("call_id", json!("model-call-2"))).unwrap();
+    let without = decode(refund_with("reply_to", json!("north-shop"))).unwrap();
+    assert_eq!(first.fingerprint(), second.fingerprint());
+    assert_eq!(first.fingerprint(), without.fingerprint());
+}
+
+#[test]
+fn fingerprint_and_canonical_arguments_follow_the_free_functions() {
+    let intent = decode_intent(EXAMPLE.as_bytes()).unwrap();
+    assert_eq!(
+        intent.fingerprint(),
+        protocol::fingerprint("refund", &intent.arguments)
+    );
+    assert_eq!(
+        intent.canonical_arguments(),
+        r#"{"amount_cents":4850,"currency":"USD","order":"order-731"}"#
+    );
+}
+
+#[test]
+fn too_large() {
+    let padding = " ".repeat(MAX_INTENT_BYTES);
+    let body = format!("{EXAMPLE}{padding}");
+    let err = decode_intent(body.as_bytes()).unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::TooLarge {
+            size: body.len(),
+            limit: MAX_INTENT_BYTES
+        }
+    );
+    assert_eq!(err.code(), "too_large");
+}
+
+#[test]
+fn exactly_the_limit_is_not_too_large() {
+    let padding = " ".repeat(MAX_INTENT_BYTES - EXAMPLE.len());
+    let body = format!("{EXAMPLE}{padding}");
+    assert_eq!(body.len(), MAX_INTENT_BYTES);
+    assert!(decode_intent(body.as_bytes()).is_ok());
+}
+
+#[test]
+fn not_json_reports_line_and_column() {
+    let body = "{\"tenant\":\"north-shop\",\n \"action_id\":'refund-204'}";
+    let err = decode_intent(body.as_bytes()).unwrap_err();
+    match &err {
+        DecodeError::NotJson(detail) => assert!(detail.contains("line 2 column"), "{detail}"),
+        other => panic!("expected NotJson, got {other:?}"),
+    }
+    assert_eq!(err.code(), "not_json");
+}
+
+#[test]
+fn not_utf8_is_not_json() {
+    let body = b"{\"tenant\":\"north-\xff-shop\"}";
+    assert_eq!(decode_intent(body).unwrap_err().code(), "not_json");
+}
+
+#[test]
+fn trailing_garbage_is_not_json() {
+    let body = format!("{EXAMPLE} {{}}");
+    assert_eq!(
+        decode_intent(body.as_bytes()).unwrap_err().code(),
+        "not_json"
+    );
+}
+
+#[test]
+fn not_an_object() {
+    let body = format!("[{EXAMPLE}]");
+    assert_eq!(
+        decode_intent(body.as_bytes()).unwrap_err(),
+        DecodeError::NotAnObject
+    );
+    for scalar in ["\"refund\"", "42", "null", "true"] {
+        assert_eq!(
+            decode_intent(scalar.as_bytes()).unwrap_err(),
+            DecodeError::NotAnObject,
+            "{scalar}"
+        );
+    }
+}
+
+#[test]
+fn duplicate_field() {
+    let body = r#"{"tenant":"north-shop","action_id":"refund-204","tool":"refund",
+        "arguments":{"amount_cents":4850},"tenant":"south-shop"}"#;
+    let err = decode_intent(body.as_bytes()).unwrap_err();
+    assert_eq!(err, DecodeError::DuplicateField("tenant".into()));
+    assert_eq!(err.code(), "duplicate_field");
+}
+
+#[test]
+fn duplicate_wins_over_unknown() {
+    let body = r#"{"priority":1,"tool":"a","tool":"a"}"#;
+    assert_eq!(
+        decode_intent(body.as_bytes()).unwrap_err(),
+        DecodeError::DuplicateField("tool".into())
+    );
+}
+
+#[test]
+fn unknown_field() {
+    let err = decode(refund_with("idempotency_key", json!("abc"))).unwrap_err();
+    assert_eq!(err, DecodeError::UnknownField("idempotency_key".into()));
+    assert_eq!(err.code(), "unknown_field");
+}
+
+#[test]
+fn unknown_field_name_is_shortened_in_the_error() {
+    let long = "x".repeat(10_000);
+    let err = decode(refund_with(&long, json!(1))).unwrap_err();
+    match err {
+        DecodeError::UnknownField(name) => assert!(name.chars().count() <= 65, "{name}"),
+        other => panic!("expected UnknownField, got {other:?}"),
+    }
+}
+
+#[test]
+fn missing_field() {
+    let body = json!({"tenant": "north-shop", "action_id": "refund-204", "tool": "refund"});
+    let err = decode(body).unwrap_err();
+    assert_eq!(err, DecodeError::MissingField("arguments"));
+    assert_eq!(err.code(), "missing_field");
+}
+
+#[test]
+fn wrong_type() {
+    let err = decode(refund_with("action_id", json!(204))).unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::WrongType {
+            field: "action_id",
+            expected: "a string"
+        }
+    );
+    assert_eq!(err.code(), "wrong_type");
+}
+
+#[test]
+fn arguments_must_be_an_object() {
+    let err = decode(refund_with("arguments", json!(["order-731", 4850]))).unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::WrongType {
+            field: "arguments",
+            expected: "a JSON object"
+        }
+    );
+}
+
+#[test]
+fn required_null_is_wrong_type_and_optional_number_too() {
+    assert_eq!(
+        decode(refund_with("tenant", json!(null)))
+            .unwrap_err()
+            .code(),
+        "wrong_type"
+    );
+    assert_eq!(
+        decode(refund_with("call_id", json!(9))).unwrap_err(),
+        DecodeError::WrongType {
+            field: "call_id",
+            expected: "a string or null"
+        }
+    );
+}
+
+#[test]
+fn empty_field() {
+    let err = decode(refund_with("action_id", json!(""))).unwrap_err();
+    assert_eq!(err, DecodeError::EmptyField("action_id"));
+    assert_eq!(err.code(), "empty_field");
+    assert_eq!(
+        decode(refund_with("reply_to", json!(""))).unwrap_err(),
+        DecodeError::EmptyField("reply_to")
+    );
+}
+
+#[test]
+fn too_long() {
+    let err = decode(refund_with("tool", json!("r".repeat(MAX_TOOL_LEN + 1)))).unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::TooLong {
+            field: "tool",
+            len: MAX_TOOL_LEN + 1,
+            max: MAX_TOOL_LEN
+        }
+    );
+    assert_eq!(err.code(), "too_long");
+}
+
+#[test]
+fn key_length_limit_is_inclusive_and_counts_characters() {
+    assert!(decode(refund_with("action_id", json!("a".repeat(MAX_KEY_LEN)))).is_ok());
+    // 200 two-byte characters: over 200 bytes but within 200 characters.
+    assert!(decode(refund_with("call_id", json!("é".repeat(MAX_KEY_LEN)))).is_ok());
+    assert_eq!(
+        decode(refund_with("call_id", json!("é".repeat(MAX_KEY_LEN + 1)))).unwrap_err(),
+        DecodeError::TooLong {
+            field: "call_id",
+            len: MAX_KEY_LEN + 1,
+            max: MAX_KEY_LEN
+        }
+    );
+}
+
+#[test]
+fn invalid_characters() {
+    // A ':' in the tenant would make "<tenant>:<action_id>" ambiguous.
+    let err = decode(refund_with("tenant", json!("north:shop"))).unwrap_err();
+    assert!(matches!(
+        err,
+        DecodeError::InvalidCharacters {
+            field: "tenant",
+            ..
+        }
+    ));
+    assert_eq!(err.code(), "invalid_characters");
+}
+
+#[test]
+fn character_rules_per_field() {
+    let rejects = [
+        ("tenant", "north shop"),
+        ("tenant", "north*shop"),
+        ("tenant", "north#"),
+        ("tenant", "nörth"),
+        ("action_id", "refund 204"),
+        ("action_id", "refund\t204"),
+        ("action_id", "refund-204é"),
+        ("tool", "refund/v2"),
+        ("call_id", "call\n9f2"),
+        ("call_id", "call\u{7f}"),
+        ("reply_to", "north:shop"),
+    ];
+    for (field, value) in rejects {
+        assert_eq!(
+            decode(refund_with(field, json!(value))).unwrap_err().code(),
+            "invalid_characters",
+            "{field} = {value:?}"
+        );
+    }
+    let accepts = [
+        ("tenant", "North_shop-2.eu"),
+        ("action_id", "refund:order-731/#2~"),
+        ("tool", "billing.refund_v2"),
+        ("call_id", "call 9f2 — é 😀"),
+    ];
+    for (field, value) in accepts {
+        assert!(
+            decode(refund_with(field, json!(value))).is_ok(),
+            "{field} = {value:?}"
+        );
+    }
+}
+
+#[test]
+fn checks_run_in_the_documented_order() {
+    // Wrong type beats empty, empty beats too long, too long beats bad characters,
+    // regardless of which field each problem is in.
+    let body = json!({"tenant": "", "action_id": "a", "tool": 7, "arguments": {}});
+    assert_eq!(decode(body).unwrap_err().code(), "wrong_type");
+    let body = json!({"tenant": "a:b", "action_id": "a".repeat(MAX_KEY_LEN + 1),
+                      "tool": "", "arguments": {}});
+    assert_eq!(decode(body).unwrap_err().code(), "empty_field");
+    let body = json!({"tenant": "a:b", "action_id": "a".repeat(MAX_KEY_LEN + 1),
+                      "tool": "x", "arguments": {}});
+    assert_eq!(decode(body).unwrap_err().code(), "too_long");
+}
+
+#[test]
+fn messages_are_human_readable() {
+    let err = DecodeError::TooLarge {
+        size: 300_000,
+        limit: 262_144,
+    };
+    assert_eq!(
+        err.to_string(),
+        "intent is 300000 bytes, over the 262144-byte limit"
+    );
+    assert_eq!(
+        DecodeError::MissingField("tool").to_string(),
+        "required field \"tool\" is missing"
+    );
+}

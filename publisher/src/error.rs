@@ -1,0 +1,49 @@
+//! The one error type of the publisher library.
+
+/// Why a publish or a follow did not succeed.
+///
+/// The publisher never retries on any of these: the caller decides, and when it
+/// sends again it sends the same intent under the same `(tenant, action_id)` key.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The broker connection or channel failed (refused connection, closed channel,
+    /// missing exchange, precondition failure, ...). lapin's message already carries
+    /// its causes, so it is not chained again as a `source`.
+    #[error("AMQP error: {0}")]
+    Amqp(lapin::Error),
+
+    /// The message was published with `mandatory = true` and no queue was bound for
+    /// its routing key, so the broker returned it (basic.return). Nothing was queued.
+    #[error(
+        "unroutable: exchange {exchange:?} has no queue bound for routing key {routing_key:?} ({reply_text})"
+    )]
+    Unroutable {
+        exchange: String,
+        routing_key: String,
+        reply_text: String,
+    },
+
+    /// The broker negatively acknowledged the message (basic.nack): it did not take
+    /// responsibility for it. Whether to send it again (same key) is the caller's call.
+    #[error("the broker did not accept the message (publisher confirm nack)")]
+    Nacked,
+
+    /// The channel answered without a publisher confirm although confirm mode was
+    /// requested; delivery is not proven.
+    #[error("the broker sent no publisher confirm; delivery is not proven")]
+    NotConfirmed,
+
+    /// A message on the results queue is not a result event.
+    #[error("not a result event: {0}")]
+    BadResult(String),
+
+    /// The results consumer was cancelled or its channel closed.
+    #[error("the results consumer stopped (channel closed or consumer cancelled)")]
+    ConsumerClosed,
+}
+
+impl From<lapin::Error> for PublishError {
+    fn from(error: lapin::Error) -> Self {
+        PublishError::Amqp(error)
+    }
+}

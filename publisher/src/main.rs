@@ -1,0 +1,22 @@
+//! `publisher`: send intents, follow results, run the demo agent.
+
+use std::io::IsTerminal;
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=off")),
+        )
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = publisher::cli::Cli::parse();
+    if let Err(error) = publisher::cli::run(cli).await {
+        eprintln!("error: {error:#}");
+        std::process::exit(1);
+    }
+}

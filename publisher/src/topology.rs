@@ -1,0 +1,108 @@
+//! The few broker declarations the publisher side makes.
+//!
+//! The worker owns its topology (the intents exchange, the quorum intents queue, its
+//! dead-letter exchange). The publisher side only declares:
+//! - the results exchange, with exactly the arguments the worker uses (durable topic,
+//!   no extra arguments) so either side may declare it first;
+//! - its own results queue, bound with routing key = tenant;
+//! - for tests and the demo, the intents exchange itself (same arguments).
+
+use lapin::{
+    options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions},
+    protocol::{AMQPErrorKind, AMQPSoftError},
+    types::FieldTable,
+    Channel, ErrorKind, ExchangeKind,
+};
+
+/// Declares `name` as a durable topic exchange with no arguments (idempotent).
+pub async fn declare_topic_exchange(channel: &Channel, name: &str) -> Result<(), lapin::Error> {
+    channel
+        .exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+}
+
+/// Checks that exchange `name` exists without creating it (passive declare).
+///
+/// A missing exchange makes the broker close the channel, so pass a channel that may
+/// be thrown away. Returns `Ok(false)` on NOT_FOUND.
+pub async fn exchange_exists(channel: &Channel, name: &str) -> Result<bool, lapin::Error> {
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    match channel
+        .exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            passive,
+            FieldTable::default(),
+        )
+        .await
+    {
+        Ok(()) => Ok(true),
+        Err(error) if is_not_found(&error) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// Whether a broker error is a 404 NOT_FOUND channel error.
+pub fn is_not_found(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::ProtocolError(amqp) if *amqp.kind() == AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+    )
+}
+
+/// Declares the follower's results queue and binds it to `exchange` with routing key
+/// `tenant`. Returns the queue name (server-generated when `queue` is `None`).
+///
+/// - `Some(name)`: durable, non-exclusive, not auto-deleted: results wait there while
+///   no follower runs, and several followers may share it.
+/// - `None`: a server-named exclusive auto-delete queue, gone with the connection.
+pub async fn declare_results_queue(
+    channel: &Channel,
+    exchange: &str,
+    tenant: &str,
+    queue: Option<&str>,
+) -> Result<String, lapin::Error> {
+    let (name, options) = match queue {
+        Some(name) => (
+            name,
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+        ),
+        None => (
+            "",
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+        ),
+    };
+    let declared = channel
+        .queue_declare(name.into(), options, FieldTable::default())
+        .await?;
+    let name = declared.name().as_str().to_owned();
+    channel
+        .queue_bind(
+            name.as_str().into(),
+            exchange.into(),
+            tenant.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok(name)
+}

@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# The project's one test command (README: `scripts/test.sh`; .ci/run execs it).
+#
+#   scripts/test.sh [extra cargo-nextest args, e.g. -E 'test(claim)']
+#
+# Steps: services (Postgres, RabbitMQ) -> tools (promtool, cargo-nextest) -> fmt -> clippy ->
+# alert rules (check + unit tests) -> cargo nextest (whole workspace) -> compose file.
+#
+# Environment:
+#   TEST_DATABASE_URL  Postgres the tests use   (default postgres://postgres@127.0.0.1:5432/postgres)
+#   TEST_AMQP_URL      RabbitMQ the tests use   (default amqp://guest:guest@127.0.0.1:5672/%2f)
+# Both are exported for the tests. Exit 2 means a service could not be reached or a tool is missing.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+export TEST_DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
+export TEST_AMQP_URL="${TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}"
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+WAIT_SECS=60
+started_all=$SECONDS
+
+say() { printf '[test.sh] %s\n' "$*"; }
+
+# step NAME COMMAND...: run one step and print its timing line.
+step() {
+    local name=$1 t0=$SECONDS rc=0
+    shift
+    say "--- $name"
+    "$@" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        say "FAILED: $name (exit $rc, $((SECONDS - t0))s)"
+        exit "$rc"
+    fi
+    say "ok: $name ($((SECONDS - t0))s)"
+}
+
+# url_host_port URL DEFAULT_PORT: prints "host port" of a postgres:// or amqp:// URL.
+url_host_port() {
+    local url=$1 default_port=$2 host port rest
+    rest=${url#*://}
+    rest=${rest%%[/?]*}
+    rest=${rest##*@}
+    if [[ $rest =~ ^\[([^]]*)\](:([0-9]+))?$ ]]; then
+        host=${BASH_REMATCH[1]} port=${BASH_REMATCH[3]}
+    else
+        host=${rest%%:*}
+        port=""
+        [[ $rest == *:* ]] && port=${rest##*:}
+    fi
+    printf '%s %s\n' "${host:-127.0.0.1}" "${port:-$default_port}"
+}
+
+is_local() { [[ $1 == 127.* || $1 == localhost || $1 == ::1 ]]; }
+
+tcp_open() { timeout 3 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; }
+
+# wait_until SECONDS COMMAND...: retry COMMAND once a second.
+wait_until() {
+    local deadline=$((SECONDS + $1))
+    shift
+    until "$@"; do
+        [ "$SECONDS" -ge "$deadline" ] && return 1
+        sleep 1
+    done
+}
+
+# ---- (a) services -------------------------------------------------------------------------------
+read -r PG_HOST PG_PORT < <(url_host_port "$TEST_DATABASE_URL" 5432)
+read -r MQ_HOST MQ_PORT < <(url_host_port "$TEST_AMQP_URL" 5672)
+
+postgres_ready() {
+    if command -v pg_isready >/dev/null 2>&1; then
+        pg_isready -q -d "$TEST_DATABASE_URL" -t 3 || return 1
+    else
+        tcp_open "$PG_HOST" "$PG_PORT" || return 1
+    fi
+    if command -v psql >/dev/null 2>&1; then
+        psql "$TEST_DATABASE_URL" -X -q -t -c 'select 1' >/dev/null 2>&1 || return 1
+    fi
+}
+
+rabbitmq_ready() {
+    tcp_open "$MQ_HOST" "$MQ_PORT" || return 1
+    if is_local "$MQ_HOST" && command -v rabbitmq-diagnostics >/dev/null 2>&1; then
+        timeout 20 rabbitmq-diagnostics -q ping >/dev/null 2>&1 || return 1
+    fi
+}
+
+start_postgres() {
+    is_local "$PG_HOST" && command -v pg_ctlcluster >/dev/null 2>&1 && [ -d /etc/postgresql ] || return 1
+    local dir version
+    for dir in /etc/postgresql/*/; do
+        version=$(basename "$dir")
+        say "starting local PostgreSQL $version/main"
+        pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+    done
+}
+
+start_rabbitmq() {
+    is_local "$MQ_HOST" && command -v rabbitmq-server >/dev/null 2>&1 || return 1
+    say "starting local RabbitMQ (rabbitmq-server -detached)"
+    rabbitmq-server -detached || true
+}
+
+# ensure_service NAME HOST PORT READY START HOW URL_VAR: check, try to start, wait, or exit 2.
+ensure_service() {
+    local name=$1 host=$2 port=$3 ready=$4 start=$5 how=$6 url_var=$7
+    "$ready" && { say "$name is up at $host:$port"; return 0; }
+    say "$name is not reachable at $host:$port"
+    if "$start" && wait_until "$WAIT_SECS" "$ready"; then
+        say "$name is up at $host:$port"
+        return 0
+    fi
+    {
+        echo
+        echo "ERROR: $name is not reachable at $host:$port (waited up to ${WAIT_SECS}s after trying to start it)."
+        if [ "$name" = PostgreSQL ] && command -v psql >/dev/null 2>&1; then
+            echo "  psql says: $(psql "$TEST_DATABASE_URL" -X -q -t -c 'select 1' 2>&1 | head -n 1)"
+        fi
+        echo "  Start it, e.g.: $how"
+        echo "  or set $url_var to a reachable server (now: ${!url_var})."
+    } >&2
+    exit 2
+}
+
+check_services() {
+    ensure_service PostgreSQL "$PG_HOST" "$PG_PORT" postgres_ready start_postgres \
+        "pg_ctlcluster --skip-systemctl-redirect \$(ls /etc/postgresql) main start" TEST_DATABASE_URL
+    ensure_service RabbitMQ "$MQ_HOST" "$MQ_PORT" rabbitmq_ready start_rabbitmq \
+        "rabbitmq-server -detached" TEST_AMQP_URL
+}
+
+# ---- (b) tools ----------------------------------------------------------------------------------
+install_promtool() {
+    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        return 1
+    fi
+    say "installing promtool (Debian package prometheus)"
+    # Keep the package's service from starting: policy-rc.d exit 101 forbids it.
+    local made_policy=0
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+        chmod 755 /usr/sbin/policy-rc.d
+        made_policy=1
+    fi
+    local rc=0
+    {
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus ||
+            { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+    } >/tmp/test-sh-apt.log 2>&1 || rc=$?
+    [ "$made_policy" -eq 1 ] && rm -f /usr/sbin/policy-rc.d
+    if [ "$rc" -ne 0 ]; then
+        tail -n 20 /tmp/test-sh-apt.log >&2
+        return 1
+    fi
+}
+
+check_tools() {
+    if ! command -v promtool >/dev/null 2>&1; then
+        install_promtool || true
+    fi
+    if ! command -v promtool >/dev/null 2>&1; then
+        echo "ERROR: promtool not found. Install it with: apt-get install prometheus (as root)" >&2
+        exit 2
+    fi
+    say "promtool: $(promtool --version 2>&1 | head -n 1)"
+    if ! cargo nextest --version >/dev/null 2>&1; then
+        say "installing cargo-nextest"
+        cargo install cargo-nextest --locked || return 1
+    fi
+    say "cargo-nextest: $(cargo nextest --version 2>/dev/null | head -n 1)"
+}
+
+# ---- (f) compose file ---------------------------------------------------------------------------
+check_compose() {
+    if command -v docker-compose >/dev/null 2>&1; then
+        docker-compose config -q
+    elif command -v docker >/dev/null 2>&1 && docker compose version >/dev/null 2>&1; then
+        docker compose config -q
+    else
+        say "docker-compose not installed: compose file not validated"
+    fi
+}
+
+step "services (PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ $MQ_HOST:$MQ_PORT)" check_services
+step "tools" check_tools
+step "cargo fmt --check" cargo fmt --all -- --check
+step "cargo clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
+step "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
+step "promtool test rules" promtool test rules deploy/prometheus/alerts_test.yml
+step "compose file" check_compose
+step "cargo nextest" cargo nextest run --workspace --locked --no-fail-fast "$@"
+say "all steps passed ($((SECONDS - started_all))s)"

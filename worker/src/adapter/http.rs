@@ -1,0 +1,346 @@
+//! The generic HTTP adapter: one configured tool = one endpoint, its idempotency header, its
+//! receipt rules and its recovery capability. No retries happen here — the ledger scheduler is
+//! the only retry layer — so the client has no retry middleware and follows no redirects.
+
+use std::time::{Duration, SystemTime};
+
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use reqwest::{Method, StatusCode};
+
+use super::{receipt, BoxFuture, Outcome, Request, ToolAdapter};
+use crate::config::{Capability, ToolConfig};
+
+/// Largest response body read; the evidence keeps an excerpt.
+const MAX_BODY: usize = 1024 * 1024;
+const EXCERPT: usize = 500;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("tool {tool}: {reason}")]
+    Invalid { tool: String, reason: String },
+}
+
+/// Adapter for one `[tools.<name>]` entry.
+pub struct HttpAdapter {
+    config: ToolConfig,
+    client: reqwest::Client,
+    method: Method,
+    headers: HeaderMap,
+    idempotency_header: HeaderName,
+}
+
+impl HttpAdapter {
+    pub fn new(config: ToolConfig) -> Result<HttpAdapter, BuildError> {
+        let bad = |reason: String| BuildError::Invalid {
+            tool: config.name.clone(),
+            reason,
+        };
+        let client = reqwest::Client::builder()
+            .timeout(config.timeout)
+            .connect_timeout(config.connect_timeout)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| bad(format!("cannot build HTTP client: {e}")))?;
+        let method =
+            Method::from_bytes(config.method.as_bytes()).map_err(|e| bad(e.to_string()))?;
+        let idempotency_header = HeaderName::from_bytes(config.idempotency_header.as_bytes())
+            .map_err(|e| bad(format!("idempotency_header: {e}")))?;
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        for (k, v) in &config.headers {
+            let name = HeaderName::from_bytes(k.as_bytes())
+                .map_err(|e| bad(format!("header {k}: {e}")))?;
+            let value = HeaderValue::from_str(v).map_err(|e| bad(format!("header {k}: {e}")))?;
+            headers.insert(name, value);
+        }
+        Ok(HttpAdapter {
+            config,
+            client,
+            method,
+            headers,
+            idempotency_header,
+        })
+    }
+
+    fn request_ref(&self, request: &Request) -> Result<(), String> {
+        HeaderValue::from_str(&request.idempotency_key)
+            .map(|_| ())
+            .map_err(|e| format!("idempotency key is not a valid header value: {e}"))
+    }
+
+    async fn send_write(&self, request: &Request) -> Outcome {
+        if let Err(evidence) = self.request_ref(request) {
+            return Outcome::Rejected {
+                status: 0,
+                evidence,
+            };
+        }
+        let mut headers = self.headers.clone();
+        headers.insert(
+            self.idempotency_header.clone(),
+            HeaderValue::from_str(&request.idempotency_key).expect("checked above"),
+        );
+        let sent = self
+            .client
+            .request(self.method.clone(), &self.config.url)
+            .headers(headers)
+            .body(request.body.clone())
+            .send()
+            .await;
+        let response = match sent {
+            Ok(r) => r,
+            Err(e) => return classify_error(&e),
+        };
+        let status = response.status();
+        let retry_after = parse_retry_after(response.headers().get(RETRY_AFTER), SystemTime::now());
+        let body = read_body(response).await;
+        if status.is_success() {
+            return match body {
+                Ok(bytes) => self.receipt_outcome(request, &bytes, status),
+                Err(e) => Outcome::Unknown {
+                    evidence: format!("HTTP {status} but the body could not be read: {e}"),
+                    retry_after: None,
+                },
+            };
+        }
+        let excerpt = body.as_deref().map(excerpt).unwrap_or_default();
+        let evidence = format!("HTTP {}: {excerpt}", status.as_u16());
+        if self
+            .config
+            .retry
+            .not_applied_statuses
+            .contains(&status.as_u16())
+        {
+            return Outcome::NotApplied {
+                evidence,
+                retry_after,
+            };
+        }
+        classify_status(status, evidence, retry_after)
+    }
+
+    fn receipt_outcome(&self, request: &Request, bytes: &[u8], status: StatusCode) -> Outcome {
+        let receipt: serde_json::Value = match serde_json::from_slice(bytes) {
+            Ok(v) => v,
+            Err(e) => {
+                return Outcome::Unknown {
+                    evidence: format!(
+                        "HTTP {status} with a body that is not JSON ({e}): {}",
+                        excerpt(bytes)
+                    ),
+                    retry_after: None,
+                }
+            }
+        };
+        match self.check_receipt(request, &receipt) {
+            Ok(receipt_id) => Outcome::Succeeded {
+                receipt,
+                receipt_id,
+            },
+            Err(why) => Outcome::Unknown {
+                evidence: format!("HTTP {status} but {why}"),
+                retry_after: None,
+            },
+        }
+    }
+
+    async fn send_lookup(&self, request: &Request) -> Outcome {
+        let Capability::Lookup { url_template } = &self.config.capability else {
+            return Outcome::LookupMiss {
+                evidence: format!("tool {} has no lookup", self.config.name),
+            };
+        };
+        let url = receipt::fill(url_template, request, true);
+        let mut headers = self.headers.clone();
+        headers.remove(CONTENT_TYPE);
+        let response = match self.client.get(&url).headers(headers).send().await {
+            Ok(r) => r,
+            Err(e) => {
+                return Outcome::Unknown {
+                    evidence: format!("lookup failed: {}", error_chain(&e)),
+                    retry_after: None,
+                }
+            }
+        };
+        let status = response.status();
+        let retry_after = parse_retry_after(response.headers().get(RETRY_AFTER), SystemTime::now());
+        let body = read_body(response).await;
+        match (status, body) {
+            (StatusCode::OK, Ok(bytes)) => self.receipt_outcome(request, &bytes, status),
+            (StatusCode::NOT_FOUND, body) => Outcome::LookupMiss {
+                evidence: format!(
+                    "lookup miss (HTTP 404: {}); a miss is not proof of absence",
+                    body.as_deref().map(excerpt).unwrap_or_default()
+                ),
+            },
+            (status, body) => Outcome::Unknown {
+                evidence: format!(
+                    "lookup answered HTTP {}: {}",
+                    status.as_u16(),
+                    body.as_deref().map(excerpt).unwrap_or_default()
+                ),
+                retry_after,
+            },
+        }
+    }
+}
+
+impl ToolAdapter for HttpAdapter {
+    fn capability(&self) -> &Capability {
+        &self.config.capability
+    }
+
+    fn execute<'a>(&'a self, request: &'a Request) -> BoxFuture<'a, Outcome> {
+        Box::pin(self.send_write(request))
+    }
+
+    fn lookup<'a>(&'a self, request: &'a Request) -> BoxFuture<'a, Outcome> {
+        Box::pin(self.send_lookup(request))
+    }
+
+    fn check_receipt(
+        &self,
+        request: &Request,
+        receipt: &serde_json::Value,
+    ) -> Result<String, String> {
+        receipt::check(
+            &self.config.receipt_id,
+            &self.config.receipt_match,
+            request,
+            receipt,
+        )
+    }
+}
+
+/// Transport errors: only a failure to connect proves the request was never written.
+fn classify_error(e: &reqwest::Error) -> Outcome {
+    let chain = error_chain(e);
+    if e.is_connect() {
+        Outcome::NotSent {
+            evidence: format!("not sent: {chain}"),
+        }
+    } else if e.is_builder() {
+        Outcome::Rejected {
+            status: 0,
+            evidence: format!("request could not be built: {chain}"),
+        }
+    } else if e.is_timeout() {
+        Outcome::Unknown {
+            evidence: format!("timed out after the request may have been written: {chain}"),
+            retry_after: None,
+        }
+    } else {
+        Outcome::Unknown {
+            evidence: format!("connection failed after the request may have been written: {chain}"),
+            retry_after: None,
+        }
+    }
+}
+
+/// Non-2xx statuses: 408, 409, 429 (unless declared not-applied) and 5xx may have been
+/// applied; other 4xx are definitive rejections.
+pub fn classify_status(
+    status: StatusCode,
+    evidence: String,
+    retry_after: Option<Duration>,
+) -> Outcome {
+    let code = status.as_u16();
+    if status.is_client_error() && !matches!(code, 408 | 409 | 429) {
+        Outcome::Rejected {
+            status: code,
+            evidence,
+        }
+    } else {
+        Outcome::Unknown {
+            evidence,
+            retry_after,
+        }
+    }
+}
+
+async fn read_body(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if out.len() + chunk.len() > MAX_BODY {
+                    return Err(format!("response body over {MAX_BODY} bytes"));
+                }
+                out.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(out),
+            Err(e) => return Err(error_chain(&e)),
+        }
+    }
+}
+
+fn excerpt(bytes: &[u8]) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let mut s: String = text.chars().take(EXCERPT).collect();
+    if text.chars().count() > EXCERPT {
+        s.push('…');
+    }
+    s
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
+}
+
+/// `Retry-After` as delay-seconds or an HTTP date (RFC 9110 section 10.2.3).
+pub fn parse_retry_after(value: Option<&HeaderValue>, now: SystemTime) -> Option<Duration> {
+    let text = value?.to_str().ok()?.trim();
+    if let Ok(secs) = text.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = chrono::DateTime::parse_from_rfc2822(text).ok()?;
+    let at = SystemTime::UNIX_EPOCH + Duration::from_secs(at.timestamp().max(0) as u64);
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_takes_seconds_and_http_dates() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_445_412_480); // Wed, 21 Oct 2015 07:28:00 GMT
+        let v = HeaderValue::from_static("2");
+        assert_eq!(
+            parse_retry_after(Some(&v), now),
+            Some(Duration::from_secs(2))
+        );
+        let v = HeaderValue::from_static("Wed, 21 Oct 2015 07:28:30 GMT");
+        assert_eq!(
+            parse_retry_after(Some(&v), now),
+            Some(Duration::from_secs(30))
+        );
+        let v = HeaderValue::from_static("soon");
+        assert_eq!(parse_retry_after(Some(&v), now), None);
+        assert_eq!(parse_retry_after(None, now), None);
+    }
+
+    #[test]
+    fn statuses_are_classified_conservatively() {
+        let e = String::new;
+        for code in [400u16, 401, 403, 404, 410, 422] {
+            assert!(matches!(
+                classify_status(StatusCode::from_u16(code).unwrap(), e(), None),
+                Outcome::Rejected { .. }
+            ));
+        }
+        for code in [408u16, 409, 429, 500, 502, 503, 504] {
+            assert!(matches!(
+                classify_status(StatusCode::from_u16(code).unwrap(), e(), None),
+                Outcome::Unknown { .. }
+            ));
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! Tool adapters: how the worker talks to a downstream service.
+//!
+//! An adapter sends the write, looks an operation up by its stable key, checks receipts, and
+//! classifies every answer into an [`Outcome`]. The classification is the safety boundary: only
+//! [`Outcome::NotSent`] and [`Outcome::NotApplied`] may lead to another write; anything that may
+//! have been applied is [`Outcome::Unknown`]. Library users plug in their own adapters by
+//! implementing [`ToolAdapter`]; the generic [`http::HttpAdapter`] is configured per tool.
+
+pub mod http;
+pub mod receipt;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::{Capability, ToolConfig, Tools};
+
+/// A boxed future, so adapters can be trait objects.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Everything an adapter needs to send or look up one operation.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub tenant: String,
+    pub action_id: String,
+    pub tool: String,
+    /// `<tenant>:<action_id>`: the same on every attempt, replay and recovery.
+    pub idempotency_key: String,
+    /// The canonical JSON arguments, byte for byte as first recorded.
+    pub body: String,
+}
+
+/// What one downstream call established.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// A 2xx (or lookup hit) whose receipt matches this operation.
+    Succeeded {
+        receipt: serde_json::Value,
+        receipt_id: String,
+    },
+    /// The request was never written (e.g. connection refused): safe to send again.
+    NotSent { evidence: String },
+    /// The downstream answered with a status it documents as "not applied" (default 429).
+    NotApplied {
+        evidence: String,
+        retry_after: Option<Duration>,
+    },
+    /// A definitive rejection (4xx other than 408/409/429): it did not and will not apply.
+    Rejected { status: u16, evidence: String },
+    /// It may have been applied: timeout, reset after writing, 5xx, 408, 409, a receipt that
+    /// does not match, an unreadable 2xx.
+    Unknown {
+        evidence: String,
+        retry_after: Option<Duration>,
+    },
+    /// A lookup found nothing. Not proof of absence: the row stays unknown.
+    LookupMiss { evidence: String },
+}
+
+impl Outcome {
+    /// Low-cardinality label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Succeeded { .. } => "succeeded",
+            Outcome::NotSent { .. } => "not_sent",
+            Outcome::NotApplied { .. } => "not_applied",
+            Outcome::Rejected { .. } => "rejected",
+            Outcome::Unknown { .. } => "unknown",
+            Outcome::LookupMiss { .. } => "miss",
+        }
+    }
+
+    pub fn evidence(&self) -> String {
+        match self {
+            Outcome::Succeeded { receipt_id, .. } => format!("receipt {receipt_id}"),
+            Outcome::NotSent { evidence }
+            | Outcome::NotApplied { evidence, .. }
+            | Outcome::Rejected { evidence, .. }
+            | Outcome::Unknown { evidence, .. }
+            | Outcome::LookupMiss { evidence } => evidence.clone(),
+        }
+    }
+
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Outcome::NotApplied { retry_after, .. } | Outcome::Unknown { retry_after, .. } => {
+                *retry_after
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A downstream the worker can drive.
+pub trait ToolAdapter: Send + Sync {
+    /// How unknown outcomes of this tool may be recovered.
+    fn capability(&self) -> &Capability;
+    /// Sends the write with the operation's idempotency key.
+    fn execute<'a>(&'a self, request: &'a Request) -> BoxFuture<'a, Outcome>;
+    /// Reads the operation by its stable key; never writes. Only called for `lookup` tools.
+    fn lookup<'a>(&'a self, request: &'a Request) -> BoxFuture<'a, Outcome>;
+    /// Checks that `receipt` belongs to this operation; returns its receipt id. Used for every
+    /// receipt, including one an operator submits.
+    fn check_receipt(
+        &self,
+        request: &Request,
+        receipt: &serde_json::Value,
+    ) -> Result<String, String>;
+}
+
+/// A configured tool: its settings and its adapter.
+#[derive(Clone)]
+pub struct Tool {
+    pub config: ToolConfig,
+    pub adapter: Arc<dyn ToolAdapter>,
+}
+
+/// The tools this worker serves, by name.
+#[derive(Clone, Default)]
+pub struct ToolSet {
+    tools: BTreeMap<String, Tool>,
+}
+
+impl ToolSet {
+    /// Builds HTTP adapters for every tool of the file.
+    pub fn from_config(tools: &Tools) -> Result<ToolSet, http::BuildError> {
+        let mut set = ToolSet::default();
+        for (name, config) in &tools.tools {
+            let adapter = Arc::new(http::HttpAdapter::new(config.clone())?);
+            set.insert(name.clone(), config.clone(), adapter);
+        }
+        Ok(set)
+    }
+
+    /// Adds (or replaces) a tool with a custom adapter.
+    pub fn insert(&mut self, name: String, config: ToolConfig, adapter: Arc<dyn ToolAdapter>) {
+        self.tools.insert(name, Tool { config, adapter });
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Tool> {
+        self.tools.get(name)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &Tool)> {
+        self.tools.iter()
+    }
+
+    /// Replay windows of replay-capable tools, for the ledger's deadline.
+    pub fn replay_windows(&self) -> crate::ledger::ReplayWindows {
+        crate::ledger::ReplayWindows::new(self.tools.iter().filter_map(|(n, t)| {
+            match t.config.capability {
+                Capability::Replay { window, .. } => Some((n.clone(), window)),
+                _ => None,
+            }
+        }))
+    }
+}

@@ -1,0 +1,176 @@
+//! Wiring: builds the worker from its settings and runs consumer, dispatchers, recovery
+//! scheduler, relay, metrics and admin API until a signal, then shuts down gracefully.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+
+use crate::adapter::ToolSet;
+use crate::amqp::{self, consume::ConsumerConfig, relay::Relay};
+use crate::config::{Settings, Tools};
+use crate::context::Context;
+use crate::ledger::Ledger;
+use crate::recovery::scheduler;
+use crate::shutdown;
+use crate::telemetry::{self, metrics as m};
+
+/// Connects to the ledger, retrying while it starts (compose, k8s).
+pub async fn connect_ledger(settings: &Settings) -> anyhow::Result<Ledger> {
+    let mut delay = Duration::from_millis(250);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match Ledger::connect(&settings.database_url, settings.db_pool_size).await {
+            Ok(l) => return Ok(l),
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                tracing::warn!(error = %e, "Postgres not reachable yet; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e).context("cannot connect to Postgres (DATABASE_URL)"),
+        }
+    }
+}
+
+/// Runs the worker until SIGTERM/Ctrl-C (or a fatal broker error).
+pub async fn run(settings: Settings) -> anyhow::Result<()> {
+    let tools_file = Tools::load(&settings.tools_path)?;
+    let tools = ToolSet::from_config(&tools_file)?;
+    let handle =
+        m::install().map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
+    let ledger = connect_ledger(&settings).await?;
+    ledger.migrate().await.context("applying migrations")?;
+
+    let connection = connect_amqp(&settings).await?;
+    let setup = connection
+        .create_channel()
+        .await
+        .context("opening a channel")?;
+    amqp::topology::declare(&setup, &settings.topology).await?;
+    let _ = setup.close(200, "topology declared".into()).await;
+
+    let ctx = Context::new(
+        ledger.clone(),
+        tools.clone(),
+        settings.worker_id.clone(),
+        settings.lease,
+        settings.max_in_flight,
+    );
+    let (trigger, stop) = shutdown::channel();
+    let tool_names: Vec<String> = tools.iter().map(|(n, _)| n.clone()).collect();
+
+    if let Some(addr) = settings.metrics_addr {
+        let stop = stop.clone();
+        let (handle, ledger, names) = (handle.clone(), ledger.clone(), tool_names.clone());
+        tokio::spawn(async move {
+            if let Err(e) = m::serve(addr, handle, ledger, names, async move {
+                stop.cancelled().await
+            })
+            .await
+            {
+                tracing::error!(%addr, error = %e, "metrics listener failed");
+            }
+        });
+    }
+    if let (Some(addr), Some(token)) = (settings.admin_addr, settings.admin_token.clone()) {
+        let api =
+            crate::ops::api::AdminApi::new(ctx.clone(), token, settings.tenant_tokens.clone());
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            if let Err(e) = api.serve(addr, async move { stop.cancelled().await }).await {
+                tracing::error!(%addr, error = %e, "admin API listener failed");
+            }
+        });
+    } else if settings.admin_addr.is_some() {
+        tracing::info!("admin API disabled: WORKER_ADMIN_TOKEN is not set");
+    }
+    let sched = tokio::spawn(scheduler::run(
+        ctx.clone(),
+        settings.recovery_interval,
+        stop.clone(),
+    ));
+    let sweeper = tokio::spawn(crate::ops::retention::run(
+        ledger.clone(),
+        settings.retention,
+        settings.tombstone_retention,
+        stop.clone(),
+    ));
+    let relay = Relay::new(
+        &connection,
+        settings.topology.results_exchange.clone(),
+        ctx.clone(),
+    )
+    .await?;
+    let relay = tokio::spawn(relay.run(stop.clone()));
+
+    let consumer_config = ConsumerConfig {
+        topology: settings.topology.clone(),
+        prefetch: settings.prefetch,
+        auth: tools_file.auth.clone(),
+        prepared_grace: settings.lease,
+    };
+    tracing::info!(worker_id = %settings.worker_id, tools = ?tool_names, "worker started");
+    let consumer = amqp::consume::run(&connection, ctx.clone(), consumer_config, stop.clone());
+    let outcome = tokio::select! {
+        r = consumer => r.map_err(anyhow::Error::from),
+        _ = shutdown::signal() => { tracing::info!("shutdown requested"); Ok(()) }
+    };
+    if let Err(e) = &outcome {
+        tracing::error!(error = %format!("{e:#}"), "consumer failed; shutting down");
+    }
+    trigger.fire();
+    drain(&ctx, settings.shutdown_grace, settings.max_in_flight).await;
+    let _ = sched.await;
+    let _ = sweeper.await;
+    match tokio::time::timeout(Duration::from_secs(10), relay).await {
+        Ok(Ok(Err(e))) => {
+            tracing::warn!(error = %e, "relay stopped with an error; unpublished results stay in the outbox")
+        }
+        Err(_) => {
+            tracing::warn!("relay did not finish in time; unpublished results stay in the outbox")
+        }
+        _ => {}
+    }
+    let _ = connection.close(200, "shutdown".into()).await;
+    tracing::info!("worker stopped");
+    outcome
+}
+
+async fn connect_amqp(settings: &Settings) -> anyhow::Result<lapin::Connection> {
+    let mut delay = Duration::from_millis(250);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match amqp::connect(&settings.amqp_url, &settings.worker_id).await {
+            Ok(c) => return Ok(c),
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                tracing::warn!(error = %e, "RabbitMQ not reachable yet; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Waits for in-flight dispatches to record their outcomes, up to `grace`.
+async fn drain(ctx: &Arc<Context>, grace: Duration, max_in_flight: usize) {
+    let all = ctx
+        .in_flight
+        .clone()
+        .acquire_many_owned(max_in_flight as u32);
+    match tokio::time::timeout(grace, all).await {
+        Ok(_) => tracing::info!("in-flight work finished"),
+        Err(_) => tracing::warn!(
+            "in-flight work still running after the grace period; its leases will expire into unknown and be recovered"
+        ),
+    }
+    let _ = telemetry::chain;
+}
+
+/// `worker migrate`: applies migrations and exits.
+pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
+    let ledger = connect_ledger(settings).await?;
+    ledger.migrate().await.context("applying migrations")?;
+    tracing::info!("migrations applied");
+    Ok(())
+}

@@ -1,0 +1,687 @@
+//! Configuration: the worker's settings from the environment and the per-tool TOML file.
+//!
+//! Every setting has a documented default (README, "Configuration"); a bad value is a start-up
+//! error naming the variable, never a silent fallback.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Errors found while reading configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{name} is required but not set")]
+    Missing { name: &'static str },
+    #[error("{name}={value:?} is invalid: {reason}")]
+    Invalid {
+        name: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("cannot read tools file {path}: {source}")]
+    ToolsRead {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("tools file {path} is invalid: {reason}")]
+    ToolsInvalid { path: PathBuf, reason: String },
+}
+
+/// Broker names the worker declares and uses.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    /// Durable topic exchange agents publish intents to.
+    pub intents_exchange: String,
+    /// Quorum queue the workers consume.
+    pub intents_queue: String,
+    /// Durable topic exchange result events go to (routing key: the tenant).
+    pub results_exchange: String,
+    /// Exchange dead-lettered intents go to.
+    pub dead_letter_exchange: String,
+    /// Queue holding dead-lettered intents for inspection.
+    pub dead_letter_queue: String,
+    /// Deliveries of one message before it is dead-lettered (queue `x-delivery-limit` and the
+    /// worker's own redelivery count).
+    pub delivery_limit: u32,
+}
+
+/// Everything the worker process needs to run.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub database_url: String,
+    pub amqp_url: String,
+    pub tools_path: PathBuf,
+    /// Broker prefetch: unacknowledged deliveries per consumer, and the largest intake batch.
+    pub prefetch: u16,
+    /// Prometheus listener; None disables it.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Admin API listener; None disables it (also disabled without a token).
+    pub admin_addr: Option<SocketAddr>,
+    pub admin_token: Option<String>,
+    /// Tenant-scoped read tokens for the status query: tenant -> token.
+    pub tenant_tokens: BTreeMap<String, String>,
+    pub topology: Topology,
+    /// How long a claim owns a dispatch before recovery treats it as crashed.
+    pub lease: Duration,
+    /// How often the recovery scheduler looks for due work.
+    pub recovery_interval: Duration,
+    /// Dispatches running at once in this process.
+    pub max_in_flight: usize,
+    /// Identity written into leases and history.
+    pub worker_id: String,
+    /// Grace period for in-flight work on SIGTERM.
+    pub shutdown_grace: Duration,
+    /// Retention of private data (arguments, receipts) of finished operations.
+    pub retention: Duration,
+    /// Retention of the tombstone (key, fingerprint, final state) after private data is gone.
+    pub tombstone_retention: Duration,
+    /// Database pool size.
+    pub db_pool_size: u32,
+    /// Log format: "text" or "json".
+    pub log_json: bool,
+}
+
+fn var(name: &'static str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn parse<T: std::str::FromStr>(name: &'static str, default: T) -> Result<T, ConfigError>
+where
+    T::Err: std::fmt::Display,
+{
+    match var(name) {
+        None => Ok(default),
+        Some(v) => v.trim().parse().map_err(|e: T::Err| ConfigError::Invalid {
+            name,
+            value: v,
+            reason: e.to_string(),
+        }),
+    }
+}
+
+fn parse_addr(
+    name: &'static str,
+    default: Option<&str>,
+) -> Result<Option<SocketAddr>, ConfigError> {
+    let raw = var(name).or_else(|| default.map(str::to_string));
+    match raw.as_deref() {
+        None | Some("off") | Some("none") => Ok(None),
+        Some(v) => {
+            v.parse()
+                .map(Some)
+                .map_err(|e: std::net::AddrParseError| ConfigError::Invalid {
+                    name,
+                    value: v.to_string(),
+                    reason: e.to_string(),
+                })
+        }
+    }
+}
+
+fn positive_secs(name: &'static str, default: u64) -> Result<Duration, ConfigError> {
+    let secs: u64 = parse(name, default)?;
+    if secs == 0 {
+        return Err(ConfigError::Invalid {
+            name,
+            value: "0".into(),
+            reason: "must be at least 1".into(),
+        });
+    }
+    Ok(Duration::from_secs(secs))
+}
+
+/// Parses `tenant=token,tenant2=token2`.
+fn parse_tenant_tokens(raw: Option<String>) -> Result<BTreeMap<String, String>, ConfigError> {
+    let mut map = BTreeMap::new();
+    for pair in raw.iter().flat_map(|r| r.split(',')).map(str::trim) {
+        if pair.is_empty() {
+            continue;
+        }
+        match pair.split_once('=') {
+            Some((t, tok)) if !t.trim().is_empty() && tok.trim().len() >= 8 => {
+                map.insert(t.trim().to_string(), tok.trim().to_string());
+            }
+            _ => {
+                return Err(ConfigError::Invalid {
+                    name: "WORKER_TENANT_TOKENS",
+                    value: "<redacted>".into(),
+                    reason:
+                        "expected tenant=token pairs separated by commas, tokens of 8+ characters"
+                            .into(),
+                })
+            }
+        }
+    }
+    Ok(map)
+}
+
+impl Settings {
+    /// Reads the settings from the process environment.
+    pub fn from_env() -> Result<Settings, ConfigError> {
+        let database_url = var("DATABASE_URL").ok_or(ConfigError::Missing {
+            name: "DATABASE_URL",
+        })?;
+        let amqp_url =
+            var("AMQP_URL").unwrap_or_else(|| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        let tools_path = PathBuf::from(var("WORKER_TOOLS").unwrap_or_else(|| "tools.toml".into()));
+        let prefetch: u16 = parse("WORKER_PREFETCH", 64)?;
+        if prefetch == 0 {
+            return Err(ConfigError::Invalid {
+                name: "WORKER_PREFETCH",
+                value: "0".into(),
+                reason: "must be at least 1 (0 would mean unlimited)".into(),
+            });
+        }
+        let delivery_limit: u32 = parse("WORKER_DELIVERY_LIMIT", 5)?;
+        if delivery_limit == 0 {
+            return Err(ConfigError::Invalid {
+                name: "WORKER_DELIVERY_LIMIT",
+                value: "0".into(),
+                reason: "must be at least 1".into(),
+            });
+        }
+        let admin_token = var("WORKER_ADMIN_TOKEN");
+        if let Some(t) = &admin_token {
+            if t.len() < 16 {
+                return Err(ConfigError::Invalid {
+                    name: "WORKER_ADMIN_TOKEN",
+                    value: "<redacted>".into(),
+                    reason: "must be at least 16 characters".into(),
+                });
+            }
+        }
+        let recovery_ms: u64 = parse("WORKER_RECOVERY_INTERVAL_MS", 1000)?;
+        let default_id = format!(
+            "{}-{}",
+            var("HOSTNAME").unwrap_or_else(|| "worker".into()),
+            std::process::id()
+        );
+        let log_format = var("WORKER_LOG_FORMAT").unwrap_or_else(|| "text".into());
+        if log_format != "text" && log_format != "json" {
+            return Err(ConfigError::Invalid {
+                name: "WORKER_LOG_FORMAT",
+                value: log_format,
+                reason: "expected text or json".into(),
+            });
+        }
+        Ok(Settings {
+            database_url,
+            amqp_url,
+            tools_path,
+            prefetch,
+            metrics_addr: parse_addr("METRICS_ADDR", Some("127.0.0.1:9464"))?,
+            admin_addr: parse_addr("WORKER_ADMIN_ADDR", Some("127.0.0.1:8080"))?,
+            admin_token,
+            tenant_tokens: parse_tenant_tokens(var("WORKER_TENANT_TOKENS"))?,
+            topology: Topology {
+                intents_exchange: var("WORKER_INTENTS_EXCHANGE")
+                    .unwrap_or_else(|| "intents".into()),
+                intents_queue: var("WORKER_INTENTS_QUEUE").unwrap_or_else(|| "intents".into()),
+                results_exchange: var("WORKER_RESULTS_EXCHANGE")
+                    .unwrap_or_else(|| "results".into()),
+                dead_letter_exchange: var("WORKER_DEAD_LETTER_EXCHANGE")
+                    .unwrap_or_else(|| "intents.dlx".into()),
+                dead_letter_queue: var("WORKER_DEAD_LETTER_QUEUE")
+                    .unwrap_or_else(|| "intents.dead".into()),
+                delivery_limit,
+            },
+            lease: positive_secs("WORKER_LEASE_SECS", 30)?,
+            recovery_interval: Duration::from_millis(recovery_ms.max(10)),
+            max_in_flight: parse("WORKER_MAX_IN_FLIGHT", 256usize)?.max(1),
+            worker_id: var("WORKER_ID").unwrap_or(default_id),
+            shutdown_grace: positive_secs("WORKER_SHUTDOWN_GRACE_SECS", 30)?,
+            retention: Duration::from_secs(parse("WORKER_RETENTION_SECS", 30 * 86_400u64)?),
+            tombstone_retention: Duration::from_secs(parse(
+                "WORKER_TOMBSTONE_RETENTION_SECS",
+                365 * 86_400u64,
+            )?),
+            db_pool_size: parse("WORKER_DB_POOL_SIZE", 10u32)?.max(2),
+            log_json: log_format == "json",
+        })
+    }
+}
+
+/// How an unknown outcome of a tool may be recovered (DESIGN.md section 5).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Capability {
+    /// Durable idempotency with receipt replay for `window` after the first dispatch; replay
+    /// stops `margin` before the window closes.
+    Replay { window: Duration, margin: Duration },
+    /// Authoritative lookup by the stable key; the write is never resent.
+    Lookup { url_template: String },
+    /// Nothing: an unknown outcome is held for a person at once.
+    None,
+}
+
+impl Capability {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Capability::Replay { .. } => "replay",
+            Capability::Lookup { .. } => "lookup",
+            Capability::None => "none",
+        }
+    }
+}
+
+/// Retry policy of one tool: the ledger scheduler is the only retry layer (DESIGN.md section 6).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryPolicy {
+    /// Write requests allowed for proven-not-applied failures, the first included.
+    pub max_attempts: u32,
+    pub initial_delay_ms: u64,
+    pub multiplier: f64,
+    pub max_delay_ms: u64,
+    /// Randomisation factor: each delay lies within ±jitter of the nominal one.
+    pub jitter: f64,
+    /// No retry is scheduled past this long after the operation was recorded.
+    pub max_elapsed_secs: u64,
+    /// HTTP statuses the downstream documents as "not applied, try again".
+    pub not_applied_statuses: Vec<u16>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 5,
+            initial_delay_ms: 200,
+            multiplier: 2.0,
+            max_delay_ms: 30_000,
+            jitter: 0.2,
+            max_elapsed_secs: 3600,
+            not_applied_statuses: vec![429],
+        }
+    }
+}
+
+/// Shared retry budget of one tool, kept in Postgres for all workers.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BudgetPolicy {
+    /// Retries may not exceed this share of first attempts over the window.
+    pub ratio: f64,
+    /// Retries always allowed per minute, so a quiet tool can still retry.
+    pub floor_per_minute: u32,
+    /// Sliding window length.
+    pub window_secs: u64,
+}
+
+impl Default for BudgetPolicy {
+    fn default() -> Self {
+        BudgetPolicy {
+            ratio: 0.1,
+            floor_per_minute: 10,
+            window_secs: 60,
+        }
+    }
+}
+
+/// One `[tools.<name>]` entry as written in the file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTool {
+    url: String,
+    #[serde(default = "default_method")]
+    method: String,
+    #[serde(default = "default_idempotency_header")]
+    idempotency_header: String,
+    #[serde(default = "default_timeout_ms")]
+    timeout_ms: u64,
+    #[serde(default)]
+    connect_timeout_ms: Option<u64>,
+    receipt_id: String,
+    #[serde(default)]
+    receipt_match: BTreeMap<String, String>,
+    recovery: String,
+    replay_window_secs: Option<u64>,
+    replay_safety_margin_secs: Option<u64>,
+    lookup_url: Option<String>,
+    #[serde(default = "default_recovery_attempts")]
+    recovery_attempts: u32,
+    #[serde(default)]
+    retry: RetryPolicy,
+    #[serde(default)]
+    budget: BudgetPolicy,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+}
+
+fn default_method() -> String {
+    "POST".into()
+}
+fn default_idempotency_header() -> String {
+    "Idempotency-Key".into()
+}
+fn default_timeout_ms() -> u64 {
+    10_000
+}
+fn default_recovery_attempts() -> u32 {
+    10
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawToolsFile {
+    #[serde(default)]
+    tools: BTreeMap<String, RawTool>,
+    #[serde(default)]
+    auth: Option<RawAuth>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAuth {
+    /// "user_id": the broker-validated AMQP user_id must be mapped to the intent's tenant.
+    mode: String,
+    #[serde(default)]
+    users: BTreeMap<String, Vec<String>>,
+}
+
+/// A tool as the worker uses it, validated.
+#[derive(Debug, Clone)]
+pub struct ToolConfig {
+    pub name: String,
+    pub url: String,
+    pub method: String,
+    pub idempotency_header: String,
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+    /// JSON pointer to the receipt id in a 2xx body.
+    pub receipt_id: String,
+    /// JSON pointer -> template ("{tenant}", "{action_id}", "{key}") the receipt must echo.
+    pub receipt_match: BTreeMap<String, String>,
+    pub capability: Capability,
+    /// Recovery rounds (lookups or replays) before an unknown outcome is held.
+    pub recovery_attempts: u32,
+    pub retry: RetryPolicy,
+    pub budget: BudgetPolicy,
+    /// Extra static request headers (e.g. an API key for the downstream).
+    pub headers: BTreeMap<String, String>,
+}
+
+/// How the tenant of an intent is proven.
+#[derive(Debug, Clone, Default)]
+pub enum TenantAuth {
+    /// The tenant field is trusted (single-tenant deployments, trusted publishers).
+    #[default]
+    Trusted,
+    /// The broker-validated `user_id` property must map to the intent's tenant.
+    UserId {
+        users: BTreeMap<String, Vec<String>>,
+    },
+}
+
+impl TenantAuth {
+    /// Whether a message published by `user_id` may act for `tenant`.
+    pub fn allows(&self, user_id: Option<&str>, tenant: &str) -> bool {
+        match self {
+            TenantAuth::Trusted => true,
+            TenantAuth::UserId { users } => user_id
+                .and_then(|u| users.get(u))
+                .is_some_and(|ts| ts.iter().any(|t| t == tenant || t == "*")),
+        }
+    }
+}
+
+/// The parsed tools file.
+#[derive(Debug, Clone, Default)]
+pub struct Tools {
+    pub tools: BTreeMap<String, ToolConfig>,
+    pub auth: TenantAuth,
+}
+
+fn invalid(path: &Path, reason: impl Into<String>) -> ConfigError {
+    ConfigError::ToolsInvalid {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+impl Tools {
+    pub fn load(path: &Path) -> Result<Tools, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ToolsRead {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Tools::parse(path, &text)
+    }
+
+    pub fn parse(path: &Path, text: &str) -> Result<Tools, ConfigError> {
+        let raw: RawToolsFile = toml::from_str(text).map_err(|e| invalid(path, e.to_string()))?;
+        if raw.tools.is_empty() {
+            return Err(invalid(path, "no [tools.<name>] entries"));
+        }
+        let mut tools = BTreeMap::new();
+        for (name, t) in raw.tools {
+            let tool = validate_tool(path, &name, t)?;
+            tools.insert(name, tool);
+        }
+        let auth = match raw.auth {
+            None => TenantAuth::Trusted,
+            Some(a) if a.mode == "trusted" => TenantAuth::Trusted,
+            Some(a) if a.mode == "user_id" => TenantAuth::UserId { users: a.users },
+            Some(a) => {
+                return Err(invalid(
+                    path,
+                    format!("auth.mode {:?}: expected trusted or user_id", a.mode),
+                ))
+            }
+        };
+        Ok(Tools { tools, auth })
+    }
+}
+
+fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, ConfigError> {
+    let bad = |reason: String| invalid(path, format!("tools.{name}: {reason}"));
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        return Err(bad("tool names use letters, digits, '-', '_', '.'".into()));
+    }
+    if !(t.url.starts_with("http://") || t.url.starts_with("https://")) {
+        return Err(bad(format!(
+            "url {:?} must start with http:// or https://",
+            t.url
+        )));
+    }
+    let method = t.method.to_ascii_uppercase();
+    if !matches!(method.as_str(), "POST" | "PUT" | "PATCH") {
+        return Err(bad(format!("method {method}: expected POST, PUT or PATCH")));
+    }
+    if !t.receipt_id.starts_with('/') {
+        return Err(bad(format!(
+            "receipt_id {:?} must be a JSON pointer like \"/receipt_id\"",
+            t.receipt_id
+        )));
+    }
+    for pointer in t.receipt_match.keys() {
+        if !pointer.starts_with('/') {
+            return Err(bad(format!(
+                "receipt_match key {pointer:?} must be a JSON pointer"
+            )));
+        }
+    }
+    if t.timeout_ms == 0 {
+        return Err(bad("timeout_ms must be at least 1".into()));
+    }
+    let capability = match t.recovery.as_str() {
+        "replay" => {
+            let window = t
+                .replay_window_secs
+                .ok_or_else(|| bad("recovery = \"replay\" needs replay_window_secs".into()))?;
+            if window == 0 {
+                return Err(bad("replay_window_secs must be at least 1".into()));
+            }
+            // Default margin: a tenth of the window, at most five minutes, so a request still in
+            // flight cannot reach the downstream after its key has been pruned.
+            let margin = t
+                .replay_safety_margin_secs
+                .unwrap_or((window / 10).min(300));
+            if margin >= window {
+                return Err(bad(
+                    "replay_safety_margin_secs must be below replay_window_secs".into(),
+                ));
+            }
+            Capability::Replay {
+                window: Duration::from_secs(window),
+                margin: Duration::from_secs(margin),
+            }
+        }
+        "lookup" => {
+            let url = t
+                .lookup_url
+                .clone()
+                .ok_or_else(|| bad("recovery = \"lookup\" needs lookup_url".into()))?;
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(bad(format!(
+                    "lookup_url {url:?} must start with http:// or https://"
+                )));
+            }
+            Capability::Lookup { url_template: url }
+        }
+        "none" => Capability::None,
+        other => {
+            return Err(bad(format!(
+                "recovery {other:?}: expected replay, lookup or none"
+            )))
+        }
+    };
+    if t.lookup_url.is_some() && !matches!(capability, Capability::Lookup { .. }) {
+        return Err(bad(
+            "lookup_url is only used with recovery = \"lookup\"".into()
+        ));
+    }
+    if t.replay_window_secs.is_some() && !matches!(capability, Capability::Replay { .. }) {
+        return Err(bad(
+            "replay_window_secs is only used with recovery = \"replay\"".into(),
+        ));
+    }
+    let r = &t.retry;
+    if r.max_attempts == 0 {
+        return Err(bad("retry.max_attempts must be at least 1".into()));
+    }
+    if r.multiplier.is_nan()
+        || r.multiplier < 1.0
+        || !(0.0..=1.0).contains(&r.jitter)
+        || r.max_delay_ms < r.initial_delay_ms
+    {
+        return Err(bad(
+            "retry: multiplier >= 1, 0 <= jitter <= 1 and max_delay_ms >= initial_delay_ms".into(),
+        ));
+    }
+    if t.budget.ratio.is_nan() || t.budget.ratio < 0.0 || t.budget.window_secs == 0 {
+        return Err(bad("budget: ratio >= 0 and window_secs >= 1".into()));
+    }
+    for s in &r.not_applied_statuses {
+        if !(400..=599).contains(s) {
+            return Err(bad(format!(
+                "retry.not_applied_statuses: {s} is not an HTTP error status"
+            )));
+        }
+    }
+    Ok(ToolConfig {
+        name: name.to_string(),
+        url: t.url,
+        method,
+        idempotency_header: t.idempotency_header,
+        timeout: Duration::from_millis(t.timeout_ms),
+        connect_timeout: Duration::from_millis(
+            t.connect_timeout_ms.unwrap_or(t.timeout_ms.min(5000)),
+        ),
+        receipt_id: t.receipt_id,
+        receipt_match: t.receipt_match,
+        capability,
+        recovery_attempts: t.recovery_attempts.max(1),
+        retry: t.retry,
+        budget: t.budget,
+        headers: t.headers,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+[tools.refund]
+url = "http://127.0.0.1:9100/refunds"
+idempotency_header = "Idempotency-Key"
+timeout_ms = 2000
+receipt_id = "/receipt_id"
+receipt_match = { "/idempotency_key" = "{tenant}:{action_id}" }
+recovery = "replay"
+replay_window_secs = 86400
+
+[tools.ticket]
+url = "http://127.0.0.1:9100/lookup/tickets"
+receipt_id = "/receipt_id"
+recovery = "lookup"
+lookup_url = "http://127.0.0.1:9100/lookup/tickets/by-key/{tenant}:{action_id}"
+retry = { max_attempts = 3, not_applied_statuses = [429, 503] }
+budget = { ratio = 0.2 }
+"#;
+
+    #[test]
+    fn parses_the_issue_example_with_defaults() {
+        let tools = Tools::parse(Path::new("t.toml"), EXAMPLE).unwrap();
+        let refund = &tools.tools["refund"];
+        assert_eq!(refund.timeout, Duration::from_millis(2000));
+        assert_eq!(
+            refund.capability,
+            Capability::Replay {
+                window: Duration::from_secs(86400),
+                margin: Duration::from_secs(300)
+            }
+        );
+        assert_eq!(refund.retry, RetryPolicy::default());
+        let ticket = &tools.tools["ticket"];
+        assert_eq!(ticket.retry.max_attempts, 3);
+        assert_eq!(ticket.retry.not_applied_statuses, vec![429, 503]);
+        assert_eq!(ticket.retry.initial_delay_ms, 200);
+        assert_eq!(ticket.budget.ratio, 0.2);
+        assert_eq!(ticket.budget.floor_per_minute, 10);
+    }
+
+    #[test]
+    fn rejects_missing_capability_settings_with_the_tool_name() {
+        let err = Tools::parse(
+            Path::new("t.toml"),
+            "[tools.x]\nurl='http://a'\nreceipt_id='/id'\nrecovery='lookup'\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("tools.x") && err.contains("lookup_url"),
+            "{err}"
+        );
+        let err = Tools::parse(
+            Path::new("t.toml"),
+            "[tools.x]\nurl='http://a'\nreceipt_id='/id'\nrecovery='maybe'\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("expected replay, lookup or none"), "{err}");
+        let err = Tools::parse(
+            Path::new("t.toml"),
+            "[tools.x]\nurl='http://a'\nreceipt_id='/id'\nrecovery='none'\ntypo=1\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("typo"), "{err}");
+    }
+
+    #[test]
+    fn user_id_auth_maps_users_to_tenants() {
+        let auth = TenantAuth::UserId {
+            users: BTreeMap::from([("agent-n".to_string(), vec!["north".to_string()])]),
+        };
+        assert!(auth.allows(Some("agent-n"), "north"));
+        assert!(!auth.allows(Some("agent-n"), "south"));
+        assert!(!auth.allows(None, "north"));
+        assert!(TenantAuth::Trusted.allows(None, "any"));
+    }
+}

@@ -1,0 +1,90 @@
+//! What the consumer, the dispatcher and the recovery scheduler share: the ledger, the tools,
+//! this worker's identity and lease, the completion batcher and the wake-up signals.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
+
+use crate::adapter::ToolSet;
+use crate::ledger::{Applied, Completion, Ledger, LedgerError, ReplayWindows};
+
+/// Shared worker state; cheap to clone behind an `Arc`.
+pub struct Context {
+    pub ledger: Ledger,
+    pub tools: ToolSet,
+    pub windows: ReplayWindows,
+    /// Written into leases and history.
+    pub worker_id: String,
+    /// How long a claim owns a dispatch.
+    pub lease: Duration,
+    /// Bounds dispatches and recovery rounds running at once in this process.
+    pub in_flight: Arc<Semaphore>,
+    /// Wakes the result relay after a commit that wrote result events.
+    pub relay_wake: Arc<Notify>,
+    /// Wakes the recovery scheduler (e.g. an unknown outcome of a tool without recovery).
+    pub scheduler_wake: Arc<Notify>,
+    completer: mpsc::Sender<(Completion, oneshot::Sender<Result<Applied, LedgerError>>)>,
+}
+
+/// Largest number of completions recorded in one commit.
+const COMPLETION_BATCH: usize = 256;
+
+impl Context {
+    /// Builds the context and starts the completion batcher on the current runtime.
+    pub fn new(
+        ledger: Ledger,
+        tools: ToolSet,
+        worker_id: String,
+        lease: Duration,
+        max_in_flight: usize,
+    ) -> Arc<Context> {
+        let (tx, rx) = mpsc::channel(COMPLETION_BATCH * 4);
+        let windows = tools.replay_windows();
+        tokio::spawn(run_completer(ledger.clone(), worker_id.clone(), rx));
+        Arc::new(Context {
+            ledger,
+            tools,
+            windows,
+            worker_id,
+            lease,
+            in_flight: Arc::new(Semaphore::new(max_in_flight)),
+            relay_wake: Arc::new(Notify::new()),
+            scheduler_wake: Arc::new(Notify::new()),
+            completer: tx,
+        })
+    }
+
+    /// Records a completion; completions arriving together share one commit.
+    pub async fn complete(&self, completion: Completion) -> Result<Applied, LedgerError> {
+        let (tx, rx) = oneshot::channel();
+        if self.completer.send((completion.clone(), tx)).await.is_err() {
+            // The batcher is gone (shutdown): record it alone.
+            return self
+                .ledger
+                .complete(&self.worker_id, std::slice::from_ref(&completion))
+                .await
+                .pop()
+                .expect("one result per completion");
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(LedgerError::Refused("completion batcher stopped".into())))
+    }
+}
+
+/// Group commit: takes whatever completions are waiting (up to a batch) and records them in
+/// one transaction, answering each caller with its own result.
+async fn run_completer(
+    ledger: Ledger,
+    worker_id: String,
+    mut rx: mpsc::Receiver<(Completion, oneshot::Sender<Result<Applied, LedgerError>>)>,
+) {
+    let mut batch = Vec::with_capacity(COMPLETION_BATCH);
+    while rx.recv_many(&mut batch, COMPLETION_BATCH).await > 0 {
+        let (completions, replies): (Vec<_>, Vec<_>) = batch.drain(..).unzip();
+        let results = ledger.complete(&worker_id, &completions).await;
+        for (reply, result) in replies.into_iter().zip(results) {
+            let _ = reply.send(result);
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! Dispatch: sending a claimed operation to its downstream and recording what happened, and
+//! the policy that maps an adapter outcome to the next ledger state.
+//!
+//! Only outcomes proven not applied lead to another write (`retry_wait`); anything that may have
+//! been applied becomes `unknown` and is left to capability-based recovery. Exhausted retries of
+//! proven-not-applied attempts end `failed`; exhausted recovery ends `held`, never `failed`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use chrono::{DateTime, Utc};
+use metrics::{counter, gauge, histogram};
+
+use crate::adapter::{Outcome, Request, Tool};
+use crate::config::{Capability, ToolConfig};
+use crate::context::Context;
+use crate::fault;
+use crate::ledger::{Applied, Completion, Operation, Phase, State, Transition};
+use crate::retry::{retry_delay, with_retry_after};
+use crate::telemetry::metrics as m;
+
+/// The adapter request for an operation: its stable key and its stored canonical body.
+pub fn request_for(op: &Operation) -> Option<Request> {
+    Some(Request {
+        tenant: op.tenant.clone(),
+        action_id: op.action_id.clone(),
+        tool: op.tool.clone(),
+        idempotency_key: op.idempotency_key(),
+        body: op.arguments.clone()?,
+    })
+}
+
+/// Keeps the in-flight gauge honest however a task ends.
+pub struct InFlight;
+
+impl InFlight {
+    pub fn enter() -> InFlight {
+        gauge!(m::IN_FLIGHT).increment(1.0);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        gauge!(m::IN_FLIGHT).decrement(1.0);
+    }
+}
+
+/// Calls the adapter and records latency and outcome.
+pub async fn timed(
+    tool: &Tool,
+    kind: &'static str,
+    fut: impl std::future::Future<Output = Outcome>,
+) -> Outcome {
+    let started = Instant::now();
+    let outcome = fut.await;
+    let labels = [
+        ("tool", tool.config.name.clone()),
+        ("kind", kind.to_string()),
+        ("outcome", outcome.label().to_string()),
+    ];
+    histogram!(m::DOWNSTREAM_DURATION, &labels).record(started.elapsed().as_secs_f64());
+    counter!(m::DOWNSTREAM_REQUESTS, &labels).increment(1);
+    if kind == "write" {
+        counter!(m::DISPATCH_ATTEMPTS, "tool" => tool.config.name.clone(), "outcome" => outcome.label())
+            .increment(1);
+    }
+    outcome
+}
+
+/// Sends an operation this worker holds in `dispatching` (at `op.fence`) and records the
+/// outcome.
+pub async fn run(ctx: Arc<Context>, op: Operation) {
+    let _in_flight = InFlight::enter();
+    let Some(tool) = ctx.tools.get(&op.tool).cloned() else {
+        // Committed `dispatching` counts as possibly sent (DESIGN.md section 4).
+        let evidence = format!(
+            "tool {} is not configured on worker {}; outcome unknown",
+            op.tool, ctx.worker_id
+        );
+        finish(
+            &ctx,
+            &op,
+            Phase::Dispatch,
+            Transition::Unknown {
+                delay: Default::default(),
+                evidence,
+            },
+        )
+        .await;
+        return;
+    };
+    let Some(request) = request_for(&op) else {
+        let evidence = "arguments were removed by retention; cannot send".to_string();
+        finish(
+            &ctx,
+            &op,
+            Phase::Dispatch,
+            Transition::Unknown {
+                delay: Default::default(),
+                evidence,
+            },
+        )
+        .await;
+        return;
+    };
+    let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
+    fault::point("after_response", &op.action_id);
+    let transition = after_dispatch(&op, &tool.config, outcome, Utc::now());
+    finish(&ctx, &op, Phase::Dispatch, transition).await;
+}
+
+/// The next state after a write attempt.
+pub fn after_dispatch(
+    op: &Operation,
+    tool: &ToolConfig,
+    outcome: Outcome,
+    now: DateTime<Utc>,
+) -> Transition {
+    let policy = &tool.retry;
+    match outcome {
+        Outcome::Succeeded {
+            receipt,
+            receipt_id,
+        } => Transition::Succeeded {
+            evidence: format!("receipt {receipt_id} from write attempt {}", op.attempts),
+            receipt,
+            receipt_id,
+        },
+        Outcome::NotSent { .. } | Outcome::NotApplied { .. } => {
+            let attempts = op.attempts.max(1) as u32;
+            let elapsed = (now - op.created_at).to_std().unwrap_or_default();
+            let evidence = outcome.evidence();
+            if attempts >= policy.max_attempts {
+                Transition::Failed {
+                    evidence: format!("{attempts} write attempts, none applied (retry.max_attempts reached); last: {evidence}"),
+                }
+            } else if elapsed.as_secs() >= policy.max_elapsed_secs {
+                Transition::Failed {
+                    evidence: format!(
+                        "not applied and retry.max_elapsed_secs passed; last: {evidence}"
+                    ),
+                }
+            } else {
+                let delay =
+                    with_retry_after(policy, retry_delay(policy, attempts), outcome.retry_after());
+                Transition::RetryWait { delay, evidence }
+            }
+        }
+        Outcome::Rejected { evidence, .. } => Transition::Failed { evidence },
+        Outcome::Unknown { .. } | Outcome::LookupMiss { .. } => {
+            let delay = match tool.capability {
+                // Nothing to try: the scheduler holds it at once.
+                Capability::None => Default::default(),
+                _ => with_retry_after(policy, retry_delay(policy, 1), outcome.retry_after()),
+            };
+            Transition::Unknown {
+                delay,
+                evidence: outcome.evidence(),
+            }
+        }
+    }
+}
+
+/// The next state after a recovery round (lookup or replay) on an `unknown` row in round
+/// `op.recovery_attempts`.
+pub fn after_recovery(op: &Operation, tool: &ToolConfig, outcome: Outcome) -> Transition {
+    match outcome {
+        Outcome::Succeeded {
+            receipt,
+            receipt_id,
+        } => Transition::Succeeded {
+            evidence: format!(
+                "receipt {receipt_id} recovered in round {}",
+                op.recovery_attempts
+            ),
+            receipt,
+            receipt_id,
+        },
+        // A definitive answer to the original key: the downstream will not apply it.
+        Outcome::Rejected { evidence, .. } => Transition::Failed {
+            evidence: format!("the downstream refused the original request on replay: {evidence}"),
+        },
+        other => {
+            let round = op.recovery_attempts.max(1) as u32;
+            if round >= tool.recovery_attempts {
+                Transition::Held {
+                    evidence: format!(
+                        "recovery attempts exhausted ({round}) without a matching receipt; last: {}",
+                        other.evidence()
+                    ),
+                }
+            } else {
+                let delay = with_retry_after(
+                    &tool.retry,
+                    retry_delay(&tool.retry, round),
+                    other.retry_after(),
+                );
+                Transition::Unknown {
+                    delay,
+                    evidence: other.evidence(),
+                }
+            }
+        }
+    }
+}
+
+/// Records a transition and reacts to what the ledger did.
+pub async fn finish(
+    ctx: &Context,
+    op: &Operation,
+    phase: Phase,
+    transition: Transition,
+) -> Option<Operation> {
+    let was_receipt = matches!(transition, Transition::Succeeded { .. });
+    let applied = ctx
+        .complete(Completion {
+            operation_id: op.id,
+            fence: op.fence,
+            phase,
+            transition: transition.clone(),
+        })
+        .await;
+    match applied {
+        Ok(Applied::Done(new)) => {
+            counter!(m::TRANSITIONS, "state" => new.state().as_str()).increment(1);
+            if matches!(transition, Transition::RetryWait { .. }) {
+                counter!(m::RETRIES_SCHEDULED, "tool" => new.tool.clone()).increment(1);
+            }
+            tracing::info!(
+                tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
+                state = %new.state(), fence = new.fence, attempts = new.attempts,
+                evidence = new.evidence.as_deref().unwrap_or(""), "operation updated"
+            );
+            if new.state() == State::Succeeded {
+                fault::point("after_succeeded", &new.action_id);
+            }
+            if new.state() == State::Unknown {
+                ctx.scheduler_wake.notify_one();
+            }
+            ctx.relay_wake.notify_one();
+            Some(new)
+        }
+        Ok(Applied::Stale(current)) => {
+            counter!(m::STALE_WRITES).increment(1);
+            tracing::info!(
+                tenant = %op.tenant, action_id = %op.action_id, fence = op.fence,
+                current_state = current.as_ref().map(|c| c.state().as_str()).unwrap_or("missing"),
+                current_fence = current.as_ref().map(|c| c.fence),
+                "outcome discarded: the operation moved on (stale owner or late answer)"
+            );
+            None
+        }
+        Ok(Applied::LateReceiptMatches(current)) => {
+            counter!(m::LATE_RECEIPTS, "outcome" => "matches").increment(1);
+            tracing::info!(tenant = %op.tenant, action_id = %op.action_id, "late receipt equals the stored one");
+            Some(current)
+        }
+        Ok(Applied::LateReceiptConflict(current)) => {
+            counter!(m::LATE_RECEIPTS, "outcome" => "conflict").increment(1);
+            tracing::error!(
+                tenant = %op.tenant, action_id = %op.action_id, state = %current.state(),
+                stored_receipt = current.receipt_id.as_deref().unwrap_or(""),
+                "late receipt differs from the final state; rejected, nothing stored"
+            );
+            None
+        }
+        Err(e) => {
+            counter!(m::LEDGER_ERRORS, "operation" => "complete").increment(1);
+            tracing::error!(tenant = %op.tenant, action_id = %op.action_id, error = %e, "cannot record outcome");
+            if was_receipt && phase == Phase::Dispatch {
+                // The downstream answered but the receipt could not be saved: the outcome is
+                // unknown here; recovery will fetch the original receipt.
+                let evidence = format!(
+                    "a receipt arrived but could not be saved ({e}); recovery will fetch it"
+                );
+                let retry = Box::pin(finish(
+                    ctx,
+                    op,
+                    phase,
+                    Transition::Unknown {
+                        delay: Default::default(),
+                        evidence,
+                    },
+                ))
+                .await;
+                return retry;
+            }
+            None
+        }
+    }
+}

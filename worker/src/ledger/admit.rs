@@ -1,0 +1,127 @@
+//! Admission: the inbox. Each intent is inserted as `prepared` or, when its key exists, the
+//! stored row is loaded — many intents in one statement and one commit.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::{Ledger, LedgerError, Operation, OPERATION_COLUMNS};
+
+/// An intent ready to be recorded.
+#[derive(Debug, Clone)]
+pub struct NewOperation {
+    pub tenant: String,
+    pub action_id: String,
+    pub tool: String,
+    pub fingerprint: String,
+    /// Canonical JSON of the arguments: the request body on every attempt.
+    pub arguments: String,
+    pub call_id: Option<String>,
+    pub reply_to: Option<String>,
+}
+
+/// The row an intent landed on.
+#[derive(Debug, Clone)]
+pub struct Admitted {
+    pub operation: Operation,
+    /// True when this call created the row; false when the key already existed.
+    pub inserted: bool,
+}
+
+impl Ledger {
+    /// Inserts each intent as `prepared` or loads its existing row, in one statement and one
+    /// commit. `intents` must not repeat a key (callers fold in-batch duplicates first).
+    /// `prepared_grace` delays the recovery scheduler's interest in a fresh `prepared` row, so
+    /// it does not race the consumer that is about to claim it.
+    pub async fn admit(
+        &self,
+        intents: &[NewOperation],
+        worker_id: &str,
+        prepared_grace: Duration,
+    ) -> Result<Vec<Admitted>, LedgerError> {
+        if intents.is_empty() {
+            return Ok(Vec::new());
+        }
+        let col =
+            |f: fn(&NewOperation) -> Option<String>| intents.iter().map(f).collect::<Vec<_>>();
+        let sql = format!(
+            "WITH input AS (
+                SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+                                     $6::text[], $7::text[])
+                    AS i(tenant, action_id, tool, fingerprint, arguments, call_id, reply_to)
+             ), inserted AS (
+                INSERT INTO operations (tenant, action_id, tool, fingerprint, arguments, call_id,
+                                        reply_to, state, changed_by, next_attempt_at)
+                SELECT tenant, action_id, tool, fingerprint, arguments, call_id, reply_to,
+                       'prepared', $8, now() + make_interval(secs => $9)
+                FROM input
+                ON CONFLICT (tenant, action_id) DO NOTHING
+                RETURNING {OPERATION_COLUMNS}
+             )
+             SELECT {OPERATION_COLUMNS}, true AS inserted FROM inserted
+             UNION ALL
+             SELECT {cols}, false AS inserted
+             FROM operations o JOIN input i USING (tenant, action_id)
+             WHERE NOT EXISTS (SELECT 1 FROM inserted x
+                               WHERE x.tenant = o.tenant AND x.action_id = o.action_id)",
+            cols = prefixed("o", OPERATION_COLUMNS)
+        );
+        let rows: Vec<AdmittedRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(col(|i| Some(i.tenant.clone())))
+            .bind(col(|i| Some(i.action_id.clone())))
+            .bind(col(|i| Some(i.tool.clone())))
+            .bind(col(|i| Some(i.fingerprint.clone())))
+            .bind(col(|i| Some(i.arguments.clone())))
+            .bind(col(|i| i.call_id.clone()))
+            .bind(col(|i| i.reply_to.clone()))
+            .bind(worker_id)
+            .bind(prepared_grace.as_secs_f64())
+            .fetch_all(&self.pool)
+            .await?;
+        let mut by_key: HashMap<(String, String), Admitted> = rows
+            .into_iter()
+            .map(|r| {
+                (
+                    (r.op.tenant.clone(), r.op.action_id.clone()),
+                    Admitted {
+                        operation: r.op,
+                        inserted: r.inserted,
+                    },
+                )
+            })
+            .collect();
+        let mut out = Vec::with_capacity(intents.len());
+        for intent in intents {
+            let key = (intent.tenant.clone(), intent.action_id.clone());
+            let admitted = match by_key.remove(&key) {
+                Some(a) => a,
+                // Another worker inserted this key concurrently: our INSERT waited for its
+                // commit and skipped, but the statement's snapshot predates that commit. A new
+                // statement sees the row.
+                None => Admitted {
+                    operation: self
+                        .find(&intent.tenant, &intent.action_id)
+                        .await?
+                        .ok_or_else(|| LedgerError::NotFound(format!("{}:{}", key.0, key.1)))?,
+                    inserted: false,
+                },
+            };
+            out.push(admitted);
+        }
+        Ok(out)
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct AdmittedRow {
+    #[sqlx(flatten)]
+    op: Operation,
+    inserted: bool,
+}
+
+/// "a, b" -> "o.a, o.b"
+pub(crate) fn prefixed(alias: &str, cols: &str) -> String {
+    cols.split(',')
+        .map(|c| format!("{alias}.{}", c.trim()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

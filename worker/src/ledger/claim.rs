@@ -1,0 +1,231 @@
+//! Claims: who may send. The consumer claims the `prepared` rows it admitted; the recovery
+//! scheduler leases due rows (crash-left `prepared`, `retry_wait`, `unknown`) and expires the
+//! leases of crashed owners. Every claim increments the fence, so a stale owner's later write
+//! cannot match.
+
+use std::time::Duration;
+
+use super::admit::prefixed;
+use super::outbox::{self, pending_message};
+use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
+
+/// Replay windows by tool, so the first dispatch can store its protection deadline.
+#[derive(Debug, Clone, Default)]
+pub struct ReplayWindows {
+    tools: Vec<String>,
+    secs: Vec<f64>,
+}
+
+impl ReplayWindows {
+    pub fn new(windows: impl IntoIterator<Item = (String, Duration)>) -> Self {
+        let (tools, secs) = windows
+            .into_iter()
+            .map(|(t, d)| (t, d.as_secs_f64()))
+            .unzip();
+        ReplayWindows { tools, secs }
+    }
+}
+
+/// What a leased row needs next (decided by its state when the lease was taken).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimKind {
+    /// A `prepared` row left by a crash before its claim: dispatch it once.
+    FirstDispatch,
+    /// A `retry_wait` row whose attempt is due.
+    Retry,
+    /// An `unknown` row: recovery by capability.
+    Recover,
+}
+
+/// A leased row and what to do with it.
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub kind: ClaimKind,
+    pub operation: Operation,
+}
+
+/// The SET clause that authorises a send: one owner, a lease, one more attempt, the first
+/// dispatch time and the replay deadline fixed at the first send.
+const DISPATCH_SET: &str = "state = 'dispatching', lease_owner = $2, \
+     lease_until = now() + make_interval(secs => $3), attempts = o.attempts + 1, \
+     next_attempt_at = NULL, changed_by = $2, evidence = NULL, \
+     first_dispatch_at = coalesce(o.first_dispatch_at, now()), \
+     replay_deadline = coalesce(o.replay_deadline, now() + make_interval(secs => \
+        (SELECT w.secs FROM unnest($4::text[], $5::float8[]) AS w(tool, secs) WHERE w.tool = o.tool)))";
+
+impl Ledger {
+    /// Claims freshly admitted rows for their first dispatch: `prepared` -> `dispatching` with
+    /// a new fence and a lease, all in one statement and one commit. Rows another worker (or the
+    /// scheduler) claimed first are simply not returned.
+    pub async fn claim_prepared(
+        &self,
+        ids: &[i64],
+        worker_id: &str,
+        lease: Duration,
+        windows: &ReplayWindows,
+    ) -> Result<Vec<Operation>, LedgerError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sql = format!(
+            "UPDATE operations o SET {DISPATCH_SET}, fence = o.fence + 1
+             WHERE o.id = ANY($1) AND o.state = 'prepared'
+             RETURNING {}",
+            prefixed("o", OPERATION_COLUMNS)
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(ids)
+            .bind(worker_id)
+            .bind(lease.as_secs_f64())
+            .bind(&windows.tools)
+            .bind(&windows.secs)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// Turns a leased `prepared` or `retry_wait` row into `dispatching` for the owner of
+    /// `fence`. None when the lease was lost meanwhile.
+    pub async fn start_dispatch(
+        &self,
+        id: i64,
+        fence: i64,
+        from: State,
+        worker_id: &str,
+        lease: Duration,
+        windows: &ReplayWindows,
+    ) -> Result<Option<Operation>, LedgerError> {
+        let sql = format!(
+            "UPDATE operations o SET {DISPATCH_SET}
+             WHERE o.id = $1 AND o.fence = $6 AND o.state = $7
+             RETURNING {}",
+            prefixed("o", OPERATION_COLUMNS)
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .bind(worker_id)
+            .bind(lease.as_secs_f64())
+            .bind(&windows.tools)
+            .bind(&windows.secs)
+            .bind(fence)
+            .bind(from.as_str())
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// Counts one more write request (a replay) against an `unknown` row leased by `fence`.
+    pub async fn begin_replay(
+        &self,
+        id: i64,
+        fence: i64,
+        worker_id: &str,
+    ) -> Result<bool, LedgerError> {
+        let r = sqlx::query(
+            "UPDATE operations SET attempts = attempts + 1, changed_by = $3,
+                    first_dispatch_at = coalesce(first_dispatch_at, now())
+             WHERE id = $1 AND fence = $2 AND state = 'unknown'",
+        )
+        .bind(id)
+        .bind(fence)
+        .bind(worker_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// Leases up to `limit` due rows (`prepared` past its grace, `retry_wait` and `unknown` whose
+    /// `next_attempt_at` has come). Rows stay in their state; the lease (fence + 1, owner,
+    /// `next_attempt_at` pushed past the lease) keeps other schedulers away, and lapses by itself
+    /// if this worker dies. `SKIP LOCKED` lets many schedulers run at once.
+    pub async fn lease_due(
+        &self,
+        limit: i64,
+        worker_id: &str,
+        lease: Duration,
+    ) -> Result<Vec<Claimed>, LedgerError> {
+        let sql = format!(
+            "WITH due AS (
+                SELECT id FROM operations
+                WHERE state IN ('prepared', 'retry_wait', 'unknown') AND next_attempt_at <= now()
+                ORDER BY next_attempt_at
+                LIMIT $1
+                FOR UPDATE SKIP LOCKED
+             )
+             UPDATE operations o
+             SET fence = o.fence + 1, lease_owner = $2,
+                 recovery_attempts = o.recovery_attempts + (o.state = 'unknown')::int,
+                 lease_until = now() + make_interval(secs => $3),
+                 next_attempt_at = now() + make_interval(secs => $3), changed_by = $2
+             FROM due WHERE o.id = due.id
+             RETURNING {}",
+            prefixed("o", OPERATION_COLUMNS)
+        );
+        let rows: Vec<Operation> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(limit)
+            .bind(worker_id)
+            .bind(lease.as_secs_f64())
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|operation| {
+                let kind = match operation.state() {
+                    State::Prepared => ClaimKind::FirstDispatch,
+                    State::RetryWait => ClaimKind::Retry,
+                    State::Unknown => ClaimKind::Recover,
+                    _ => return None,
+                };
+                Some(Claimed { kind, operation })
+            })
+            .collect())
+    }
+
+    /// `dispatching` rows whose lease ran out (owner crashed, hung or was paused) become
+    /// `unknown`: the request may have left, so they are never dispatched afresh. An agent that
+    /// was told nothing yet gets a `pending` result in the same commit.
+    pub async fn expire_leases(
+        &self,
+        worker_id: &str,
+        limit: i64,
+    ) -> Result<Vec<Operation>, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let sql = format!(
+            "WITH expired AS (
+                SELECT id, last_reported FROM operations
+                WHERE state = 'dispatching' AND lease_until < now()
+                ORDER BY lease_until
+                LIMIT $2
+                FOR UPDATE SKIP LOCKED
+             )
+             UPDATE operations o
+             SET state = 'unknown', next_attempt_at = now(), changed_by = $1,
+                 evidence = 'lease of ' || coalesce(o.lease_owner, 'unknown owner')
+                            || ' expired while dispatching; the request may have been sent',
+                 lease_owner = NULL, lease_until = NULL, last_reported = 'pending'
+             FROM expired WHERE o.id = expired.id
+             RETURNING {}, expired.last_reported AS prev_reported",
+            prefixed("o", OPERATION_COLUMNS)
+        );
+        let rows: Vec<WithPrev> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(worker_id)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await?;
+        let events: Vec<_> = rows
+            .iter()
+            .filter(|r| r.prev_reported.as_deref() != Some("pending"))
+            .map(|r| {
+                outbox::operation_event(&r.op, protocol::Status::Pending, pending_message(&r.op))
+            })
+            .collect();
+        outbox::insert_events(&mut tx, &events).await?;
+        tx.commit().await?;
+        Ok(rows.into_iter().map(|r| r.op).collect())
+    }
+}
+
+#[derive(sqlx::FromRow)]
+pub(crate) struct WithPrev {
+    #[sqlx(flatten)]
+    pub op: Operation,
+    pub prev_reported: Option<String>,
+}

@@ -1,0 +1,267 @@
+//! Completion: recording what a dispatch or a recovery round found, with the result event
+//! for the agent, many operations per commit.
+//!
+//! A receipt goes through the receipt path: it may settle any unresolved row, whoever owns it,
+//! because it is the downstream's proof (checked against the operation before it gets here).
+//! Every other outcome must match the caller's fence and expected state, so a stale owner, a
+//! late timeout or a second scheduler can never overwrite newer state.
+
+use std::time::Duration;
+
+use protocol::Status;
+use sqlx::PgConnection;
+
+use super::admit::prefixed;
+use super::claim::WithPrev;
+use super::outbox::{self, failed_message, pending_message, NewEvent};
+use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
+
+/// Where an operation goes next.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transition {
+    /// A receipt that matches the operation.
+    Succeeded {
+        receipt: serde_json::Value,
+        receipt_id: String,
+        evidence: String,
+    },
+    /// Proven not applied and not retriable (or retries exhausted).
+    Failed { evidence: String },
+    /// Proven not applied; try again after `delay`.
+    RetryWait { delay: Duration, evidence: String },
+    /// May have been applied; recovery after `delay`.
+    Unknown { delay: Duration, evidence: String },
+    /// Recovery cannot proceed automatically.
+    Held { evidence: String },
+    /// Nothing learned (e.g. the retry budget was empty): stay, look again after `delay`.
+    Defer { delay: Duration },
+}
+
+/// Which stage produced a completion: the expected current state for fenced transitions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// A send authorised by a claim: the row must still be `dispatching` at this fence.
+    Dispatch,
+    /// A recovery round on a leased row in the given state.
+    Leased(State),
+}
+
+/// One outcome to record.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub operation_id: i64,
+    pub fence: i64,
+    pub phase: Phase,
+    pub transition: Transition,
+}
+
+/// What recording a completion did.
+#[derive(Debug, Clone)]
+pub enum Applied {
+    /// The row moved; here it is now.
+    Done(Operation),
+    /// The row had moved on (stale fence, other state); nothing was written.
+    Stale(Option<Operation>),
+    /// A receipt for a row that was already `succeeded` with the same receipt.
+    LateReceiptMatches(Operation),
+    /// A receipt for a row already final with something else: rejected, nothing written.
+    LateReceiptConflict(Operation),
+}
+
+impl Ledger {
+    /// Records many completions in one transaction. If the batch fails (e.g. the database
+    /// refuses one row), each completion is retried alone so one bad row cannot hold up the
+    /// others; a completion that still fails is returned as an error in its slot, and its row
+    /// stays as it was (a `dispatching` lease then expires into `unknown`).
+    pub async fn complete(
+        &self,
+        worker_id: &str,
+        completions: &[Completion],
+    ) -> Vec<Result<Applied, LedgerError>> {
+        if completions.is_empty() {
+            return Vec::new();
+        }
+        let batch: Result<Vec<Applied>, LedgerError> = async {
+            let mut tx = self.pool.begin().await?;
+            let mut out = Vec::with_capacity(completions.len());
+            for c in completions {
+                out.push(apply(&mut tx, worker_id, c).await?);
+            }
+            tx.commit().await?;
+            Ok(out)
+        }
+        .await;
+        match batch {
+            Ok(applied) => applied.into_iter().map(Ok).collect(),
+            Err(_) if completions.len() > 1 => {
+                let mut out = Vec::with_capacity(completions.len());
+                for c in completions {
+                    out.push(self.complete_one(worker_id, c).await);
+                }
+                out
+            }
+            Err(e) => vec![Err(e)],
+        }
+    }
+
+    async fn complete_one(&self, worker_id: &str, c: &Completion) -> Result<Applied, LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let applied = apply(&mut tx, worker_id, c).await?;
+        tx.commit().await?;
+        Ok(applied)
+    }
+}
+
+async fn apply(
+    conn: &mut PgConnection,
+    worker_id: &str,
+    c: &Completion,
+) -> Result<Applied, LedgerError> {
+    let cols = prefixed("o", OPERATION_COLUMNS);
+    let expected = match c.phase {
+        Phase::Dispatch => State::Dispatching,
+        Phase::Leased(s) => s,
+    };
+    let row: Option<WithPrev> = match &c.transition {
+        Transition::Succeeded {
+            receipt,
+            receipt_id,
+            evidence,
+        } => {
+            let sql = format!(
+                "WITH prev AS (SELECT id, last_reported FROM operations WHERE id = $1 FOR UPDATE)
+                 UPDATE operations o SET state = 'succeeded', receipt = $4, receipt_id = $5,
+                        evidence = $3, changed_by = $2, lease_owner = NULL, lease_until = NULL,
+                        next_attempt_at = NULL, last_reported = 'succeeded'
+                 FROM prev WHERE o.id = prev.id
+                   AND o.state IN ('dispatching', 'unknown', 'held', 'retry_wait')
+                 RETURNING {cols}, prev.last_reported AS prev_reported"
+            );
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(c.operation_id)
+                .bind(worker_id)
+                .bind(evidence)
+                .bind(receipt)
+                .bind(receipt_id)
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+        Transition::Defer { delay } => {
+            let sql = format!(
+                "WITH prev AS (SELECT id, last_reported FROM operations WHERE id = $1 FOR UPDATE)
+                 UPDATE operations o SET next_attempt_at = now() + make_interval(secs => $5),
+                        lease_owner = NULL, lease_until = NULL, changed_by = $2
+                 FROM prev WHERE o.id = prev.id AND o.fence = $3 AND o.state = $4
+                 RETURNING {cols}, prev.last_reported AS prev_reported"
+            );
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(c.operation_id)
+                .bind(worker_id)
+                .bind(c.fence)
+                .bind(expected.as_str())
+                .bind(delay.as_secs_f64())
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+        Transition::Failed { evidence } | Transition::Held { evidence } => {
+            let set = if matches!(c.transition, Transition::Failed { .. }) {
+                "state = 'failed', next_attempt_at = NULL, last_reported = 'failed'"
+            } else {
+                "state = 'held', next_attempt_at = NULL, last_reported = 'pending'"
+            };
+            sqlx::query_as(sqlx::AssertSqlSafe(fenced(&cols, set)))
+                .bind(c.operation_id)
+                .bind(worker_id)
+                .bind(evidence)
+                .bind(c.fence)
+                .bind(expected.as_str())
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+        Transition::RetryWait { delay, evidence } | Transition::Unknown { delay, evidence } => {
+            let set = if matches!(c.transition, Transition::RetryWait { .. }) {
+                "state = 'retry_wait', next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
+            } else {
+                "state = 'unknown', next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
+            };
+            sqlx::query_as(sqlx::AssertSqlSafe(fenced(&cols, set)))
+                .bind(c.operation_id)
+                .bind(worker_id)
+                .bind(evidence)
+                .bind(c.fence)
+                .bind(expected.as_str())
+                .bind(delay.as_secs_f64())
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+    };
+    let Some(row) = row else {
+        let current = current(conn, c.operation_id).await?;
+        return Ok(match (&c.transition, current) {
+            (Transition::Succeeded { receipt, .. }, Some(op)) if op.state() == State::Succeeded => {
+                if op.receipt.as_ref() == Some(receipt) {
+                    Applied::LateReceiptMatches(op)
+                } else {
+                    Applied::LateReceiptConflict(op)
+                }
+            }
+            (Transition::Succeeded { .. }, Some(op)) if op.state().is_final() => {
+                Applied::LateReceiptConflict(op)
+            }
+            (_, current) => Applied::Stale(current),
+        });
+    };
+    if let Some(event) = event_for(&row.op, row.prev_reported.as_deref()) {
+        outbox::insert_events(conn, &[event]).await?;
+    }
+    Ok(Applied::Done(row.op))
+}
+
+/// A fenced transition: only the owner of `fence` ($4) may make it, from the expected state
+/// ($5). The lease is released and the evidence ($3) recorded (history copies it).
+fn fenced(cols: &str, set: &str) -> String {
+    format!(
+        "WITH prev AS (SELECT id, last_reported FROM operations WHERE id = $1 FOR UPDATE)
+         UPDATE operations o SET {set}, evidence = $3, changed_by = $2,
+                lease_owner = NULL, lease_until = NULL
+         FROM prev WHERE o.id = prev.id AND o.fence = $4 AND o.state = $5
+         RETURNING {cols}, prev.last_reported AS prev_reported"
+    )
+}
+
+/// The event a new state owes the agent: the truth once final, `pending` once per unresolved
+/// stretch (so an agent never waits without an answer, and is not told `pending` repeatedly).
+fn event_for(op: &Operation, prev_reported: Option<&str>) -> Option<NewEvent> {
+    match op.state() {
+        State::Succeeded => {
+            let id = op.receipt_id.clone().unwrap_or_default();
+            Some(outbox::operation_event(
+                op,
+                Status::Succeeded,
+                format!("The {} succeeded (receipt {id}).", op.tool),
+            ))
+        }
+        State::Failed => Some(outbox::operation_event(
+            op,
+            Status::Failed,
+            failed_message(op),
+        )),
+        State::RetryWait | State::Unknown | State::Held if prev_reported != Some("pending") => {
+            Some(outbox::operation_event(
+                op,
+                Status::Pending,
+                pending_message(op),
+            ))
+        }
+        _ => None,
+    }
+}
+
+async fn current(conn: &mut PgConnection, id: i64) -> Result<Option<Operation>, LedgerError> {
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {OPERATION_COLUMNS} FROM operations WHERE id = $1"
+    )))
+    .bind(id)
+    .fetch_optional(conn)
+    .await?)
+}

@@ -1,0 +1,138 @@
+//! The operations ledger in Postgres: the inbox, the state machine and the result outbox.
+//!
+//! Only this module writes the `operations` and `result_outbox` tables. Every state change is
+//! one conditional UPDATE whose predicate (state, fence) the database checks, so two workers, a
+//! stale owner or an operator can never both win; history rows are appended by a trigger. The
+//! API takes batches: many deliveries are admitted, claimed and completed per commit while each
+//! keeps its own row, fence and predicate (DESIGN.md section 10).
+
+mod admit;
+mod claim;
+mod complete;
+mod guard;
+pub mod outbox;
+pub mod queries;
+mod states;
+
+pub use admit::{Admitted, NewOperation};
+pub use claim::{ClaimKind, Claimed, ReplayWindows};
+pub use complete::{Applied, Completion, Phase, Transition};
+pub use states::State;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+/// Errors from the ledger.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("operation {0} not found")]
+    NotFound(String),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// One row of `operations`, as the worker reads it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Operation {
+    pub id: i64,
+    pub tenant: String,
+    pub action_id: String,
+    pub tool: String,
+    pub fingerprint: String,
+    /// Canonical JSON request body; None after the retention sweep.
+    pub arguments: Option<String>,
+    pub call_id: Option<String>,
+    pub reply_to: Option<String>,
+    #[sqlx(try_from = "String")]
+    pub state: StateColumn,
+    pub fence: i64,
+    pub lease_owner: Option<String>,
+    pub lease_until: Option<DateTime<Utc>>,
+    pub attempts: i32,
+    pub recovery_attempts: i32,
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub first_dispatch_at: Option<DateTime<Utc>>,
+    pub replay_deadline: Option<DateTime<Utc>>,
+    pub receipt: Option<serde_json::Value>,
+    pub receipt_id: Option<String>,
+    pub evidence: Option<String>,
+    pub last_reported: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub state_since: DateTime<Utc>,
+    pub swept_at: Option<DateTime<Utc>>,
+}
+
+/// A state read from the database (sqlx needs a type it can build from a string).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateColumn(pub State);
+
+impl TryFrom<String> for StateColumn {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        State::parse(&s)
+            .map(StateColumn)
+            .ok_or_else(|| format!("unknown state {s:?} in operations.state"))
+    }
+}
+
+impl Operation {
+    pub fn state(&self) -> State {
+        self.state.0
+    }
+
+    /// The downstream idempotency key: derived from the stable key, the same on every
+    /// attempt, replay and recovery (DESIGN.md section 3).
+    pub fn idempotency_key(&self) -> String {
+        idempotency_key(&self.tenant, &self.action_id)
+    }
+}
+
+/// `<tenant>:<action_id>`; tenants cannot contain ':' (protocol rule), so the key is unambiguous.
+pub fn idempotency_key(tenant: &str, action_id: &str) -> String {
+    format!("{tenant}:{action_id}")
+}
+
+/// The column list every query returning `Operation` selects.
+pub(crate) const OPERATION_COLUMNS: &str = "id, tenant, action_id, tool, fingerprint, arguments, call_id, \
+     reply_to, state, fence, lease_owner, lease_until, attempts, recovery_attempts, next_attempt_at, \
+     first_dispatch_at, replay_deadline, receipt, receipt_id, evidence, last_reported, created_at, \
+     updated_at, state_since, swept_at";
+
+/// Handle on the ledger database.
+#[derive(Clone)]
+pub struct Ledger {
+    pool: PgPool,
+}
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+
+impl Ledger {
+    pub async fn connect(url: &str, pool_size: u32) -> Result<Ledger, LedgerError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(pool_size)
+            .acquire_timeout(std::time::Duration::from_secs(10))
+            .connect(url)
+            .await?;
+        Ok(Ledger { pool })
+    }
+
+    pub fn from_pool(pool: PgPool) -> Ledger {
+        Ledger { pool }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies pending migrations (idempotent; safe with several workers starting at once,
+    /// sqlx takes an advisory lock).
+    pub async fn migrate(&self) -> Result<(), LedgerError> {
+        MIGRATOR.run(&self.pool).await?;
+        Ok(())
+    }
+}

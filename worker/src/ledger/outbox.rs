@@ -1,0 +1,259 @@
+//! The result outbox: result events written in the same commit as the state change that caused
+//! them, then claimed by a relay, published with confirms and marked published. A relay that
+//! dies between publishing and marking leaves the row to be published again, so agents may
+//! see an event twice (same `event_id`) but never miss one.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use protocol::{RejectReason, ResultEvent, Status};
+use sqlx::PgConnection;
+use std::time::Duration;
+
+use super::{Ledger, LedgerError, Operation, State};
+
+/// An event to insert, with the operation it is about (None for rejections of messages that
+/// never became an operation).
+#[derive(Debug, Clone)]
+pub struct NewEvent {
+    pub operation_id: Option<i64>,
+    pub event: ResultEvent,
+}
+
+/// An outbox row claimed by a relay.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct OutboxRow {
+    pub id: i64,
+    pub routing_key: String,
+    pub status: String,
+    pub payload: serde_json::Value,
+}
+
+fn now_rfc3339() -> String {
+    Utc::now().to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+/// Builds the event the agent must see about `op`.
+pub fn operation_event(op: &Operation, status: Status, message: String) -> NewEvent {
+    NewEvent {
+        operation_id: Some(op.id),
+        event: ResultEvent {
+            tenant: op.tenant.clone(),
+            action_id: op.action_id.clone(),
+            tool: op.tool.clone(),
+            status,
+            receipt: if status == Status::Succeeded {
+                op.receipt.clone()
+            } else {
+                None
+            },
+            next_action: (status == Status::Pending).then(|| "check_status".to_string()),
+            attempts: op.attempts.max(0) as u32,
+            message,
+            fingerprint: Some(op.fingerprint.clone()),
+            reason: None,
+            detail: None,
+            event_id: uuid::Uuid::new_v4().to_string(),
+            occurred_at: now_rfc3339(),
+        },
+    }
+}
+
+/// Builds a `rejected` event for a message that did not become (or could not touch) an
+/// operation.
+pub fn rejected_event(
+    tenant: &str,
+    action_id: &str,
+    tool: &str,
+    reason: RejectReason,
+    detail: Option<String>,
+    message: String,
+    fingerprint: Option<String>,
+) -> NewEvent {
+    NewEvent {
+        operation_id: None,
+        event: ResultEvent {
+            tenant: tenant.to_string(),
+            action_id: action_id.to_string(),
+            tool: tool.to_string(),
+            status: Status::Rejected,
+            receipt: None,
+            next_action: None,
+            attempts: 0,
+            message,
+            fingerprint,
+            reason: Some(reason),
+            detail,
+            event_id: uuid::Uuid::new_v4().to_string(),
+            occurred_at: now_rfc3339(),
+        },
+    }
+}
+
+/// The agent-facing words for an operation whose outcome is not known yet.
+pub fn pending_message(op: &Operation) -> String {
+    match op.state() {
+        State::RetryWait | State::Prepared => format!(
+            "The {} has not been applied yet; it will be retried automatically with the same key. Do not submit it again.",
+            op.tool
+        ),
+        State::Held => format!(
+            "The {} outcome is unknown and is held for reconciliation by a person. Do not submit it again.",
+            op.tool
+        ),
+        _ => format!("The {} outcome is unknown. Do not submit it again.", op.tool),
+    }
+}
+
+/// The event an existing operation answers with when its intent arrives again.
+pub fn stored_result(op: &Operation) -> NewEvent {
+    match op.state() {
+        State::Succeeded => {
+            let id = op.receipt_id.clone().unwrap_or_default();
+            operation_event(
+                op,
+                Status::Succeeded,
+                format!("The {} succeeded (receipt {id}).", op.tool),
+            )
+        }
+        State::Failed => operation_event(op, Status::Failed, failed_message(op)),
+        _ => operation_event(op, Status::Pending, pending_message(op)),
+    }
+}
+
+pub fn failed_message(op: &Operation) -> String {
+    format!(
+        "The {} failed: {}",
+        op.tool,
+        op.evidence
+            .as_deref()
+            .unwrap_or("the downstream refused it")
+    )
+}
+
+/// Inserts events in one statement inside the caller's transaction.
+pub async fn insert_events(
+    conn: &mut PgConnection,
+    events: &[NewEvent],
+) -> Result<(), LedgerError> {
+    if events.is_empty() {
+        return Ok(());
+    }
+    let mut ids = Vec::with_capacity(events.len());
+    let mut op_ids = Vec::with_capacity(events.len());
+    let mut keys = Vec::with_capacity(events.len());
+    let mut statuses = Vec::with_capacity(events.len());
+    let mut payloads = Vec::with_capacity(events.len());
+    for e in events {
+        ids.push(uuid::Uuid::parse_str(&e.event.event_id).unwrap_or_else(|_| uuid::Uuid::new_v4()));
+        op_ids.push(e.operation_id);
+        keys.push(e.event.tenant.clone());
+        statuses.push(e.event.status.as_str().to_string());
+        payloads.push(serde_json::to_value(&e.event).expect("result events serialize"));
+    }
+    sqlx::query(
+        "INSERT INTO result_outbox (event_id, operation_id, routing_key, status, payload)
+         SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[])",
+    )
+    .bind(&ids)
+    .bind(&op_ids)
+    .bind(&keys)
+    .bind(&statuses)
+    .bind(&payloads)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+impl Ledger {
+    /// Inserts events in their own commit (answers to duplicates and rejections).
+    pub async fn emit(&self, events: &[NewEvent]) -> Result<(), LedgerError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.pool.begin().await?;
+        insert_events(&mut tx, events).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Claims up to `limit` unpublished events for this relay for `hold`; a relay that dies
+    /// loses its claim when `hold` passes.
+    pub async fn claim_unpublished(
+        &self,
+        relay_owner: &str,
+        limit: i64,
+        hold: Duration,
+    ) -> Result<Vec<OutboxRow>, LedgerError> {
+        Ok(sqlx::query_as(
+            "WITH batch AS (
+                SELECT id FROM result_outbox
+                WHERE published_at IS NULL AND (relay_until IS NULL OR relay_until < now())
+                ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED
+             )
+             UPDATE result_outbox r SET relay_owner = $1, relay_until = now() + make_interval(secs => $3)
+             FROM batch WHERE r.id = batch.id
+             RETURNING r.id, r.routing_key, r.status, r.payload",
+        )
+        .bind(relay_owner)
+        .bind(limit)
+        .bind(hold.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?
+        .into_iter()
+        .collect::<Vec<OutboxRow>>())
+        .map(|mut rows| {
+            rows.sort_by_key(|r| r.id);
+            rows
+        })
+    }
+
+    /// Marks confirmed events published, in one statement.
+    pub async fn mark_published(&self, ids: &[i64]) -> Result<(), LedgerError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "UPDATE result_outbox SET published_at = now(), relay_until = NULL WHERE id = ANY($1)",
+        )
+        .bind(ids)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Gives claimed events back (publish failed) so any relay can retry them.
+    pub async fn release_unpublished(&self, ids: &[i64]) -> Result<(), LedgerError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "UPDATE result_outbox SET relay_owner = NULL, relay_until = NULL
+             WHERE id = ANY($1) AND published_at IS NULL",
+        )
+        .bind(ids)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Unpublished events: the relay backlog.
+    pub async fn relay_backlog(&self) -> Result<i64, LedgerError> {
+        Ok(
+            sqlx::query_scalar("SELECT count(*) FROM result_outbox WHERE published_at IS NULL")
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+
+    /// The latest event recorded for an operation (used by the status query).
+    pub async fn latest_event(
+        &self,
+        operation_id: i64,
+    ) -> Result<Option<(serde_json::Value, DateTime<Utc>)>, LedgerError> {
+        Ok(sqlx::query_as(
+            "SELECT payload, created_at FROM result_outbox WHERE operation_id = $1 ORDER BY id DESC LIMIT 1",
+        )
+        .bind(operation_id)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+}

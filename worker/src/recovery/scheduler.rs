@@ -1,0 +1,267 @@
+//! The recovery scheduler, run by every worker: it expires the leases of crashed owners into
+//! `unknown`, leases due rows (`prepared` left by a crash, `retry_wait`, `unknown`) with
+//! `SKIP LOCKED`, and runs each one: a first dispatch, a retry within the shared budget, or a
+//! recovery round chosen by [`super::choose`]. Many schedulers may run at once; fences make
+//! every write single-winner.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::shutdown::CancelToken;
+use chrono::Utc;
+use metrics::{counter, gauge};
+
+use super::choose::{choose, facts, Action};
+use crate::context::Context;
+use crate::dispatch::{self, after_recovery, finish, request_for, timed, InFlight};
+use crate::fault;
+use crate::ledger::{ClaimKind, Claimed, Phase, State, Transition};
+use crate::telemetry::metrics as m;
+
+/// Rows leased per scheduler pass.
+const LEASE_BATCH: i64 = 128;
+
+/// One scheduler pass: expire leases, lease due rows and start their work. Returns how many
+/// rows it leased (tests drive the scheduler one step at a time with this).
+pub async fn step(ctx: &Arc<Context>) -> Result<usize, crate::ledger::LedgerError> {
+    let expired = ctx
+        .ledger
+        .expire_leases(&ctx.worker_id, LEASE_BATCH)
+        .await?;
+    for op in &expired {
+        counter!(m::TRANSITIONS, "state" => "unknown").increment(1);
+        tracing::warn!(
+            tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool,
+            "dispatch lease expired; outcome unknown"
+        );
+    }
+    if !expired.is_empty() {
+        ctx.relay_wake.notify_one();
+    }
+    let available = ctx.in_flight.available_permits().min(LEASE_BATCH as usize) as i64;
+    if available == 0 {
+        return Ok(0);
+    }
+    let claimed = ctx
+        .ledger
+        .lease_due(available, &ctx.worker_id, ctx.lease)
+        .await?;
+    let n = claimed.len();
+    for claim in claimed {
+        let permit = ctx
+            .in_flight
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("semaphore never closed");
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            run_claim(ctx, claim).await;
+            drop(permit);
+        });
+    }
+    Ok(n)
+}
+
+/// Runs the scheduler until `stop` fires.
+pub async fn run(ctx: Arc<Context>, interval: Duration, stop: CancelToken) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+            _ = ctx.scheduler_wake.notified() => {}
+        }
+        match step(&ctx).await {
+            Ok(n) if n as i64 == LEASE_BATCH => ctx.scheduler_wake.notify_one(),
+            Ok(_) => {}
+            Err(e) => {
+                counter!(m::LEDGER_ERRORS, "operation" => "schedule").increment(1);
+                tracing::warn!(error = %e, "recovery scheduler pass failed; retrying next tick");
+            }
+        }
+        refresh_budget_gauges(&ctx).await;
+    }
+}
+
+async fn refresh_budget_gauges(ctx: &Context) {
+    for (name, tool) in ctx.tools.iter() {
+        if let Ok(v) = ctx
+            .ledger
+            .retry_budget_available(name, &tool.config.budget)
+            .await
+        {
+            gauge!(m::BUDGET_AVAILABLE, "tool" => name.clone()).set(v.max(0.0));
+        }
+    }
+}
+
+async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
+    let op = claim.operation;
+    match claim.kind {
+        ClaimKind::FirstDispatch => {
+            match ctx
+                .ledger
+                .start_dispatch(
+                    op.id,
+                    op.fence,
+                    State::Prepared,
+                    &ctx.worker_id,
+                    ctx.lease,
+                    &ctx.windows,
+                )
+                .await
+            {
+                Ok(Some(op)) => {
+                    fault::point("after_dispatching", &op.action_id);
+                    dispatch::run(ctx, op).await;
+                }
+                Ok(None) => {
+                    tracing::debug!(action_id = %op.action_id, "prepared row taken by another worker")
+                }
+                Err(e) => {
+                    tracing::warn!(action_id = %op.action_id, error = %e, "cannot start dispatch")
+                }
+            }
+        }
+        ClaimKind::Retry => {
+            let Some(tool) = ctx.tools.get(&op.tool).cloned() else {
+                let evidence = format!("tool {} is not configured; retry deferred", op.tool);
+                tracing::warn!(action_id = %op.action_id, "{evidence}");
+                finish(
+                    &ctx,
+                    &op,
+                    Phase::Leased(State::RetryWait),
+                    Transition::Defer { delay: ctx.lease },
+                )
+                .await;
+                return;
+            };
+            if !spend_retry(&ctx, &op.tool, &tool.config.budget).await {
+                defer_for_budget(&ctx, &op, Phase::Leased(State::RetryWait), &tool.config).await;
+                return;
+            }
+            match ctx
+                .ledger
+                .start_dispatch(
+                    op.id,
+                    op.fence,
+                    State::RetryWait,
+                    &ctx.worker_id,
+                    ctx.lease,
+                    &ctx.windows,
+                )
+                .await
+            {
+                Ok(Some(op)) => dispatch::run(ctx, op).await,
+                Ok(None) => {
+                    tracing::debug!(action_id = %op.action_id, "retry taken by another worker")
+                }
+                Err(e) => {
+                    tracing::warn!(action_id = %op.action_id, error = %e, "cannot start retry")
+                }
+            }
+        }
+        ClaimKind::Recover => recover(ctx, op).await,
+    }
+}
+
+/// One recovery round on a leased `unknown` row.
+async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
+    let _in_flight = InFlight::enter();
+    let phase = Phase::Leased(State::Unknown);
+    let Some(tool) = ctx.tools.get(&op.tool).cloned() else {
+        let evidence = format!(
+            "tool {} is not configured on this worker; held for a person",
+            op.tool
+        );
+        finish(&ctx, &op, phase, Transition::Held { evidence }).await;
+        return;
+    };
+    let config = &tool.config;
+    let action = choose(&facts(
+        &op,
+        &config.capability,
+        op.recovery_attempts,
+        config.recovery_attempts,
+        Utc::now(),
+    ));
+    counter!(m::RECOVERIES, "tool" => op.tool.clone(), "action" => action.label()).increment(1);
+    tracing::info!(
+        tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool,
+        round = op.recovery_attempts, action = action.label(), "recovering unknown outcome"
+    );
+    let Some(request) = request_for(&op) else {
+        let evidence = "arguments were removed by retention; recovery needs a person".to_string();
+        finish(&ctx, &op, phase, Transition::Held { evidence }).await;
+        return;
+    };
+    let transition = match action {
+        Action::ReturnStoredReceipt => {
+            let receipt = op.receipt.clone().expect("facts said a receipt is stored");
+            match tool.adapter.check_receipt(&request, &receipt) {
+                Ok(receipt_id) => Transition::Succeeded {
+                    receipt,
+                    receipt_id,
+                    evidence: "stored receipt".into(),
+                },
+                Err(why) => Transition::Held {
+                    evidence: format!("stored receipt does not match the operation: {why}"),
+                },
+            }
+        }
+        Action::Hold { reason } => Transition::Held { evidence: reason },
+        Action::LookupOriginalReceipt => {
+            let outcome = timed(&tool, "lookup", tool.adapter.lookup(&request)).await;
+            after_recovery(&op, config, outcome)
+        }
+        Action::ReplayOriginalRequest => {
+            if !spend_retry(&ctx, &op.tool, &config.budget).await {
+                defer_for_budget(&ctx, &op, phase, config).await;
+                return;
+            }
+            match ctx
+                .ledger
+                .begin_replay(op.id, op.fence, &ctx.worker_id)
+                .await
+            {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::debug!(action_id = %op.action_id, "replay lease lost");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(action_id = %op.action_id, error = %e, "cannot record replay attempt");
+                    return;
+                }
+            }
+            let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
+            after_recovery(&op, config, outcome)
+        }
+    };
+    finish(&ctx, &op, phase, transition).await;
+}
+
+async fn spend_retry(ctx: &Context, tool: &str, budget: &crate::config::BudgetPolicy) -> bool {
+    match ctx.ledger.try_spend_retry(tool, budget).await {
+        Ok(ok) => ok,
+        Err(e) => {
+            tracing::warn!(tool, error = %e, "cannot read the retry budget; deferring");
+            false
+        }
+    }
+}
+
+async fn defer_for_budget(
+    ctx: &Context,
+    op: &crate::ledger::Operation,
+    phase: Phase,
+    tool: &crate::config::ToolConfig,
+) {
+    counter!(m::BUDGET_DEFERRALS, "tool" => op.tool.clone()).increment(1);
+    // Look again within the window: a tenth of it, at least a second.
+    let delay = Duration::from_secs((tool.budget.window_secs / 10).max(1));
+    tracing::info!(action_id = %op.action_id, tool = %op.tool, "retry budget empty; deferred");
+    finish(ctx, op, phase, Transition::Defer { delay }).await;
+}

@@ -1,0 +1,228 @@
+//! Prometheus metrics: names, descriptions, the exporter and the `/metrics` endpoint.
+//!
+//! Labels stay low-cardinality (tool, state, reason, outcome, kind, status) — never a tenant or
+//! a key. Gauges computed from the ledger (operations by state, oldest unresolved age, held,
+//! relay backlog) are refreshed on every scrape, so each worker reports the same global figure:
+//! alert rules aggregate them with `max()`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::ledger::{Ledger, State};
+
+pub const INTENTS_RECEIVED: &str = "intent_worker_intents_received_total";
+pub const DUPLICATES: &str = "intent_worker_duplicates_suppressed_total";
+pub const REJECTED: &str = "intent_worker_rejected_total";
+pub const DEAD_LETTERED: &str = "intent_worker_dead_lettered_total";
+pub const OPERATIONS: &str = "intent_worker_operations";
+pub const OLDEST_UNRESOLVED: &str = "intent_worker_oldest_unresolved_age_seconds";
+pub const UNRESOLVED: &str = "intent_worker_unresolved_operations";
+pub const HELD: &str = "intent_worker_held_operations";
+pub const DOWNSTREAM_DURATION: &str = "intent_worker_downstream_request_duration_seconds";
+pub const DOWNSTREAM_REQUESTS: &str = "intent_worker_downstream_requests_total";
+pub const DISPATCH_ATTEMPTS: &str = "intent_worker_dispatch_attempts_total";
+pub const RESULTS_PUBLISHED: &str = "intent_worker_results_published_total";
+pub const RESULTS_UNROUTABLE: &str = "intent_worker_results_unroutable_total";
+pub const RELAY_BACKLOG: &str = "intent_worker_relay_backlog";
+pub const IN_FLIGHT: &str = "intent_worker_in_flight";
+pub const TRANSITIONS: &str = "intent_worker_transitions_total";
+pub const RECOVERIES: &str = "intent_worker_recovery_actions_total";
+pub const LATE_RECEIPTS: &str = "intent_worker_late_receipts_total";
+pub const STALE_WRITES: &str = "intent_worker_stale_writes_total";
+pub const LEDGER_ERRORS: &str = "intent_worker_ledger_errors_total";
+pub const RETRIES_SCHEDULED: &str = "intent_worker_retries_scheduled_total";
+pub const BUDGET_DEFERRALS: &str = "intent_worker_retry_budget_deferrals_total";
+pub const BUDGET_AVAILABLE: &str = "intent_worker_retry_budget_available";
+pub const SWEPT: &str = "intent_worker_retention_swept_total";
+
+/// Explicit histogram buckets (seconds) for downstream latency.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+fn describe() {
+    describe_counter!(
+        INTENTS_RECEIVED,
+        "Intent deliveries taken from the intents queue."
+    );
+    describe_counter!(DUPLICATES, "Intents not dispatched because their key already had an operation, by reason (redelivery, completed, in_flight, conflict).");
+    describe_counter!(REJECTED, "Rejected result events emitted, by reason.");
+    describe_counter!(
+        DEAD_LETTERED,
+        "Deliveries copied to the dead-letter exchange, by reason."
+    );
+    describe_gauge!(OPERATIONS, "Operations in the ledger by state.");
+    describe_gauge!(OLDEST_UNRESOLVED, Unit::Seconds, "Age since recording of the oldest unresolved operation per tool and state (dispatching counts only when its lease expired); 0 when none.");
+    describe_gauge!(UNRESOLVED, "Unresolved operations per tool and state.");
+    describe_gauge!(
+        HELD,
+        "Operations held for reconciliation by a person, per tool."
+    );
+    describe_histogram!(
+        DOWNSTREAM_DURATION,
+        Unit::Seconds,
+        "Downstream request latency by tool, kind (write, lookup) and outcome."
+    );
+    describe_counter!(
+        DOWNSTREAM_REQUESTS,
+        "Downstream requests by tool, kind (write, lookup) and outcome."
+    );
+    describe_counter!(
+        DISPATCH_ATTEMPTS,
+        "Write attempts by tool and outcome (succeeded, not_sent, not_applied, rejected, unknown)."
+    );
+    describe_counter!(
+        RESULTS_PUBLISHED,
+        "Result events confirmed by the broker, by status."
+    );
+    describe_counter!(RESULTS_UNROUTABLE, "Result events no queue was bound for (kept in the outbox table, readable via the status API).");
+    describe_gauge!(
+        RELAY_BACKLOG,
+        "Result events committed but not yet published."
+    );
+    describe_gauge!(
+        IN_FLIGHT,
+        "Dispatches and recoveries running in this worker."
+    );
+    describe_counter!(
+        TRANSITIONS,
+        "Ledger transitions made by this worker, by target state."
+    );
+    describe_counter!(
+        RECOVERIES,
+        "Recovery decisions by tool and action (lookup, replay, hold, stored_receipt)."
+    );
+    describe_counter!(
+        LATE_RECEIPTS,
+        "Receipts that arrived for an operation already final, by outcome (matches, conflict)."
+    );
+    describe_counter!(
+        STALE_WRITES,
+        "Outcomes discarded because the row had moved on (stale fence or state)."
+    );
+    describe_counter!(
+        LEDGER_ERRORS,
+        "Ledger statements that failed, by operation."
+    );
+    describe_counter!(RETRIES_SCHEDULED, "Retries scheduled (retry_wait) by tool.");
+    describe_counter!(
+        BUDGET_DEFERRALS,
+        "Retries deferred because the tool's shared retry budget was empty."
+    );
+    describe_gauge!(
+        BUDGET_AVAILABLE,
+        "Retries the tool's shared budget still allows in the current window."
+    );
+    describe_counter!(
+        SWEPT,
+        "Rows touched by the retention sweeper, by kind (private_data, tombstone, outbox)."
+    );
+}
+
+/// Installs the global recorder. Returns the handle that renders the exposition text.
+pub fn install() -> Result<PrometheusHandle, String> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(DOWNSTREAM_DURATION.to_string()),
+            LATENCY_BUCKETS,
+        )
+        .map_err(|e| e.to_string())?
+        .install_recorder()
+        .map_err(|e| e.to_string())?;
+    describe();
+    // Counters that alerts and dashboards read start at 0 rather than being absent.
+    counter!(INTENTS_RECEIVED).absolute(0);
+    for reason in ["redelivery", "completed", "in_flight", "conflict"] {
+        counter!(DUPLICATES, "reason" => reason).absolute(0);
+    }
+    gauge!(IN_FLIGHT).set(0.0);
+    Ok(handle)
+}
+
+/// Refreshes the gauges that come from the ledger.
+pub async fn refresh_ledger_gauges(ledger: &Ledger, tools: impl Iterator<Item = String>) {
+    match ledger.count_by_state().await {
+        Ok(rows) => {
+            for state in State::ALL {
+                let n = rows
+                    .iter()
+                    .find(|(s, _)| s == state.as_str())
+                    .map_or(0, |(_, n)| *n);
+                gauge!(OPERATIONS, "state" => state.as_str()).set(n as f64);
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot count operations by state"),
+    }
+    match ledger.unresolved_ages().await {
+        Ok(rows) => {
+            for tool in tools {
+                for state in State::UNRESOLVED {
+                    let row = rows
+                        .iter()
+                        .find(|r| r.tool == tool && r.state == state.as_str());
+                    let labels = [
+                        ("tool", tool.clone()),
+                        ("state", state.as_str().to_string()),
+                    ];
+                    gauge!(OLDEST_UNRESOLVED, &labels)
+                        .set(row.map_or(0.0, |r| r.oldest_age_secs.max(0.0)));
+                    gauge!(UNRESOLVED, &labels).set(row.map_or(0.0, |r| r.count as f64));
+                    if state == State::Held {
+                        gauge!(HELD, "tool" => tool.clone())
+                            .set(row.map_or(0.0, |r| r.count as f64));
+                    }
+                }
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot compute unresolved ages"),
+    }
+    match ledger.relay_backlog().await {
+        Ok(n) => gauge!(RELAY_BACKLOG).set(n as f64),
+        Err(e) => tracing::warn!(error = %e, "cannot count relay backlog"),
+    }
+}
+
+/// Serves `GET /metrics` until `shutdown` resolves.
+pub async fn serve(
+    addr: SocketAddr,
+    handle: PrometheusHandle,
+    ledger: Ledger,
+    tools: Vec<String>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::routing::get;
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "metrics listening");
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    let app = axum::Router::new().route(
+        "/metrics",
+        get(move || {
+            let handle = handle.clone();
+            let ledger = ledger.clone();
+            let tools = tools.clone();
+            async move {
+                refresh_ledger_gauges(&ledger, tools.into_iter()).await;
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4",
+                    )],
+                    handle.render(),
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
