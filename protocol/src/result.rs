@@ -52,6 +52,9 @@ pub enum RejectReason {
     UnknownTool,
     /// The tenant in the body is not the one the transport proved.
     TenantMismatch,
+    /// The action already finished and its details were removed by retention; only a
+    /// tombstone (key, fingerprint, final state in `detail`) remains. It will not run again.
+    Expired,
 }
 
 impl RejectReason {
@@ -62,6 +65,7 @@ impl RejectReason {
             RejectReason::InvalidMessage => "invalid_message",
             RejectReason::UnknownTool => "unknown_tool",
             RejectReason::TenantMismatch => "tenant_mismatch",
+            RejectReason::Expired => "expired",
         }
     }
 }

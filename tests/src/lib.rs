@@ -1,1 +1,20 @@
-//! e2e helpers
+//! End-to-end test harness: each test gets a fresh Postgres database (shared by the worker's
+//! ledger and the reference downstream's own schema), unique RabbitMQ names, and real child
+//! processes (`worker` built with fault points, `reference-downstream`) that it can SIGKILL,
+//! pause and restart. Counts come from the downstream's tables, never from logs.
+//!
+//! # Layout
+//! - [`env`]: the per-test database, broker names and tools file.
+//! - [`procs`]: worker and downstream child processes.
+//! - [`agent`]: publishing intents and reading result events as an agent would.
+//! - [`wait`]: polling with deadlines.
+
+pub mod agent;
+pub mod env;
+pub mod procs;
+pub mod wait;
+
+pub use agent::{cleanup, intent, Agent};
+pub use env::{Env, Topology};
+pub use procs::{metric_value, Downstream, Worker, WorkerOptions};
+pub use wait::wait_for;

@@ -10,13 +10,17 @@ mod admit;
 mod claim;
 mod complete;
 mod guard;
+pub mod operator;
 pub mod outbox;
 pub mod queries;
+pub mod retention;
 mod states;
 
 pub use admit::{Admitted, NewOperation};
 pub use claim::{ClaimKind, Claimed, ReplayWindows};
 pub use complete::{Applied, Completion, Phase, Transition};
+pub use operator::{OperatorChange, OperatorOutcome, OperatorRequest, UnresolvedFilter};
+pub use retention::SweepReport;
 pub use states::State;
 
 use chrono::{DateTime, Utc};

@@ -104,7 +104,28 @@ pub fn pending_message(op: &Operation) -> String {
 }
 
 /// The event an existing operation answers with when its intent arrives again.
+///
+/// A row swept by retention keeps only its tombstone (key, fingerprint, final state): it never
+/// answers `succeeded` without the receipt, but `rejected` with reason `expired` and the final
+/// state in `detail`, so the agent learns it finished and must not resubmit.
 pub fn stored_result(op: &Operation) -> NewEvent {
+    if op.swept_at.is_some() {
+        let state = op.state();
+        let mut event = rejected_event(
+            &op.tenant,
+            &op.action_id,
+            &op.tool,
+            RejectReason::Expired,
+            Some(state.as_str().to_string()),
+            format!(
+                "This action already finished ({state}); its details were removed by retention, and it will not run again."
+            ),
+            Some(op.fingerprint.clone()),
+        );
+        event.operation_id = Some(op.id);
+        event.event.attempts = op.attempts.max(0) as u32;
+        return event;
+    }
     match op.state() {
         State::Succeeded => {
             let id = op.receipt_id.clone().unwrap_or_default();

@@ -167,6 +167,32 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
     }
 }
 
+/// Runs one recovery round now on one `unknown` operation that is due (an operator recheck):
+/// leases it exactly as the scheduler would (fence + 1, lease, one recovery round counted) and
+/// runs the same round ([`choose`], then lookup / replay / hold), so the same rules and fences
+/// apply. Returns the row as it is afterwards; when the row was not due or another worker
+/// leased it first, nothing runs here and the current row is returned.
+pub async fn recover_now(
+    ctx: &Arc<Context>,
+    operation_id: i64,
+) -> Result<Option<crate::ledger::Operation>, crate::ledger::LedgerError> {
+    let permit = ctx
+        .in_flight
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("semaphore never closed");
+    let leased = ctx
+        .ledger
+        .lease_for_recovery(operation_id, &ctx.worker_id, ctx.lease)
+        .await?;
+    if let Some(op) = leased {
+        recover(ctx.clone(), op).await;
+    }
+    drop(permit);
+    ctx.ledger.get(operation_id).await
+}
+
 /// One recovery round on a leased `unknown` row.
 async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
     let _in_flight = InFlight::enter();

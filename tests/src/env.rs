@@ -1,0 +1,200 @@
+//! One test's world: a fresh database, unique exchange and queue names, a tools file.
+
+use std::path::PathBuf;
+
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::AssertSqlSafe;
+
+/// Postgres server URL for tests (the README test command sets it).
+pub fn pg_admin_url() -> String {
+    std::env::var("TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// Broker names unique to one test.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    pub intents_exchange: String,
+    pub intents_queue: String,
+    pub results_exchange: String,
+    pub dead_letter_exchange: String,
+    pub dead_letter_queue: String,
+}
+
+/// A test's database, names and scratch directory.
+pub struct Env {
+    pub id: String,
+    pub db_name: String,
+    pub db_url: String,
+    pub pool: PgPool,
+    pub amqp_url: String,
+    pub topology: Topology,
+    pub dir: PathBuf,
+}
+
+impl Env {
+    pub async fn new() -> Env {
+        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
+        let admin = pg_admin_url();
+        let admin_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&admin)
+            .await
+            .unwrap_or_else(|e| {
+                panic!("cannot reach Postgres at {admin}: {e} (start it, or set TEST_DATABASE_URL)")
+            });
+        let db_name = format!("e2e_{id}");
+        sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {db_name}")))
+            .execute(&admin_pool)
+            .await
+            .expect("create test database");
+        admin_pool.close().await;
+        let base = admin
+            .rsplit_once('/')
+            .map(|(b, _)| b.to_string())
+            .unwrap_or(admin.clone());
+        let db_url = format!("{base}/{db_name}");
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect(&db_url)
+            .await
+            .expect("connect test db");
+        let p = format!("t{id}");
+        let topology = Topology {
+            intents_exchange: format!("{p}.intents"),
+            intents_queue: format!("{p}.intents"),
+            results_exchange: format!("{p}.results"),
+            dead_letter_exchange: format!("{p}.dlx"),
+            dead_letter_queue: format!("{p}.dead"),
+        };
+        let dir = std::env::temp_dir().join(format!("intent-e2e-{id}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        Env {
+            id,
+            db_name,
+            db_url,
+            pool,
+            amqp_url: amqp_url(),
+            topology,
+            dir,
+        }
+    }
+
+    /// Writes a tools file and returns its path.
+    pub fn write_tools(&self, toml: &str) -> PathBuf {
+        let path = self.dir.join("tools.toml");
+        std::fs::write(&path, toml).unwrap();
+        path
+    }
+
+    /// The standard three tools (replay `refund`, lookup `ticket`, none `deploy`) against a
+    /// downstream at `port`. `extra` is appended to every tool table.
+    pub fn standard_tools(&self, port: u16, extra: &str) -> PathBuf {
+        let base = format!("http://127.0.0.1:{port}");
+        let common = format!(
+            "receipt_id = \"/receipt_id\"\nreceipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\ntimeout_ms = 2000\nrecovery_attempts = 3\nretry = {{ initial_delay_ms = 100, max_delay_ms = 1000 }}\n{extra}\n"
+        );
+        self.write_tools(&format!(
+            "[tools.refund]\nurl = \"{base}/replay/refunds\"\nrecovery = \"replay\"\nreplay_window_secs = 3600\nreplay_safety_margin_secs = 60\n{common}\n\
+             [tools.ticket]\nurl = \"{base}/lookup/tickets\"\nrecovery = \"lookup\"\nlookup_url = \"{base}/lookup/tickets/by-key/{{key}}\"\n{common}\n\
+             [tools.deploy]\nurl = \"{base}/none/deploys\"\nrecovery = \"none\"\n{common}\n"
+        ))
+    }
+
+    /// One operation's row: (state, receipt, attempts, fence).
+    pub async fn operation(&self, tenant: &str, action_id: &str) -> Option<OpRow> {
+        sqlx::query_as(
+            "SELECT state, receipt, attempts, fence, fingerprint, recovery_attempts, evidence
+             FROM operations WHERE tenant = $1 AND action_id = $2",
+        )
+        .bind(tenant)
+        .bind(action_id)
+        .fetch_optional(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    /// State of an operation, or "" when absent.
+    pub async fn state(&self, tenant: &str, action_id: &str) -> String {
+        self.operation(tenant, action_id)
+            .await
+            .map(|o| o.state)
+            .unwrap_or_default()
+    }
+
+    /// Downstream business changes for a key.
+    pub async fn mutations(&self, key: &str) -> i64 {
+        self.count(
+            "SELECT count(*) FROM downstream.mutations WHERE idem_key = $1",
+            key,
+        )
+        .await
+    }
+
+    /// Write requests the downstream received for a key (every one, dropped ones included).
+    pub async fn writes(&self, key: &str) -> i64 {
+        self.count(
+            "SELECT count(*) FROM downstream.requests WHERE kind = 'write' AND idem_key = $1",
+            key,
+        )
+        .await
+    }
+
+    pub async fn lookups(&self, key: &str) -> i64 {
+        self.count(
+            "SELECT count(*) FROM downstream.requests WHERE kind = 'lookup' AND idem_key = $1",
+            key,
+        )
+        .await
+    }
+
+    /// The receipt the downstream stored for a key's first mutation.
+    pub async fn downstream_receipt(&self, key: &str) -> Option<serde_json::Value> {
+        sqlx::query_scalar(
+            "SELECT receipt FROM downstream.mutations WHERE idem_key = $1 ORDER BY id LIMIT 1",
+        )
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await
+        .unwrap_or(None)
+    }
+
+    async fn count(&self, sql: &'static str, key: &str) -> i64 {
+        // The downstream creates its schema at start-up; before that nothing was counted.
+        sqlx::query_scalar(sql)
+            .bind(key)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or(0)
+    }
+
+    /// Result events recorded in the outbox for an operation key, oldest first.
+    pub async fn outbox_statuses(&self, tenant: &str, action_id: &str) -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT status FROM result_outbox
+             WHERE payload->>'tenant' = $1 AND payload->>'action_id' = $2 ORDER BY id",
+        )
+        .bind(tenant)
+        .bind(action_id)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap_or_default()
+    }
+}
+
+/// A row of `operations`, as tests read it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct OpRow {
+    pub state: String,
+    pub receipt: Option<serde_json::Value>,
+    pub attempts: i32,
+    pub fence: i64,
+    pub fingerprint: String,
+    pub recovery_attempts: i32,
+    pub evidence: Option<String>,
+}

@@ -1,0 +1,377 @@
+//! Child processes: the `worker` binary (built with fault points) and `reference-downstream`.
+//! Both are killed when their handle drops. Worker stderr is captured so tests can wait for
+//! a fault point announcement; it is printed when a test fails.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::env::Env;
+
+/// Directory holding the workspace's built binaries (target/debug).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/debug/deps/e2e-<hash> -> target/debug
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .to_path_buf();
+    for bin in ["worker", "reference-downstream"] {
+        assert!(
+            dir.join(bin).exists(),
+            "{} is missing: build the workspace first (cargo build --workspace)",
+            dir.join(bin).display()
+        );
+    }
+    dir
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Captured output lines of a child.
+#[derive(Clone, Default)]
+pub struct Output(Arc<Mutex<Vec<String>>>);
+
+impl Output {
+    fn capture(&self, stream: impl std::io::Read + Send + 'static, label: String) {
+        let lines = self.0.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                if std::env::var("E2E_LOG").is_ok() {
+                    eprintln!("[{label}] {line}");
+                }
+                lines.lock().unwrap().push(line);
+            }
+        });
+    }
+
+    pub fn contains(&self, needle: &str) -> bool {
+        self.0.lock().unwrap().iter().any(|l| l.contains(needle))
+    }
+
+    pub fn text(&self) -> String {
+        self.0.lock().unwrap().join("\n")
+    }
+}
+
+/// How to start a worker.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    pub tools: PathBuf,
+    pub lease_secs: u64,
+    pub recovery_interval_ms: u64,
+    pub prefetch: u16,
+    pub delivery_limit: u32,
+    /// Fault point name and optional action id (see worker/src/fault.rs).
+    pub fault: Option<(String, Option<String>)>,
+    pub metrics: bool,
+    pub extra_env: BTreeMap<String, String>,
+}
+
+impl WorkerOptions {
+    pub fn new(tools: PathBuf) -> WorkerOptions {
+        WorkerOptions {
+            tools,
+            lease_secs: 2,
+            recovery_interval_ms: 200,
+            prefetch: 32,
+            delivery_limit: 5,
+            fault: None,
+            metrics: false,
+            extra_env: BTreeMap::new(),
+        }
+    }
+
+    pub fn fault(mut self, point: &str, action_id: Option<&str>) -> Self {
+        self.fault = Some((point.to_string(), action_id.map(str::to_string)));
+        self
+    }
+
+    pub fn with_metrics(mut self) -> Self {
+        self.metrics = true;
+        self
+    }
+
+    pub fn env(mut self, k: &str, v: &str) -> Self {
+        self.extra_env.insert(k.to_string(), v.to_string());
+        self
+    }
+}
+
+/// A running worker process.
+pub struct Worker {
+    child: Child,
+    pub name: String,
+    pub output: Output,
+    pub metrics_port: Option<u16>,
+}
+
+impl Worker {
+    /// Starts a worker and waits until it consumes.
+    pub async fn start(env: &Env, name: &str, opts: &WorkerOptions) -> Worker {
+        let w = Worker::spawn(env, name, opts);
+        w.wait_ready().await;
+        w
+    }
+
+    /// Starts a worker without waiting.
+    pub fn spawn(env: &Env, name: &str, opts: &WorkerOptions) -> Worker {
+        let t = &env.topology;
+        let metrics_port = opts.metrics.then(free_port);
+        let mut cmd = Command::new(bin_dir().join("worker"));
+        cmd.arg("run")
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("RUST_LOG", "info,lapin=warn,sqlx=warn")
+            .env("DATABASE_URL", &env.db_url)
+            .env("AMQP_URL", &env.amqp_url)
+            .env("WORKER_TOOLS", &opts.tools)
+            .env("WORKER_ID", format!("{name}-{}", env.id))
+            .env("WORKER_PREFETCH", opts.prefetch.to_string())
+            .env("WORKER_LEASE_SECS", opts.lease_secs.to_string())
+            .env(
+                "WORKER_RECOVERY_INTERVAL_MS",
+                opts.recovery_interval_ms.to_string(),
+            )
+            .env("WORKER_DELIVERY_LIMIT", opts.delivery_limit.to_string())
+            .env("WORKER_INTENTS_EXCHANGE", &t.intents_exchange)
+            .env("WORKER_INTENTS_QUEUE", &t.intents_queue)
+            .env("WORKER_RESULTS_EXCHANGE", &t.results_exchange)
+            .env("WORKER_DEAD_LETTER_EXCHANGE", &t.dead_letter_exchange)
+            .env("WORKER_DEAD_LETTER_QUEUE", &t.dead_letter_queue)
+            .env("WORKER_SHUTDOWN_GRACE_SECS", "5")
+            .env("WORKER_ADMIN_ADDR", "off")
+            .env(
+                "METRICS_ADDR",
+                metrics_port.map_or("off".to_string(), |p| format!("127.0.0.1:{p}")),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some((point, action)) = &opts.fault {
+            cmd.env("WORKER_FAULT_POINT", point);
+            if let Some(a) = action {
+                cmd.env("WORKER_FAULT_ACTION", a);
+            }
+        }
+        for (k, v) in &opts.extra_env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn worker");
+        let output = Output::default();
+        output.capture(child.stderr.take().unwrap(), name.to_string());
+        output.capture(child.stdout.take().unwrap(), name.to_string());
+        Worker {
+            child,
+            name: name.to_string(),
+            output,
+            metrics_port,
+        }
+    }
+
+    pub async fn wait_ready(&self) {
+        self.wait_output("consuming intents", Duration::from_secs(30))
+            .await;
+    }
+
+    /// Waits until the worker printed `needle` (e.g. "fault point reached").
+    pub async fn wait_output(&self, needle: &str, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !self.output.contains(needle) {
+            if tokio::time::Instant::now() > deadline {
+                panic!(
+                    "worker {} did not print {needle:?} within {timeout:?}; output:\n{}",
+                    self.name,
+                    self.output.text()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL: no cleanup, no goodbye, like a crash.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGSTOP / SIGCONT.
+    pub fn pause(&self) {
+        signal(self.pid(), "STOP");
+    }
+
+    pub fn resume(&self) {
+        signal(self.pid(), "CONT");
+    }
+
+    /// SIGTERM and wait for a graceful exit; returns the exit status code.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<i32> {
+        signal(self.pid(), "TERM");
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            if std::time::Instant::now() > deadline {
+                self.kill();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Scrapes `/metrics` (needs `with_metrics()`).
+    pub async fn metrics(&self) -> String {
+        let port = self.metrics_port.expect("worker started without metrics");
+        reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+            .await
+            .expect("scrape metrics")
+            .text()
+            .await
+            .unwrap()
+    }
+}
+
+/// Sums a metric over all label sets matching every `label="value"` filter.
+pub fn metric_value(text: &str, name: &str, filters: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| {
+            filters
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "---- worker {} output ----\n{}",
+                self.name,
+                self.output.text()
+            );
+        }
+        signal(self.pid(), "CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status();
+}
+
+/// The reference downstream, on its own schema of the test database.
+pub struct Downstream {
+    child: Child,
+    pub port: u16,
+    pub output: Output,
+    db_url: String,
+}
+
+impl Downstream {
+    pub async fn start(env: &Env) -> Downstream {
+        Downstream::start_on(&env.db_url, 0).await
+    }
+
+    async fn start_on(db_url: &str, port: u16) -> Downstream {
+        let mut child = Command::new(bin_dir().join("reference-downstream"))
+            .env("DOWNSTREAM_DATABASE_URL", db_url)
+            .env("DOWNSTREAM_SCHEMA", "downstream")
+            .env("DOWNSTREAM_ADDR", format!("127.0.0.1:{port}"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn reference-downstream");
+        let output = Output::default();
+        output.capture(child.stderr.take().unwrap(), "downstream".into());
+        output.capture(child.stdout.take().unwrap(), "downstream".into());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let port = loop {
+            let text = output.text();
+            if let Some(line) = text
+                .lines()
+                .find(|l| l.contains("reference-downstream listening on"))
+            {
+                break line
+                    .rsplit(':')
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .parse::<u16>()
+                    .unwrap();
+            }
+            if tokio::time::Instant::now() > deadline {
+                panic!("reference-downstream did not start:\n{text}");
+            }
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        };
+        Downstream {
+            child,
+            port,
+            output,
+            db_url: db_url.to_string(),
+        }
+    }
+
+    /// Kills the downstream and starts it again on the same port with the same data.
+    pub async fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let next = Downstream::start_on(&self.db_url, self.port).await;
+        *self = next;
+    }
+
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Adds a fault (see downstream/README.md): e.g. `{"kind":"drop_after_commit"}`.
+    pub async fn fault(&self, fault: serde_json::Value) {
+        let r = reqwest::Client::new()
+            .post(format!("http://127.0.0.1:{}/_control/faults", self.port))
+            .header("content-type", "application/json")
+            .body(fault.to_string())
+            .send()
+            .await
+            .expect("fault control");
+        assert!(
+            r.status().is_success(),
+            "fault rejected: {}",
+            r.text().await.unwrap_or_default()
+        );
+    }
+}
+
+impl Drop for Downstream {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,353 @@
+//! Issue 2: intents in, one dispatch per action, receipts out — over real RabbitMQ, Postgres,
+//! worker processes and the reference downstream. Counts come from the downstream's tables.
+
+use std::time::Duration;
+
+use e2e::{cleanup, intent, metric_value, Agent, Downstream, Env, Worker, WorkerOptions};
+use protocol::{RejectReason, Status};
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(20);
+
+async fn setup(extra_tools: &str, metrics: bool) -> (Env, Downstream, Worker, WorkerOptions) {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = env.standard_tools(ds.port, extra_tools);
+    let mut opts = WorkerOptions::new(tools);
+    if metrics {
+        opts = opts.with_metrics();
+    }
+    let w = Worker::start(&env, "w1", &opts).await;
+    (env, ds, w, opts)
+}
+
+#[tokio::test]
+async fn happy_path_per_capability() {
+    let (env, _ds, _w, _) = setup("", false).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    for (tool, id) in [
+        ("refund", "refund-204"),
+        ("ticket", "ticket-1"),
+        ("deploy", "deploy-1"),
+    ] {
+        agent
+            .send(&intent(
+                "north-shop",
+                id,
+                tool,
+                json!({"order": "order-731", "amount_cents": 4850, "currency": "USD"}),
+            ))
+            .await;
+        let ev = agent
+            .until("north-shop", id, Status::Succeeded, T)
+            .await
+            .pop()
+            .unwrap();
+        let key = format!("north-shop:{id}");
+        let receipt = ev.receipt.expect("succeeded carries the receipt");
+        assert_eq!(
+            Some(&receipt),
+            env.downstream_receipt(&key).await.as_ref(),
+            "{tool}: the downstream's receipt"
+        );
+        assert_eq!(receipt["idempotency_key"], json!(key));
+        assert_eq!(env.mutations(&key).await, 1, "{tool}: one mutation");
+        assert_eq!(env.writes(&key).await, 1, "{tool}: one write request");
+        assert_eq!(env.state("north-shop", id).await, "succeeded");
+    }
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn same_intent_three_times_dispatches_once() {
+    let (env, _ds, w, _) = setup("", true).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    let first = intent(
+        "north-shop",
+        "refund-204",
+        "refund",
+        json!({"order": "order-731", "amount_cents": 4850, "currency": "USD"}),
+    );
+    agent.send(&first).await;
+    let original = agent
+        .until("north-shop", "refund-204", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    // Again with a new call_id, then with reordered, re-spaced JSON.
+    let mut again = first.clone();
+    again.call_id = Some("model-call-other".into());
+    agent.send(&again).await;
+    let second = agent.next("north-shop", T).await;
+    agent
+        .send_encoded(
+            "north-shop",
+            "refund-204",
+            r#"{ "arguments" : {"currency":"USD", "amount_cents":4850.0,"order":"order-731"},
+                 "tool":"refund", "call_id":"model-call-3", "action_id":"refund-204", "tenant":"north-shop" }"#,
+        )
+        .await;
+    let third = agent.next("north-shop", T).await;
+    for ev in [&second, &third] {
+        assert_eq!(ev.status, Status::Succeeded, "{ev:?}");
+        assert_eq!(ev.receipt, original.receipt, "the original receipt");
+        assert_eq!(ev.fingerprint, original.fingerprint);
+    }
+    assert_eq!(env.mutations("north-shop:refund-204").await, 1);
+    assert_eq!(env.writes("north-shop:refund-204").await, 1);
+    let metrics = w.metrics().await;
+    assert_eq!(
+        metric_value(&metrics, "intent_worker_duplicates_suppressed_total", &[]),
+        2.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "intent_worker_duplicates_suppressed_total",
+            &[("reason", "completed")]
+        ),
+        2.0
+    );
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn broker_redelivery_after_kill_before_ack_dispatches_once() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = env.standard_tools(ds.port, "");
+    let opts = WorkerOptions::new(tools.clone());
+    // Consumed and recorded, not acked: the worker dies at `after_prepared`.
+    let mut w1 = Worker::start(&env, "w1", &opts.clone().fault("after_prepared", None)).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    agent
+        .send(&intent(
+            "north-shop",
+            "refund-9",
+            "refund",
+            json!({"order": "o-9"}),
+        ))
+        .await;
+    w1.wait_output("fault point reached: after_prepared", T)
+        .await;
+    assert_eq!(env.state("north-shop", "refund-9").await, "prepared");
+    w1.kill();
+    let _w2 = Worker::start(&env, "w2", &opts).await;
+    let ev = agent
+        .until("north-shop", "refund-9", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    assert!(ev.receipt.is_some());
+    assert_eq!(env.mutations("north-shop:refund-9").await, 1);
+    assert_eq!(env.writes("north-shop:refund-9").await, 1);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn intent_conflict_is_rejected_before_any_network_activity() {
+    let (env, _ds, _w, _) = setup("", false).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    agent
+        .send(&intent(
+            "north-shop",
+            "refund-204",
+            "refund",
+            json!({"order": "order-731", "amount_cents": 4850}),
+        ))
+        .await;
+    let ok = agent
+        .until("north-shop", "refund-204", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    let before = env.operation("north-shop", "refund-204").await.unwrap();
+    agent
+        .send(&intent(
+            "north-shop",
+            "refund-204",
+            "refund",
+            json!({"order": "order-731", "amount_cents": 9999}),
+        ))
+        .await;
+    let ev = agent.next("north-shop", T).await;
+    assert_eq!(ev.status, Status::Rejected);
+    assert_eq!(ev.reason, Some(RejectReason::IntentConflict));
+    assert_eq!(
+        ev.receipt, None,
+        "the stored result is never returned for a conflict"
+    );
+    assert_ne!(ev.fingerprint, ok.fingerprint);
+    assert_eq!(
+        env.writes("north-shop:refund-204").await,
+        1,
+        "no extra send"
+    );
+    let after = env.operation("north-shop", "refund-204").await.unwrap();
+    assert_eq!(
+        (after.state, after.receipt, after.fingerprint, after.fence),
+        (
+            before.state,
+            before.receipt,
+            before.fingerprint,
+            before.fence
+        )
+    );
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn equal_arguments_under_two_keys_and_one_key_under_two_tenants_are_separate_actions() {
+    let (env, _ds, _w, _) = setup("", false).await;
+    let mut agent = Agent::new(&env, &["north-shop", "south-shop"]).await;
+    let args = json!({"order": "order-731", "amount_cents": 4850, "currency": "USD"});
+    agent
+        .send(&intent("north-shop", "refund-a", "refund", args.clone()))
+        .await;
+    agent
+        .send(&intent("north-shop", "refund-b", "refund", args.clone()))
+        .await;
+    agent
+        .send(&intent("south-shop", "refund-a", "refund", args.clone()))
+        .await;
+    let mut north = Vec::new();
+    while north.len() < 2 {
+        let ev = agent.next("north-shop", T).await;
+        assert_eq!(
+            ev.tenant, "north-shop",
+            "a tenant only sees its own results"
+        );
+        if ev.status == Status::Succeeded {
+            north.push(ev);
+        }
+    }
+    let south = agent
+        .until("south-shop", "refund-a", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    assert_eq!(south.tenant, "south-shop");
+    for key in [
+        "north-shop:refund-a",
+        "north-shop:refund-b",
+        "south-shop:refund-a",
+    ] {
+        assert_eq!(env.mutations(key).await, 1, "{key}");
+    }
+    let north_a = north.iter().find(|e| e.action_id == "refund-a").unwrap();
+    assert_ne!(
+        north_a.receipt, south.receipt,
+        "neither tenant sees the other's receipt"
+    );
+    assert_eq!(
+        south.receipt.as_ref().unwrap()["idempotency_key"],
+        json!("south-shop:refund-a")
+    );
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn bad_messages_are_rejected_or_dead_lettered_and_the_worker_keeps_serving() {
+    let (env, _ds, mut w, _) = setup("", false).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    let cases: Vec<(&str, Vec<u8>, Option<&str>)> = vec![
+        ("not json", b"this is not json".to_vec(), None),
+        ("unknown field", br#"{"tenant":"north-shop","action_id":"bad-1","tool":"refund","arguments":{},"amount":1}"#.to_vec(), Some("unknown_field")),
+        ("missing field", br#"{"tenant":"north-shop","action_id":"bad-2","tool":"refund"}"#.to_vec(), Some("missing_field")),
+        ("wrong type", br#"{"tenant":"north-shop","action_id":"bad-3","tool":"refund","arguments":[1]}"#.to_vec(), Some("wrong_type")),
+        ("empty tenant", br#"{"tenant":"","action_id":"bad-4","tool":"refund","arguments":{}}"#.to_vec(), None),
+        ("oversized", format!(r#"{{"tenant":"north-shop","action_id":"bad-5","tool":"refund","arguments":{{"x":"{}"}}}}"#, "a".repeat(300 * 1024)).into_bytes(), None),
+    ];
+    for (_, body, _) in &cases {
+        agent.send_raw("north-shop", body).await;
+    }
+    agent
+        .send(&intent("north-shop", "bad-6", "teleport", json!({})))
+        .await;
+    // Readable keys get a rejected result with a specific detail.
+    let mut rejected = Vec::new();
+    while rejected.len() < 4 {
+        let ev = agent.next("north-shop", T).await;
+        assert_eq!(ev.status, Status::Rejected, "{ev:?}");
+        rejected.push(ev);
+    }
+    for (_, _, code) in cases.iter().filter(|c| c.2.is_some()) {
+        assert!(
+            rejected
+                .iter()
+                .any(|e| e.reason == Some(RejectReason::InvalidMessage)
+                    && e.detail.as_deref() == Some(code.unwrap())),
+            "no rejection with detail {code:?}: {rejected:?}"
+        );
+    }
+    assert!(rejected
+        .iter()
+        .any(|e| e.reason == Some(RejectReason::UnknownTool) && e.action_id == "bad-6"));
+    // Every bad message has a copy in the dead-letter queue, with the reason.
+    let mut copies = Vec::new();
+    let deadline = tokio::time::Instant::now() + T;
+    while copies.len() < 7 && tokio::time::Instant::now() < deadline {
+        copies.extend(agent.drain_dead_letters(&env).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(copies.len(), 7, "one dead-letter copy per bad message");
+    for c in &copies {
+        let reason = c
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get("x-intent-worker-reason").cloned());
+        assert!(reason.is_some(), "dead letter without a reason header");
+    }
+    // Still serving.
+    assert!(w.is_running());
+    agent
+        .send(&intent(
+            "north-shop",
+            "good-1",
+            "refund",
+            json!({"order": "o-1"}),
+        ))
+        .await;
+    agent
+        .until("north-shop", "good-1", Status::Succeeded, T)
+        .await;
+    assert_eq!(
+        env.state("north-shop", "bad-1").await,
+        "",
+        "bad messages never became operations"
+    );
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn response_dropped_after_commit_is_pending_with_one_mutation_and_no_second_send() {
+    let (env, ds, _w, _) = setup("", false).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    ds.fault(json!({"kind": "drop_after_commit", "key": "north-shop:deploy-7"}))
+        .await;
+    agent
+        .send(&intent(
+            "north-shop",
+            "deploy-7",
+            "deploy",
+            json!({"service": "api", "version": "1.2.3"}),
+        ))
+        .await;
+    let ev = agent.next("north-shop", T).await;
+    assert_eq!(ev.status, Status::Pending);
+    assert_eq!(ev.receipt, None);
+    assert_eq!(ev.next_action.as_deref(), Some("check_status"));
+    // `none` capability: unknown, then held for a person at once; never sent again.
+    let state = env.state("north-shop", "deploy-7").await;
+    assert!(state == "unknown" || state == "held", "{state}");
+    e2e::wait_for("held", T, || async {
+        (env.state("north-shop", "deploy-7").await == "held").then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(env.mutations("north-shop:deploy-7").await, 1);
+    assert_eq!(env.writes("north-shop:deploy-7").await, 1);
+    cleanup(env).await;
+}

@@ -1,0 +1,373 @@
+//! Operator actions on unresolved operations: the listing, and resolve / fail / recheck.
+//!
+//! Each action is one transaction: the operator request id is recorded first (so a retried
+//! request finds it and gets the stored response), then the state change is ONE conditional
+//! UPDATE checked by the database (allowed source states), the result event is written to the
+//! outbox in the same commit, and the response is stored with the request. `changed_by` and
+//! `evidence` carry who and why into the history the trigger appends.
+
+use std::collections::HashMap;
+
+use sqlx::PgConnection;
+
+use super::admit::prefixed;
+use super::outbox::{self, failed_message};
+use super::queries::HistoryEntry;
+use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
+
+/// Which unresolved operations to list.
+#[derive(Debug, Clone)]
+pub struct UnresolvedFilter {
+    /// States to include; each must be unresolved. Empty: all unresolved states.
+    pub states: Vec<State>,
+    pub tool: Option<String>,
+    /// Only rows recorded at least this long ago.
+    pub older_than_secs: Option<f64>,
+    /// Rows after this id (pagination cursor).
+    pub after: Option<i64>,
+    pub limit: i64,
+}
+
+/// What an operator asks for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OperatorChange {
+    /// `succeeded` with a receipt that already passed the tool's receipt check.
+    Resolve {
+        receipt: serde_json::Value,
+        receipt_id: String,
+    },
+    /// `failed`, with the operator's written evidence.
+    Fail { evidence: String },
+    /// `held` -> `unknown` due now with `recovery_attempts` set to `held_recovery_attempts`
+    /// (one round left); an `unknown` row without a live lease becomes due now.
+    Recheck { held_recovery_attempts: i32 },
+}
+
+impl OperatorChange {
+    pub fn action(&self) -> &'static str {
+        match self {
+            OperatorChange::Resolve { .. } => "resolve",
+            OperatorChange::Fail { .. } => "fail",
+            OperatorChange::Recheck { .. } => "recheck",
+        }
+    }
+}
+
+/// Who asks, why, and the idempotency key of the request.
+#[derive(Debug, Clone)]
+pub struct OperatorRequest {
+    pub request_id: String,
+    pub operator: String,
+    /// The reason (resolve, recheck) or the evidence (fail).
+    pub reason: String,
+}
+
+impl OperatorRequest {
+    /// The history actor: `operator:<name>`.
+    pub fn actor(&self) -> String {
+        format!("operator:{}", self.operator)
+    }
+}
+
+/// What an operator action did.
+#[derive(Debug, Clone)]
+pub enum OperatorOutcome {
+    /// The row moved; the response was stored with the request.
+    Applied {
+        operation: Operation,
+        response: serde_json::Value,
+    },
+    /// The request id was already used for this action on this operation: nothing changed,
+    /// here is the response it got.
+    Repeated { response: serde_json::Value },
+    /// The request id was already used for another action or operation: nothing changed.
+    RequestIdReused { action: String, operation_id: i64 },
+    /// The row is not in a state this action may change (e.g. already final): rolled back.
+    Refused { current: Operation },
+}
+
+#[derive(sqlx::FromRow)]
+struct HistoryRow {
+    operation_id: i64,
+    #[sqlx(flatten)]
+    entry: HistoryEntry,
+}
+
+impl Ledger {
+    /// Unresolved operations (`dispatching`, `retry_wait`, `unknown`, `held`) by id, through the
+    /// partial index that holds only them.
+    pub async fn list_unresolved(
+        &self,
+        filter: &UnresolvedFilter,
+    ) -> Result<Vec<Operation>, LedgerError> {
+        let states: Vec<String> = if filter.states.is_empty() {
+            State::UNRESOLVED
+                .iter()
+                .map(|s| s.as_str().to_string())
+                .collect()
+        } else {
+            filter
+                .states
+                .iter()
+                .map(|s| s.as_str().to_string())
+                .collect()
+        };
+        // The literal state list matches the partial indexes' predicate.
+        let sql = format!(
+            "SELECT {OPERATION_COLUMNS} FROM operations
+             WHERE state IN ('dispatching', 'retry_wait', 'unknown', 'held')
+               AND state = ANY($1)
+               AND ($2::text IS NULL OR tool = $2)
+               AND ($3::float8 IS NULL OR created_at <= now() - make_interval(secs => $3))
+               AND id > $4
+             ORDER BY id
+             LIMIT $5"
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(&states)
+            .bind(filter.tool.as_deref())
+            .bind(filter.older_than_secs)
+            .bind(filter.after.unwrap_or(0))
+            .bind(filter.limit)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// The history of many operations in one query.
+    pub async fn histories(
+        &self,
+        ids: &[i64],
+    ) -> Result<HashMap<i64, Vec<HistoryEntry>>, LedgerError> {
+        let mut out: HashMap<i64, Vec<HistoryEntry>> = HashMap::new();
+        if ids.is_empty() {
+            return Ok(out);
+        }
+        let rows: Vec<HistoryRow> = sqlx::query_as(
+            "SELECT operation_id, at, from_state, to_state, fence, actor, evidence
+             FROM operation_history WHERE operation_id = ANY($1) ORDER BY operation_id, id",
+        )
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await?;
+        for r in rows {
+            out.entry(r.operation_id).or_default().push(r.entry);
+        }
+        Ok(out)
+    }
+
+    /// Applies one operator action idempotently (see the module docs). `respond` builds the
+    /// response stored with the request from the new row and its history (read in the same
+    /// transaction).
+    pub async fn operator_apply(
+        &self,
+        operation_id: i64,
+        request: &OperatorRequest,
+        change: &OperatorChange,
+        respond: impl FnOnce(&Operation, Vec<HistoryEntry>) -> serde_json::Value,
+    ) -> Result<OperatorOutcome, LedgerError> {
+        let action = change.action();
+        let mut tx = self.pool.begin().await?;
+        let claimed: Option<String> = sqlx::query_scalar(
+            "INSERT INTO operator_requests (request_id, operation_id, action, operator, reason)
+             VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (request_id) DO NOTHING
+             RETURNING request_id",
+        )
+        .bind(&request.request_id)
+        .bind(operation_id)
+        .bind(action)
+        .bind(&request.operator)
+        .bind(&request.reason)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if claimed.is_none() {
+            let (prev_op, prev_action, response): (i64, String, Option<serde_json::Value>) =
+                sqlx::query_as(
+                    "SELECT operation_id, action, response FROM operator_requests
+                     WHERE request_id = $1",
+                )
+                .bind(&request.request_id)
+                .fetch_one(&mut *tx)
+                .await?;
+            tx.rollback().await?;
+            if prev_op != operation_id || prev_action != action {
+                return Ok(OperatorOutcome::RequestIdReused {
+                    action: prev_action,
+                    operation_id: prev_op,
+                });
+            }
+            return Ok(OperatorOutcome::Repeated {
+                response: response.unwrap_or(serde_json::Value::Null),
+            });
+        }
+
+        let Some(op) = transition(&mut tx, operation_id, request, change).await? else {
+            tx.rollback().await?;
+            return match self.get(operation_id).await? {
+                Some(current) => Ok(OperatorOutcome::Refused { current }),
+                None => Err(LedgerError::NotFound(format!("operation {operation_id}"))),
+            };
+        };
+        let event = match change {
+            OperatorChange::Resolve { receipt_id, .. } => Some(outbox::operation_event(
+                &op,
+                protocol::Status::Succeeded,
+                format!(
+                    "The {} succeeded (receipt {receipt_id}, confirmed by an operator).",
+                    op.tool
+                ),
+            )),
+            OperatorChange::Fail { .. } => Some(outbox::operation_event(
+                &op,
+                protocol::Status::Failed,
+                failed_message(&op),
+            )),
+            OperatorChange::Recheck { .. } => None,
+        };
+        if let Some(event) = event {
+            outbox::insert_events(&mut tx, &[event]).await?;
+        }
+        let history: Vec<HistoryEntry> = sqlx::query_as(
+            "SELECT at, from_state, to_state, fence, actor, evidence
+             FROM operation_history WHERE operation_id = $1 ORDER BY id",
+        )
+        .bind(operation_id)
+        .fetch_all(&mut *tx)
+        .await?;
+        let response = respond(&op, history);
+        sqlx::query("UPDATE operator_requests SET response = $2 WHERE request_id = $1")
+            .bind(&request.request_id)
+            .bind(&response)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(OperatorOutcome::Applied {
+            operation: op,
+            response,
+        })
+    }
+
+    /// Replaces the stored response of a request (a recheck stores what its recovery round
+    /// found, so a retried request gets the final picture).
+    pub async fn update_operator_response(
+        &self,
+        request_id: &str,
+        response: &serde_json::Value,
+    ) -> Result<(), LedgerError> {
+        sqlx::query("UPDATE operator_requests SET response = $2 WHERE request_id = $1")
+            .bind(request_id)
+            .bind(response)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Leases one specific `unknown` row that is due, for a recovery round run now (an operator
+    /// recheck): the same lease as the scheduler's (fence + 1, owner, lease, one more recovery
+    /// round counted). None when it is not due or another worker leased it first.
+    pub async fn lease_for_recovery(
+        &self,
+        operation_id: i64,
+        worker_id: &str,
+        lease: std::time::Duration,
+    ) -> Result<Option<Operation>, LedgerError> {
+        let sql = format!(
+            "UPDATE operations o
+             SET fence = o.fence + 1, lease_owner = $2,
+                 recovery_attempts = o.recovery_attempts + 1,
+                 lease_until = now() + make_interval(secs => $3),
+                 next_attempt_at = now() + make_interval(secs => $3), changed_by = $2
+             WHERE o.id = $1 AND o.state = 'unknown' AND o.next_attempt_at <= now()
+             RETURNING {}",
+            prefixed("o", OPERATION_COLUMNS)
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(operation_id)
+            .bind(worker_id)
+            .bind(lease.as_secs_f64())
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+}
+
+/// The one conditional UPDATE of an operator action. None when the row is not in an allowed
+/// source state (nothing written).
+async fn transition(
+    conn: &mut PgConnection,
+    operation_id: i64,
+    request: &OperatorRequest,
+    change: &OperatorChange,
+) -> Result<Option<Operation>, LedgerError> {
+    let actor = request.actor();
+    let evidence = format!(
+        "{} by {}: {}",
+        change.action(),
+        request.operator,
+        request.reason
+    );
+    let returning = OPERATION_COLUMNS;
+    let row = match change {
+        OperatorChange::Resolve {
+            receipt,
+            receipt_id,
+        } => {
+            // The receipt path: the downstream's proof may settle any unresolved row, whoever
+            // owns it; the owner's later fenced write then finds the row moved on.
+            let sql = format!(
+                "UPDATE operations SET state = 'succeeded', receipt = $4, receipt_id = $5,
+                        evidence = $3, changed_by = $2, lease_owner = NULL, lease_until = NULL,
+                        next_attempt_at = NULL, last_reported = 'succeeded'
+                 WHERE id = $1 AND state IN ('dispatching', 'retry_wait', 'unknown', 'held')
+                 RETURNING {returning}"
+            );
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(operation_id)
+                .bind(&actor)
+                .bind(&evidence)
+                .bind(receipt)
+                .bind(receipt_id)
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+        OperatorChange::Fail { .. } => {
+            let sql = format!(
+                "UPDATE operations SET state = 'failed', evidence = $3, changed_by = $2,
+                        lease_owner = NULL, lease_until = NULL, next_attempt_at = NULL,
+                        last_reported = 'failed'
+                 WHERE id = $1 AND state IN ('retry_wait', 'unknown', 'held')
+                 RETURNING {returning}"
+            );
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(operation_id)
+                .bind(&actor)
+                .bind(&evidence)
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+        OperatorChange::Recheck {
+            held_recovery_attempts,
+        } => {
+            // A held row gets exactly one more round; an unknown row becomes due now unless a
+            // recovery round holds a live lease on it (that round is the recheck).
+            let sql = format!(
+                "UPDATE operations SET state = 'unknown', next_attempt_at = now(),
+                        recovery_attempts = CASE WHEN state = 'held' THEN $4
+                                                 ELSE recovery_attempts END,
+                        evidence = $3, changed_by = $2, lease_owner = NULL, lease_until = NULL,
+                        last_reported = 'pending'
+                 WHERE id = $1
+                   AND (state = 'held'
+                        OR (state = 'unknown' AND (lease_until IS NULL OR lease_until < now())))
+                 RETURNING {returning}"
+            );
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(operation_id)
+                .bind(&actor)
+                .bind(&evidence)
+                .bind(*held_recovery_attempts)
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+    };
+    Ok(row)
+}
