@@ -72,9 +72,13 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             }
         });
     }
-    if let (Some(addr), Some(token)) = (settings.admin_addr, settings.admin_token.clone()) {
-        let api =
-            crate::ops::api::AdminApi::new(ctx.clone(), token, settings.tenant_tokens.clone());
+    let api_enabled = settings.admin_token.is_some() || !settings.tenant_tokens.is_empty();
+    if let Some(addr) = settings.admin_addr.filter(|_| api_enabled) {
+        let api = crate::ops::api::AdminApi::with_tokens(
+            ctx.clone(),
+            settings.admin_token.clone(),
+            settings.tenant_tokens.clone(),
+        );
         let stop = stop.clone();
         tokio::spawn(async move {
             if let Err(e) = api.serve(addr, async move { stop.cancelled().await }).await {
@@ -82,7 +86,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             }
         });
     } else if settings.admin_addr.is_some() {
-        tracing::info!("admin API disabled: WORKER_ADMIN_TOKEN is not set");
+        tracing::info!(
+            "admin API disabled: neither WORKER_ADMIN_TOKEN nor WORKER_TENANT_TOKENS is set"
+        );
     }
     let sched = tokio::spawn(scheduler::run(
         ctx.clone(),

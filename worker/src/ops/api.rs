@@ -1,36 +1,355 @@
-//! Admin and status HTTP API (placeholder until the operations issue lands).
+//! The admin and status HTTP API (described in `docs/openapi.yaml`).
+//!
+//! Authentication is `Authorization: Bearer <token>`, compared in constant time:
+//! - the admin token (`WORKER_ADMIN_TOKEN`) may use every route;
+//! - a tenant token (`WORKER_TENANT_TOKENS`) may only read the status of its own tenant's
+//!   operations (`GET /v1/operations/{tenant}/{action_id}`); another tenant's operation answers
+//!   404, exactly like one that does not exist.
+//!
+//! Routes:
+//! - `GET  /v1/operations` — unresolved operations, filtered and paginated (admin)
+//! - `GET  /v1/operations/{tenant}/{action_id}` — the result event now (admin adds `operation`)
+//! - `POST /v1/operations/{tenant}/{action_id}/resolve` — `succeeded` with a matching receipt
+//! - `POST /v1/operations/{tenant}/{action_id}/fail` — `failed` with written evidence
+//! - `POST /v1/operations/{tenant}/{action_id}/recheck` — one recovery round now
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::body::Bytes;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State as AxumState};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use sha2::{Digest, Sha256};
+
+use super::actions::{self, ActionResponse, ListParams, OpsError};
 use crate::context::Context;
 
+/// The API server: the worker context and the tokens it accepts.
 pub struct AdminApi {
-    _ctx: Arc<Context>,
-    _token: String,
-    _tenant_tokens: BTreeMap<String, String>,
+    state: Arc<ApiState>,
+}
+
+struct ApiState {
+    ctx: Arc<Context>,
+    admin_token: Option<String>,
+    tenant_tokens: BTreeMap<String, String>,
+}
+
+/// Who is calling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Principal {
+    Admin,
+    Tenant(String),
 }
 
 impl AdminApi {
+    /// An API with the admin token and tenant read tokens.
     pub fn new(
         ctx: Arc<Context>,
         token: String,
         tenant_tokens: BTreeMap<String, String>,
     ) -> AdminApi {
+        AdminApi::with_tokens(ctx, Some(token), tenant_tokens)
+    }
+
+    /// An API whose admin token is optional: without one only the tenant status route can be
+    /// used (admin routes answer 401 to everyone).
+    pub fn with_tokens(
+        ctx: Arc<Context>,
+        admin_token: Option<String>,
+        tenant_tokens: BTreeMap<String, String>,
+    ) -> AdminApi {
         AdminApi {
-            _ctx: ctx,
-            _token: token,
-            _tenant_tokens: tenant_tokens,
+            state: Arc::new(ApiState {
+                ctx,
+                admin_token: admin_token.filter(|t| !t.is_empty()),
+                tenant_tokens: tenant_tokens
+                    .into_iter()
+                    .filter(|(_, t)| !t.is_empty())
+                    .collect(),
+            }),
         }
     }
 
+    /// The routes, for embedding or testing.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/v1/operations", get(list))
+            .route("/v1/operations/{tenant}/{action_id}", get(status))
+            .route("/v1/operations/{tenant}/{action_id}/resolve", post(resolve))
+            .route("/v1/operations/{tenant}/{action_id}/fail", post(fail))
+            .route("/v1/operations/{tenant}/{action_id}/recheck", post(recheck))
+            .fallback(not_found)
+            .with_state(self.state.clone())
+    }
+
+    /// Binds `addr` and serves until `shutdown` resolves.
     pub async fn serve(
         self,
-        _addr: SocketAddr,
+        addr: SocketAddr,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        shutdown.await;
-        Ok(())
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        self.serve_listener(listener, shutdown).await
+    }
+
+    /// Serves on a bound listener (tests bind port 0 and read the address first).
+    pub async fn serve_listener(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        tracing::info!(
+            addr = %listener.local_addr()?,
+            admin = self.state.admin_token.is_some(),
+            tenants = self.state.tenant_tokens.len(),
+            "admin API listening"
+        );
+        axum::serve(listener, self.router())
+            .with_graceful_shutdown(shutdown)
+            .await
+    }
+}
+
+/// An error answer: `{"error": code, "message": text, "state": current state or absent}`.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    state: Option<String>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            state: None,
+        }
+    }
+
+    fn unauthorized(message: &str) -> ApiError {
+        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+
+    fn not_found() -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such operation")
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = serde_json::json!({ "error": self.code, "message": self.message });
+        if let Some(state) = self.state {
+            body["state"] = serde_json::Value::String(state);
+        }
+        let mut response = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+impl From<OpsError> for ApiError {
+    fn from(e: OpsError) -> ApiError {
+        match e {
+            OpsError::BadRequest(m) => ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m),
+            OpsError::NotFound { .. } => ApiError::not_found(),
+            OpsError::Conflict { message, state } => ApiError {
+                status: StatusCode::CONFLICT,
+                code: "conflict",
+                message,
+                state: state.map(|s| s.as_str().to_string()),
+            },
+            e @ OpsError::ReceiptMismatch(_) => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "receipt_mismatch",
+                e.to_string(),
+            ),
+            e @ OpsError::ToolNotConfigured(_) => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "tool_not_configured",
+                e.to_string(),
+            ),
+            OpsError::Ledger(e) => {
+                tracing::error!(error = %e, "admin API: ledger error");
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "the ledger could not answer; see the worker logs",
+                )
+            }
+        }
+    }
+}
+
+/// Equality of two secrets in time independent of where they differ (both are hashed first,
+/// so their lengths do not leak either).
+fn constant_time_eq(a: &str, b: &str) -> bool {
+    let (x, y) = (Sha256::digest(a.as_bytes()), Sha256::digest(b.as_bytes()));
+    x.iter()
+        .zip(y.iter())
+        .fold(0u8, |acc, (p, q)| acc | (p ^ q))
+        == 0
+}
+
+fn authenticate(state: &ApiState, headers: &HeaderMap) -> Result<Principal, ApiError> {
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, token) = v.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+        })
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| ApiError::unauthorized("missing bearer token (Authorization: Bearer …)"))?;
+    // Every configured token is compared, whatever matched first.
+    let admin = state
+        .admin_token
+        .as_deref()
+        .is_some_and(|t| constant_time_eq(t, presented));
+    let mut tenant = None;
+    for (name, token) in &state.tenant_tokens {
+        if constant_time_eq(token, presented) && tenant.is_none() {
+            tenant = Some(name.clone());
+        }
+    }
+    match (admin, tenant) {
+        (true, _) => Ok(Principal::Admin),
+        (false, Some(t)) => Ok(Principal::Tenant(t)),
+        (false, None) => Err(ApiError::unauthorized("invalid token")),
+    }
+}
+
+fn require_admin(state: &ApiState, headers: &HeaderMap) -> Result<(), ApiError> {
+    match authenticate(state, headers)? {
+        Principal::Admin => Ok(()),
+        Principal::Tenant(_) => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "a tenant token may only read its own operations' status",
+        )),
+    }
+}
+
+fn parse_body<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "a JSON body is required",
+        ));
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("invalid JSON body: {e}"),
+        )
+    })
+}
+
+fn action_reply(r: ActionResponse) -> Response {
+    (StatusCode::OK, Json(r.body)).into_response()
+}
+
+type Shared = AxumState<Arc<ApiState>>;
+
+async fn list(
+    AxumState(state): Shared,
+    headers: HeaderMap,
+    query: Result<Query<ListParams>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    require_admin(&state, &headers)?;
+    let Query(params) = query.map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("invalid query: {}", e.body_text()),
+        )
+    })?;
+    let page = actions::list(&state.ctx.ledger, params).await?;
+    Ok(Json(page).into_response())
+}
+
+async fn status(
+    AxumState(state): Shared,
+    headers: HeaderMap,
+    Path((tenant, action_id)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let with_operation = match authenticate(&state, &headers)? {
+        Principal::Admin => true,
+        // Another tenant's operation is indistinguishable from a missing one.
+        Principal::Tenant(own) if own == tenant => false,
+        Principal::Tenant(_) => return Err(ApiError::not_found()),
+    };
+    let body = actions::status(&state.ctx.ledger, &tenant, &action_id, with_operation).await?;
+    Ok(Json(body).into_response())
+}
+
+async fn resolve(
+    AxumState(state): Shared,
+    headers: HeaderMap,
+    Path((tenant, action_id)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    require_admin(&state, &headers)?;
+    let input = parse_body(&body)?;
+    let r = actions::resolve(&state.ctx, &tenant, &action_id, input).await?;
+    Ok(action_reply(r))
+}
+
+async fn fail(
+    AxumState(state): Shared,
+    headers: HeaderMap,
+    Path((tenant, action_id)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    require_admin(&state, &headers)?;
+    let input = parse_body(&body)?;
+    let r = actions::fail(&state.ctx, &tenant, &action_id, input).await?;
+    Ok(action_reply(r))
+}
+
+async fn recheck(
+    AxumState(state): Shared,
+    headers: HeaderMap,
+    Path((tenant, action_id)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    require_admin(&state, &headers)?;
+    let input = parse_body(&body)?;
+    let r = actions::recheck(&state.ctx, &tenant, &action_id, input).await?;
+    Ok(action_reply(r))
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_compares_whole_secrets() {
+        assert!(constant_time_eq("s3cret-admin-token", "s3cret-admin-token"));
+        assert!(!constant_time_eq(
+            "s3cret-admin-token",
+            "s3cret-admin-tokeN"
+        ));
+        assert!(!constant_time_eq("s3cret-admin-token", "s3cret"));
+        assert!(!constant_time_eq("", "x"));
     }
 }

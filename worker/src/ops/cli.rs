@@ -1,13 +1,447 @@
-//! `worker ops ...` (placeholder until the operations issue lands).
+//! `worker ops ...`: the operator actions from the command line. It connects to the ledger
+//! (`DATABASE_URL`) and loads the tools file (`WORKER_TOOLS`) for receipt checks and rechecks,
+//! and calls the same functions as the HTTP API ([`super::actions`]), so the rules, fences,
+//! history and idempotency are identical.
 
-use crate::config::Settings;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use chrono::Utc;
+
+use super::actions::{
+    self, ActionResponse, FailInput, ListParams, OperationView, RecheckInput, ResolveInput,
+};
+use crate::adapter::ToolSet;
+use crate::config::{Settings, Tools};
+use crate::context::Context;
+use crate::ledger::Ledger;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum OpsCommand {
-    /// List unresolved operations.
-    List,
+    /// List unresolved operations (dispatching, retry_wait, unknown, held), oldest id first.
+    List(ListArgs),
+    /// Show one operation with its history (JSON).
+    Show { tenant: String, action_id: String },
+    /// Resolve as succeeded with the downstream's receipt (checked against the operation).
+    Resolve(ResolveArgs),
+    /// Mark failed, with written evidence that the downstream did not and will not apply it.
+    Fail(FailArgs),
+    /// Run one recovery round now (a held operation gets exactly one more round).
+    Recheck(RecheckArgs),
 }
 
-pub async fn run(_settings: &Settings, _cmd: OpsCommand) -> anyhow::Result<()> {
-    anyhow::bail!("not implemented yet")
+#[derive(Debug, clap::Args)]
+pub struct ListArgs {
+    /// Only this state (dispatching, retry_wait, unknown, held); repeat or comma-separate.
+    #[arg(long, value_delimiter = ',')]
+    pub state: Vec<String>,
+    /// Only this tool.
+    #[arg(long)]
+    pub tool: Option<String>,
+    /// Only operations recorded at least this many seconds ago.
+    #[arg(long)]
+    pub older_than_secs: Option<u64>,
+    /// Page size (1-500).
+    #[arg(long, default_value_t = actions::DEFAULT_LIMIT)]
+    pub limit: i64,
+    /// Cursor: the last id of the previous page.
+    #[arg(long)]
+    pub after: Option<i64>,
+    /// Print the page as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("receipt_source").required(true).args(["receipt", "receipt_file"])))]
+pub struct ResolveArgs {
+    pub tenant: String,
+    pub action_id: String,
+    /// The receipt as JSON.
+    #[arg(long)]
+    pub receipt: Option<String>,
+    /// A file holding the receipt JSON ("-" for stdin).
+    #[arg(long)]
+    pub receipt_file: Option<PathBuf>,
+    /// Who resolves it (recorded in the history).
+    #[arg(long)]
+    pub operator: String,
+    /// Why (recorded in the history).
+    #[arg(long)]
+    pub reason: String,
+    /// Idempotency key of this request; default a fresh one (printed, reuse it to retry).
+    #[arg(long)]
+    pub request_id: Option<String>,
+    /// Print the resulting operation as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct FailArgs {
+    pub tenant: String,
+    pub action_id: String,
+    /// The downstream's proof that it did not and will not apply (at least 10 characters).
+    #[arg(long)]
+    pub evidence: String,
+    /// Who marks it failed (recorded in the history).
+    #[arg(long)]
+    pub operator: String,
+    /// Idempotency key of this request; default a fresh one (printed, reuse it to retry).
+    #[arg(long)]
+    pub request_id: Option<String>,
+    /// Print the resulting operation as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RecheckArgs {
+    pub tenant: String,
+    pub action_id: String,
+    /// Who asks (recorded in the history).
+    #[arg(long)]
+    pub operator: String,
+    /// Why (recorded in the history).
+    #[arg(long)]
+    pub reason: String,
+    /// Idempotency key of this request; default a fresh one (printed, reuse it to retry).
+    #[arg(long)]
+    pub request_id: Option<String>,
+    /// Print the resulting operation as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs one `worker ops` command.
+pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
+    let ledger = Ledger::connect(&settings.database_url, 2)
+        .await
+        .context("cannot connect to Postgres (DATABASE_URL)")?;
+    match cmd {
+        OpsCommand::List(args) => {
+            let states = args.state.join(",");
+            let page = actions::list(
+                &ledger,
+                ListParams {
+                    state: (!states.is_empty()).then_some(states),
+                    tool: args.tool,
+                    older_than_secs: args.older_than_secs,
+                    limit: Some(args.limit),
+                    after: args.after,
+                },
+            )
+            .await?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&page)?);
+            } else {
+                print!("{}", table(&page.operations));
+                match page.next_after {
+                    Some(id) => println!("more: --after {id}"),
+                    None => println!("({} operations)", page.operations.len()),
+                }
+            }
+        }
+        OpsCommand::Show { tenant, action_id } => {
+            let view = actions::show(&ledger, &tenant, &action_id).await?;
+            println!("{}", serde_json::to_string_pretty(&view)?);
+        }
+        OpsCommand::Resolve(args) => {
+            let receipt_text = match (&args.receipt, &args.receipt_file) {
+                (Some(r), _) => r.clone(),
+                (None, Some(p)) if p.as_os_str() == "-" => {
+                    std::io::read_to_string(std::io::stdin()).context("reading the receipt")?
+                }
+                (None, Some(p)) => std::fs::read_to_string(p)
+                    .with_context(|| format!("reading the receipt from {}", p.display()))?,
+                (None, None) => anyhow::bail!("--receipt or --receipt-file is required"),
+            };
+            let receipt: serde_json::Value =
+                serde_json::from_str(&receipt_text).context("the receipt is not valid JSON")?;
+            let request_id = request_id(args.request_id);
+            let ctx = context(settings, ledger, true)?;
+            let r = actions::resolve(
+                &ctx,
+                &args.tenant,
+                &args.action_id,
+                ResolveInput {
+                    receipt: Some(receipt),
+                    operator: Some(args.operator),
+                    reason: Some(args.reason),
+                    request_id: Some(request_id),
+                },
+            )
+            .await?;
+            report(r, args.json)?;
+        }
+        OpsCommand::Fail(args) => {
+            let request_id = request_id(args.request_id);
+            let ctx = context(settings, ledger, false)?;
+            let r = actions::fail(
+                &ctx,
+                &args.tenant,
+                &args.action_id,
+                FailInput {
+                    evidence: Some(args.evidence),
+                    operator: Some(args.operator),
+                    request_id: Some(request_id),
+                },
+            )
+            .await?;
+            report(r, args.json)?;
+        }
+        OpsCommand::Recheck(args) => {
+            let request_id = request_id(args.request_id);
+            let ctx = context(settings, ledger, true)?;
+            let r = actions::recheck(
+                &ctx,
+                &args.tenant,
+                &args.action_id,
+                RecheckInput {
+                    operator: Some(args.operator),
+                    reason: Some(args.reason),
+                    request_id: Some(request_id),
+                },
+            )
+            .await?;
+            report(r, args.json)?;
+        }
+    }
+    Ok(())
+}
+
+/// The given request id, or a fresh one printed so the operator can retry with it.
+fn request_id(given: Option<String>) -> String {
+    given.unwrap_or_else(|| {
+        let id = uuid::Uuid::new_v4().to_string();
+        eprintln!("request id: {id} (pass --request-id {id} to retry this request safely)");
+        id
+    })
+}
+
+/// A context like the worker's, for receipt checks and recovery rounds run from here.
+fn context(settings: &Settings, ledger: Ledger, need_tools: bool) -> anyhow::Result<Arc<Context>> {
+    let tools = match Tools::load(&settings.tools_path) {
+        Ok(file) => ToolSet::from_config(&file)?,
+        Err(e) if need_tools => {
+            return Err(
+                anyhow::Error::new(e).context("this command needs the tools file (WORKER_TOOLS)")
+            )
+        }
+        Err(_) => ToolSet::default(),
+    };
+    Ok(Context::new(
+        ledger,
+        tools,
+        format!("ops-cli:{}", settings.worker_id),
+        settings.lease,
+        settings.max_in_flight,
+    ))
+}
+
+fn report(r: ActionResponse, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r.body)?);
+        return Ok(());
+    }
+    let view: OperationView =
+        serde_json::from_value(r.body).context("unexpected response shape")?;
+    let last = view.history.last();
+    println!(
+        "{}/{}: {}{}",
+        view.tenant,
+        view.action_id,
+        view.state,
+        if r.repeated {
+            " (request already applied; nothing changed)"
+        } else {
+            ""
+        }
+    );
+    if let Some(h) = last {
+        println!(
+            "  last change {} by {}: {}",
+            h.at.to_rfc3339(),
+            h.actor,
+            h.evidence.as_deref().unwrap_or("")
+        );
+    }
+    Ok(())
+}
+
+/// A plain text table of operations.
+fn table(ops: &[OperationView]) -> String {
+    let now = Utc::now();
+    let header = [
+        "ID",
+        "TENANT",
+        "ACTION_ID",
+        "TOOL",
+        "STATE",
+        "AGE_S",
+        "ATTEMPTS",
+        "RECOVERY",
+        "FIRST_DISPATCH",
+        "REPLAY_DEADLINE",
+        "EVIDENCE",
+    ];
+    let fmt_time = |t: Option<chrono::DateTime<Utc>>| {
+        t.map(|t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string())
+            .unwrap_or_else(|| "-".into())
+    };
+    let rows: Vec<Vec<String>> = ops
+        .iter()
+        .map(|o| {
+            let evidence: String = o
+                .evidence
+                .as_deref()
+                .unwrap_or("-")
+                .chars()
+                .take(60)
+                .collect();
+            vec![
+                o.id.to_string(),
+                o.tenant.clone(),
+                o.action_id.clone(),
+                o.tool.clone(),
+                o.state.clone(),
+                (now - o.created_at).num_seconds().to_string(),
+                o.attempts.to_string(),
+                o.recovery_attempts.to_string(),
+                fmt_time(o.first_dispatch_at),
+                fmt_time(o.replay_deadline),
+                evidence.replace(['\n', '\t'], " "),
+            ]
+        })
+        .collect();
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let mut s = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ");
+        s.truncate(s.trim_end().len());
+        s.push('\n');
+        s
+    };
+    let mut out = line(header.iter().map(|h| h.to_string()).collect());
+    for row in rows {
+        out.push_str(&line(row));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        cmd: OpsCommand,
+    }
+
+    fn parse(args: &[&str]) -> Result<OpsCommand, clap::Error> {
+        Cli::try_parse_from(std::iter::once("ops").chain(args.iter().copied())).map(|c| c.cmd)
+    }
+
+    #[test]
+    fn parses_every_action() {
+        match parse(&[
+            "list",
+            "--state",
+            "held,unknown",
+            "--tool",
+            "refund",
+            "--json",
+        ])
+        .unwrap()
+        {
+            OpsCommand::List(a) => {
+                assert_eq!(a.state, vec!["held", "unknown"]);
+                assert_eq!(a.limit, actions::DEFAULT_LIMIT);
+                assert!(a.json);
+            }
+            other => panic!("{other:?}"),
+        }
+        let resolve = parse(&[
+            "resolve",
+            "north",
+            "refund-1",
+            "--receipt",
+            "{}",
+            "--operator",
+            "alice",
+            "--reason",
+            "checked",
+        ])
+        .unwrap();
+        assert!(matches!(
+            resolve,
+            OpsCommand::Resolve(ResolveArgs {
+                request_id: None,
+                ..
+            })
+        ));
+        assert!(parse(&[
+            "fail",
+            "north",
+            "r",
+            "--evidence",
+            "proof here",
+            "--operator",
+            "a"
+        ])
+        .is_ok());
+        assert!(parse(&["recheck", "north", "r", "--operator", "a", "--reason", "b"]).is_ok());
+        assert!(parse(&["show", "north", "r"]).is_ok());
+    }
+
+    #[test]
+    fn resolve_needs_a_receipt_and_an_operator() {
+        assert!(parse(&["resolve", "north", "r", "--operator", "a", "--reason", "b"]).is_err());
+        assert!(parse(&["resolve", "north", "r", "--receipt", "{}", "--reason", "b"]).is_err());
+        assert!(parse(&[
+            "resolve",
+            "north",
+            "r",
+            "--receipt",
+            "{}",
+            "--receipt-file",
+            "x",
+            "--operator",
+            "a",
+            "--reason",
+            "b"
+        ])
+        .is_err());
+    }
+
+    #[test]
+    fn table_has_a_header_and_a_row_per_operation() {
+        let view: OperationView = serde_json::from_value(serde_json::json!({
+            "id": 7, "tenant": "north", "action_id": "refund-1", "idempotency_key": "north:refund-1",
+            "tool": "refund", "state": "held", "fingerprint": "f", "arguments": null, "fence": 1,
+            "attempts": 1, "recovery_attempts": 0, "first_dispatch_at": null,
+            "replay_deadline": null, "next_attempt_at": null, "lease_owner": null,
+            "lease_until": null, "evidence": "line\nbreak", "receipt": null, "receipt_id": null,
+            "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z",
+            "state_since": "2026-01-01T00:00:00Z", "swept_at": null, "history": []
+        }))
+        .unwrap();
+        let out = table(&[view]);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].starts_with("ID"));
+        assert!(lines[1].contains("refund-1") && lines[1].contains("line break"));
+    }
 }

@@ -1,0 +1,160 @@
+//! Issue 3, the fault matrix of seed 003 ("Fault-test requirements"): four worker crash points
+//! plus "response dropped after the downstream committed", for each of the three capabilities.
+//! Real worker processes are SIGKILLed at named points and a fresh worker recovers; counts of
+//! mutations and write requests come from the reference downstream's tables.
+
+use std::time::Duration;
+
+use e2e::{cleanup, intent, Agent, Downstream, Env, Worker, WorkerOptions};
+use protocol::Status;
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Copy)]
+struct Expect {
+    mutations: i64,
+    writes: i64,
+    state: &'static str,
+}
+
+const fn ok(mutations: i64, writes: i64) -> Expect {
+    Expect {
+        mutations,
+        writes,
+        state: "succeeded",
+    }
+}
+
+const fn held(mutations: i64, writes: i64) -> Expect {
+    Expect {
+        mutations,
+        writes,
+        state: "held",
+    }
+}
+
+/// Crash at `point` (or, for "drop_after_commit", lose the response after the downstream
+/// committed), recover with a fresh worker, and check the seed's required outcome.
+async fn case(point: &str, tool: &str, expect: Expect) {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = env.standard_tools(ds.port, "");
+    let opts = WorkerOptions::new(tools);
+    let tenant = "north-shop";
+    let action = format!("{tool}-{point}");
+    let key = format!("{tenant}:{action}");
+    let args = json!({"order": "order-731", "amount_cents": 4850, "currency": "USD"});
+
+    let mut first = if point == "drop_after_commit" {
+        ds.fault(json!({"kind": "drop_after_commit", "key": key}))
+            .await;
+        Worker::start(&env, "w1", &opts).await
+    } else {
+        Worker::start(&env, "w1", &opts.clone().fault(point, Some(&action))).await
+    };
+    let mut agent = Agent::new(&env, &[tenant]).await;
+    agent.send(&intent(tenant, &action, tool, args)).await;
+    let _second = if point == "drop_after_commit" {
+        None
+    } else {
+        first
+            .wait_output(&format!("fault point reached: {point}"), T)
+            .await;
+        first.kill();
+        Some(Worker::start(&env, "w2", &opts).await)
+    };
+
+    let final_state = e2e::wait_for(&format!("{point}/{tool} to settle"), T, || async {
+        let s = env.state(tenant, &action).await;
+        (s == "succeeded" || s == "held" || s == "failed").then_some(s)
+    })
+    .await;
+    assert_eq!(
+        final_state, expect.state,
+        "{point}/{tool}: final ledger state"
+    );
+    let events = match expect.state {
+        "succeeded" => agent.until(tenant, &action, Status::Succeeded, T).await,
+        _ => agent.until(tenant, &action, Status::Pending, T).await,
+    };
+    // Let any stray retry show itself before counting.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        env.mutations(&key).await,
+        expect.mutations,
+        "{point}/{tool}: mutations"
+    );
+    assert_eq!(
+        env.writes(&key).await,
+        expect.writes,
+        "{point}/{tool}: write requests sent"
+    );
+    assert_eq!(
+        env.state(tenant, &action).await,
+        expect.state,
+        "{point}/{tool}: state is stable"
+    );
+    let row = env.operation(tenant, &action).await.unwrap();
+    let last = events.last().unwrap();
+    if expect.state == "succeeded" {
+        let original = env
+            .downstream_receipt(&key)
+            .await
+            .expect("downstream receipt");
+        assert_eq!(
+            row.receipt.as_ref(),
+            Some(&original),
+            "{point}/{tool}: ledger keeps the original receipt"
+        );
+        assert_eq!(
+            last.receipt.as_ref(),
+            Some(&original),
+            "{point}/{tool}: the agent gets the original receipt"
+        );
+    } else {
+        assert!(row.receipt.is_none());
+        assert!(
+            events
+                .iter()
+                .all(|e| e.status == Status::Pending && e.receipt.is_none()),
+            "{point}/{tool}: only pending answers, never a guess: {events:?}"
+        );
+        // Nothing more arrives that would claim success or failure.
+        if let Some(extra) = agent.try_next(tenant, Duration::from_millis(500)).await {
+            assert_eq!(extra.status, Status::Pending, "{point}/{tool}: {extra:?}");
+        }
+    }
+    drop(first);
+    cleanup(env).await;
+}
+
+macro_rules! matrix {
+    ($($name:ident: $point:literal, $tool:literal => $expect:expr;)*) => {
+        $(
+            #[tokio::test]
+            async fn $name() {
+                case($point, $tool, $expect).await;
+            }
+        )*
+    };
+}
+
+// refund = replay, ticket = lookup, deploy = none (tests/src/env.rs).
+matrix! {
+    after_prepared_replay: "after_prepared", "refund" => ok(1, 1);
+    after_prepared_lookup: "after_prepared", "ticket" => ok(1, 1);
+    after_prepared_none: "after_prepared", "deploy" => ok(1, 1);
+    after_dispatching_replay: "after_dispatching", "refund" => ok(1, 1);
+    after_dispatching_lookup: "after_dispatching", "ticket" => held(0, 0);
+    after_dispatching_none: "after_dispatching", "deploy" => held(0, 0);
+    after_response_replay: "after_response", "refund" => ok(1, 2);
+    after_response_lookup: "after_response", "ticket" => ok(1, 1);
+    after_response_none: "after_response", "deploy" => held(1, 1);
+    after_succeeded_replay: "after_succeeded", "refund" => ok(1, 1);
+    after_succeeded_lookup: "after_succeeded", "ticket" => ok(1, 1);
+    after_succeeded_none: "after_succeeded", "deploy" => ok(1, 1);
+    response_dropped_replay: "drop_after_commit", "refund" => ok(1, 2);
+    response_dropped_lookup: "drop_after_commit", "ticket" => ok(1, 1);
+    response_dropped_none: "drop_after_commit", "deploy" => held(1, 1);
+}

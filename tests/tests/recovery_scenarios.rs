@@ -1,0 +1,495 @@
+//! Issue 3, the named recovery scenarios: repeated recovery, racing workers, a paused sender
+//! and a late timeout, an expired replay window, a lookup miss, a receipt for the wrong
+//! operation, a ledger that refuses the receipt, a downstream restart, and the negative
+//! control proving the fault injection duplicates a conventional client's write.
+
+use std::time::Duration;
+
+use e2e::{cleanup, intent, Agent, Downstream, Env, Worker, WorkerOptions};
+use protocol::Status;
+use serde_json::json;
+use worker::ledger::{Ledger, NewOperation};
+
+const T: Duration = Duration::from_secs(30);
+const TENANT: &str = "north-shop";
+
+fn key(action: &str) -> String {
+    format!("{TENANT}:{action}")
+}
+
+async fn settled(env: &Env, action: &str) -> String {
+    e2e::wait_for(&format!("{action} to settle"), T, || async {
+        let s = env.state(TENANT, action).await;
+        matches!(s.as_str(), "succeeded" | "held" | "failed").then_some(s)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn recovery_run_twice_returns_identical_results_and_sends_nothing_more() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
+    ds.fault(json!({"kind": "drop_after_commit", "key": key("refund-1")}))
+        .await;
+    let mut w1 = Worker::start(&env, "w1", &opts).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-1",
+            "refund",
+            json!({"order": "o-1"}),
+        ))
+        .await;
+    let first = agent
+        .until(TENANT, "refund-1", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    let row = env.operation(TENANT, "refund-1").await.unwrap();
+    let writes = env.writes(&key("refund-1")).await;
+    // A second and third recovery pass (new workers, fresh memory) change nothing.
+    w1.kill();
+    let _w2 = Worker::start(&env, "w2", &opts).await;
+    let _w3 = Worker::start(&env, "w3", &opts).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let again = env.operation(TENANT, "refund-1").await.unwrap();
+    assert_eq!(
+        (again.state.as_str(), &again.receipt, again.fence),
+        ("succeeded", &row.receipt, row.fence)
+    );
+    assert_eq!(env.writes(&key("refund-1")).await, writes);
+    assert_eq!(env.mutations(&key("refund-1")).await, 1);
+    // Asking again answers from the ledger with the same receipt.
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-1",
+            "refund",
+            json!({"order": "o-1"}),
+        ))
+        .await;
+    let second = agent
+        .until(TENANT, "refund-1", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    assert_eq!(second.receipt, first.receipt);
+    assert_eq!(env.writes(&key("refund-1")).await, writes);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn workers_racing_on_prepared_operations_dispatch_each_once() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
+    // Rows left `prepared` (as by a crash before the claim), due at once.
+    let ledger = Ledger::connect(&env.db_url, 2).await.unwrap();
+    ledger.migrate().await.unwrap();
+    let mut new = Vec::new();
+    for tool in ["refund", "ticket", "deploy"] {
+        for i in 0..10 {
+            let args = json!({"order": format!("o-{i}")});
+            new.push(NewOperation {
+                tenant: TENANT.into(),
+                action_id: format!("{tool}-{i}"),
+                tool: tool.into(),
+                fingerprint: protocol::fingerprint(tool, &args),
+                arguments: protocol::canonical_json(&args),
+                call_id: None,
+                reply_to: None,
+            });
+        }
+    }
+    let admitted = ledger.admit(&new, "test", Duration::ZERO).await.unwrap();
+    assert!(admitted.iter().all(|a| a.inserted));
+    // Three workers start together and race for them.
+    let ws: Vec<Worker> = (0..3)
+        .map(|i| Worker::spawn(&env, &format!("w{i}"), &opts))
+        .collect();
+    for w in &ws {
+        w.wait_ready().await;
+    }
+    for n in &new {
+        assert_eq!(
+            settled(&env, &n.action_id).await,
+            "succeeded",
+            "{}",
+            n.action_id
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for n in &new {
+        assert_eq!(
+            env.mutations(&key(&n.action_id)).await,
+            1,
+            "{}",
+            n.action_id
+        );
+        assert_eq!(
+            env.writes(&key(&n.action_id)).await,
+            1,
+            "{}: one send",
+            n.action_id
+        );
+    }
+    drop(ws);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn paused_sender_resumes_after_recovery_and_cannot_change_the_receipt() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
+    // A stops right after its claim committed (before sending) and stays paused past its lease.
+    let a = Worker::start(
+        &env,
+        "a",
+        &opts.clone().fault("after_dispatching", Some("refund-p")),
+    )
+    .await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-p",
+            "refund",
+            json!({"order": "o-p"}),
+        ))
+        .await;
+    a.wait_output("fault point reached: after_dispatching", T)
+        .await;
+    // B expires A's lease, recovers by replay with the original key.
+    let b = Worker::start(&env, "b", &opts).await;
+    let recovered = agent
+        .until(TENANT, "refund-p", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    let row = env.operation(TENANT, "refund-p").await.unwrap();
+    // A resumes, sends its (stale) request with the same key and gets the replayed receipt.
+    a.resume();
+    a.wait_output("fault point resumed", T).await;
+    e2e::wait_for("A's late send", T, || async {
+        (env.writes(&key("refund-p")).await >= 2).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = env.operation(TENANT, "refund-p").await.unwrap();
+    assert_eq!(env.mutations(&key("refund-p")).await, 1);
+    assert_eq!(after.state, "succeeded");
+    assert_eq!(
+        after.receipt, row.receipt,
+        "the final receipt is the original"
+    );
+    assert_eq!(after.receipt, recovered.receipt);
+    assert_eq!(
+        after.receipt,
+        env.downstream_receipt(&key("refund-p")).await
+    );
+    drop((a, b));
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn a_late_timeout_never_overwrites_succeeded() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    // Lease 1 s, tool timeout 2 s: the lease expires and recovery succeeds while the first
+    // request is still waiting; its timeout arrives afterwards with a stale fence.
+    let opts = WorkerOptions {
+        lease_secs: 1,
+        ..WorkerOptions::new(env.standard_tools(ds.port, ""))
+    };
+    ds.fault(json!({"kind": "slow_after_commit", "key": key("refund-s"), "delay_ms": 4000}))
+        .await;
+    let w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-s",
+            "refund",
+            json!({"order": "o-s"}),
+        ))
+        .await;
+    agent.until(TENANT, "refund-s", Status::Succeeded, T).await;
+    let row = env.operation(TENANT, "refund-s").await.unwrap();
+    // The first request times out at ~2 s; give it time to try to write.
+    e2e::wait_for("the stale timeout", T, || async {
+        w.output
+            .contains("outcome discarded: the operation moved on")
+            .then_some(())
+    })
+    .await;
+    let after = env.operation(TENANT, "refund-s").await.unwrap();
+    assert_eq!(after.state, "succeeded");
+    assert_eq!(after.receipt, row.receipt);
+    assert_eq!(env.mutations(&key("refund-s")).await, 1);
+    drop(w);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn expired_replay_window_holds_without_a_new_send() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let base = format!("http://127.0.0.1:{}", ds.port);
+    let tools = env.write_tools(&format!(
+        "[tools.refund]\nurl = \"{base}/replay/refunds\"\nrecovery = \"replay\"\nreplay_window_secs = 2\nreplay_safety_margin_secs = 1\n\
+         receipt_id = \"/receipt_id\"\nreceipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\ntimeout_ms = 2000\n\
+         retry = {{ initial_delay_ms = 2500, max_delay_ms = 5000 }}\n"
+    ));
+    ds.fault(json!({"kind": "drop_after_commit", "key": key("refund-w")}))
+        .await;
+    let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-w",
+            "refund",
+            json!({"order": "o-w"}),
+        ))
+        .await;
+    let pending = agent.next(TENANT, T).await;
+    assert_eq!(pending.status, Status::Pending);
+    assert_eq!(settled(&env, "refund-w").await, "held");
+    let row = env.operation(TENANT, "refund-w").await.unwrap();
+    assert!(row
+        .evidence
+        .unwrap_or_default()
+        .contains("replay window closed"));
+    assert_eq!(
+        env.writes(&key("refund-w")).await,
+        1,
+        "no replay after the window"
+    );
+    assert_eq!(env.mutations(&key("refund-w")).await, 1);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn lookup_miss_after_a_committed_write_stays_unknown_then_recovers_the_original() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
+    ds.fault(json!({"kind": "drop_after_commit", "key": key("ticket-m")}))
+        .await;
+    ds.fault(json!({"kind": "lookup_miss", "on": "lookup", "key": key("ticket-m"), "times": 2}))
+        .await;
+    let _w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "ticket-m",
+            "ticket",
+            json!({"title": "printer on fire"}),
+        ))
+        .await;
+    let events = agent.until(TENANT, "ticket-m", Status::Succeeded, T).await;
+    assert_eq!(events.first().unwrap().status, Status::Pending);
+    let history: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT h.to_state, h.evidence FROM operation_history h JOIN operations o ON o.id = h.operation_id
+         WHERE o.action_id = 'ticket-m' ORDER BY h.id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    let misses = history
+        .iter()
+        .filter(|(s, e)| s == "unknown" && e.as_deref().unwrap_or("").contains("lookup miss"))
+        .count();
+    assert!(misses >= 1, "a miss left it unknown: {history:?}");
+    assert_eq!(
+        env.writes(&key("ticket-m")).await,
+        1,
+        "a lookup never resends the write"
+    );
+    assert_eq!(env.lookups(&key("ticket-m")).await, 3);
+    assert_eq!(env.mutations(&key("ticket-m")).await, 1);
+    assert_eq!(
+        events.last().unwrap().receipt,
+        env.downstream_receipt(&key("ticket-m")).await
+    );
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn receipt_for_the_wrong_operation_is_rejected_and_recovery_returns_the_original() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
+    ds.fault(json!({"kind": "wrong_receipt", "key": key("refund-x")}))
+        .await;
+    let _w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-x",
+            "refund",
+            json!({"order": "o-x"}),
+        ))
+        .await;
+    let events = agent.until(TENANT, "refund-x", Status::Succeeded, T).await;
+    assert_eq!(
+        events.first().unwrap().status,
+        Status::Pending,
+        "the wrong receipt was not taken"
+    );
+    let evidence: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT h.evidence FROM operation_history h JOIN operations o ON o.id = h.operation_id WHERE o.action_id = 'refund-x'",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert!(
+        evidence
+            .iter()
+            .flatten()
+            .any(|e| e.contains("another operation")),
+        "{evidence:?}"
+    );
+    let original = env.downstream_receipt(&key("refund-x")).await.unwrap();
+    let row = env.operation(TENANT, "refund-x").await.unwrap();
+    assert_eq!(row.receipt.as_ref(), Some(&original));
+    assert_eq!(events.last().unwrap().receipt.as_ref(), Some(&original));
+    assert_ne!(
+        original["idempotency_key"],
+        json!("someone-else:other-action")
+    );
+    assert_eq!(env.mutations(&key("refund-x")).await, 1);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn ledger_refusing_the_receipt_leaves_pending_until_repaired() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = env.standard_tools(ds.port, "");
+    let text = std::fs::read_to_string(&tools)
+        .unwrap()
+        .replace("recovery_attempts = 3", "recovery_attempts = 50");
+    std::fs::write(&tools, text).unwrap();
+    let opts = WorkerOptions::new(tools);
+    let _w = Worker::start(&env, "w", &opts).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_success() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'ledger refuses succeeded (test)'; END $$;
+         CREATE TRIGGER refuse_success BEFORE UPDATE ON operations FOR EACH ROW
+         WHEN (NEW.state = 'succeeded') EXECUTE FUNCTION refuse_success();",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-l",
+            "refund",
+            json!({"order": "o-l"}),
+        ))
+        .await;
+    let pending = agent.next(TENANT, T).await;
+    assert_eq!(pending.status, Status::Pending);
+    assert_eq!(env.state(TENANT, "refund-l").await, "unknown");
+    assert_eq!(env.mutations(&key("refund-l")).await, 1);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_ne!(env.state(TENANT, "refund-l").await, "succeeded");
+    // Repair: recovery now stores the original receipt.
+    sqlx::raw_sql("DROP TRIGGER refuse_success ON operations")
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let done = agent
+        .until(TENANT, "refund-l", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    assert_eq!(done.receipt, env.downstream_receipt(&key("refund-l")).await);
+    assert_eq!(env.mutations(&key("refund-l")).await, 1);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn downstream_restart_between_dropped_response_and_recovery_replays_the_original() {
+    let env = Env::new().await;
+    let mut ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, "").clone()).env("RUST_LOG", "info");
+    // Slow first recovery round so the restart happens in between.
+    let tools = env.standard_tools(ds.port, "");
+    let text = std::fs::read_to_string(&tools).unwrap().replace(
+        "initial_delay_ms = 100, max_delay_ms = 1000",
+        "initial_delay_ms = 2000, max_delay_ms = 4000",
+    );
+    std::fs::write(&tools, text).unwrap();
+    ds.fault(json!({"kind": "drop_after_commit", "key": key("refund-r")}))
+        .await;
+    let _w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-r",
+            "refund",
+            json!({"order": "o-r"}),
+        ))
+        .await;
+    assert_eq!(agent.next(TENANT, T).await.status, Status::Pending);
+    ds.restart().await;
+    let done = agent
+        .until(TENANT, "refund-r", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    assert_eq!(done.receipt, env.downstream_receipt(&key("refund-r")).await);
+    assert_eq!(env.mutations(&key("refund-r")).await, 1);
+    assert_eq!(env.writes(&key("refund-r")).await, 2);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn negative_control_a_fresh_key_retry_duplicates_the_write() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    ds.fault(json!({"kind": "drop_after_commit", "key": "conventional-1"}))
+        .await;
+    let client = reqwest::Client::new();
+    let url = format!("http://127.0.0.1:{}/replay/refunds", ds.port);
+    let body = r#"{"order":"order-731","amount_cents":4850}"#;
+    let first = client
+        .post(&url)
+        .header("Idempotency-Key", "conventional-1")
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await;
+    assert!(first.is_err(), "the response was dropped");
+    // What a conventional client does next: retry with a fresh key.
+    let second = client
+        .post(&url)
+        .header("Idempotency-Key", "conventional-2")
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert!(second.status().is_success());
+    let mutations: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM downstream.mutations WHERE arguments->>'order' = 'order-731'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        mutations, 2,
+        "the fault injection is real: a fresh key duplicates the refund"
+    );
+    cleanup(env).await;
+}

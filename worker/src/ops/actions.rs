@@ -1,0 +1,537 @@
+//! The operator actions and the agent status query, shared by the HTTP API and the CLI: list,
+//! show, status, resolve, fail, recheck. Input is validated here; every state change goes
+//! through the ledger's one conditional statement per action, idempotent by request id.
+
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::adapter::Request;
+use crate::context::Context;
+use crate::ledger::outbox::stored_result;
+use crate::ledger::queries::HistoryEntry;
+use crate::ledger::{
+    Ledger, LedgerError, Operation, OperatorChange, OperatorOutcome, OperatorRequest, State,
+    UnresolvedFilter,
+};
+use crate::recovery::scheduler;
+
+/// Default page size of the listing.
+pub const DEFAULT_LIMIT: i64 = 50;
+/// Largest page size of the listing.
+pub const MAX_LIMIT: i64 = 500;
+/// Shortest evidence accepted for marking an operation failed.
+pub const MIN_EVIDENCE_CHARS: usize = 10;
+const MAX_NAME_CHARS: usize = 100;
+const MAX_REQUEST_ID_CHARS: usize = 200;
+const MAX_TEXT_CHARS: usize = 4000;
+
+/// Why an operator action or query did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// The input is incomplete or malformed; nothing was read or written.
+    #[error("{0}")]
+    BadRequest(String),
+    /// No such operation (or not visible to the caller).
+    #[error("operation {tenant}/{action_id} not found")]
+    NotFound { tenant: String, action_id: String },
+    /// The operation is not in a state the action may change, or the request id was used for
+    /// something else. Nothing was written.
+    #[error("{message}")]
+    Conflict {
+        message: String,
+        state: Option<State>,
+    },
+    /// The receipt does not belong to the operation (the tool's receipt match failed); nothing
+    /// was stored.
+    #[error("receipt refused: {0}")]
+    ReceiptMismatch(String),
+    /// The operation's tool is not configured here, so its receipt check or recovery cannot run.
+    #[error("tool {0:?} is not configured on this worker (WORKER_TOOLS)")]
+    ToolNotConfigured(String),
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+}
+
+/// The detail view of one operation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OperationView {
+    pub id: i64,
+    pub tenant: String,
+    pub action_id: String,
+    /// The downstream idempotency key, `<tenant>:<action_id>`.
+    pub idempotency_key: String,
+    pub tool: String,
+    pub state: String,
+    pub fingerprint: String,
+    /// The saved arguments; null once retention removed them.
+    pub arguments: Option<serde_json::Value>,
+    pub fence: i64,
+    pub attempts: i32,
+    pub recovery_attempts: i32,
+    pub first_dispatch_at: Option<DateTime<Utc>>,
+    pub replay_deadline: Option<DateTime<Utc>>,
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub lease_owner: Option<String>,
+    pub lease_until: Option<DateTime<Utc>>,
+    pub evidence: Option<String>,
+    pub receipt: Option<serde_json::Value>,
+    pub receipt_id: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub state_since: DateTime<Utc>,
+    pub swept_at: Option<DateTime<Utc>>,
+    pub history: Vec<HistoryView>,
+}
+
+/// One history entry: who (`actor`), when (`at`), why (`evidence`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HistoryView {
+    pub at: DateTime<Utc>,
+    pub from_state: Option<String>,
+    pub to_state: String,
+    pub fence: i64,
+    pub actor: String,
+    pub evidence: Option<String>,
+}
+
+impl From<HistoryEntry> for HistoryView {
+    fn from(h: HistoryEntry) -> Self {
+        HistoryView {
+            at: h.at,
+            from_state: h.from_state,
+            to_state: h.to_state,
+            fence: h.fence,
+            actor: h.actor,
+            evidence: h.evidence,
+        }
+    }
+}
+
+impl OperationView {
+    pub fn new(op: &Operation, history: Vec<HistoryEntry>) -> OperationView {
+        OperationView {
+            id: op.id,
+            tenant: op.tenant.clone(),
+            action_id: op.action_id.clone(),
+            idempotency_key: op.idempotency_key(),
+            tool: op.tool.clone(),
+            state: op.state().as_str().to_string(),
+            fingerprint: op.fingerprint.clone(),
+            arguments: op.arguments.as_deref().map(|a| {
+                serde_json::from_str(a).unwrap_or_else(|_| serde_json::Value::String(a.into()))
+            }),
+            fence: op.fence,
+            attempts: op.attempts,
+            recovery_attempts: op.recovery_attempts,
+            first_dispatch_at: op.first_dispatch_at,
+            replay_deadline: op.replay_deadline,
+            next_attempt_at: op.next_attempt_at,
+            lease_owner: op.lease_owner.clone(),
+            lease_until: op.lease_until,
+            evidence: op.evidence.clone(),
+            receipt: op.receipt.clone(),
+            receipt_id: op.receipt_id.clone(),
+            created_at: op.created_at,
+            updated_at: op.updated_at,
+            state_since: op.state_since,
+            swept_at: op.swept_at,
+            history: history.into_iter().map(HistoryView::from).collect(),
+        }
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).expect("views serialize")
+    }
+}
+
+/// Listing parameters as the API query string and the CLI give them.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListParams {
+    /// One unresolved state or several separated by commas; default all unresolved states.
+    pub state: Option<String>,
+    pub tool: Option<String>,
+    pub older_than_secs: Option<u64>,
+    pub limit: Option<i64>,
+    /// Cursor: the `next_after` of the previous page.
+    pub after: Option<i64>,
+}
+
+/// One page of the listing.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ListPage {
+    pub operations: Vec<OperationView>,
+    /// Pass as `after` for the next page; null when this page was the last.
+    pub next_after: Option<i64>,
+}
+
+/// Body of a resolve request.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResolveInput {
+    pub receipt: Option<serde_json::Value>,
+    pub operator: Option<String>,
+    pub reason: Option<String>,
+    pub request_id: Option<String>,
+}
+
+/// Body of a fail request.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailInput {
+    pub evidence: Option<String>,
+    pub operator: Option<String>,
+    pub request_id: Option<String>,
+}
+
+/// Body of a recheck request.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecheckInput {
+    pub operator: Option<String>,
+    pub reason: Option<String>,
+    pub request_id: Option<String>,
+}
+
+/// The answer to an operator action: the operation's detail view after it.
+#[derive(Debug, Clone)]
+pub struct ActionResponse {
+    pub body: serde_json::Value,
+    /// True when the request id had been seen: nothing changed, `body` is the stored response.
+    pub repeated: bool,
+}
+
+fn bad(msg: impl Into<String>) -> OpsError {
+    OpsError::BadRequest(msg.into())
+}
+
+fn required_text(field: &str, value: Option<String>, max: usize) -> Result<String, OpsError> {
+    let value = value.map(|v| v.trim().to_string()).unwrap_or_default();
+    if value.is_empty() {
+        return Err(bad(format!("{field} is required")));
+    }
+    if value.chars().count() > max {
+        return Err(bad(format!("{field} is longer than {max} characters")));
+    }
+    Ok(value)
+}
+
+fn name(field: &str, value: Option<String>, max: usize) -> Result<String, OpsError> {
+    let value = required_text(field, value, max)?;
+    if value.chars().any(char::is_control) {
+        return Err(bad(format!("{field} must not contain control characters")));
+    }
+    Ok(value)
+}
+
+fn parse_states(raw: Option<&str>) -> Result<Vec<State>, OpsError> {
+    let mut states = Vec::new();
+    for part in raw.unwrap_or("").split(',').map(str::trim) {
+        if part.is_empty() {
+            continue;
+        }
+        match State::parse(part).filter(|s| State::UNRESOLVED.contains(s)) {
+            Some(s) if !states.contains(&s) => states.push(s),
+            Some(_) => {}
+            None => {
+                return Err(bad(format!(
+                    "state {part:?} is not an unresolved state: expected dispatching, retry_wait, unknown or held"
+                )))
+            }
+        }
+    }
+    Ok(states)
+}
+
+/// Unresolved operations (dispatching, retry_wait, unknown, held), oldest id first, one page.
+pub async fn list(ledger: &Ledger, params: ListParams) -> Result<ListPage, OpsError> {
+    let states = parse_states(params.state.as_deref())?;
+    let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
+    if limit < 1 {
+        return Err(bad(format!("limit must be between 1 and {MAX_LIMIT}")));
+    }
+    let limit = limit.min(MAX_LIMIT);
+    if params.after.is_some_and(|a| a < 0) {
+        return Err(bad("after must be an operation id (0 or more)"));
+    }
+    let filter = UnresolvedFilter {
+        states,
+        tool: params.tool.filter(|t| !t.trim().is_empty()),
+        older_than_secs: params.older_than_secs.map(|s| s as f64),
+        after: params.after,
+        limit,
+    };
+    let ops = ledger.list_unresolved(&filter).await?;
+    let ids: Vec<i64> = ops.iter().map(|o| o.id).collect();
+    let mut histories = ledger.histories(&ids).await?;
+    let next_after = (ops.len() as i64 == limit)
+        .then(|| ops.last().map(|o| o.id))
+        .flatten();
+    let operations = ops
+        .iter()
+        .map(|op| OperationView::new(op, histories.remove(&op.id).unwrap_or_default()))
+        .collect();
+    Ok(ListPage {
+        operations,
+        next_after,
+    })
+}
+
+async fn find(ledger: &Ledger, tenant: &str, action_id: &str) -> Result<Operation, OpsError> {
+    ledger
+        .find(tenant, action_id)
+        .await?
+        .ok_or_else(|| OpsError::NotFound {
+            tenant: tenant.to_string(),
+            action_id: action_id.to_string(),
+        })
+}
+
+/// One operation with its history.
+pub async fn show(
+    ledger: &Ledger,
+    tenant: &str,
+    action_id: &str,
+) -> Result<OperationView, OpsError> {
+    let op = find(ledger, tenant, action_id).await?;
+    let history = ledger.history(op.id).await?;
+    Ok(OperationView::new(&op, history))
+}
+
+/// The status query: the result event the operation answers with now (the same shape the agent
+/// receives), plus the detail view under `"operation"` when `with_operation` (admin callers).
+pub async fn status(
+    ledger: &Ledger,
+    tenant: &str,
+    action_id: &str,
+    with_operation: bool,
+) -> Result<serde_json::Value, OpsError> {
+    let op = find(ledger, tenant, action_id).await?;
+    let event = stored_result(&op).event;
+    let mut body = serde_json::to_value(&event).expect("result events serialize");
+    if with_operation {
+        let history = ledger.history(op.id).await?;
+        body["operation"] = OperationView::new(&op, history).to_json();
+    }
+    Ok(body)
+}
+
+/// What the receipt check needs: the stable key and identity (the body is not consulted).
+fn receipt_request(op: &Operation) -> Request {
+    Request {
+        tenant: op.tenant.clone(),
+        action_id: op.action_id.clone(),
+        tool: op.tool.clone(),
+        idempotency_key: op.idempotency_key(),
+        body: op.arguments.clone().unwrap_or_default(),
+    }
+}
+
+fn respond(op: &Operation, history: Vec<HistoryEntry>) -> serde_json::Value {
+    OperationView::new(op, history).to_json()
+}
+
+/// Maps what the ledger did to the caller's answer.
+fn answer(
+    outcome: OperatorOutcome,
+    action: &str,
+    allowed: &str,
+) -> Result<(ActionResponse, Option<Operation>), OpsError> {
+    match outcome {
+        OperatorOutcome::Applied {
+            operation,
+            response,
+        } => Ok((
+            ActionResponse {
+                body: response,
+                repeated: false,
+            },
+            Some(operation),
+        )),
+        OperatorOutcome::Repeated { response } => Ok((
+            ActionResponse {
+                body: response,
+                repeated: true,
+            },
+            None,
+        )),
+        OperatorOutcome::RequestIdReused {
+            action: prev,
+            operation_id,
+        } => Err(OpsError::Conflict {
+            message: format!(
+                "request_id was already used for {prev} on operation {operation_id}; use a new request_id for a new request"
+            ),
+            state: None,
+        }),
+        OperatorOutcome::Refused { current } => Err(OpsError::Conflict {
+            message: format!(
+                "operation {}/{} is {}; {action} is allowed from {allowed}; nothing was changed",
+                current.tenant,
+                current.action_id,
+                current.state()
+            ),
+            state: Some(current.state()),
+        }),
+    }
+}
+
+fn log_applied(op: &Operation, action: &str, request: &OperatorRequest) {
+    metrics::counter!(crate::telemetry::metrics::TRANSITIONS, "state" => op.state().as_str())
+        .increment(1);
+    tracing::info!(
+        tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool, state = %op.state(),
+        operator = %request.operator, request_id = %request.request_id, action,
+        "operator action applied"
+    );
+}
+
+/// Resolves an unresolved operation as `succeeded` with a receipt that passes the tool's
+/// receipt match; emits the `succeeded` result event in the same commit.
+pub async fn resolve(
+    ctx: &Arc<Context>,
+    tenant: &str,
+    action_id: &str,
+    input: ResolveInput,
+) -> Result<ActionResponse, OpsError> {
+    let operator = name("operator", input.operator, MAX_NAME_CHARS)?;
+    let request_id = name("request_id", input.request_id, MAX_REQUEST_ID_CHARS)?;
+    let reason = required_text("reason", input.reason, MAX_TEXT_CHARS)?;
+    let receipt = match input.receipt {
+        None | Some(serde_json::Value::Null) => return Err(bad("receipt is required")),
+        Some(r) => r,
+    };
+    let op = find(&ctx.ledger, tenant, action_id).await?;
+    let tool = ctx
+        .tools
+        .get(&op.tool)
+        .ok_or_else(|| OpsError::ToolNotConfigured(op.tool.clone()))?;
+    let receipt_id = tool
+        .adapter
+        .check_receipt(&receipt_request(&op), &receipt)
+        .map_err(OpsError::ReceiptMismatch)?;
+    let request = OperatorRequest {
+        request_id,
+        operator,
+        reason,
+    };
+    let outcome = ctx
+        .ledger
+        .operator_apply(
+            op.id,
+            &request,
+            &OperatorChange::Resolve {
+                receipt,
+                receipt_id,
+            },
+            respond,
+        )
+        .await?;
+    let (response, applied) = answer(
+        outcome,
+        "resolve",
+        "held, unknown, retry_wait or dispatching",
+    )?;
+    if let Some(op) = applied {
+        log_applied(&op, "resolve", &request);
+        ctx.relay_wake.notify_one();
+    }
+    Ok(response)
+}
+
+/// Marks an unresolved operation `failed` with the operator's written evidence; emits the
+/// `failed` result event in the same commit.
+pub async fn fail(
+    ctx: &Arc<Context>,
+    tenant: &str,
+    action_id: &str,
+    input: FailInput,
+) -> Result<ActionResponse, OpsError> {
+    let operator = name("operator", input.operator, MAX_NAME_CHARS)?;
+    let request_id = name("request_id", input.request_id, MAX_REQUEST_ID_CHARS)?;
+    let evidence = required_text("evidence", input.evidence, MAX_TEXT_CHARS)?;
+    if evidence.chars().count() < MIN_EVIDENCE_CHARS {
+        return Err(bad(format!(
+            "evidence must describe the downstream's proof in at least {MIN_EVIDENCE_CHARS} characters"
+        )));
+    }
+    let op = find(&ctx.ledger, tenant, action_id).await?;
+    let request = OperatorRequest {
+        request_id,
+        operator,
+        reason: evidence.clone(),
+    };
+    let outcome = ctx
+        .ledger
+        .operator_apply(op.id, &request, &OperatorChange::Fail { evidence }, respond)
+        .await?;
+    let (response, applied) = answer(outcome, "fail", "held, unknown or retry_wait")?;
+    if let Some(op) = applied {
+        log_applied(&op, "fail", &request);
+        ctx.relay_wake.notify_one();
+    }
+    Ok(response)
+}
+
+/// Asks for a recovery round now: `held` gets exactly one more round (`unknown`, due now),
+/// `unknown` becomes due now; then the round runs here through the scheduler's own rules and
+/// fences, and the response shows the row after it.
+pub async fn recheck(
+    ctx: &Arc<Context>,
+    tenant: &str,
+    action_id: &str,
+    input: RecheckInput,
+) -> Result<ActionResponse, OpsError> {
+    let operator = name("operator", input.operator, MAX_NAME_CHARS)?;
+    let request_id = name("request_id", input.request_id, MAX_REQUEST_ID_CHARS)?;
+    let reason = required_text("reason", input.reason, MAX_TEXT_CHARS)?;
+    let op = find(&ctx.ledger, tenant, action_id).await?;
+    let tool = ctx
+        .tools
+        .get(&op.tool)
+        .ok_or_else(|| OpsError::ToolNotConfigured(op.tool.clone()))?;
+    let held_recovery_attempts = (tool.config.recovery_attempts as i32 - 1).max(0);
+    let request = OperatorRequest {
+        request_id,
+        operator,
+        reason,
+    };
+    let outcome = ctx
+        .ledger
+        .operator_apply(
+            op.id,
+            &request,
+            &OperatorChange::Recheck {
+                held_recovery_attempts,
+            },
+            respond,
+        )
+        .await?;
+    let (response, applied) = answer(
+        outcome,
+        "recheck",
+        "held, or unknown while no recovery round is running",
+    )?;
+    let Some(op) = applied else {
+        return Ok(response);
+    };
+    log_applied(&op, "recheck", &request);
+    let after = scheduler::recover_now(ctx, op.id)
+        .await?
+        .ok_or_else(|| OpsError::NotFound {
+            tenant: tenant.to_string(),
+            action_id: action_id.to_string(),
+        })?;
+    let history = ctx.ledger.history(after.id).await?;
+    let body = OperationView::new(&after, history).to_json();
+    ctx.ledger
+        .update_operator_response(&request.request_id, &body)
+        .await?;
+    ctx.relay_wake.notify_one();
+    Ok(ActionResponse {
+        body,
+        repeated: false,
+    })
+}
