@@ -53,6 +53,36 @@ impl Agent {
         }
     }
 
+    /// Declares the worker's topology (as a worker would at start-up) and then connects, for
+    /// tests that publish before any worker runs.
+    pub async fn new_after(
+        env: &Env,
+        tenants: &[&str],
+        opts: &crate::procs::WorkerOptions,
+    ) -> Agent {
+        let t = &env.topology;
+        let topology = worker::config::Topology {
+            intents_exchange: t.intents_exchange.clone(),
+            intents_queue: t.intents_queue.clone(),
+            results_exchange: t.results_exchange.clone(),
+            dead_letter_exchange: t.dead_letter_exchange.clone(),
+            dead_letter_queue: t.dead_letter_queue.clone(),
+            delivery_limit: opts.delivery_limit,
+            queue_delivery_limit: worker::config::Topology::default_queue_delivery_limit(
+                opts.delivery_limit,
+            ),
+        };
+        let conn = worker::amqp::connect(&env.amqp_url, "e2e-setup")
+            .await
+            .expect("connect");
+        let ch = conn.create_channel().await.expect("channel");
+        worker::amqp::topology::declare(&ch, &topology)
+            .await
+            .expect("declare topology");
+        let _ = conn.close(200, "".into()).await;
+        Agent::new(env, tenants).await
+    }
+
     pub async fn send(&self, intent: &Intent) {
         self.publisher
             .publish(intent)

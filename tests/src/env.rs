@@ -116,7 +116,8 @@ impl Env {
         .bind(action_id)
         .fetch_optional(&self.pool)
         .await
-        .unwrap()
+        // Before the first worker migrated, there is no ledger yet: nothing recorded.
+        .unwrap_or(None)
     }
 
     /// State of an operation, or "" when absent.

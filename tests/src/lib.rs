@@ -16,5 +16,5 @@ pub mod wait;
 
 pub use agent::{cleanup, intent, Agent};
 pub use env::{Env, Topology};
-pub use procs::{metric_value, Downstream, Worker, WorkerOptions};
+pub use procs::{free_port, metric_value, Downstream, Worker, WorkerOptions};
 pub use wait::wait_for;

@@ -30,7 +30,8 @@ pub fn bin_dir() -> PathBuf {
     dir
 }
 
-fn free_port() -> u16 {
+/// A port nothing listens on (yet).
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -75,6 +76,8 @@ pub struct WorkerOptions {
     /// Fault point name and optional action id (see worker/src/fault.rs).
     pub fault: Option<(String, Option<String>)>,
     pub metrics: bool,
+    /// Admin API bearer token; the API listens on a free port when set.
+    pub admin_token: Option<String>,
     pub extra_env: BTreeMap<String, String>,
 }
 
@@ -88,6 +91,7 @@ impl WorkerOptions {
             delivery_limit: 5,
             fault: None,
             metrics: false,
+            admin_token: None,
             extra_env: BTreeMap::new(),
         }
     }
@@ -99,6 +103,11 @@ impl WorkerOptions {
 
     pub fn with_metrics(mut self) -> Self {
         self.metrics = true;
+        self
+    }
+
+    pub fn with_admin(mut self, token: &str) -> Self {
+        self.admin_token = Some(token.to_string());
         self
     }
 
@@ -114,6 +123,7 @@ pub struct Worker {
     pub name: String,
     pub output: Output,
     pub metrics_port: Option<u16>,
+    pub admin_port: Option<u16>,
 }
 
 impl Worker {
@@ -128,6 +138,7 @@ impl Worker {
     pub fn spawn(env: &Env, name: &str, opts: &WorkerOptions) -> Worker {
         let t = &env.topology;
         let metrics_port = opts.metrics.then(free_port);
+        let admin_port = opts.admin_token.as_ref().map(|_| free_port());
         let mut cmd = Command::new(bin_dir().join("worker"));
         cmd.arg("run")
             .env_clear()
@@ -150,7 +161,10 @@ impl Worker {
             .env("WORKER_DEAD_LETTER_EXCHANGE", &t.dead_letter_exchange)
             .env("WORKER_DEAD_LETTER_QUEUE", &t.dead_letter_queue)
             .env("WORKER_SHUTDOWN_GRACE_SECS", "5")
-            .env("WORKER_ADMIN_ADDR", "off")
+            .env(
+                "WORKER_ADMIN_ADDR",
+                admin_port.map_or("off".to_string(), |p| format!("127.0.0.1:{p}")),
+            )
             .env(
                 "METRICS_ADDR",
                 metrics_port.map_or("off".to_string(), |p| format!("127.0.0.1:{p}")),
@@ -162,6 +176,9 @@ impl Worker {
             if let Some(a) = action {
                 cmd.env("WORKER_FAULT_ACTION", a);
             }
+        }
+        if let Some(token) = &opts.admin_token {
+            cmd.env("WORKER_ADMIN_TOKEN", token);
         }
         for (k, v) in &opts.extra_env {
             cmd.env(k, v);
@@ -175,6 +192,7 @@ impl Worker {
             name: name.to_string(),
             output,
             metrics_port,
+            admin_port,
         }
     }
 
@@ -296,6 +314,11 @@ pub struct Downstream {
 impl Downstream {
     pub async fn start(env: &Env) -> Downstream {
         Downstream::start_on(&env.db_url, 0).await
+    }
+
+    /// Starts on a given port (e.g. one a worker was already refused on).
+    pub async fn start_at(env: &Env, port: u16) -> Downstream {
+        Downstream::start_on(&env.db_url, port).await
     }
 
     async fn start_on(db_url: &str, port: u16) -> Downstream {

@@ -43,9 +43,21 @@ pub struct Topology {
     pub dead_letter_exchange: String,
     /// Queue holding dead-lettered intents for inspection.
     pub dead_letter_queue: String,
-    /// Deliveries of one message before it is dead-lettered (queue `x-delivery-limit` and the
-    /// worker's own redelivery count).
+    /// Deliveries of one message the worker starts before it dead-letters the message instead
+    /// (counted in Postgres; only deliveries it actually began processing count).
     pub delivery_limit: u32,
+    /// The queue's `x-delivery-limit`: the broker's backstop. The broker also counts returns of
+    /// messages a crashed worker had prefetched but not started, so it must be looser than
+    /// `delivery_limit` or innocent neighbours of a poison message would be dead-lettered.
+    pub queue_delivery_limit: u32,
+}
+
+impl Topology {
+    /// Default broker backstop for a worker limit: four times it, at least 20 (RabbitMQ 4.x's
+    /// own default).
+    pub fn default_queue_delivery_limit(delivery_limit: u32) -> u32 {
+        delivery_limit.saturating_mul(4).max(20)
+    }
 }
 
 /// Everything the worker process needs to run.
@@ -227,6 +239,10 @@ impl Settings {
                 dead_letter_queue: var("WORKER_DEAD_LETTER_QUEUE")
                     .unwrap_or_else(|| "intents.dead".into()),
                 delivery_limit,
+                queue_delivery_limit: parse(
+                    "WORKER_QUEUE_DELIVERY_LIMIT",
+                    Topology::default_queue_delivery_limit(delivery_limit),
+                )?,
             },
             lease: positive_secs("WORKER_LEASE_SECS", 30)?,
             recovery_interval: Duration::from_millis(recovery_ms.max(10)),

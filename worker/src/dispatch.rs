@@ -227,11 +227,13 @@ pub async fn finish(
             if matches!(transition, Transition::RetryWait { .. }) {
                 counter!(m::RETRIES_SCHEDULED, "tool" => new.tool.clone()).increment(1);
             }
-            tracing::info!(
-                tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
-                state = %new.state(), fence = new.fence, attempts = new.attempts,
-                evidence = new.evidence.as_deref().unwrap_or(""), "operation updated"
-            );
+            if !matches!(transition, Transition::Defer { .. }) {
+                tracing::info!(
+                    tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
+                    state = %new.state(), fence = new.fence, attempts = new.attempts,
+                    evidence = new.evidence.as_deref().unwrap_or(""), "operation updated"
+                );
+            }
             if new.state() == State::Succeeded {
                 fault::point("after_succeeded", &new.action_id);
             }

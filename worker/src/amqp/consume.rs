@@ -4,7 +4,8 @@
 //!
 //! A redelivered message is processed alone, after counting the redelivery in Postgres: a
 //! message that crashes workers is dead-lettered once it reaches the delivery limit, whatever
-//! the broker version counts (RabbitMQ 4.3 no longer counts a consumer crash).
+//! the broker version counts (RabbitMQ 4.3 no longer counts a consumer crash, and every version
+//! counts returns of prefetched messages that were never started).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -196,12 +197,14 @@ async fn try_process(
     if let [d] = batch {
         if d.redelivered {
             let sha = hex(&Sha256::digest(&d.data));
-            let counted = ctx
+            // Only our own count: the broker's `x-delivery-count` also counts returns of
+            // prefetched messages a crashed worker never started, which would condemn a poison
+            // message's innocent neighbours.
+            let deliveries = ctx
                 .ledger
                 .count_redelivery(&sha)
                 .await
                 .map_err(Failure::Ledger)? as u32;
-            let deliveries = counted.max(header_delivery_count(d).map_or(0, |c| c + 1));
             if deliveries > limit {
                 counter!(m::INTENTS_RECEIVED).increment(1);
                 let dl = DeadLetter {
@@ -239,19 +242,6 @@ async fn try_process(
             .map_err(Failure::Broker)?;
     }
     Ok(outcome.claimed)
-}
-
-/// The broker's own count, where it sends one (quorum queues add `x-delivery-count`).
-fn header_delivery_count(d: &Delivery) -> Option<u32> {
-    let headers = d.properties.headers().as_ref()?;
-    match headers.inner().get("x-delivery-count")? {
-        AMQPValue::LongLongInt(n) => Some(*n as u32),
-        AMQPValue::LongInt(n) => Some(*n as u32),
-        AMQPValue::LongUInt(n) => Some(*n),
-        AMQPValue::ShortInt(n) => Some(*n as u32),
-        AMQPValue::ShortShortUInt(n) => Some(*n as u32),
-        _ => None,
-    }
 }
 
 /// Copies a delivery to the dead-letter exchange with the reason, and waits for the confirm.

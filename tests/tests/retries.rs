@@ -1,0 +1,477 @@
+//! Issue 4: retries at one layer. Spacing is measured from the ledger's stored schedule
+//! (operation_history.next_attempt_at), request counts from the downstream's tables.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use e2e::{
+    cleanup, free_port, intent, metric_value, Agent, Downstream, Env, Worker, WorkerOptions,
+};
+use protocol::Status;
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(30);
+const TENANT: &str = "north-shop";
+
+fn key(action: &str) -> String {
+    format!("{TENANT}:{action}")
+}
+
+/// A replay tool `refund` at `port` with the given extra settings.
+fn refund_tool(env: &Env, port: u16, settings: &str) -> std::path::PathBuf {
+    env.write_tools(&format!(
+        "[tools.refund]\nurl = \"http://127.0.0.1:{port}/replay/refunds\"\nrecovery = \"replay\"\nreplay_window_secs = 3600\n\
+         receipt_id = \"/receipt_id\"\nreceipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n{settings}\n"
+    ))
+}
+
+#[derive(Debug, sqlx::FromRow)]
+struct Scheduled {
+    at: DateTime<Utc>,
+    attempts: Option<i32>,
+    next_attempt_at: Option<DateTime<Utc>>,
+}
+
+async fn retry_schedule(env: &Env, action: &str) -> Vec<Scheduled> {
+    sqlx::query_as(
+        "SELECT h.at, h.attempts, h.next_attempt_at FROM operation_history h
+         JOIN operations o ON o.id = h.operation_id
+         WHERE o.action_id = $1 AND h.to_state = 'retry_wait' AND h.from_state IS DISTINCT FROM 'retry_wait'
+         ORDER BY h.id",
+    )
+    .bind(action)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap()
+}
+
+async fn final_state(env: &Env, action: &str) -> String {
+    e2e::wait_for(&format!("{action} final"), T, || async {
+        let s = env.state(TENANT, action).await;
+        matches!(s.as_str(), "succeeded" | "failed" | "held").then_some(s)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn refused_connections_are_retried_on_the_jittered_schedule_then_succeed_once() {
+    let env = Env::new().await;
+    let port = free_port();
+    let tools = refund_tool(
+        &env,
+        port,
+        "timeout_ms = 2000\nretry = { max_attempts = 8, initial_delay_ms = 300, multiplier = 2.0, max_delay_ms = 5000, jitter = 0.2 }",
+    );
+    let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-c",
+            "refund",
+            json!({"order": "o-c"}),
+        ))
+        .await;
+    e2e::wait_for("three refused attempts", T, || async {
+        (retry_schedule(&env, "refund-c").await.len() >= 3).then_some(())
+    })
+    .await;
+    let _ds = Downstream::start_at(&env, port).await;
+    let done = agent
+        .until(TENANT, "refund-c", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    assert!(done.receipt.is_some());
+    assert_eq!(env.mutations(&key("refund-c")).await, 1);
+    assert_eq!(
+        env.writes(&key("refund-c")).await,
+        1,
+        "refused attempts never reached it"
+    );
+    let schedule = retry_schedule(&env, "refund-c").await;
+    assert!(schedule.len() >= 3);
+    for s in &schedule {
+        let n = s.attempts.unwrap() as u32;
+        let nominal = (300.0 * 2f64.powi(n as i32 - 1)).min(5000.0);
+        let delay = (s.next_attempt_at.unwrap() - s.at).num_milliseconds() as f64;
+        assert!(
+            delay >= nominal * 0.8 - 20.0 && delay <= nominal * 1.2 + 20.0,
+            "attempt {n}: scheduled {delay} ms, policy allows {}..{} ms",
+            nominal * 0.8,
+            nominal * 1.2
+        );
+    }
+    // Each retry ran no earlier than its stored schedule.
+    let dispatches: Vec<DateTime<Utc>> = sqlx::query_scalar(
+        "SELECT h.at FROM operation_history h JOIN operations o ON o.id = h.operation_id
+         WHERE o.action_id = 'refund-c' AND h.to_state = 'dispatching' ORDER BY h.id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    for (s, d) in schedule.iter().zip(dispatches.iter().skip(1)) {
+        assert!(
+            *d >= s.next_attempt_at.unwrap(),
+            "retry at {d} before its schedule {:?}",
+            s.next_attempt_at
+        );
+    }
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn retry_after_is_honoured() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = refund_tool(
+        &env,
+        ds.port,
+        "retry = { initial_delay_ms = 100, max_delay_ms = 10000 }",
+    );
+    ds.fault(
+        json!({"kind": "status", "status": 429, "retry_after": "2", "key": key("refund-429")}),
+    )
+    .await;
+    let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-429",
+            "refund",
+            json!({"order": "o-429"}),
+        ))
+        .await;
+    agent
+        .until(TENANT, "refund-429", Status::Succeeded, T)
+        .await;
+    let schedule = retry_schedule(&env, "refund-429").await;
+    assert_eq!(schedule.len(), 1);
+    let scheduled = (schedule[0].next_attempt_at.unwrap() - schedule[0].at).num_milliseconds();
+    assert!(
+        scheduled >= 1990,
+        "Retry-After: 2 scheduled only {scheduled} ms ahead"
+    );
+    let ats: Vec<DateTime<Utc>> = sqlx::query_scalar(
+        "SELECT at FROM downstream.requests WHERE kind = 'write' AND idem_key = $1 ORDER BY id",
+    )
+    .bind(key("refund-429"))
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(ats.len(), 2);
+    assert!(
+        (ats[1] - ats[0]).num_milliseconds() >= 1990,
+        "second attempt came too early: {ats:?}"
+    );
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn always_not_applied_makes_exactly_max_attempts_then_fails_with_evidence() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = refund_tool(
+        &env,
+        ds.port,
+        "retry = { max_attempts = 3, initial_delay_ms = 100, max_delay_ms = 400 }",
+    );
+    ds.fault(json!({"kind": "status", "status": 429, "times": 100, "key": key("refund-n")}))
+        .await;
+    let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-n",
+            "refund",
+            json!({"order": "o-n"}),
+        ))
+        .await;
+    let events = agent.until(TENANT, "refund-n", Status::Failed, T).await;
+    assert_eq!(events.first().unwrap().status, Status::Pending);
+    let failed = events.last().unwrap();
+    assert!(
+        failed.message.contains("429"),
+        "evidence in the message: {}",
+        failed.message
+    );
+    assert_eq!(failed.receipt, None);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        env.writes(&key("refund-n")).await,
+        3,
+        "exactly max_attempts write requests"
+    );
+    assert_eq!(env.mutations(&key("refund-n")).await, 0);
+    assert_eq!(env.state(TENANT, "refund-n").await, "failed");
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn always_timing_out_after_writing_ends_held_never_failed() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = refund_tool(
+        &env,
+        ds.port,
+        "timeout_ms = 700\nrecovery_attempts = 3\nretry = { max_attempts = 5, initial_delay_ms = 100, max_delay_ms = 400 }",
+    );
+    ds.fault(json!({"kind": "slow_after_commit", "delay_ms": 2000, "times": 100, "key": key("refund-t")})).await;
+    let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .send(&intent(
+            TENANT,
+            "refund-t",
+            "refund",
+            json!({"order": "o-t"}),
+        ))
+        .await;
+    assert_eq!(final_state(&env, "refund-t").await, "held");
+    let events = agent.until(TENANT, "refund-t", Status::Pending, T).await;
+    assert!(events.iter().all(|e| e.status == Status::Pending));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let writes = env.writes(&key("refund-t")).await;
+    assert!(
+        writes <= 1 + 3,
+        "at most the first send plus the recovery attempts: {writes}"
+    );
+    assert_eq!(env.mutations(&key("refund-t")).await, 1);
+    assert_eq!(env.state(TENANT, "refund-t").await, "held", "never failed");
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn amplification_is_bounded_even_with_workers_killed_mid_flight() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let (max_attempts, recovery_attempts) = (3, 3);
+    let tools = refund_tool(
+        &env,
+        ds.port,
+        &format!(
+            "recovery_attempts = {recovery_attempts}\nretry = {{ max_attempts = {max_attempts}, initial_delay_ms = 100, max_delay_ms = 300 }}\nbudget = {{ ratio = 1.0, floor_per_minute = 6000 }}"
+        ),
+    );
+    ds.fault(json!({"kind": "status", "status": 429, "times": 100000}))
+        .await;
+    let opts = WorkerOptions {
+        lease_secs: 1,
+        ..WorkerOptions::new(tools)
+    };
+    let agent = Agent::new_after(&env, &[TENANT], &opts).await;
+    let actions: Vec<String> = (0..12).map(|i| format!("refund-a{i}")).collect();
+    let mut workers = Vec::new();
+    for round in 0..3 {
+        let mut w = Worker::start(&env, &format!("w{round}"), &opts).await;
+        for a in &actions {
+            agent
+                .send(&intent(TENANT, a, "refund", json!({"order": a})))
+                .await;
+        }
+        tokio::time::sleep(Duration::from_millis(250 + 150 * round)).await;
+        w.kill();
+        workers.push(w);
+    }
+    let _last = Worker::start(&env, "w-last", &opts).await;
+    for a in &actions {
+        final_state(&env, a).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for a in &actions {
+        let writes = env.writes(&key(a)).await;
+        assert!(writes >= 1, "{a}: it was tried");
+        assert!(
+            writes <= (max_attempts + recovery_attempts) as i64,
+            "{a}: {writes} write requests, policy allows {max_attempts} attempts + {recovery_attempts} recovery replays"
+        );
+        assert_eq!(env.mutations(&key(a)).await, 0);
+    }
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn shared_budget_bounds_retries_and_deferred_retries_proceed_after_recovery() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let (ratio, floor_per_window, window) = (0.1, 20, 2);
+    let tools = refund_tool(
+        &env,
+        ds.port,
+        &format!(
+            "retry = {{ max_attempts = 50, initial_delay_ms = 100, max_delay_ms = 500 }}\n\
+             budget = {{ ratio = {ratio}, floor_per_minute = {}, window_secs = {window} }}",
+            floor_per_window * 60 / window
+        ),
+    );
+    ds.fault(json!({"kind": "status", "status": 429, "times": 1000000}))
+        .await;
+    let opts = WorkerOptions::new(tools).with_metrics();
+    let w = Worker::start(&env, "w", &opts).await;
+    let _w2 = Worker::start(&env, "w2", &WorkerOptions::new(opts.tools.clone())).await;
+    let agent = Agent::new(&env, &[TENANT]).await;
+    let n = 200;
+    for i in 0..n {
+        agent
+            .send(&intent(
+                TENANT,
+                &format!("refund-b{i}"),
+                "refund",
+                json!({"order": i}),
+            ))
+            .await;
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Within every window, retries seen by the downstream stay within ratio x first attempts
+    // plus the floor (small slack for the clock gap between the budget check and the arrival).
+    let worst: Option<(i64, i64)> = sqlx::query_as(
+        "WITH w AS (
+            SELECT r.at, r.idem_key,
+                   r.id <> (SELECT min(r2.id) FROM downstream.requests r2
+                            WHERE r2.kind = 'write' AND r2.idem_key = r.idem_key) AS is_retry
+            FROM downstream.requests r WHERE r.kind = 'write')
+         SELECT (SELECT count(*) FROM w x WHERE x.is_retry AND x.at > w.at - make_interval(secs => $1) AND x.at <= w.at),
+                (SELECT count(*) FROM w x WHERE NOT x.is_retry AND x.at > w.at - make_interval(secs => $1) AND x.at <= w.at)
+         FROM w WHERE w.is_retry ORDER BY 1 DESC LIMIT 1",
+    )
+    .bind(window as f64)
+    .fetch_optional(&env.pool)
+    .await
+    .unwrap();
+    let total_writes: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM downstream.requests WHERE kind = 'write'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    let (retries, firsts) = worst.expect("some retries ran");
+    let allowed = (ratio * firsts as f64).floor() as i64 + floor_per_window + 3;
+    assert!(
+        retries <= allowed,
+        "{retries} retries in a {window}s window with {firsts} first attempts (allowed {allowed})"
+    );
+    assert!(
+        total_writes < n + 200,
+        "without a budget 200 failing operations would retry far more: {total_writes}"
+    );
+    let deferred = metric_value(
+        &w.metrics().await,
+        "intent_worker_retry_budget_deferrals_total",
+        &[],
+    );
+    assert!(deferred > 0.0, "the budget deferred retries");
+    // The downstream recovers: every deferred retry proceeds and every operation ends definite.
+    reqwest::Client::new()
+        .delete(format!("http://127.0.0.1:{}/_control/faults", ds.port))
+        .send()
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM operations WHERE state NOT IN ('succeeded', 'failed', 'held')",
+        )
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+        if open == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{open} operations still unresolved"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let succeeded: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM operations WHERE state = 'succeeded'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        succeeded, n,
+        "nothing was dropped or failed because of the budget"
+    );
+    let mutations: i64 = sqlx::query_scalar("SELECT count(*) FROM downstream.mutations")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(mutations, n);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn a_poison_message_ends_in_the_dead_letter_queue_and_the_others_are_served() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions {
+        delivery_limit: 3,
+        ..WorkerOptions::new(env.standard_tools(ds.port, ""))
+    }
+    .fault("crash_on_intake", Some("poison-1"));
+    let mut agent = Agent::new_after(&env, &[TENANT], &opts).await;
+    agent
+        .send(&intent(TENANT, "poison-1", "refund", json!({"order": "p"})))
+        .await;
+    for i in 0..5 {
+        agent
+            .send(&intent(
+                TENANT,
+                &format!("good-{i}"),
+                "refund",
+                json!({"order": i}),
+            ))
+            .await;
+    }
+    // A supervisor: restart the worker whenever the poison message kills it.
+    let mut crashes = 0;
+    let mut dead = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut w = Worker::spawn(&env, &format!("w{crashes}"), &opts);
+    loop {
+        if !w.is_running() {
+            crashes += 1;
+            assert!(crashes <= 10, "the poison message was never set aside");
+            w = Worker::spawn(&env, &format!("w{crashes}"), &opts);
+        }
+        dead.extend(agent.drain_dead_letters(&env).await);
+        let mut good = 0;
+        for i in 0..5 {
+            if env.state(TENANT, &format!("good-{i}")).await == "succeeded" {
+                good += 1;
+            }
+        }
+        if good == 5 && !dead.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "crashes={crashes} good={good} dead={}",
+            dead.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(crashes >= 1, "the fault point really crashed the worker");
+    assert_eq!(dead.len(), 1);
+    assert!(String::from_utf8_lossy(&dead[0].delivery.data).contains("poison-1"));
+    assert_eq!(
+        env.state(TENANT, "poison-1").await,
+        "",
+        "never recorded, never dispatched"
+    );
+    assert_eq!(env.writes(&key("poison-1")).await, 0);
+    let mut served = std::collections::BTreeSet::new();
+    while served.len() < 5 {
+        let ev = agent.next(TENANT, T).await;
+        assert_ne!(
+            ev.action_id, "poison-1",
+            "the poison message never produced a result"
+        );
+        if ev.status == Status::Succeeded {
+            served.insert(ev.action_id);
+        }
+    }
+    drop(w);
+    cleanup(env).await;
+}
