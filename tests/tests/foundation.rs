@@ -351,3 +351,137 @@ async fn response_dropped_after_commit_is_pending_with_one_mutation_and_no_secon
     assert_eq!(env.writes("north-shop:deploy-7").await, 1);
     cleanup(env).await;
 }
+
+/// Publishes with the broker-validated AMQP `user_id` property (RabbitMQ refuses a `user_id`
+/// other than the connection's user, so the worker can trust it).
+async fn publish_as(env: &Env, user_id: Option<&str>, body: &[u8]) {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    let conn = lapin::Connection::connect(&env.amqp_url, Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut props = lapin::BasicProperties::default().with_content_type("application/json".into());
+    if let Some(u) = user_id {
+        props = props.with_user_id(u.into());
+    }
+    let confirm = ch
+        .basic_publish(
+            env.topology.intents_exchange.as_str().into(),
+            "x".into(),
+            BasicPublishOptions::default(),
+            body,
+            props,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack());
+    let _ = conn.close(200, "".into()).await;
+}
+
+#[tokio::test]
+async fn tenant_must_be_proven_by_the_broker_validated_user_id() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = env.standard_tools(ds.port, "");
+    let mut text = std::fs::read_to_string(&tools).unwrap();
+    text.push_str("\n[auth]\nmode = \"user_id\"\nusers = { guest = [\"north-shop\"] }\n");
+    std::fs::write(&tools, text).unwrap();
+    let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
+    let mut agent = Agent::new(&env, &["north-shop", "south-shop"]).await;
+    let body = |tenant: &str, id: &str| {
+        serde_json::to_vec(&intent(tenant, id, "refund", json!({"order": id}))).unwrap()
+    };
+    publish_as(&env, Some("guest"), &body("north-shop", "r-ok")).await;
+    publish_as(&env, Some("guest"), &body("south-shop", "r-spoof")).await;
+    publish_as(&env, None, &body("north-shop", "r-anon")).await;
+    agent
+        .until("north-shop", "r-ok", Status::Succeeded, T)
+        .await;
+    let mut dead = Vec::new();
+    let deadline = tokio::time::Instant::now() + T;
+    while dead.len() < 2 && tokio::time::Instant::now() < deadline {
+        dead.extend(agent.drain_dead_letters(&env).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        dead.len(),
+        2,
+        "the unproven intents are kept in the dead-letter queue"
+    );
+    for d in &dead {
+        let reason = d
+            .properties
+            .headers()
+            .as_ref()
+            .unwrap()
+            .inner()
+            .get("x-intent-worker-reason")
+            .cloned();
+        assert_eq!(
+            format!("{reason:?}"),
+            format!(
+                "{:?}",
+                Some(lapin::types::AMQPValue::LongString(
+                    "tenant_mismatch".into()
+                ))
+            )
+        );
+    }
+    assert_eq!(
+        env.state("south-shop", "r-spoof").await,
+        "",
+        "never recorded"
+    );
+    assert_eq!(env.writes("south-shop:r-spoof").await, 0);
+    assert!(
+        agent
+            .try_next("south-shop", Duration::from_millis(500))
+            .await
+            .is_none(),
+        "nothing is sent to the claimed tenant"
+    );
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn sigterm_lets_in_flight_work_finish_and_publish() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
+    ds.fault(json!({"kind": "slow", "delay_ms": 1500, "key": "north-shop:refund-g"}))
+        .await;
+    let mut w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    agent
+        .send(&intent(
+            "north-shop",
+            "refund-g",
+            "refund",
+            json!({"order": "o-g"}),
+        ))
+        .await;
+    e2e::wait_for("dispatching", T, || async {
+        (env.state("north-shop", "refund-g").await == "dispatching").then_some(())
+    })
+    .await;
+    let code = w.terminate(Duration::from_secs(15));
+    assert_eq!(code, Some(0), "graceful exit");
+    assert_eq!(
+        env.state("north-shop", "refund-g").await,
+        "succeeded",
+        "in-flight work finished"
+    );
+    let ev = agent
+        .until("north-shop", "refund-g", Status::Succeeded, T)
+        .await
+        .pop()
+        .unwrap();
+    assert!(ev.receipt.is_some(), "its result was published before exit");
+    assert_eq!(env.writes("north-shop:refund-g").await, 1);
+    cleanup(env).await;
+}

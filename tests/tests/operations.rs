@@ -319,3 +319,50 @@ async fn worker_ops_cli_lists_and_resolves_held_operations() {
     assert_eq!(ev.receipt.unwrap().to_string(), receipt);
     cleanup(env).await;
 }
+
+#[tokio::test]
+async fn after_the_retention_sweep_an_old_intent_is_still_suppressed() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts =
+        WorkerOptions::new(env.standard_tools(ds.port, "")).env("WORKER_RETENTION_SECS", "1");
+    let _w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    let old = intent(
+        TENANT,
+        "refund-old",
+        "refund",
+        json!({"order": "o-old", "card": "4111-private"}),
+    );
+    agent.send(&old).await;
+    agent
+        .until(TENANT, "refund-old", Status::Succeeded, T)
+        .await;
+    e2e::wait_for("the sweep", T, || async {
+        let swept: Option<(Option<String>, Option<Value>)> =
+            sqlx::query_as("SELECT arguments, receipt FROM operations WHERE action_id = 'refund-old' AND swept_at IS NOT NULL")
+                .fetch_optional(&env.pool)
+                .await
+                .unwrap();
+        swept
+    })
+    .await;
+    let (args, receipt): (Option<String>, Option<Value>) =
+        sqlx::query_as("SELECT arguments, receipt FROM operations WHERE action_id = 'refund-old'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!((args, receipt), (None, None), "private data removed");
+    let row = env.operation(TENANT, "refund-old").await.unwrap();
+    assert_eq!(
+        row.state, "succeeded",
+        "the tombstone keeps key, fingerprint and final state"
+    );
+    // The old intent arrives again: suppressed, never dispatched, never a receipt-less success.
+    agent.send(&old).await;
+    let ev = agent.next(TENANT, T).await;
+    assert_eq!(ev.status, Status::Rejected, "{ev:?}");
+    assert_eq!(ev.reason, Some(protocol::RejectReason::Expired));
+    assert_eq!(env.writes("north-shop:refund-old").await, 1);
+    cleanup(env).await;
+}

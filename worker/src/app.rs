@@ -13,7 +13,7 @@ use crate::context::Context;
 use crate::ledger::Ledger;
 use crate::recovery::scheduler;
 use crate::shutdown;
-use crate::telemetry::{self, metrics as m};
+use crate::telemetry::metrics as m;
 
 /// Connects to the ledger, retrying while it starts (compose, k8s).
 pub async fn connect_ledger(settings: &Settings) -> anyhow::Result<Ledger> {
@@ -107,7 +107,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         ctx.clone(),
     )
     .await?;
-    let relay = tokio::spawn(relay.run(stop.clone()));
+    // The relay stops last: after in-flight work has recorded its results.
+    let (relay_trigger, relay_stop) = shutdown::channel();
+    let relay = tokio::spawn(relay.run(relay_stop));
 
     let consumer_config = ConsumerConfig {
         topology: settings.topology.clone(),
@@ -128,6 +130,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     drain(&ctx, settings.shutdown_grace, settings.max_in_flight).await;
     let _ = sched.await;
     let _ = sweeper.await;
+    relay_trigger.fire();
     match tokio::time::timeout(Duration::from_secs(10), relay).await {
         Ok(Ok(Err(e))) => {
             tracing::warn!(error = %e, "relay stopped with an error; unpublished results stay in the outbox")
@@ -170,7 +173,6 @@ async fn drain(ctx: &Arc<Context>, grace: Duration, max_in_flight: usize) {
             "in-flight work still running after the grace period; its leases will expire into unknown and be recovered"
         ),
     }
-    let _ = telemetry::chain;
 }
 
 /// `worker migrate`: applies migrations and exits.

@@ -182,38 +182,45 @@ pub async fn step(
             answer_from[u] = Some(op);
         }
     }
-    let claimed = ctx
+    let (claimed, answered) = ctx
         .ledger
-        .claim_prepared(&to_claim, &ctx.worker_id, ctx.lease, &ctx.windows)
+        .claim_and_answer(
+            &to_claim,
+            &ctx.worker_id,
+            ctx.lease,
+            &ctx.windows,
+            |claimed| {
+                let claimed_ids: Vec<i64> = claimed.iter().map(|o| o.id).collect();
+                for (u, a) in admitted.iter().enumerate() {
+                    let op = &a.operation;
+                    if to_claim.contains(&op.id) && !claimed_ids.contains(&op.id) {
+                        // A prepared row someone else claimed first: it is in flight.
+                        duplicate(reason(unique[u].redelivered, op));
+                        events.push(outbox::operation_event(
+                            op,
+                            Status::Pending,
+                            outbox::pending_message(op),
+                        ));
+                    } else if let Some(op) = answer_from[u] {
+                        events.push(outbox::stored_result(op));
+                    }
+                }
+                for (v, u) in later {
+                    let first = &admitted[u].operation;
+                    if first.fingerprint != v.new.fingerprint {
+                        events.push(conflict_event(&v.new, first));
+                        duplicate("conflict");
+                    } else {
+                        let current = claimed.iter().find(|c| c.id == first.id).unwrap_or(first);
+                        duplicate(reason(v.redelivered, current));
+                        events.push(outbox::stored_result(current));
+                    }
+                }
+                events
+            },
+        )
         .await?;
-    let claimed_ids: Vec<i64> = claimed.iter().map(|o| o.id).collect();
-    for (u, a) in admitted.iter().enumerate() {
-        let op = &a.operation;
-        if to_claim.contains(&op.id) && !claimed_ids.contains(&op.id) {
-            // A prepared row someone else claimed first: it is in flight.
-            duplicate(reason(unique[u].redelivered, op));
-            events.push(outbox::operation_event(
-                op,
-                Status::Pending,
-                outbox::pending_message(op),
-            ));
-        } else if let Some(op) = answer_from[u] {
-            events.push(outbox::stored_result(op));
-        }
-    }
-    for (v, u) in later {
-        let first = &admitted[u].operation;
-        if first.fingerprint != v.new.fingerprint {
-            events.push(conflict_event(&v.new, first));
-            duplicate("conflict");
-        } else {
-            let current = claimed.iter().find(|c| c.id == first.id).unwrap_or(first);
-            duplicate(reason(v.redelivered, current));
-            events.push(outbox::stored_result(current));
-        }
-    }
-    out.answered = events.len();
-    ctx.ledger.emit(&events).await?;
+    out.answered = answered;
     if let Some(op) = claimed.first() {
         fault::point("after_dispatching", &op.action_id);
     }

@@ -64,23 +64,27 @@ impl Ledger {
         lease: Duration,
         windows: &ReplayWindows,
     ) -> Result<Vec<Operation>, LedgerError> {
-        if ids.is_empty() {
-            return Ok(Vec::new());
-        }
-        let sql = format!(
-            "UPDATE operations o SET {DISPATCH_SET}, fence = o.fence + 1
-             WHERE o.id = ANY($1) AND o.state = 'prepared'
-             RETURNING {}",
-            prefixed("o", OPERATION_COLUMNS)
-        );
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(ids)
-            .bind(worker_id)
-            .bind(lease.as_secs_f64())
-            .bind(&windows.tools)
-            .bind(&windows.secs)
-            .fetch_all(&self.pool)
-            .await?)
+        let mut conn = self.pool.acquire().await?;
+        claim_prepared_in(&mut conn, ids, worker_id, lease, windows).await
+    }
+
+    /// Claims admitted rows and, in the same commit, records the result events `answers`
+    /// computes from what was claimed (answers to duplicates and rejections): one fsync per
+    /// batch for both.
+    pub async fn claim_and_answer(
+        &self,
+        ids: &[i64],
+        worker_id: &str,
+        lease: Duration,
+        windows: &ReplayWindows,
+        answers: impl FnOnce(&[Operation]) -> Vec<outbox::NewEvent>,
+    ) -> Result<(Vec<Operation>, usize), LedgerError> {
+        let mut tx = self.pool.begin().await?;
+        let claimed = claim_prepared_in(&mut tx, ids, worker_id, lease, windows).await?;
+        let events = answers(&claimed);
+        outbox::insert_events(&mut tx, &events).await?;
+        tx.commit().await?;
+        Ok((claimed, events.len()))
     }
 
     /// Turns a leased `prepared` or `retry_wait` row into `dispatching` for the owner of
@@ -228,4 +232,31 @@ pub(crate) struct WithPrev {
     #[sqlx(flatten)]
     pub op: Operation,
     pub prev_reported: Option<String>,
+}
+
+/// The claim statement of [`Ledger::claim_prepared`], on a caller's connection or transaction.
+async fn claim_prepared_in(
+    conn: &mut sqlx::PgConnection,
+    ids: &[i64],
+    worker_id: &str,
+    lease: Duration,
+    windows: &ReplayWindows,
+) -> Result<Vec<Operation>, LedgerError> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = format!(
+        "UPDATE operations o SET {DISPATCH_SET}, fence = o.fence + 1
+             WHERE o.id = ANY($1) AND o.state = 'prepared'
+             RETURNING {}",
+        prefixed("o", OPERATION_COLUMNS)
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(ids)
+        .bind(worker_id)
+        .bind(lease.as_secs_f64())
+        .bind(&windows.tools)
+        .bind(&windows.secs)
+        .fetch_all(conn)
+        .await?)
 }
