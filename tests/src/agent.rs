@@ -75,8 +75,7 @@ impl Agent {
         let conn = worker::amqp::connect(&env.amqp_url, "e2e-setup")
             .await
             .expect("connect");
-        let ch = conn.create_channel().await.expect("channel");
-        worker::amqp::topology::declare(&ch, &topology)
+        worker::amqp::topology::declare(&conn, &topology)
             .await
             .expect("declare topology");
         let _ = conn.close(200, "".into()).await;

@@ -485,3 +485,51 @@ async fn sigterm_lets_in_flight_work_finish_and_publish() {
     assert_eq!(env.writes("north-shop:refund-g").await, 1);
     cleanup(env).await;
 }
+
+#[tokio::test]
+async fn an_existing_intents_queue_with_other_arguments_is_used_with_a_warning() {
+    use lapin::options::QueueDeclareOptions;
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    // An operator created the queue as a plain classic queue.
+    let conn = lapin::Connection::connect(&env.amqp_url, Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        env.topology.intents_queue.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    let _ = conn.close(200, "".into()).await;
+    let w = Worker::start(
+        &env,
+        "w",
+        &WorkerOptions::new(env.standard_tools(ds.port, "")),
+    )
+    .await;
+    assert!(
+        w.output
+            .contains("exists with other arguments; using it as it is"),
+        "{}",
+        w.output.text()
+    );
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    agent
+        .send(&intent(
+            "north-shop",
+            "refund-q",
+            "refund",
+            json!({"order": "o-q"}),
+        ))
+        .await;
+    agent
+        .until("north-shop", "refund-q", Status::Succeeded, T)
+        .await;
+    cleanup(env).await;
+}

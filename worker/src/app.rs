@@ -42,12 +42,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     ledger.migrate().await.context("applying migrations")?;
 
     let connection = connect_amqp(&settings).await?;
-    let setup = connection
-        .create_channel()
-        .await
-        .context("opening a channel")?;
-    amqp::topology::declare(&setup, &settings.topology).await?;
-    let _ = setup.close(200, "topology declared".into()).await;
+    amqp::topology::declare(&connection, &settings.topology).await?;
 
     let ctx = Context::new(
         ledger.clone(),

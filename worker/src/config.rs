@@ -353,9 +353,10 @@ struct RawTool {
     receipt_match: BTreeMap<String, String>,
     recovery: String,
     replay_window_secs: Option<u64>,
+    #[serde(alias = "replay_margin_secs")]
     replay_safety_margin_secs: Option<u64>,
     lookup_url: Option<String>,
-    #[serde(default = "default_recovery_attempts")]
+    #[serde(default = "default_recovery_attempts", alias = "max_recovery_attempts")]
     recovery_attempts: u32,
     #[serde(default)]
     retry: RetryPolicy,
@@ -375,7 +376,7 @@ fn default_timeout_ms() -> u64 {
     10_000
 }
 fn default_recovery_attempts() -> u32 {
-    10
+    5
 }
 
 #[derive(Debug, Deserialize)]

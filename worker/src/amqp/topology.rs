@@ -1,11 +1,12 @@
 //! The broker topology the worker owns: the durable topic exchange `intents`, the quorum queue
 //! `intents` (with `x-delivery-limit` and a dead-letter exchange), the dead-letter exchange and
 //! queue, and the durable topic exchange `results`. Declarations are idempotent, so every
-//! worker declares them at start-up.
+//! worker declares them at start-up; an object that already exists with other arguments is
+//! used as it is, with a warning.
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Channel, ExchangeKind};
+use lapin::{Channel, Connection, ExchangeKind};
 
 use super::AmqpError;
 use crate::config::Topology;
@@ -42,84 +43,160 @@ pub fn intents_queue_arguments(t: &Topology) -> FieldTable {
     args
 }
 
-fn explain(what: String, hint: &str) -> impl FnOnce(lapin::Error) -> AmqpError + '_ {
-    move |e| {
-        let text = e.to_string();
-        if text.contains("PRECONDITION_FAILED") || text.contains("inequivalent") {
-            AmqpError::Topology(format!(
-                "{what} already exists with different settings ({text}); {hint}"
-            ))
-        } else {
-            AmqpError::Broker { what, source: e }
+fn is_precondition_failed(e: &lapin::Error) -> bool {
+    let text = e.to_string();
+    text.contains("PRECONDITION_FAILED") || text.contains("inequivalent")
+}
+
+/// Declares an exchange; one that already exists with other settings is used as it is, with a
+/// warning (the failed declaration closes the channel, so the check runs on a fresh one).
+async fn exchange(
+    connection: &Connection,
+    channel: &mut Channel,
+    name: &str,
+    what: &str,
+) -> Result<(), AmqpError> {
+    let declared = channel
+        .exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            durable_exchange(),
+            FieldTable::default(),
+        )
+        .await;
+    match declared {
+        Ok(()) => Ok(()),
+        Err(e) if is_precondition_failed(&e) => {
+            *channel = connection
+                .create_channel()
+                .await
+                .map_err(AmqpError::broker("reopening a channel"))?;
+            let passive = ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            channel
+                .exchange_declare(
+                    name.into(),
+                    ExchangeKind::Topic,
+                    passive,
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(AmqpError::broker(format!("checking {what} {name:?}")))?;
+            tracing::warn!(exchange = name, error = %e, "{what} exists with other settings; using it as it is");
+            Ok(())
         }
+        Err(e) => Err(AmqpError::Broker {
+            what: format!("declaring {what} {name:?}"),
+            source: e,
+        }),
     }
 }
 
-/// Declares everything. A queue or exchange that exists with other arguments is reported with
-/// its name and what to do, instead of a bare channel error.
-pub async fn declare(channel: &Channel, t: &Topology) -> Result<(), AmqpError> {
-    let hint = "delete it, or point the worker at other names with the WORKER_* topology variables";
-    for (name, what) in [
-        (&t.intents_exchange, "intents exchange"),
-        (&t.results_exchange, "results exchange"),
-        (&t.dead_letter_exchange, "dead-letter exchange"),
-    ] {
-        channel
-            .exchange_declare(
-                name.as_str().into(),
-                ExchangeKind::Topic,
-                durable_exchange(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(explain(format!("{what} {name:?}"), hint))?;
+/// Declares a queue; one that already exists with other arguments (e.g. created by an operator
+/// without our delivery limit) is used as it is, with a warning: the worker's own poison guard
+/// does not depend on the queue's arguments.
+async fn queue(
+    connection: &Connection,
+    channel: &mut Channel,
+    name: &str,
+    args: FieldTable,
+    what: &str,
+) -> Result<(), AmqpError> {
+    match channel
+        .queue_declare(name.into(), durable_queue(), args)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if is_precondition_failed(&e) => {
+            *channel = connection
+                .create_channel()
+                .await
+                .map_err(AmqpError::broker("reopening a channel"))?;
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            channel
+                .queue_declare(name.into(), passive, FieldTable::default())
+                .await
+                .map_err(AmqpError::broker(format!("checking {what} {name:?}")))?;
+            tracing::warn!(queue = name, error = %e, "{what} exists with other arguments; using it as it is");
+            Ok(())
+        }
+        Err(e) => Err(AmqpError::Broker {
+            what: format!("declaring {what} {name:?}"),
+            source: e,
+        }),
     }
+}
+
+async fn bind(channel: &Channel, queue: &str, exchange: &str) -> Result<(), AmqpError> {
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(AmqpError::broker(format!(
+            "binding queue {queue:?} to {exchange:?}"
+        )))
+}
+
+/// Declares everything (idempotent; every worker does it at start-up).
+pub async fn declare(connection: &Connection, t: &Topology) -> Result<(), AmqpError> {
+    let mut channel = connection
+        .create_channel()
+        .await
+        .map_err(AmqpError::broker("opening a channel"))?;
+    exchange(
+        connection,
+        &mut channel,
+        &t.intents_exchange,
+        "intents exchange",
+    )
+    .await?;
+    exchange(
+        connection,
+        &mut channel,
+        &t.results_exchange,
+        "results exchange",
+    )
+    .await?;
+    exchange(
+        connection,
+        &mut channel,
+        &t.dead_letter_exchange,
+        "dead-letter exchange",
+    )
+    .await?;
     let mut dlq_args = FieldTable::default();
     dlq_args.insert(
         "x-queue-type".into(),
         AMQPValue::LongString(LongString::from("quorum")),
     );
-    channel
-        .queue_declare(
-            t.dead_letter_queue.as_str().into(),
-            durable_queue(),
-            dlq_args,
-        )
-        .await
-        .map_err(explain(
-            format!("dead-letter queue {:?}", t.dead_letter_queue),
-            hint,
-        ))?;
-    channel
-        .queue_bind(
-            t.dead_letter_queue.as_str().into(),
-            t.dead_letter_exchange.as_str().into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(AmqpError::broker("binding the dead-letter queue"))?;
-    channel
-        .queue_declare(
-            t.intents_queue.as_str().into(),
-            durable_queue(),
-            intents_queue_arguments(t),
-        )
-        .await
-        .map_err(explain(
-            format!("intents queue {:?}", t.intents_queue),
-            hint,
-        ))?;
-    channel
-        .queue_bind(
-            t.intents_queue.as_str().into(),
-            t.intents_exchange.as_str().into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(AmqpError::broker("binding the intents queue"))?;
+    queue(
+        connection,
+        &mut channel,
+        &t.dead_letter_queue,
+        dlq_args,
+        "dead-letter queue",
+    )
+    .await?;
+    bind(&channel, &t.dead_letter_queue, &t.dead_letter_exchange).await?;
+    queue(
+        connection,
+        &mut channel,
+        &t.intents_queue,
+        intents_queue_arguments(t),
+        "intents queue",
+    )
+    .await?;
+    bind(&channel, &t.intents_queue, &t.intents_exchange).await?;
+    let _ = channel.close(200, "topology declared".into()).await;
     Ok(())
 }
