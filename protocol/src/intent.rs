@@ -46,7 +46,9 @@ pub struct Intent {
     /// identity, since a retried model call must hit the same ledger row.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub call_id: Option<String>,
-    /// Routing key for result events, when it differs from the tenant.
+    /// Where the agent expects answers; stored with the operation and informational. Result
+    /// events are always routed by the tenant, so no message can direct another tenant's
+    /// results.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reply_to: Option<String>,
 }

@@ -82,6 +82,24 @@ impl Agent {
         Agent::new(env, tenants).await
     }
 
+    /// Sends a new intent (fresh call id) for `tenant`/`action_id`.
+    pub async fn request(&self, tenant: &str, action_id: &str, tool: &str, arguments: Value) {
+        self.send(&intent(tenant, action_id, tool, arguments)).await;
+    }
+
+    /// Waits for the `succeeded` result of `action_id` (30 s) and returns it.
+    pub async fn succeeded(&mut self, tenant: &str, action_id: &str) -> ResultEvent {
+        self.until(
+            tenant,
+            action_id,
+            protocol::Status::Succeeded,
+            Duration::from_secs(30),
+        )
+        .await
+        .pop()
+        .expect("until returns the matching event last")
+    }
+
     pub async fn send(&self, intent: &Intent) {
         self.publisher
             .publish(intent)

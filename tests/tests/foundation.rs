@@ -31,18 +31,14 @@ async fn happy_path_per_capability() {
         ("deploy", "deploy-1"),
     ] {
         agent
-            .send(&intent(
+            .request(
                 "north-shop",
                 id,
                 tool,
                 json!({"order": "order-731", "amount_cents": 4850, "currency": "USD"}),
-            ))
+            )
             .await;
-        let ev = agent
-            .until("north-shop", id, Status::Succeeded, T)
-            .await
-            .pop()
-            .unwrap();
+        let ev = agent.succeeded("north-shop", id).await;
         let key = format!("north-shop:{id}");
         let receipt = ev.receipt.expect("succeeded carries the receipt");
         assert_eq!(
@@ -69,11 +65,7 @@ async fn same_intent_three_times_dispatches_once() {
         json!({"order": "order-731", "amount_cents": 4850, "currency": "USD"}),
     );
     agent.send(&first).await;
-    let original = agent
-        .until("north-shop", "refund-204", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let original = agent.succeeded("north-shop", "refund-204").await;
     // Again with a new call_id, then with reordered, re-spaced JSON.
     let mut again = first.clone();
     again.call_id = Some("model-call-other".into());
@@ -122,23 +114,14 @@ async fn broker_redelivery_after_kill_before_ack_dispatches_once() {
     let mut w1 = Worker::start(&env, "w1", &opts.clone().fault("after_prepared", None)).await;
     let mut agent = Agent::new(&env, &["north-shop"]).await;
     agent
-        .send(&intent(
-            "north-shop",
-            "refund-9",
-            "refund",
-            json!({"order": "o-9"}),
-        ))
+        .request("north-shop", "refund-9", "refund", json!({"order": "o-9"}))
         .await;
     w1.wait_output("fault point reached: after_prepared", T)
         .await;
     assert_eq!(env.state("north-shop", "refund-9").await, "prepared");
     w1.kill();
     let _w2 = Worker::start(&env, "w2", &opts).await;
-    let ev = agent
-        .until("north-shop", "refund-9", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let ev = agent.succeeded("north-shop", "refund-9").await;
     assert!(ev.receipt.is_some());
     assert_eq!(env.mutations("north-shop:refund-9").await, 1);
     assert_eq!(env.writes("north-shop:refund-9").await, 1);
@@ -150,26 +133,22 @@ async fn intent_conflict_is_rejected_before_any_network_activity() {
     let (env, _ds, _w, _) = setup("", false).await;
     let mut agent = Agent::new(&env, &["north-shop"]).await;
     agent
-        .send(&intent(
+        .request(
             "north-shop",
             "refund-204",
             "refund",
             json!({"order": "order-731", "amount_cents": 4850}),
-        ))
+        )
         .await;
-    let ok = agent
-        .until("north-shop", "refund-204", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let ok = agent.succeeded("north-shop", "refund-204").await;
     let before = env.operation("north-shop", "refund-204").await.unwrap();
     agent
-        .send(&intent(
+        .request(
             "north-shop",
             "refund-204",
             "refund",
             json!({"order": "order-731", "amount_cents": 9999}),
-        ))
+        )
         .await;
     let ev = agent.next("north-shop", T).await;
     assert_eq!(ev.status, Status::Rejected);
@@ -222,11 +201,7 @@ async fn equal_arguments_under_two_keys_and_one_key_under_two_tenants_are_separa
             north.push(ev);
         }
     }
-    let south = agent
-        .until("south-shop", "refund-a", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let south = agent.succeeded("south-shop", "refund-a").await;
     assert_eq!(south.tenant, "south-shop");
     for key in [
         "north-shop:refund-a",
@@ -263,7 +238,7 @@ async fn bad_messages_are_rejected_or_dead_lettered_and_the_worker_keeps_serving
         agent.send_raw("north-shop", body).await;
     }
     agent
-        .send(&intent("north-shop", "bad-6", "teleport", json!({})))
+        .request("north-shop", "bad-6", "teleport", json!({}))
         .await;
     // Readable keys get a rejected result with a specific detail.
     let mut rejected = Vec::new();
@@ -303,12 +278,7 @@ async fn bad_messages_are_rejected_or_dead_lettered_and_the_worker_keeps_serving
     // Still serving.
     assert!(w.is_running());
     agent
-        .send(&intent(
-            "north-shop",
-            "good-1",
-            "refund",
-            json!({"order": "o-1"}),
-        ))
+        .request("north-shop", "good-1", "refund", json!({"order": "o-1"}))
         .await;
     agent
         .until("north-shop", "good-1", Status::Succeeded, T)
@@ -328,12 +298,12 @@ async fn response_dropped_after_commit_is_pending_with_one_mutation_and_no_secon
     ds.fault(json!({"kind": "drop_after_commit", "key": "north-shop:deploy-7"}))
         .await;
     agent
-        .send(&intent(
+        .request(
             "north-shop",
             "deploy-7",
             "deploy",
             json!({"service": "api", "version": "1.2.3"}),
-        ))
+        )
         .await;
     let ev = agent.next("north-shop", T).await;
     assert_eq!(ev.status, Status::Pending);
@@ -458,12 +428,7 @@ async fn sigterm_lets_in_flight_work_finish_and_publish() {
     let mut w = Worker::start(&env, "w", &opts).await;
     let mut agent = Agent::new(&env, &["north-shop"]).await;
     agent
-        .send(&intent(
-            "north-shop",
-            "refund-g",
-            "refund",
-            json!({"order": "o-g"}),
-        ))
+        .request("north-shop", "refund-g", "refund", json!({"order": "o-g"}))
         .await;
     e2e::wait_for("dispatching", T, || async {
         (env.state("north-shop", "refund-g").await == "dispatching").then_some(())
@@ -476,11 +441,7 @@ async fn sigterm_lets_in_flight_work_finish_and_publish() {
         "succeeded",
         "in-flight work finished"
     );
-    let ev = agent
-        .until("north-shop", "refund-g", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let ev = agent.succeeded("north-shop", "refund-g").await;
     assert!(ev.receipt.is_some(), "its result was published before exit");
     assert_eq!(env.writes("north-shop:refund-g").await, 1);
     cleanup(env).await;
@@ -521,12 +482,7 @@ async fn an_existing_intents_queue_with_other_arguments_is_used_with_a_warning()
     );
     let mut agent = Agent::new(&env, &["north-shop"]).await;
     agent
-        .send(&intent(
-            "north-shop",
-            "refund-q",
-            "refund",
-            json!({"order": "o-q"}),
-        ))
+        .request("north-shop", "refund-q", "refund", json!({"order": "o-q"}))
         .await;
     agent
         .until("north-shop", "refund-q", Status::Succeeded, T)

@@ -47,12 +47,7 @@ async fn metrics_admin_api_and_held_operation_resolution() {
     ds.fault(json!({"kind": "drop_after_commit", "key": "north-shop:deploy-1"}))
         .await;
     agent
-        .send(&intent(
-            TENANT,
-            "deploy-1",
-            "deploy",
-            json!({"service": "api"}),
-        ))
+        .request(TENANT, "deploy-1", "deploy", json!({"service": "api"}))
         .await;
     agent.until(TENANT, "deploy-1", Status::Pending, T).await;
     e2e::wait_for("held", T, || async {
@@ -180,11 +175,7 @@ async fn metrics_admin_api_and_held_operation_resolution() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
-    let done = agent
-        .until(TENANT, "deploy-1", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let done = agent.succeeded(TENANT, "deploy-1").await;
     assert_eq!(
         done.receipt.as_ref(),
         Some(&receipt),
@@ -229,12 +220,7 @@ async fn worker_ops_cli_lists_and_resolves_held_operations() {
     ds.fault(json!({"kind": "drop_after_commit", "key": "north-shop:deploy-2"}))
         .await;
     agent
-        .send(&intent(
-            TENANT,
-            "deploy-2",
-            "deploy",
-            json!({"service": "web"}),
-        ))
+        .request(TENANT, "deploy-2", "deploy", json!({"service": "web"}))
         .await;
     e2e::wait_for("held", T, || async {
         (env.state(TENANT, "deploy-2").await == "held").then_some(())
@@ -311,11 +297,7 @@ async fn worker_ops_cli_lists_and_resolves_held_operations() {
         "{}",
         String::from_utf8_lossy(&again.stderr)
     );
-    let ev = agent
-        .until(TENANT, "deploy-2", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let ev = agent.succeeded(TENANT, "deploy-2").await;
     assert_eq!(ev.receipt.unwrap().to_string(), receipt);
     cleanup(env).await;
 }

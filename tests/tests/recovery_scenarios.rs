@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use e2e::{cleanup, intent, Agent, Downstream, Env, Worker, WorkerOptions};
+use e2e::{cleanup, Agent, Downstream, Env, Worker, WorkerOptions};
 use protocol::Status;
 use serde_json::json;
 use worker::ledger::{Ledger, NewOperation};
@@ -35,18 +35,9 @@ async fn recovery_run_twice_returns_identical_results_and_sends_nothing_more() {
     let mut w1 = Worker::start(&env, "w1", &opts).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-1",
-            "refund",
-            json!({"order": "o-1"}),
-        ))
+        .request(TENANT, "refund-1", "refund", json!({"order": "o-1"}))
         .await;
-    let first = agent
-        .until(TENANT, "refund-1", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let first = agent.succeeded(TENANT, "refund-1").await;
     let row = env.operation(TENANT, "refund-1").await.unwrap();
     let writes = env.writes(&key("refund-1")).await;
     // A second and third recovery pass (new workers, fresh memory) change nothing.
@@ -63,18 +54,9 @@ async fn recovery_run_twice_returns_identical_results_and_sends_nothing_more() {
     assert_eq!(env.mutations(&key("refund-1")).await, 1);
     // Asking again answers from the ledger with the same receipt.
     agent
-        .send(&intent(
-            TENANT,
-            "refund-1",
-            "refund",
-            json!({"order": "o-1"}),
-        ))
+        .request(TENANT, "refund-1", "refund", json!({"order": "o-1"}))
         .await;
-    let second = agent
-        .until(TENANT, "refund-1", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let second = agent.succeeded(TENANT, "refund-1").await;
     assert_eq!(second.receipt, first.receipt);
     assert_eq!(env.writes(&key("refund-1")).await, writes);
     cleanup(env).await;
@@ -153,22 +135,13 @@ async fn paused_sender_resumes_after_recovery_and_cannot_change_the_receipt() {
     .await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-p",
-            "refund",
-            json!({"order": "o-p"}),
-        ))
+        .request(TENANT, "refund-p", "refund", json!({"order": "o-p"}))
         .await;
     a.wait_output("fault point reached: after_dispatching", T)
         .await;
     // B expires A's lease, recovers by replay with the original key.
     let b = Worker::start(&env, "b", &opts).await;
-    let recovered = agent
-        .until(TENANT, "refund-p", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let recovered = agent.succeeded(TENANT, "refund-p").await;
     let row = env.operation(TENANT, "refund-p").await.unwrap();
     // A resumes, sends its (stale) request with the same key and gets the replayed receipt.
     a.resume();
@@ -209,12 +182,7 @@ async fn a_late_timeout_never_overwrites_succeeded() {
     let w = Worker::start(&env, "w", &opts).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-s",
-            "refund",
-            json!({"order": "o-s"}),
-        ))
+        .request(TENANT, "refund-s", "refund", json!({"order": "o-s"}))
         .await;
     agent.until(TENANT, "refund-s", Status::Succeeded, T).await;
     let row = env.operation(TENANT, "refund-s").await.unwrap();
@@ -248,12 +216,7 @@ async fn expired_replay_window_holds_without_a_new_send() {
     let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-w",
-            "refund",
-            json!({"order": "o-w"}),
-        ))
+        .request(TENANT, "refund-w", "refund", json!({"order": "o-w"}))
         .await;
     let pending = agent.next(TENANT, T).await;
     assert_eq!(pending.status, Status::Pending);
@@ -284,12 +247,12 @@ async fn lookup_miss_after_a_committed_write_stays_unknown_then_recovers_the_ori
     let _w = Worker::start(&env, "w", &opts).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
+        .request(
             TENANT,
             "ticket-m",
             "ticket",
             json!({"title": "printer on fire"}),
-        ))
+        )
         .await;
     let events = agent.until(TENANT, "ticket-m", Status::Succeeded, T).await;
     assert_eq!(events.first().unwrap().status, Status::Pending);
@@ -329,12 +292,7 @@ async fn receipt_for_the_wrong_operation_is_rejected_and_recovery_returns_the_or
     let _w = Worker::start(&env, "w", &opts).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-x",
-            "refund",
-            json!({"order": "o-x"}),
-        ))
+        .request(TENANT, "refund-x", "refund", json!({"order": "o-x"}))
         .await;
     let events = agent.until(TENANT, "refund-x", Status::Succeeded, T).await;
     assert_eq!(
@@ -389,12 +347,7 @@ async fn ledger_refusing_the_receipt_leaves_pending_until_repaired() {
     .unwrap();
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-l",
-            "refund",
-            json!({"order": "o-l"}),
-        ))
+        .request(TENANT, "refund-l", "refund", json!({"order": "o-l"}))
         .await;
     let pending = agent.next(TENANT, T).await;
     assert_eq!(pending.status, Status::Pending);
@@ -407,11 +360,7 @@ async fn ledger_refusing_the_receipt_leaves_pending_until_repaired() {
         .execute(&env.pool)
         .await
         .unwrap();
-    let done = agent
-        .until(TENANT, "refund-l", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let done = agent.succeeded(TENANT, "refund-l").await;
     assert_eq!(done.receipt, env.downstream_receipt(&key("refund-l")).await);
     assert_eq!(env.mutations(&key("refund-l")).await, 1);
     cleanup(env).await;
@@ -434,20 +383,11 @@ async fn downstream_restart_between_dropped_response_and_recovery_replays_the_or
     let _w = Worker::start(&env, "w", &opts).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-r",
-            "refund",
-            json!({"order": "o-r"}),
-        ))
+        .request(TENANT, "refund-r", "refund", json!({"order": "o-r"}))
         .await;
     assert_eq!(agent.next(TENANT, T).await.status, Status::Pending);
     ds.restart().await;
-    let done = agent
-        .until(TENANT, "refund-r", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let done = agent.succeeded(TENANT, "refund-r").await;
     assert_eq!(done.receipt, env.downstream_receipt(&key("refund-r")).await);
     assert_eq!(env.mutations(&key("refund-r")).await, 1);
     assert_eq!(env.writes(&key("refund-r")).await, 2);

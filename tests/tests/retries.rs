@@ -65,23 +65,14 @@ async fn refused_connections_are_retried_on_the_jittered_schedule_then_succeed_o
     let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-c",
-            "refund",
-            json!({"order": "o-c"}),
-        ))
+        .request(TENANT, "refund-c", "refund", json!({"order": "o-c"}))
         .await;
     e2e::wait_for("three refused attempts", T, || async {
         (retry_schedule(&env, "refund-c").await.len() >= 3).then_some(())
     })
     .await;
     let _ds = Downstream::start_at(&env, port).await;
-    let done = agent
-        .until(TENANT, "refund-c", Status::Succeeded, T)
-        .await
-        .pop()
-        .unwrap();
+    let done = agent.succeeded(TENANT, "refund-c").await;
     assert!(done.receipt.is_some());
     assert_eq!(env.mutations(&key("refund-c")).await, 1);
     assert_eq!(
@@ -136,12 +127,7 @@ async fn retry_after_is_honoured() {
     let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-429",
-            "refund",
-            json!({"order": "o-429"}),
-        ))
+        .request(TENANT, "refund-429", "refund", json!({"order": "o-429"}))
         .await;
     agent
         .until(TENANT, "refund-429", Status::Succeeded, T)
@@ -182,12 +168,7 @@ async fn always_not_applied_makes_exactly_max_attempts_then_fails_with_evidence(
     let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-n",
-            "refund",
-            json!({"order": "o-n"}),
-        ))
+        .request(TENANT, "refund-n", "refund", json!({"order": "o-n"}))
         .await;
     let events = agent.until(TENANT, "refund-n", Status::Failed, T).await;
     assert_eq!(events.first().unwrap().status, Status::Pending);
@@ -222,12 +203,7 @@ async fn always_timing_out_after_writing_ends_held_never_failed() {
     let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .send(&intent(
-            TENANT,
-            "refund-t",
-            "refund",
-            json!({"order": "o-t"}),
-        ))
+        .request(TENANT, "refund-t", "refund", json!({"order": "o-t"}))
         .await;
     assert_eq!(final_state(&env, "refund-t").await, "held");
     let events = agent.until(TENANT, "refund-t", Status::Pending, T).await;
@@ -268,7 +244,7 @@ async fn amplification_is_bounded_even_with_workers_killed_mid_flight() {
         let mut w = Worker::start(&env, &format!("w{round}"), &opts).await;
         for a in &actions {
             agent
-                .send(&intent(TENANT, a, "refund", json!({"order": a})))
+                .request(TENANT, a, "refund", json!({"order": a}))
                 .await;
         }
         tokio::time::sleep(Duration::from_millis(250 + 150 * round)).await;
@@ -401,7 +377,7 @@ async fn a_poison_message_ends_in_the_dead_letter_queue_and_the_others_are_serve
     .fault("crash_on_intake", Some("poison-1"));
     let mut agent = Agent::new_after(&env, &[TENANT], &opts).await;
     agent
-        .send(&intent(TENANT, "poison-1", "refund", json!({"order": "p"})))
+        .request(TENANT, "poison-1", "refund", json!({"order": "p"}))
         .await;
     for i in 0..5 {
         agent

@@ -36,6 +36,7 @@ pub async fn connect_ledger(settings: &Settings) -> anyhow::Result<Ledger> {
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let tools_file = Tools::load(&settings.tools_path)?;
     let tools = ToolSet::from_config(&tools_file)?;
+    warn_about_risky_settings(&settings, &tools_file);
     let handle =
         m::install().map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
     let ledger = connect_ledger(&settings).await?;
@@ -104,7 +105,18 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     .await?;
     // The relay stops last: after in-flight work has recorded its results.
     let (relay_trigger, relay_stop) = shutdown::channel();
-    let relay = tokio::spawn(relay.run(relay_stop));
+    // A broken broker channel in the relay is fatal, like one in the consumer: the process
+    // exits and its supervisor restarts it (the outbox keeps every result).
+    let (fatal_tx, mut fatal_rx) = tokio::sync::mpsc::channel::<anyhow::Error>(1);
+    let relay = tokio::spawn(async move {
+        let result = relay.run(relay_stop).await;
+        if let Err(e) = &result {
+            let _ = fatal_tx
+                .send(anyhow::anyhow!("result relay failed: {e}"))
+                .await;
+        }
+        result
+    });
 
     let consumer_config = ConsumerConfig {
         topology: settings.topology.clone(),
@@ -114,12 +126,25 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     };
     tracing::info!(worker_id = %settings.worker_id, tools = ?tool_names, "worker started");
     let consumer = amqp::consume::run(&connection, ctx.clone(), consumer_config, stop.clone());
+    tokio::pin!(consumer);
+    // On a signal the consumer is told to stop and then awaited, so a batch it is in the middle
+    // of is recorded, acked and dispatched rather than abandoned half-way (which would turn its
+    // claims into false unknowns).
     let outcome = tokio::select! {
-        r = consumer => r.map_err(anyhow::Error::from),
-        _ = shutdown::signal() => { tracing::info!("shutdown requested"); Ok(()) }
+        r = &mut consumer => r.map_err(anyhow::Error::from),
+        _ = shutdown::signal() => {
+            tracing::info!("shutdown requested");
+            trigger.fire();
+            (&mut consumer).await.map_err(anyhow::Error::from)
+        }
+        Some(e) = fatal_rx.recv() => {
+            trigger.fire();
+            let _ = (&mut consumer).await;
+            Err(e)
+        }
     };
     if let Err(e) = &outcome {
-        tracing::error!(error = %format!("{e:#}"), "consumer failed; shutting down");
+        tracing::error!(error = %format!("{e:#}"), "fatal error; shutting down");
     }
     trigger.fire();
     drain(&ctx, settings.shutdown_grace, settings.max_in_flight).await;
@@ -167,6 +192,26 @@ async fn drain(ctx: &Arc<Context>, grace: Duration, max_in_flight: usize) {
         Err(_) => tracing::warn!(
             "in-flight work still running after the grace period; its leases will expire into unknown and be recovered"
         ),
+    }
+}
+
+/// Settings that work but weaken the guarantees: said once at start-up.
+fn warn_about_risky_settings(settings: &Settings, tools: &Tools) {
+    for (name, tool) in &tools.tools {
+        if tool.timeout >= settings.lease {
+            tracing::warn!(
+                tool = %name, timeout_ms = tool.timeout.as_millis() as u64, lease_secs = settings.lease.as_secs(),
+                "the tool's timeout is not shorter than WORKER_LEASE_SECS: a slow request's lease can expire while \
+                 it is still in flight, turning it into an unknown outcome (safe, but needless recovery)"
+            );
+        }
+        if tool.receipt_match.is_empty() {
+            tracing::warn!(
+                tool = %name,
+                "receipt_match is empty: any 2xx with a receipt id is taken as this operation's receipt; \
+                 declare the echo fields the downstream returns"
+            );
+        }
     }
 }
 

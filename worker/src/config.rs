@@ -590,8 +590,13 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
             "retry: multiplier >= 1, 0 <= jitter <= 1 and max_delay_ms >= initial_delay_ms".into(),
         ));
     }
-    if t.budget.ratio.is_nan() || t.budget.ratio < 0.0 || t.budget.window_secs == 0 {
-        return Err(bad("budget: ratio >= 0 and window_secs >= 1".into()));
+    if t.budget.ratio.is_nan()
+        || t.budget.ratio < 0.0
+        || !(1..=86_400).contains(&t.budget.window_secs)
+    {
+        return Err(bad(
+            "budget: ratio >= 0 and 1 <= window_secs <= 86400".into()
+        ));
     }
     for s in &r.not_applied_statuses {
         if !(400..=599).contains(s) {

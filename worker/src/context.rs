@@ -55,6 +55,35 @@ impl Context {
         })
     }
 
+    /// Waits for an in-flight slot, then runs `work` in its own task; the slot is released
+    /// when the task ends, so shutdown can wait for all of them.
+    pub async fn spawn_bounded<F, Fut>(self: &Arc<Self>, work: F)
+    where
+        F: FnOnce(Arc<Context>) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let permit = self
+            .in_flight
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("semaphore never closed");
+        let task = work(self.clone());
+        tokio::spawn(async move {
+            task.await;
+            drop(permit);
+        });
+    }
+
+    /// Waits for an in-flight slot without spawning (for work run inline).
+    pub async fn in_flight_slot(&self) -> tokio::sync::OwnedSemaphorePermit {
+        self.in_flight
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("semaphore never closed")
+    }
+
     /// Records a completion; completions arriving together share one commit.
     pub async fn complete(&self, completion: Completion) -> Result<Applied, LedgerError> {
         let (tx, rx) = oneshot::channel();

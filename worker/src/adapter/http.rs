@@ -35,6 +35,16 @@ impl HttpAdapter {
             tool: config.name.clone(),
             reason,
         };
+        for url in std::iter::once(&config.url).chain(match &config.capability {
+            crate::config::Capability::Lookup { url_template } => Some(url_template),
+            _ => None,
+        }) {
+            if url.starts_with("https://") && !cfg!(feature = "https") {
+                return Err(bad(format!(
+                    "{url} needs HTTPS, but this worker was built without the `https` feature"
+                )));
+            }
+        }
         let client = reqwest::Client::builder()
             .timeout(config.timeout)
             .connect_timeout(config.connect_timeout)

@@ -153,17 +153,7 @@ async fn process(
                     .map_err(AmqpError::broker("basic.ack"))?;
                 ctx.relay_wake.notify_one();
                 for op in claimed {
-                    let permit = ctx
-                        .in_flight
-                        .clone()
-                        .acquire_owned()
-                        .await
-                        .expect("semaphore never closed");
-                    let ctx = ctx.clone();
-                    tokio::spawn(async move {
-                        dispatch::run(ctx, op).await;
-                        drop(permit);
-                    });
+                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, op)).await;
                 }
                 return Ok(());
             }

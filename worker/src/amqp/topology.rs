@@ -34,7 +34,7 @@ pub fn intents_queue_arguments(t: &Topology) -> FieldTable {
     );
     args.insert(
         "x-delivery-limit".into(),
-        AMQPValue::LongInt(t.delivery_limit as i32),
+        AMQPValue::LongInt(t.queue_delivery_limit as i32),
     );
     args.insert(
         "x-dead-letter-exchange".into(),

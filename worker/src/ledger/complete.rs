@@ -150,7 +150,9 @@ async fn apply(
             let sql = format!(
                 "WITH prev AS (SELECT id, last_reported FROM operations WHERE id = $1 FOR UPDATE)
                  UPDATE operations o SET next_attempt_at = now() + make_interval(secs => $5),
-                        lease_owner = NULL, lease_until = NULL, changed_by = $2
+                        lease_owner = NULL, lease_until = NULL, changed_by = $2,
+                        -- a deferral is not a recovery round: give back the one the lease counted
+                        recovery_attempts = o.recovery_attempts - (o.state = 'unknown')::int
                  FROM prev WHERE o.id = prev.id AND o.fence = $3 AND o.state = $4
                  RETURNING {cols}, prev.last_reported AS prev_reported"
             );

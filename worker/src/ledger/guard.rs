@@ -73,6 +73,17 @@ impl Ledger {
         Ok(n)
     }
 
+    /// Forgets retry spending older than `age` (budget windows are at most a day).
+    pub async fn prune_retry_spend(&self, age: Duration) -> Result<u64, LedgerError> {
+        Ok(
+            sqlx::query("DELETE FROM retry_spend WHERE at < now() - make_interval(secs => $1)")
+                .bind(age.as_secs_f64())
+                .execute(&self.pool)
+                .await?
+                .rows_affected(),
+        )
+    }
+
     /// Forgets redelivery counts older than `age`.
     pub async fn prune_redeliveries(&self, age: Duration) -> Result<u64, LedgerError> {
         Ok(sqlx::query(

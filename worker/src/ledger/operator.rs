@@ -143,7 +143,7 @@ impl Ledger {
             return Ok(out);
         }
         let rows: Vec<HistoryRow> = sqlx::query_as(
-            "SELECT operation_id, at, from_state, to_state, fence, actor, evidence
+            "SELECT operation_id, at, from_state, to_state, fence, actor, evidence, attempts, next_attempt_at
              FROM operation_history WHERE operation_id = ANY($1) ORDER BY operation_id, id",
         )
         .bind(ids)
@@ -228,7 +228,7 @@ impl Ledger {
             outbox::insert_events(&mut tx, &[event]).await?;
         }
         let history: Vec<HistoryEntry> = sqlx::query_as(
-            "SELECT at, from_state, to_state, fence, actor, evidence
+            "SELECT at, from_state, to_state, fence, actor, evidence, attempts, next_attempt_at
              FROM operation_history WHERE operation_id = $1 ORDER BY id",
         )
         .bind(operation_id)

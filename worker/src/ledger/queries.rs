@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use super::{Ledger, LedgerError, Operation, OPERATION_COLUMNS};
 
 /// One history entry of an operation (appended by the database on every change).
-#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
+#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize, serde::Deserialize)]
 pub struct HistoryEntry {
     pub at: DateTime<Utc>,
     pub from_state: Option<String>,
@@ -13,6 +13,9 @@ pub struct HistoryEntry {
     pub fence: i64,
     pub actor: String,
     pub evidence: Option<String>,
+    /// Write attempts so far, and the next attempt the change scheduled (if any).
+    pub attempts: Option<i32>,
+    pub next_attempt_at: Option<DateTime<Utc>>,
 }
 
 /// Oldest unresolved operation of one tool in one state.
@@ -50,7 +53,7 @@ impl Ledger {
 
     pub async fn history(&self, operation_id: i64) -> Result<Vec<HistoryEntry>, LedgerError> {
         Ok(sqlx::query_as(
-            "SELECT at, from_state, to_state, fence, actor, evidence
+            "SELECT at, from_state, to_state, fence, actor, evidence, attempts, next_attempt_at
              FROM operation_history WHERE operation_id = $1 ORDER BY id",
         )
         .bind(operation_id)

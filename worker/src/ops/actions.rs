@@ -85,29 +85,8 @@ pub struct OperationView {
     pub history: Vec<HistoryView>,
 }
 
-/// One history entry: who (`actor`), when (`at`), why (`evidence`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct HistoryView {
-    pub at: DateTime<Utc>,
-    pub from_state: Option<String>,
-    pub to_state: String,
-    pub fence: i64,
-    pub actor: String,
-    pub evidence: Option<String>,
-}
-
-impl From<HistoryEntry> for HistoryView {
-    fn from(h: HistoryEntry) -> Self {
-        HistoryView {
-            at: h.at,
-            from_state: h.from_state,
-            to_state: h.to_state,
-            fence: h.fence,
-            actor: h.actor,
-            evidence: h.evidence,
-        }
-    }
-}
+/// One history entry: who (`actor`), when (`at`), why (`evidence`), and the schedule.
+pub type HistoryView = HistoryEntry;
 
 impl OperationView {
     pub fn new(op: &Operation, history: Vec<HistoryEntry>) -> OperationView {
@@ -137,7 +116,7 @@ impl OperationView {
             updated_at: op.updated_at,
             state_since: op.state_since,
             swept_at: op.swept_at,
-            history: history.into_iter().map(HistoryView::from).collect(),
+            history,
         }
     }
 

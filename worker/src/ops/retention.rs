@@ -1,7 +1,7 @@
 //! The retention sweeper: removes private data (arguments, receipts, call ids) of operations
 //! finished longer than `retention` ago, keeping a tombstone (key, fingerprint, final state) so
 //! an old retry still cannot run twice; deletes tombstones after `tombstone_retention`, published
-//! result events after `retention`, and stale poison-guard counters. Unresolved operations are
+//! result events after `retention`, stale poison-guard counters and old retry-budget spending. Unresolved operations are
 //! never touched. Each statement handles at most [`SWEEP_BATCH`] rows and skips locked ones.
 
 use std::time::Duration;
@@ -54,6 +54,11 @@ pub async fn sweep_once(
     counter!(m::SWEPT, "kind" => "outbox").increment(outbox);
     let redeliveries = ledger.prune_redeliveries(retention).await?;
     counter!(m::SWEPT, "kind" => "redelivery").increment(redeliveries);
+    // Retry budget windows are at most a day (config validation), so older spending is inert.
+    let spend = ledger
+        .prune_retry_spend(Duration::from_secs(86_400))
+        .await?;
+    counter!(m::SWEPT, "kind" => "retry_spend").increment(spend);
     Ok(SweepReport {
         private_data,
         tombstones,

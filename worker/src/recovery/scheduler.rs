@@ -48,17 +48,7 @@ pub async fn step(ctx: &Arc<Context>) -> Result<usize, crate::ledger::LedgerErro
         .await?;
     let n = claimed.len();
     for claim in claimed {
-        let permit = ctx
-            .in_flight
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("semaphore never closed");
-        let ctx = ctx.clone();
-        tokio::spawn(async move {
-            run_claim(ctx, claim).await;
-            drop(permit);
-        });
+        ctx.spawn_bounded(|ctx| run_claim(ctx, claim)).await;
     }
     Ok(n)
 }
@@ -176,12 +166,7 @@ pub async fn recover_now(
     ctx: &Arc<Context>,
     operation_id: i64,
 ) -> Result<Option<crate::ledger::Operation>, crate::ledger::LedgerError> {
-    let permit = ctx
-        .in_flight
-        .clone()
-        .acquire_owned()
-        .await
-        .expect("semaphore never closed");
+    let permit = ctx.in_flight_slot().await;
     let leased = ctx
         .ledger
         .lease_for_recovery(operation_id, &ctx.worker_id, ctx.lease)

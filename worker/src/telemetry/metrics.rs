@@ -118,7 +118,7 @@ fn describe() {
     );
     describe_counter!(
         SWEPT,
-        "Rows touched by the retention sweeper, by kind (private_data, tombstone, outbox)."
+        "Rows touched by the retention sweeper, by kind (private_data, tombstone, outbox, redelivery, retry_spend)."
     );
 }
 
