@@ -182,11 +182,28 @@ impl Agent {
     }
 }
 
-/// Deletes a test's queues and exchanges and drops its database (best effort).
-pub async fn cleanup(env: Env) {
-    if let Ok(conn) = lapin::Connection::connect(&env.amqp_url, Default::default()).await {
+/// Deletes a test's queues and exchanges and drops its database (best effort). A test that
+/// panics before calling this is cleaned up by `Env`'s `Drop`.
+pub async fn cleanup(mut env: Env) {
+    env.cleaned = true;
+    env.pool.close().await;
+    remove_test_objects(
+        env.amqp_url.clone(),
+        env.topology.clone(),
+        env.db_name.clone(),
+        env.dir.clone(),
+    )
+    .await;
+}
+
+pub(crate) async fn remove_test_objects(
+    amqp_url: String,
+    t: crate::env::Topology,
+    db_name: String,
+    dir: std::path::PathBuf,
+) {
+    if let Ok(conn) = lapin::Connection::connect(&amqp_url, Default::default()).await {
         if let Ok(ch) = conn.create_channel().await {
-            let t = &env.topology;
             for q in [&t.intents_queue, &t.dead_letter_queue] {
                 let _ = ch
                     .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
@@ -204,15 +221,13 @@ pub async fn cleanup(env: Env) {
         }
         let _ = conn.close(200, "".into()).await;
     }
-    env.pool.close().await;
     if let Ok(admin) = sqlx::PgPool::connect(&crate::env::pg_admin_url()).await {
         let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-            env.db_name
+            "DROP DATABASE IF EXISTS {db_name} WITH (FORCE)"
         )))
         .execute(&admin)
         .await;
         admin.close().await;
     }
-    let _ = std::fs::remove_dir_all(&env.dir);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -35,6 +35,32 @@ pub struct Env {
     pub amqp_url: String,
     pub topology: Topology,
     pub dir: PathBuf,
+    /// Set by `cleanup`; otherwise `Drop` removes the test's objects.
+    pub(crate) cleaned: bool,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        if self.cleaned {
+            return;
+        }
+        // A failed test: clean up on a thread with its own runtime (this one may be unwinding).
+        let (url, t, db, dir) = (
+            self.amqp_url.clone(),
+            self.topology.clone(),
+            self.db_name.clone(),
+            self.dir.clone(),
+        );
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                rt.block_on(crate::agent::remove_test_objects(url, t, db, dir));
+            }
+        })
+        .join();
+    }
 }
 
 impl Env {
@@ -82,6 +108,7 @@ impl Env {
             amqp_url: amqp_url(),
             topology,
             dir,
+            cleaned: false,
         }
     }
 
