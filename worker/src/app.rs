@@ -197,6 +197,12 @@ async fn drain(ctx: &Arc<Context>, grace: Duration, max_in_flight: usize) {
 
 /// Settings that work but weaken the guarantees: said once at start-up.
 fn warn_about_risky_settings(settings: &Settings, tools: &Tools) {
+    if matches!(tools.auth, crate::config::TenantAuth::Trusted) {
+        tracing::warn!(
+            "tenants are trusted as written in each intent; with more than one tenant set [auth] mode = \"user_id\" \
+             in the tools file so the broker-validated AMQP user_id must prove the tenant"
+        );
+    }
     for (name, tool) in &tools.tools {
         if tool.timeout >= settings.lease {
             tracing::warn!(
