@@ -61,7 +61,6 @@ pub async fn step(
     prepared_grace: Duration,
     batch: &[Incoming],
 ) -> Result<StepOutcome, LedgerError> {
-    counter!(m::INTENTS_RECEIVED).increment(batch.len() as u64);
     let mut out = StepOutcome::default();
     let mut events: Vec<NewEvent> = Vec::new();
     let mut valid: Vec<Valid> = Vec::new();

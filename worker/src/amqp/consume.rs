@@ -142,6 +142,8 @@ async fn process(
     loop {
         match try_process(dlx, ctx, config, &batch).await {
             Ok(claimed) => {
+                // Counted once the batch is recorded, so a batch retried in an outage counts once.
+                counter!(m::INTENTS_RECEIVED).increment(batch.len() as u64);
                 let last = batch
                     .iter()
                     .map(|d| d.delivery_tag)
@@ -196,7 +198,6 @@ async fn try_process(
                 .await
                 .map_err(Failure::Ledger)? as u32;
             if deliveries > limit {
-                counter!(m::INTENTS_RECEIVED).increment(1);
                 let dl = DeadLetter {
                     index: 0,
                     reason: "delivery_limit",
