@@ -11,19 +11,25 @@ use std::time::Duration;
 
 use crate::env::Env;
 
-/// Directory holding the workspace's built binaries (target/debug).
+/// Directory holding the workspace's built binaries: `INTENT_BIN_DIR` when set (e.g.
+/// `target/release` for the throughput benchmark), else target/debug.
 pub fn bin_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    // target/debug/deps/e2e-<hash> -> target/debug
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .to_path_buf();
+    let dir = match std::env::var_os("INTENT_BIN_DIR").filter(|d| !d.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            let exe = std::env::current_exe().expect("current exe");
+            // target/debug/deps/e2e-<hash> -> target/debug
+            exe.parent()
+                .and_then(Path::parent)
+                .expect("target dir")
+                .to_path_buf()
+        }
+    };
     for bin in ["worker", "reference-downstream"] {
         assert!(
             dir.join(bin).exists(),
-            "{} is missing: build the workspace first (cargo build --workspace)",
+            "{} is missing: build the workspace first (cargo build --workspace, or with --release \
+             for INTENT_BIN_DIR=target/release)",
             dir.join(bin).display()
         );
     }

@@ -1,0 +1,885 @@
+//! Throughput benchmark: intents/s through real worker processes (broker → ledger → downstream
+//! → outbox → results), reported as a ratio to the broker alone measured in the same run.
+//!
+//! ```sh
+//! cargo build --release --workspace          # worker binary (fault points compiled in, inert)
+//! INTENT_BIN_DIR=target/release \
+//!   cargo run --release -p e2e --bin throughput -- [--intents N] [--workers 1,2] [--prefetch P]
+//! ```
+//!
+//! Needs Postgres and RabbitMQ as the e2e suites do (`TEST_DATABASE_URL`, `TEST_AMQP_URL`).
+//! Without `INTENT_BIN_DIR` the directory of this executable is used (target/release under
+//! `cargo run --release`).
+//!
+//! Phases:
+//! 1. baseline: a durable quorum queue; N persistent messages of an intent's size published with
+//!    confirms (up to 256 outstanding), consumed with prefetch P and one ack each; first publish
+//!    to last ack. Run before and after the worker runs; ratios use the mean of the two.
+//! 2. for each K: a fresh database and broker names, K workers, an in-process null downstream
+//!    (HTTP/1.1 keep-alive, answers 201 with a receipt at once), N distinct intents published the
+//!    same way to the intents exchange; first publish to the N-th distinct `succeeded` result.
+//!    Verified afterwards: every operation is `succeeded`, the downstream saw exactly N writes.
+//!
+//! Also printed: transactions committed in the run's database per intent (`pg_stat_database`,
+//! read-only ones included), WAL fsyncs per intent (`pg_stat_wal`, cluster-wide), and CPU used
+//! during the measured interval by the workers, all Postgres processes, RabbitMQ (`beam.smp`),
+//! this process (publisher, follower, null downstream), and the busy time of the whole machine.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, ensure, Context as _, Result};
+use e2e::{cleanup, Env, Worker, WorkerOptions};
+use futures_lite::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm,
+};
+use protocol::{Intent, Status};
+use publisher::Follower;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::{sleep, timeout_at, Instant};
+
+const TENANT: &str = "bench";
+const TOOL: &str = "bench";
+/// Publisher confirms kept outstanding, in the baseline and the worker runs alike.
+const CONFIRM_WINDOW: usize = 256;
+/// Long enough for every backend's pending statistics to reach `pg_stat_*` (flushed at most
+/// once a second).
+const STATS_SETTLE: Duration = Duration::from_millis(1500);
+/// Linux clock ticks per second for /proc CPU times.
+const CLK_TCK: f64 = 100.0;
+
+const USAGE: &str = "usage: throughput [--intents N (5000)] [--workers K[,K...] (1,2)] \
+[--prefetch P (64)] [--timeout-secs S (60, per phase)]
+
+Set INTENT_BIN_DIR to the directory holding the release `worker` binary (default: the
+directory of this executable). Postgres/RabbitMQ: TEST_DATABASE_URL / TEST_AMQP_URL.";
+
+struct Args {
+    intents: usize,
+    workers: Vec<usize>,
+    prefetch: u16,
+    phase_timeout: Duration,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args = Args {
+        intents: 5000,
+        workers: vec![1, 2],
+        prefetch: 64,
+        phase_timeout: Duration::from_secs(60),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) => (f.to_string(), Some(v.to_string())),
+            None => (arg.clone(), None),
+        };
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
+        let value = match inline {
+            Some(v) => v,
+            None => it
+                .next()
+                .ok_or_else(|| anyhow!("{flag} needs a value\n{USAGE}"))?,
+        };
+        match flag.as_str() {
+            "--intents" => args.intents = value.parse().context("--intents")?,
+            "--prefetch" => args.prefetch = value.parse().context("--prefetch")?,
+            "--timeout-secs" => {
+                args.phase_timeout = Duration::from_secs(value.parse().context("--timeout-secs")?)
+            }
+            "--workers" => {
+                args.workers = value
+                    .split(',')
+                    .map(|k| k.trim().parse::<usize>())
+                    .collect::<Result<_, _>>()
+                    .context("--workers: comma-separated counts")?
+            }
+            other => bail!("unknown argument {other}\n{USAGE}"),
+        }
+    }
+    ensure!(args.intents > 0, "--intents must be at least 1");
+    ensure!(args.prefetch > 0, "--prefetch must be at least 1");
+    ensure!(
+        !args.workers.is_empty() && args.workers.iter().all(|&k| (1..=16).contains(&k)),
+        "--workers: each count between 1 and 16"
+    );
+    Ok(args)
+}
+
+fn main() {
+    // The error chain, without the backtrace RUST_BACKTRACE would add to a returned anyhow error.
+    if let Err(e) = start() {
+        eprintln!("throughput: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn start() -> Result<()> {
+    let args = parse_args()?;
+    if std::env::var_os("INTENT_BIN_DIR").is_none_or(|d| d.is_empty()) {
+        let exe = std::env::current_exe().context("current exe")?;
+        let dir = exe.parent().context("directory of this executable")?;
+        // Single-threaded here: no runtime has started yet.
+        std::env::set_var("INTENT_BIN_DIR", dir);
+    }
+    let bin_dir = std::path::PathBuf::from(std::env::var_os("INTENT_BIN_DIR").unwrap_or_default());
+    ensure!(
+        bin_dir.join("worker").exists(),
+        "{} is missing: run `cargo build --release --workspace` and set INTENT_BIN_DIR=target/release",
+        bin_dir.join("worker").display()
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    runtime.block_on(run(args, bin_dir))
+}
+
+/// One measured phase.
+struct Phase {
+    label: String,
+    elapsed: Duration,
+    published: Duration,
+    count: usize,
+    commits: Option<i64>,
+    wal_syncs: Option<i64>,
+    cpu: CpuSplit,
+}
+
+impl Phase {
+    fn rate(&self) -> f64 {
+        self.count as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
+    let n = args.intents;
+    println!(
+        "throughput: N={n} P={} workers={:?} worker binary={} started={}",
+        args.prefetch,
+        args.workers,
+        bin_dir.join("worker").display(),
+        chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
+    );
+    let messages = Arc::new(build_messages(n));
+    let body_len = messages[0].1.len();
+    println!("intent body ≈ {body_len} bytes");
+
+    let downstream = NullDownstream::start().await?;
+    let amqp_url = e2e::env::amqp_url();
+
+    let mut phases = Vec::new();
+    let pre = baseline(&amqp_url, &messages, args.prefetch, args.phase_timeout)
+        .await
+        .context("baseline (before)")?;
+    report(&pre, None);
+    phases.push(pre);
+    let mut runs = Vec::new();
+    for &k in &args.workers {
+        let phase = worker_run(k, &messages, &downstream, &args)
+            .await
+            .with_context(|| format!("worker run K={k}"))?;
+        report(&phase, None);
+        runs.push(phase);
+    }
+    let mut post = baseline(&amqp_url, &messages, args.prefetch, args.phase_timeout)
+        .await
+        .context("baseline (after)")?;
+    post.label = "baseline (after)".into();
+    report(&post, None);
+    phases.push(post);
+
+    let base = (phases[0].rate() + phases[1].rate()) / 2.0;
+    println!();
+    println!(
+        "N={n} P={} (rates: first publish to last ack / to the N-th succeeded result)",
+        args.prefetch
+    );
+    println!(
+        "{:<18} {:>9} {:>7} {:>8} {:>8} {:>10} {:>10}   cpu cores: {}",
+        "phase",
+        "per s",
+        "ratio",
+        "elapsed",
+        "publish",
+        "commits/i",
+        "fsyncs/i",
+        CpuSplit::HEADER
+    );
+    for p in phases
+        .iter()
+        .take(1)
+        .chain(runs.iter())
+        .chain(phases.iter().skip(1))
+    {
+        report(p, Some(base));
+    }
+    println!(
+        "baseline mean {base:.0} msgs/s; commits/i = transactions committed in the run's database \
+         per intent (read-only ones too); fsyncs/i = pg_stat_wal.wal_sync per intent, cluster-wide"
+    );
+    Ok(())
+}
+
+fn report(p: &Phase, base: Option<f64>) {
+    let ratio = base.map_or("-".to_string(), |b| format!("{:.3}", p.rate() / b));
+    let per = |v: Option<i64>| {
+        v.map_or("-".to_string(), |v| {
+            format!("{:.2}", v as f64 / p.count as f64)
+        })
+    };
+    println!(
+        "{:<18} {:>9.0} {:>7} {:>7.2}s {:>7.2}s {:>10} {:>10}   {}",
+        p.label,
+        p.rate(),
+        ratio,
+        p.elapsed.as_secs_f64(),
+        p.published.as_secs_f64(),
+        per(p.commits),
+        per(p.wal_syncs),
+        p.cpu.cores(p.elapsed)
+    );
+}
+
+/// N distinct intents for the `bench` tool, as (message id, body).
+fn build_messages(n: usize) -> Vec<(String, Vec<u8>)> {
+    (0..n)
+        .map(|i| {
+            let intent = Intent {
+                tenant: TENANT.into(),
+                action_id: format!("bench-{i:07}"),
+                tool: TOOL.into(),
+                arguments: serde_json::json!({
+                    "order": format!("order-{i:07}"),
+                    "amount_cents": 4850,
+                    "currency": "USD",
+                }),
+                call_id: Some(format!("call-{i:07}")),
+                reply_to: Some(TENANT.into()),
+            };
+            (
+                publisher::action_key(&intent.tenant, &intent.action_id),
+                intent.to_json(),
+            )
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Publishing with a window of outstanding confirms (the same code for both phases)
+
+async fn confirm_channel(conn: &Connection) -> Result<Channel> {
+    let ch = conn.create_channel().await.context("open channel")?;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .context("confirm.select")?;
+    Ok(ch)
+}
+
+/// Publishes every message (persistent, mandatory, JSON, message id = action key) with up to
+/// [`CONFIRM_WINDOW`] confirms outstanding; returns when all are confirmed.
+async fn publish_all(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    messages: &[(String, Vec<u8>)],
+    deadline: Instant,
+) -> Result<()> {
+    let mut outstanding: VecDeque<PublisherConfirm> = VecDeque::with_capacity(CONFIRM_WINDOW);
+    for (message_id, body) in messages {
+        if outstanding.len() >= CONFIRM_WINDOW {
+            if let Some(oldest) = outstanding.pop_front() {
+                check_confirm(oldest, deadline).await?;
+            }
+        }
+        let properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_message_id(message_id.as_str().into());
+        let publish = ch.basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            body,
+            properties,
+        );
+        let confirm = timeout_at(deadline, publish)
+            .await
+            .map_err(|_| anyhow!("basic.publish did not return before the phase deadline"))?
+            .context("basic.publish")?;
+        outstanding.push_back(confirm);
+    }
+    while let Some(confirm) = outstanding.pop_front() {
+        check_confirm(confirm, deadline).await?;
+    }
+    Ok(())
+}
+
+async fn check_confirm(confirm: PublisherConfirm, deadline: Instant) -> Result<()> {
+    match timeout_at(deadline, confirm).await {
+        Err(_) => bail!("no publisher confirm before the phase deadline"),
+        Ok(Err(e)) => Err(e).context("publisher confirm"),
+        Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+        Ok(Ok(Confirmation::Ack(Some(returned)))) => {
+            bail!("message returned as unroutable: {}", returned.reply_text)
+        }
+        Ok(Ok(Confirmation::Nack(_))) => bail!("the broker nacked a message"),
+        Ok(Ok(Confirmation::NotRequested)) => bail!("channel not in confirm mode"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Baseline: the broker alone
+
+async fn baseline(
+    amqp_url: &str,
+    messages: &Arc<Vec<(String, Vec<u8>)>>,
+    prefetch: u16,
+    phase_timeout: Duration,
+) -> Result<Phase> {
+    let queue = format!("bench.baseline.{}", uuid::Uuid::new_v4().simple());
+    let consumer_conn = Connection::connect(amqp_url, ConnectionProperties::default())
+        .await
+        .with_context(|| format!("connect to RabbitMQ at {amqp_url}"))?;
+    let publisher_conn = Connection::connect(amqp_url, ConnectionProperties::default())
+        .await
+        .context("connect publisher")?;
+    let result = baseline_on(
+        &consumer_conn,
+        &publisher_conn,
+        &queue,
+        messages,
+        prefetch,
+        phase_timeout,
+    )
+    .await;
+    // Always delete the queue, also after a failure.
+    let deleted = async {
+        let ch = publisher_conn.create_channel().await?;
+        ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await
+    }
+    .await;
+    if let Err(e) = deleted {
+        eprintln!("warning: could not delete baseline queue {queue}: {e}");
+    }
+    let _ = publisher_conn.close(200, "".into()).await;
+    let _ = consumer_conn.close(200, "".into()).await;
+    result
+}
+
+async fn baseline_on(
+    consumer_conn: &Connection,
+    publisher_conn: &Connection,
+    queue: &str,
+    messages: &Arc<Vec<(String, Vec<u8>)>>,
+    prefetch: u16,
+    phase_timeout: Duration,
+) -> Result<Phase> {
+    let n = messages.len();
+    let ch = consumer_conn
+        .create_channel()
+        .await
+        .context("open channel")?;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        args,
+    )
+    .await
+    .context("declare the baseline quorum queue")?;
+    ch.basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .context("basic.qos")?;
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "bench-baseline".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .context("basic.consume")?;
+    let pub_ch = confirm_channel(publisher_conn).await?;
+
+    let cpu_before = CpuSample::take(&[]);
+    let started = Instant::now();
+    let deadline = started + phase_timeout;
+    let reader = tokio::spawn(async move {
+        let mut acked = 0usize;
+        while acked < n {
+            let delivery = match timeout_at(deadline, consumer.next()).await {
+                Err(_) => bail!("only {acked} of {n} messages consumed before the phase deadline"),
+                Ok(None) => bail!("consumer closed after {acked} of {n} messages"),
+                Ok(Some(d)) => d.context("delivery")?,
+            };
+            ensure!(
+                !delivery.redelivered,
+                "unexpected redelivery in the baseline"
+            );
+            delivery
+                .ack(BasicAckOptions::default())
+                .await
+                .context("basic.ack")?;
+            acked += 1;
+        }
+        Ok(Instant::now())
+    });
+    let published = publish_all(&pub_ch, "", queue, messages, deadline).await;
+    let published = match published {
+        Ok(()) => started.elapsed(),
+        Err(e) => {
+            reader.abort();
+            return Err(e.context("publishing the baseline"));
+        }
+    };
+    let last_ack = reader.await.context("baseline consumer task")??;
+    let cpu = CpuSample::take(&[]).since(&cpu_before);
+    Ok(Phase {
+        label: "baseline (before)".into(),
+        elapsed: last_ack - started,
+        published,
+        count: n,
+        commits: None,
+        wal_syncs: None,
+        cpu,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Worker runs
+
+async fn worker_run(
+    k: usize,
+    messages: &Arc<Vec<(String, Vec<u8>)>>,
+    downstream: &NullDownstream,
+    args: &Args,
+) -> Result<Phase> {
+    let env = Env::new().await;
+    let result = worker_run_in(&env, k, messages, downstream, args).await;
+    cleanup(env).await;
+    result
+}
+
+async fn worker_run_in(
+    env: &Env,
+    k: usize,
+    messages: &Arc<Vec<(String, Vec<u8>)>>,
+    downstream: &NullDownstream,
+    args: &Args,
+) -> Result<Phase> {
+    let n = messages.len();
+    let tools = env.write_tools(&format!(
+        "[tools.{TOOL}]\nurl = \"http://127.0.0.1:{}/bench\"\nreceipt_id = \"/receipt_id\"\n\
+         receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n\
+         recovery = \"none\"\ntimeout_ms = 5000\n",
+        downstream.port
+    ));
+    let mut opts = WorkerOptions::new(tools);
+    opts.prefetch = args.prefetch;
+    opts.lease_secs = 30;
+    opts.recovery_interval_ms = 1000; // the production default
+    let mut workers = Vec::with_capacity(k);
+    for i in 0..k {
+        // Sequential: each one migrates the ledger at start.
+        workers.push(Worker::start(env, &format!("bench-w{i}"), &opts).await);
+    }
+    let worker_pids: Vec<u32> = workers.iter().map(Worker::pid).collect();
+
+    let mut follower =
+        Follower::follow(&env.amqp_url, &env.topology.results_exchange, TENANT, None)
+            .await
+            .context("follow results")?;
+    let publisher_conn = Connection::connect(&env.amqp_url, ConnectionProperties::default())
+        .await
+        .context("connect publisher")?;
+    let pub_ch = confirm_channel(&publisher_conn).await?;
+
+    // Let start-up statistics reach pg_stat_* before the first sample.
+    sleep(STATS_SETTLE).await;
+    let commits_before = xact_commit(env).await;
+    let wal_before = wal_syncs(env).await;
+    let writes_before = downstream.requests.load(Ordering::SeqCst);
+
+    let cpu_before = CpuSample::take(&worker_pids);
+    let started = Instant::now();
+    let deadline = started + args.phase_timeout;
+    let reader = tokio::spawn(async move {
+        let mut succeeded: HashSet<String> = HashSet::with_capacity(n);
+        let mut events = 0usize;
+        while succeeded.len() < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let event = match follower.next(left).await {
+                Ok(Some(ev)) => ev,
+                Ok(None) => bail!(
+                    "only {} of {n} succeeded results before the phase deadline ({events} events read)",
+                    succeeded.len()
+                ),
+                Err(e) => return Err(anyhow!(e).context("reading results")),
+            };
+            events += 1;
+            if event.status != Status::Succeeded {
+                bail!(
+                    "unexpected result {} for {}: {}",
+                    event.status.as_str(),
+                    event.action_id,
+                    event.message
+                );
+            }
+            succeeded.insert(event.action_id);
+        }
+        let done = Instant::now();
+        let _ = follower.close().await;
+        Ok(done)
+    });
+    let published = publish_all(
+        &pub_ch,
+        &env.topology.intents_exchange,
+        TENANT,
+        messages,
+        deadline,
+    )
+    .await;
+    let published = match published {
+        Ok(()) => started.elapsed(),
+        Err(e) => {
+            reader.abort();
+            return Err(e.context("publishing intents"));
+        }
+    };
+    let done = match reader.await.context("result reader task")? {
+        Ok(done) => done,
+        Err(e) => {
+            let states = state_counts(env).await.unwrap_or_default();
+            return Err(e.context(format!("ledger states now: {states:?}")));
+        }
+    };
+    let cpu = CpuSample::take(&worker_pids).since(&cpu_before);
+    let _ = publisher_conn.close(200, "".into()).await;
+
+    sleep(STATS_SETTLE).await;
+    let commits = match (commits_before, xact_commit(env).await) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
+    let wal = match (wal_before, wal_syncs(env).await) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
+
+    // Verify: every operation succeeded, nothing else is left, one write per intent.
+    let states = state_counts(env).await?;
+    let expected: BTreeMap<String, i64> = [("succeeded".to_string(), n as i64)].into();
+    ensure!(
+        states == expected,
+        "ledger states after the run: {states:?}, expected {expected:?}"
+    );
+    let writes = downstream.requests.load(Ordering::SeqCst) - writes_before;
+    ensure!(
+        writes == n as u64,
+        "the null downstream received {writes} writes for {n} intents"
+    );
+    let missing_keys = downstream.missing_key.load(Ordering::SeqCst);
+    ensure!(
+        missing_keys == 0,
+        "{missing_keys} writes arrived without Idempotency-Key"
+    );
+    for w in &mut workers {
+        ensure!(w.is_running(), "worker {} exited during the run", w.name);
+    }
+    drop(workers);
+    Ok(Phase {
+        label: format!("worker K={k}"),
+        elapsed: done - started,
+        published,
+        count: n,
+        commits,
+        wal_syncs: wal,
+        cpu,
+    })
+}
+
+async fn state_counts(env: &Env) -> Result<BTreeMap<String, i64>> {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state, count(*) FROM operations GROUP BY state")
+            .fetch_all(&env.pool)
+            .await
+            .context("count operations by state")?;
+    Ok(rows.into_iter().collect())
+}
+
+async fn xact_commit(env: &Env) -> Option<i64> {
+    let _ = sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&env.pool)
+        .await;
+    sqlx::query_scalar(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .map_err(|e| eprintln!("warning: pg_stat_database: {e}"))
+    .ok()
+}
+
+async fn wal_syncs(env: &Env) -> Option<i64> {
+    sqlx::query_scalar("SELECT wal_sync FROM pg_stat_wal")
+        .fetch_one(&env.pool)
+        .await
+        .map_err(|e| eprintln!("warning: pg_stat_wal: {e}"))
+        .ok()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Null downstream: HTTP/1.1 keep-alive, 201 with a matching receipt, no storage
+
+struct NullDownstream {
+    port: u16,
+    requests: Arc<AtomicU64>,
+    missing_key: Arc<AtomicU64>,
+}
+
+impl NullDownstream {
+    async fn start() -> Result<NullDownstream> {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("bind the null downstream")?;
+        let port = listener.local_addr()?.port();
+        let requests = Arc::new(AtomicU64::new(0));
+        let missing_key = Arc::new(AtomicU64::new(0));
+        let (req, missing) = (requests.clone(), missing_key.clone());
+        tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((stream, _)) => {
+                        let _ = stream.set_nodelay(true);
+                        let (req, missing) = (req.clone(), missing.clone());
+                        tokio::spawn(async move {
+                            if let Err(e) = serve(stream, &req, &missing).await {
+                                eprintln!("null downstream: connection error: {e}");
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        eprintln!("null downstream: accept: {e}");
+                        sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        });
+        Ok(NullDownstream {
+            port,
+            requests,
+            missing_key,
+        })
+    }
+}
+
+const MAX_LINE: u64 = 16 * 1024;
+const MAX_HEADERS: usize = 100;
+const MAX_BODY: usize = 1 << 20;
+
+/// Serves requests on one connection until the peer closes it.
+async fn serve(stream: TcpStream, requests: &AtomicU64, missing_key: &AtomicU64) -> Result<()> {
+    let (read, mut write) = stream.into_split();
+    let mut reader = BufReader::new(read);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if (&mut reader).take(MAX_LINE).read_line(&mut line).await? == 0 {
+            return Ok(()); // closed between requests
+        }
+        let mut content_length = 0usize;
+        let mut key: Option<String> = None;
+        let mut ended = false;
+        for _ in 0..MAX_HEADERS {
+            line.clear();
+            if (&mut reader).take(MAX_LINE).read_line(&mut line).await? == 0 {
+                bail!("connection closed inside a request head");
+            }
+            let header = line.trim_end_matches(['\r', '\n']);
+            if header.is_empty() {
+                ended = true;
+                break;
+            }
+            if let Some((name, value)) = header.split_once(':') {
+                let value = value.trim();
+                if name.eq_ignore_ascii_case("content-length") {
+                    content_length = value.parse().context("Content-Length")?;
+                } else if name.eq_ignore_ascii_case("idempotency-key") {
+                    key = Some(value.to_string());
+                } else if name.eq_ignore_ascii_case("transfer-encoding") {
+                    bail!("chunked request bodies are not supported");
+                }
+            }
+        }
+        ensure!(ended, "more than {MAX_HEADERS} header lines");
+        ensure!(content_length <= MAX_BODY, "request body too large");
+        let mut body = vec![0u8; content_length];
+        reader.read_exact(&mut body).await?;
+        let n = requests.fetch_add(1, Ordering::SeqCst) + 1;
+        if key.is_none() {
+            missing_key.fetch_add(1, Ordering::SeqCst);
+        }
+        let answer = serde_json::json!({
+            "receipt_id": format!("r-{n}"),
+            "idempotency_key": key.unwrap_or_default(),
+        })
+        .to_string();
+        let response = format!(
+            "HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{answer}",
+            answer.len()
+        );
+        write.write_all(response.as_bytes()).await?;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU accounting from /proc (Linux; zeros elsewhere)
+
+/// CPU ticks per process group at one moment.
+struct CpuSample {
+    per_pid: HashMap<u32, (Group, u64)>,
+    bench: u64,
+    machine_busy: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Group {
+    Worker,
+    Postgres,
+    Rabbit,
+}
+
+/// CPU ticks used between two samples.
+#[derive(Default)]
+struct CpuSplit {
+    worker: u64,
+    postgres: u64,
+    rabbit: u64,
+    bench: u64,
+    machine: u64,
+}
+
+impl CpuSplit {
+    const HEADER: &'static str = "worker  pg  rabbit  bench  | machine";
+
+    /// Cores used per group over `elapsed`, and the whole machine's busy cores.
+    fn cores(&self, elapsed: Duration) -> String {
+        let secs = elapsed.as_secs_f64().max(1e-9);
+        let c = |ticks: u64| ticks as f64 / CLK_TCK / secs;
+        format!(
+            "{:.2}  {:.2}  {:.2}  {:.2}  | {:.2}",
+            c(self.worker),
+            c(self.postgres),
+            c(self.rabbit),
+            c(self.bench),
+            c(self.machine)
+        )
+    }
+}
+
+impl CpuSample {
+    fn take(worker_pids: &[u32]) -> CpuSample {
+        let mut per_pid = HashMap::new();
+        if let Ok(dir) = std::fs::read_dir("/proc") {
+            for entry in dir.flatten() {
+                let Some(pid) = entry
+                    .file_name()
+                    .to_str()
+                    .and_then(|s| s.parse::<u32>().ok())
+                else {
+                    continue;
+                };
+                let group = if worker_pids.contains(&pid) {
+                    Group::Worker
+                } else {
+                    match std::fs::read_to_string(format!("/proc/{pid}/comm")) {
+                        Ok(comm) if comm.trim() == "postgres" => Group::Postgres,
+                        Ok(comm) if comm.trim() == "beam.smp" => Group::Rabbit,
+                        _ => continue,
+                    }
+                };
+                if let Some(ticks) = proc_ticks(&format!("/proc/{pid}/stat")) {
+                    per_pid.insert(pid, (group, ticks));
+                }
+            }
+        }
+        CpuSample {
+            per_pid,
+            bench: proc_ticks("/proc/self/stat").unwrap_or(0),
+            machine_busy: machine_busy(),
+        }
+    }
+
+    fn since(&self, before: &CpuSample) -> CpuSplit {
+        let mut split = CpuSplit {
+            bench: self.bench.saturating_sub(before.bench),
+            machine: self.machine_busy.saturating_sub(before.machine_busy),
+            ..CpuSplit::default()
+        };
+        for (pid, (group, ticks)) in &self.per_pid {
+            let start = before.per_pid.get(pid).map_or(0, |(_, t)| *t);
+            let d = ticks.saturating_sub(start);
+            match group {
+                Group::Worker => split.worker += d,
+                Group::Postgres => split.postgres += d,
+                Group::Rabbit => split.rabbit += d,
+            }
+        }
+        split
+    }
+}
+
+/// utime + stime of a process (all threads) in clock ticks.
+fn proc_ticks(path: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    // Fields after the parenthesised command: state is field 3, utime 14, stime 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// Busy ticks of all CPUs (user, nice, system, irq, softirq, steal) from /proc/stat.
+fn machine_busy() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return 0;
+    };
+    let Some(line) = stat.lines().next() else {
+        return 0;
+    };
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal
+    [0usize, 1, 2, 5, 6, 7]
+        .iter()
+        .filter_map(|&i| v.get(i))
+        .sum()
+}
