@@ -396,28 +396,18 @@ pub async fn resolve(
         operator,
         reason,
     };
-    let outcome = ctx
-        .ledger
-        .operator_apply(
-            op.id,
-            &request,
-            &OperatorChange::Resolve {
-                receipt,
-                receipt_id,
-            },
-            respond,
-        )
-        .await?;
-    let (response, applied) = answer(
-        outcome,
-        "resolve",
+    let change = OperatorChange::Resolve {
+        receipt,
+        receipt_id,
+    };
+    apply_final(
+        ctx,
+        op.id,
+        &request,
+        &change,
         "held, unknown, retry_wait or dispatching",
-    )?;
-    if let Some(op) = applied {
-        log_applied(&op, "resolve", &request);
-        ctx.relay_wake.notify_one();
-    }
-    Ok(response)
+    )
+    .await
 }
 
 /// Marks an unresolved operation `failed` with the operator's written evidence; emits the
@@ -442,13 +432,27 @@ pub async fn fail(
         operator,
         reason: evidence.clone(),
     };
+    let change = OperatorChange::Fail { evidence };
+    apply_final(ctx, op.id, &request, &change, "held, unknown or retry_wait").await
+}
+
+/// Applies a resolution that makes the operation final (resolve, fail) and, when it moved,
+/// logs it and wakes the relay for its result event.
+async fn apply_final(
+    ctx: &Arc<Context>,
+    operation_id: i64,
+    request: &OperatorRequest,
+    change: &OperatorChange,
+    allowed_states: &str,
+) -> Result<ActionResponse, OpsError> {
+    let action = change.action();
     let outcome = ctx
         .ledger
-        .operator_apply(op.id, &request, &OperatorChange::Fail { evidence }, respond)
+        .operator_apply(operation_id, request, change, respond)
         .await?;
-    let (response, applied) = answer(outcome, "fail", "held, unknown or retry_wait")?;
+    let (response, applied) = answer(outcome, action, allowed_states)?;
     if let Some(op) = applied {
-        log_applied(&op, "fail", &request);
+        log_applied(&op, action, request);
         ctx.relay_wake.notify_one();
     }
     Ok(response)
