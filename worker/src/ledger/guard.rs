@@ -8,10 +8,12 @@ use super::{Ledger, LedgerError};
 use crate::config::BudgetPolicy;
 
 impl Ledger {
-    /// Spends one retry from `tool`'s budget if the window allows it.
+    /// Spends one retry of `operation_id` from `tool`'s budget if the window allows it. The
+    /// spending is given back if the operation then succeeds (see `complete`).
     pub async fn try_spend_retry(
         &self,
         tool: &str,
+        operation_id: i64,
         policy: &BudgetPolicy,
     ) -> Result<bool, LedgerError> {
         let mut tx = self.pool.begin().await?;
@@ -20,8 +22,8 @@ impl Ledger {
             .execute(&mut *tx)
             .await?;
         let spent: Option<i64> = sqlx::query_scalar(
-            "INSERT INTO retry_spend (tool)
-             SELECT $1 WHERE (SELECT count(*) FROM retry_spend
+            "INSERT INTO retry_spend (tool, operation_id)
+             SELECT $1, $5 WHERE (SELECT count(*) FROM retry_spend
                               WHERE tool = $1 AND at > now() - make_interval(secs => $2))
                            < floor($3 * (SELECT count(*) FROM operations
                                          WHERE tool = $1 AND first_dispatch_at > now() - make_interval(secs => $2)))
@@ -32,6 +34,7 @@ impl Ledger {
         .bind(policy.window_secs as f64)
         .bind(policy.ratio)
         .bind(floor(policy))
+        .bind(operation_id)
         .fetch_optional(&mut *tx)
         .await?;
         tx.commit().await?;

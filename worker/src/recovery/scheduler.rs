@@ -128,7 +128,7 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
                 .await;
                 return;
             };
-            if !spend_retry(&ctx, &op.tool, &tool.config.budget).await {
+            if !spend_retry(&ctx, &op, &tool.config.budget).await {
                 defer_for_budget(&ctx, &op, Phase::Leased(State::RetryWait), &tool.config).await;
                 return;
             }
@@ -228,7 +228,7 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
             after_recovery(&op, config, outcome)
         }
         Action::ReplayOriginalRequest => {
-            if !spend_retry(&ctx, &op.tool, &config.budget).await {
+            if !spend_retry(&ctx, &op, &config.budget).await {
                 defer_for_budget(&ctx, &op, phase, config).await;
                 return;
             }
@@ -254,14 +254,25 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
     finish(&ctx, &op, phase, transition).await;
 }
 
-async fn spend_retry(ctx: &Context, tool: &str, budget: &crate::config::BudgetPolicy) -> bool {
-    match ctx.ledger.try_spend_retry(tool, budget).await {
+async fn spend_retry(
+    ctx: &Context,
+    op: &crate::ledger::Operation,
+    budget: &crate::config::BudgetPolicy,
+) -> bool {
+    match ctx.ledger.try_spend_retry(&op.tool, op.id, budget).await {
         Ok(ok) => ok,
         Err(e) => {
-            tracing::warn!(tool, error = %e, "cannot read the retry budget; deferring");
+            tracing::warn!(tool = %op.tool, error = %e, "cannot read the retry budget; deferring");
             false
         }
     }
+}
+
+/// How long a budget-deferred retry waits before it looks again: a thirtieth of the window,
+/// between 1 and 5 seconds, so freed budget (a window sliding on, a refunded success) is used
+/// soon without hammering the ledger.
+pub fn budget_deferral(window_secs: u64) -> Duration {
+    Duration::from_secs(window_secs / 30).clamp(Duration::from_secs(1), Duration::from_secs(5))
 }
 
 async fn defer_for_budget(
@@ -271,8 +282,19 @@ async fn defer_for_budget(
     tool: &crate::config::ToolConfig,
 ) {
     counter!(m::BUDGET_DEFERRALS, "tool" => op.tool.clone()).increment(1);
-    // Look again within the window: a tenth of it, at least a second.
-    let delay = Duration::from_secs((tool.budget.window_secs / 10).max(1));
+    let delay = budget_deferral(tool.budget.window_secs);
     tracing::info!(action_id = %op.action_id, tool = %op.tool, "retry budget empty; deferred");
     finish(ctx, op, phase, Transition::Defer { delay }).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_deferral_is_a_thirtieth_of_the_window_within_1_to_5_seconds() {
+        assert_eq!(budget_deferral(2), Duration::from_secs(1));
+        assert_eq!(budget_deferral(60), Duration::from_secs(2));
+        assert_eq!(budget_deferral(3600), Duration::from_secs(5));
+    }
 }
