@@ -60,17 +60,12 @@ impl Agent {
         tenants: &[&str],
         opts: &crate::procs::WorkerOptions,
     ) -> Agent {
-        let t = &env.topology;
         let topology = worker::config::Topology {
-            intents_exchange: t.intents_exchange.clone(),
-            intents_queue: t.intents_queue.clone(),
-            results_exchange: t.results_exchange.clone(),
-            dead_letter_exchange: t.dead_letter_exchange.clone(),
-            dead_letter_queue: t.dead_letter_queue.clone(),
             delivery_limit: opts.delivery_limit,
             queue_delivery_limit: worker::config::Topology::default_queue_delivery_limit(
                 opts.delivery_limit,
             ),
+            ..env.topology.clone()
         };
         let conn = worker::amqp::connect(&env.amqp_url, "e2e-setup")
             .await

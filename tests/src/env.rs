@@ -16,15 +16,9 @@ pub fn amqp_url() -> String {
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
-/// Broker names unique to one test.
-#[derive(Debug, Clone)]
-pub struct Topology {
-    pub intents_exchange: String,
-    pub intents_queue: String,
-    pub results_exchange: String,
-    pub dead_letter_exchange: String,
-    pub dead_letter_queue: String,
-}
+/// Broker names unique to one test (the worker's own type; limits are per worker, see
+/// `WorkerOptions`).
+pub use worker::config::Topology;
 
 /// A test's database, names and scratch directory.
 pub struct Env {
@@ -97,6 +91,8 @@ impl Env {
             results_exchange: format!("{p}.results"),
             dead_letter_exchange: format!("{p}.dlx"),
             dead_letter_queue: format!("{p}.dead"),
+            delivery_limit: 5,
+            queue_delivery_limit: Topology::default_queue_delivery_limit(5),
         };
         let dir = std::env::temp_dir().join(format!("intent-e2e-{id}"));
         std::fs::create_dir_all(&dir).unwrap();

@@ -259,7 +259,7 @@ async fn worker_ops_cli_lists_and_resolves_held_operations() {
         .await
         .unwrap()
         .to_string();
-    let out = ops(&[
+    let resolve = [
         "resolve",
         TENANT,
         "deploy-2",
@@ -271,7 +271,8 @@ async fn worker_ops_cli_lists_and_resolves_held_operations() {
         "seen in the deploy log",
         "--request-id",
         "cli-1",
-    ]);
+    ];
+    let out = ops(&resolve);
     assert!(
         out.status.success(),
         "{}",
@@ -279,19 +280,7 @@ async fn worker_ops_cli_lists_and_resolves_held_operations() {
     );
     assert_eq!(env.state(TENANT, "deploy-2").await, "succeeded");
     // The same request again is idempotent.
-    let again = ops(&[
-        "resolve",
-        TENANT,
-        "deploy-2",
-        "--receipt",
-        &receipt,
-        "--operator",
-        "bob",
-        "--reason",
-        "seen in the deploy log",
-        "--request-id",
-        "cli-1",
-    ]);
+    let again = ops(&resolve);
     assert!(
         again.status.success(),
         "{}",
