@@ -7,14 +7,17 @@
 //! - [`env`]: the per-test database, broker names and tools file.
 //! - [`procs`]: worker and downstream child processes.
 //! - [`agent`]: publishing intents and reading result events as an agent would.
+//! - [`proxy`]: a TCP fault proxy that cuts or black-holes one link (broker, Postgres).
 //! - [`wait`]: polling with deadlines.
 
 pub mod agent;
 pub mod env;
 pub mod procs;
+pub mod proxy;
 pub mod wait;
 
 pub use agent::{cleanup, intent, Agent};
 pub use env::{Env, Topology};
 pub use procs::{free_port, metric_value, Downstream, Worker, WorkerOptions};
+pub use proxy::FaultProxy;
 pub use wait::wait_for;
