@@ -57,7 +57,7 @@ impl FaultProxy {
                 };
                 if st.cut.load(Ordering::SeqCst) {
                     // Refused while cut: the peer sees the connection closed at once.
-                    let _ = client.set_linger(Some(std::time::Duration::ZERO));
+                    let _ = client.set_zero_linger();
                     drop(client);
                     continue;
                 }
@@ -81,8 +81,8 @@ impl FaultProxy {
                         let _ = cut_seen.changed().await;
                     }
                     // Reset rather than close gracefully: a lost link, not a goodbye.
-                    let _ = client.set_linger(Some(std::time::Duration::ZERO));
-                    let _ = server.set_linger(Some(std::time::Duration::ZERO));
+                    let _ = client.set_zero_linger();
+                    let _ = server.set_zero_linger();
                 });
             }
         });
