@@ -109,3 +109,40 @@ pub struct ResultEvent {
     /// When the state was reached, RFC 3339.
     pub occurred_at: String,
 }
+
+/// The word that separates a tenant from a `reply_to` in a result routing key. It can never
+/// be a word of a tenant (tenants allow only letters, digits, `-`, `_` and `.`), so a binding
+/// for tenant `a` can never match a key of tenant `a.b`.
+pub const REPLY_WORD: &str = "@";
+
+/// The routing key of a result event on the results topic exchange: `<tenant>` for an intent
+/// without `reply_to`, `<tenant>.@.<reply_to>` for one with it. One agent binds
+/// `<tenant>.@.<its reply_to>`; a tenant-wide observer binds `<tenant>` and `<tenant>.@.#`.
+pub fn result_routing_key(tenant: &str, reply_to: Option<&str>) -> String {
+    match reply_to {
+        Some(reply_to) => format!("{tenant}.{REPLY_WORD}.{reply_to}"),
+        None => tenant.to_string(),
+    }
+}
+
+/// The binding keys that receive every result event of `tenant`, whatever its `reply_to`.
+pub fn tenant_binding_keys(tenant: &str) -> [String; 2] {
+    [tenant.to_string(), format!("{tenant}.{REPLY_WORD}.#")]
+}
+
+#[cfg(test)]
+mod routing_tests {
+    use super::*;
+
+    #[test]
+    fn routing_keys_keep_tenants_apart() {
+        assert_eq!(result_routing_key("north.shop", None), "north.shop");
+        assert_eq!(
+            result_routing_key("north.shop", Some("agent-7")),
+            "north.shop.@.agent-7"
+        );
+        // Tenant "a"'s wide binding "a.@.#" needs "@" as the second word; tenant "a.b" has "b".
+        assert_eq!(result_routing_key("a.b", Some("c")), "a.b.@.c");
+        assert_eq!(tenant_binding_keys("a")[1], "a.@.#");
+    }
+}
