@@ -147,13 +147,16 @@ impl ToolSet {
         self.tools.iter()
     }
 
-    /// Replay windows of replay-capable tools, for the ledger's deadline.
-    pub fn replay_windows(&self) -> crate::ledger::ReplayWindows {
-        crate::ledger::ReplayWindows::new(self.tools.iter().filter_map(|(n, t)| {
-            match t.config.capability {
+    /// Replay windows of replay-capable tools (tool name, window), from which the ledger
+    /// stores each first dispatch's protection deadline. Plain values: adapters do not depend
+    /// on the ledger.
+    pub fn replay_windows(&self) -> Vec<(String, Duration)> {
+        self.tools
+            .iter()
+            .filter_map(|(n, t)| match t.config.capability {
                 Capability::Replay { window, .. } => Some((n.clone(), window)),
                 _ => None,
-            }
-        }))
+            })
+            .collect()
     }
 }
