@@ -48,6 +48,8 @@ pub enum Outcome {
         retry_after: Option<Duration>,
     },
     /// A definitive rejection (4xx other than 408/409/429): it did not and will not apply.
+    /// Answered to a replay it proves nothing about the original write; recovery keeps the row
+    /// unknown unless the tool lists the status in `replay_final_statuses`.
     Rejected { status: u16, evidence: String },
     /// It may have been applied: timeout, reset after writing, 5xx, 408, 409, a receipt that
     /// does not match, an unreadable 2xx.
