@@ -1,0 +1,272 @@
+"""The intent (message contract version 1) and a strict decoder that mirrors the worker's
+(Rust ``protocol::decode_intent``): same rules, same order, same error codes. The client runs
+it on the exact bytes it is about to publish or enqueue, so a body the worker would dead-letter
+as ``invalid_message`` is refused here, before it leaves the process. The shared fixtures in
+docs/schema/fixtures keep both decoders in agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+MAX_INTENT_BYTES = 256 * 1024
+"""Largest accepted intent body, in bytes of UTF-8."""
+MAX_KEY_LEN = 200
+"""Longest ``tenant``, ``action_id``, ``call_id`` and ``reply_to``, in characters."""
+MAX_TOOL_LEN = 64
+"""Longest ``tool``, in characters."""
+
+KNOWN_FIELDS = ("tenant", "action_id", "tool", "arguments", "call_id", "reply_to")
+_REQUIRED = ("tenant", "action_id", "tool", "arguments")
+
+# serde_json refuses documents nested deeper than this (its recursion limit).
+_MAX_DEPTH = 128
+_MAX_ECHOED_NAME = 64
+
+_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_NAME_CHARS = "ASCII letters, digits, '-', '_' and '.'"
+
+
+def _is_name(value: str) -> bool:
+    return _NAME.fullmatch(value) is not None
+
+
+def _is_visible_ascii(value: str) -> bool:
+    return all("\x21" <= c <= "\x7e" for c in value)
+
+
+def _has_no_control(value: str) -> bool:
+    # Rust's char::is_control: general category Cc, i.e. C0, DEL and C1.
+    return not any(c <= "\x1f" or "\x7f" <= c <= "\x9f" for c in value)
+
+
+_RULES = {
+    "tenant": (MAX_KEY_LEN, _is_name, _NAME_CHARS),
+    "action_id": (
+        MAX_KEY_LEN,
+        _is_visible_ascii,
+        "visible ASCII characters (0x21 to 0x7E), no spaces or control characters",
+    ),
+    "tool": (MAX_TOOL_LEN, _is_name, _NAME_CHARS),
+    "call_id": (MAX_KEY_LEN, _has_no_control, "characters other than control characters"),
+    "reply_to": (MAX_KEY_LEN, _is_name, _NAME_CHARS),
+}
+
+
+class InvalidIntent(ValueError):
+    """A body or intent broke a rule of the wire contract. ``code`` is the worker's stable
+    decode error code (``too_large``, ``not_json``, ``not_an_object``, ``duplicate_field``,
+    ``unknown_field``, ``missing_field``, ``wrong_type``, ``empty_field``, ``too_long``,
+    ``invalid_characters``); ``field`` names the field where the rule is about one."""
+
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"InvalidIntent(code={self.code!r}, field={self.field!r}, message={self.message!r})"
+
+
+@dataclass(frozen=True)
+class Intent:
+    """A request for one side effect. ``(tenant, action_id)`` is the logical action key, chosen
+    by the application (never by the model); ``tool`` and ``arguments`` are what the worker's
+    fingerprint covers. ``reply_to`` routes the results to one agent's queue."""
+
+    tenant: str
+    action_id: str
+    tool: str
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+    call_id: str | None = None
+    reply_to: str | None = None
+
+    def to_json(self) -> bytes:
+        """The body to publish, validated by decoding it exactly as the worker will.
+
+        Raises :class:`InvalidIntent` if the worker would refuse it."""
+        body: dict[str, Any] = {
+            "tenant": self.tenant,
+            "action_id": self.action_id,
+            "tool": self.tool,
+            "arguments": self.arguments,
+        }
+        if self.call_id is not None:
+            body["call_id"] = self.call_id
+        if self.reply_to is not None:
+            body["reply_to"] = self.reply_to
+        try:
+            text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidIntent("not_json", f"intent is not valid JSON: {e}") from e
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidIntent("not_json", f"intent is not valid JSON: {e}") from e
+        decode_intent(data)
+        return data
+
+    @property
+    def message_id(self) -> str:
+        """The AMQP message_id and the downstream idempotency key: ``<tenant>:<action_id>``."""
+        return f"{self.tenant}:{self.action_id}"
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class _Object(dict[str, Any]):
+    """A parsed JSON object that remembers its entries in order, duplicates included."""
+
+    pairs: list[tuple[str, Any]]
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    obj = _Object(pairs)
+    obj.pairs = pairs
+    return obj
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _int(text: str) -> int | float:
+    # serde_json reads an integer beyond 64 bits as a double; one beyond the double range is
+    # an error there, so it must be one here.
+    if len(text) > 19 and math.isinf(float(text)):
+        raise ValueError(f"number out of range: {text[:40]}")
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def _check_strings(value: Any, depth: int) -> None:
+    """Refuses lone surrogates (not Unicode scalar values) and nesting deeper than
+    serde_json allows, both of which Python's json module accepts. ``depth`` counts the
+    arrays and objects around ``value``."""
+    if isinstance(value, (dict, list)):
+        depth += 1
+        if depth >= _MAX_DEPTH:
+            raise ValueError("recursion limit exceeded")
+    if isinstance(value, str):
+        if not _encodable(value):
+            raise ValueError("lone surrogate in a string")
+    elif isinstance(value, dict):
+        for key, item in (value.pairs if isinstance(value, _Object) else value.items()):
+            if not _encodable(key):
+                raise ValueError("lone surrogate in a key")
+            _check_strings(item, depth)
+    elif isinstance(value, list):
+        for item in value:
+            _check_strings(item, depth)
+
+
+def _echo(name: str) -> str:
+    return name if len(name) <= _MAX_ECHOED_NAME else name[:_MAX_ECHOED_NAME] + "…"
+
+
+def parse_json(body: bytes) -> Any:
+    """Parses strict RFC 8259 JSON in UTF-8 the way the worker does; raises
+    :class:`InvalidIntent` with code ``not_json`` otherwise. Objects keep their entries
+    (``.pairs``) so repeated keys stay visible."""
+    try:
+        text = body.decode("utf-8")
+        value = json.loads(
+            text,
+            object_pairs_hook=_object,
+            parse_constant=_constant,
+            parse_float=_float,
+            parse_int=_int,
+        )
+        _check_strings(value, 0)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise InvalidIntent("not_json", f"intent is not valid JSON: {e}") from None
+    return value
+
+
+def decode_intent(body: bytes) -> Intent:
+    """Decodes and validates an intent body, reporting the first broken rule in the
+    worker's order (README "Message contract (version 1)")."""
+    if len(body) > MAX_INTENT_BYTES:
+        raise InvalidIntent(
+            "too_large", f"intent is {len(body)} bytes, over the {MAX_INTENT_BYTES}-byte limit"
+        )
+    value = parse_json(body)
+    if not isinstance(value, _Object):
+        raise InvalidIntent("not_an_object", "intent must be a JSON object")
+    seen: set[str] = set()
+    for name, _ in value.pairs:
+        if name in seen:
+            raise InvalidIntent(
+                "duplicate_field", f"field {_echo(name)!r} appears more than once", _echo(name)
+            )
+        seen.add(name)
+    for name, _ in value.pairs:
+        if name not in KNOWN_FIELDS:
+            raise InvalidIntent(
+                "unknown_field",
+                f"unknown field {_echo(name)!r}; allowed fields are tenant, action_id, tool, "
+                "arguments, call_id and reply_to",
+                _echo(name),
+            )
+    for name in _REQUIRED:
+        if name not in value:
+            raise InvalidIntent("missing_field", f"required field {name!r} is missing", name)
+    for name in ("tenant", "action_id", "tool"):
+        if not isinstance(value[name], str):
+            raise InvalidIntent("wrong_type", f"field {name!r} must be a string", name)
+    if not isinstance(value["arguments"], dict):
+        raise InvalidIntent("wrong_type", "field 'arguments' must be a JSON object", "arguments")
+    for name in ("call_id", "reply_to"):
+        if value.get(name) is not None and not isinstance(value[name], str):
+            raise InvalidIntent("wrong_type", f"field {name!r} must be a string or null", name)
+
+    checked = [(name, value[name]) for name in ("tenant", "action_id", "tool")]
+    checked += [(n, value[n]) for n in ("call_id", "reply_to") if value.get(n) is not None]
+    _check_rules(checked)
+    return Intent(
+        tenant=value["tenant"],
+        action_id=value["action_id"],
+        tool=value["tool"],
+        arguments=dict(value["arguments"]),
+        call_id=value.get("call_id"),
+        reply_to=value.get("reply_to"),
+    )
+
+
+def _check_rules(fields: list[tuple[str, str]]) -> None:
+    # One rule kind at a time across all fields, as the worker does.
+    for name, text in fields:
+        if not text:
+            raise InvalidIntent("empty_field", f"field {name!r} must not be empty", name)
+    for name, text in fields:
+        limit = _RULES[name][0]
+        if len(text) > limit:
+            raise InvalidIntent(
+                "too_long",
+                f"field {name!r} is {len(text)} characters long, over the {limit}-character limit",
+                name,
+            )
+    for name, text in fields:
+        _, accepts, allowed = _RULES[name]
+        if not accepts(text):
+            raise InvalidIntent("invalid_characters", f"field {name!r} may contain only {allowed}", name)
