@@ -143,3 +143,26 @@ fn result_event_fixtures_decode_as_annotated() {
         }
     }
 }
+
+#[test]
+fn fingerprint_vectors_match() {
+    let cases = cases("fingerprint");
+    let cases = cases["cases"].as_array().unwrap();
+    assert!(cases.len() >= 10);
+    for case in cases {
+        let name = &case["name"];
+        let arguments: Value = serde_json::from_str(case["arguments"].as_str().unwrap()).unwrap();
+        let tool = case["tool"].as_str().unwrap();
+        let wrapper = serde_json::json!({"arguments": arguments, "tool": tool});
+        assert_eq!(
+            protocol::canonical_json(&wrapper),
+            case["canonical"].as_str().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            protocol::fingerprint(tool, &arguments),
+            case["fingerprint"].as_str().unwrap(),
+            "{name}"
+        );
+    }
+}

@@ -20,8 +20,11 @@ from intent_worker_client import (
     InvalidIntent,
     InvalidResultEvent,
     ResultEvent,
+    canonical_json,
     decode_intent,
+    fingerprint,
 )
+from intent_worker_client.intent import parse_json
 
 SCHEMA_DIR = Path(__file__).resolve().parents[3] / "docs" / "schema"
 FIXTURES = SCHEMA_DIR / "fixtures"
@@ -118,6 +121,18 @@ def test_rejected_result(case: dict[str, Any]) -> None:
             ResultEvent.from_json(body)
     else:
         ResultEvent.from_json(body)
+
+
+FINGERPRINTS = json.loads((FIXTURES / "fingerprint" / "cases.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", FINGERPRINTS, ids=ids(FINGERPRINTS))
+def test_fingerprint_vector(case: dict[str, Any]) -> None:
+    arguments = parse_json(case["arguments"].encode())
+    assert canonical_json({"arguments": arguments, "tool": case["tool"]}) == case["canonical"]
+    assert fingerprint(case["tool"], arguments) == case["fingerprint"]
+    intent = Intent("t", "a", case["tool"], arguments, call_id="c", reply_to="r")
+    assert intent.fingerprint() == case["fingerprint"]
 
 
 def test_client_refuses_what_the_worker_would() -> None:

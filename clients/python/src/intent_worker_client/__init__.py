@@ -2,6 +2,7 @@
 
 - :class:`Intent`, :func:`decode_intent`, :class:`InvalidIntent`: the intent and a validator
   that mirrors the worker's strict decoder (rules, order, error codes).
+- :func:`fingerprint`, :func:`canonical_json`: the worker's intent fingerprint.
 - :class:`ResultEvent`, :class:`Status`, :class:`RejectReason`: the answer.
 - :class:`IntentClient`: ``publish``, ``wait_for``, ``send_and_wait`` over RabbitMQ, with the
   status API (``GET /v1/operations/{tenant}/{action_id}``) as fallback.
@@ -19,6 +20,7 @@ from .client import (
     fetch_status,
     result_routing_key,
 )
+from .fingerprint import canonical_json, fingerprint
 from .intent import (
     MAX_INTENT_BYTES,
     MAX_KEY_LEN,
@@ -61,11 +63,13 @@ __all__ = [
     "action_from_scope",
     "action_scope",
     "answer_for",
+    "canonical_json",
     "create_outbox",
     "decode_intent",
     "enqueue",
     "enqueue_async",
     "fetch_status",
+    "fingerprint",
     "intent_tool",
     "parameters_schema",
     "result_routing_key",

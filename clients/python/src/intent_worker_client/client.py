@@ -29,7 +29,7 @@ from aio_pika.abc import (
 from aio_pika.exceptions import AMQPError
 
 from .intent import Intent, InvalidIntent, decode_intent
-from .result import InvalidResultEvent, ResultEvent
+from .result import InvalidResultEvent, RejectReason, ResultEvent
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,17 @@ REPLY_WORD = "@"
 
 _ANSWERS_KEPT = 10_000
 _EVENT_IDS_KEPT = 50_000
+_EVENTS_PER_ACTION = 16
+
+
+def _answers_intent(event: ResultEvent, fingerprint: str | None) -> bool:
+    """Whether ``event`` answers the intent with ``fingerprint`` (any, if ``None``). An
+    ``expired`` rejection answers every intent of its key: the action is gone."""
+    return (
+        fingerprint is None
+        or event.fingerprint == fingerprint
+        or event.reason is RejectReason.EXPIRED
+    )
 
 
 def result_routing_key(tenant: str, reply_to: str | None) -> str:
@@ -107,9 +118,10 @@ class IntentClient:
         self._bind_tenant = bind_tenant
         self._bound: set[str] = set()
         self._bind_lock = asyncio.Lock()
-        self._answers: collections.OrderedDict[tuple[str, str], ResultEvent] = (
+        self._answers: collections.OrderedDict[tuple[str, str], list[ResultEvent]] = (
             collections.OrderedDict()
         )
+        self._version = 0
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._changed = asyncio.Condition()
 
@@ -243,7 +255,9 @@ class IntentClient:
     async def send_and_wait(self, intent: Intent, timeout: float = 30.0) -> ResultEvent:
         """:meth:`publish` then :meth:`wait_for` the same action."""
         sent = await self.publish(intent)
-        return await self.wait_for(sent.tenant, sent.action_id, timeout)
+        return await self.wait_for(
+            sent.tenant, sent.action_id, timeout, fingerprint=sent.fingerprint()
+        )
 
     # ---- results ------------------------------------------------------------------------------
 
@@ -283,23 +297,39 @@ class IntentClient:
         if len(self._seen) > _EVENT_IDS_KEPT:
             self._seen.popitem(last=False)
         key = (event.tenant, event.action_id)
-        known = self._answers.get(key)
-        # A final answer never changes; a late duplicate `pending` must not hide it.
-        if known is None or not known.is_final:
-            self._answers[key] = event
-            self._answers.move_to_end(key)
-            if len(self._answers) > _ANSWERS_KEPT:
-                self._answers.popitem(last=False)
+        events = self._answers.setdefault(key, [])
+        events.append(event)
+        del events[:-_EVENTS_PER_ACTION]
+        self._answers.move_to_end(key)
+        if len(self._answers) > _ANSWERS_KEPT:
+            self._answers.popitem(last=False)
         async with self._changed:
+            self._version += 1
             self._changed.notify_all()
 
+    def _heard(self, key: tuple[str, str], fingerprint: str | None) -> ResultEvent | None:
+        """The first final answer heard for the action (for the intent with ``fingerprint``,
+        when given), else the latest pending, else ``None``."""
+        events = [e for e in self._answers.get(key, ()) if _answers_intent(e, fingerprint)]
+        final = next((e for e in events if e.is_final), None)
+        return final or (events[-1] if events else None)
+
     async def wait_for(
-        self, tenant: str, action_id: str, timeout: float = 30.0, *, poll_interval: float = 2.0
+        self,
+        tenant: str,
+        action_id: str,
+        timeout: float = 30.0,
+        *,
+        fingerprint: str | None = None,
+        poll_interval: float = 2.0,
     ) -> ResultEvent:
         """The first final answer (``succeeded``, ``failed``, ``rejected``) for the action, or,
         at the timeout, the latest ``pending``. Listens on this agent's results queue and, when
         the status API is configured, asks it every ``poll_interval`` seconds and once more at
-        the timeout. Raises :class:`NoAnswer` if nothing was heard at all."""
+        the timeout. With ``fingerprint`` (:meth:`Intent.fingerprint`) only answers to that
+        intent count: a repeat of an action id with other arguments is answered
+        ``intent_conflict``, while the stored operation keeps its own answer. Raises
+        :class:`NoAnswer` if nothing was heard at all."""
         await self._bind(tenant)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -308,7 +338,8 @@ class IntentClient:
         latest: ResultEvent | None = None
         status_error: Exception | None = None
         while True:
-            heard = self._answers.get(key)
+            version = self._version
+            heard = self._heard(key, fingerprint)
             if heard is not None:
                 if heard.is_final:
                     return heard
@@ -317,11 +348,7 @@ class IntentClient:
             if now >= deadline:
                 break
             if self._status_url and now >= next_poll:
-                try:
-                    polled = await self.status(tenant, action_id)
-                except StatusApiError as e:
-                    status_error = e
-                    polled = None
+                polled, status_error = await self._poll(tenant, action_id, fingerprint, status_error)
                 if polled is not None:
                     if polled.is_final:
                         return polled
@@ -331,17 +358,13 @@ class IntentClient:
             async with self._changed:
                 try:
                     await asyncio.wait_for(
-                        self._changed.wait_for(lambda: self._answers.get(key) is not heard),
+                        self._changed.wait_for(lambda: self._version != version),
                         timeout=max(0.0, wake - loop.time()),
                     )
                 except asyncio.TimeoutError:
                     pass
         if self._status_url:
-            try:
-                polled = await self.status(tenant, action_id)
-            except StatusApiError as e:
-                status_error = e
-                polled = None
+            polled, status_error = await self._poll(tenant, action_id, fingerprint, status_error)
             if polled is not None and (polled.is_final or latest is None):
                 return polled
         if latest is not None:
@@ -351,6 +374,22 @@ class IntentClient:
             "not submit it again under a new action id"
             + (f" (status API: {status_error})" if status_error else "")
         )
+
+    async def _poll(
+        self,
+        tenant: str,
+        action_id: str,
+        fingerprint: str | None,
+        error: Exception | None,
+    ) -> tuple[ResultEvent | None, Exception | None]:
+        try:
+            polled = await self.status(tenant, action_id)
+        except StatusApiError as e:
+            return None, e
+        if polled is not None and not _answers_intent(polled, fingerprint):
+            # The stored operation is another intent's: its answer is not ours.
+            return None, error
+        return polled, error
 
     async def status(self, tenant: str, action_id: str) -> ResultEvent | None:
         """The action's current answer from the worker's status API

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .fingerprint import fingerprint
+
 MAX_INTENT_BYTES = 256 * 1024
 """Largest accepted intent body, in bytes of UTF-8."""
 MAX_KEY_LEN = 200
@@ -110,6 +112,11 @@ class Intent:
             raise InvalidIntent("not_json", f"intent is not valid JSON: {e}") from e
         decode_intent(data)
         return data
+
+    def fingerprint(self) -> str:
+        """The worker's fingerprint of ``tool`` and ``arguments`` (call_id and reply_to never
+        change it); result events carry it."""
+        return fingerprint(self.tool, decode_intent(self.to_json()).arguments)
 
     @property
     def message_id(self) -> str:

@@ -153,7 +153,7 @@ def intent_tool(
             sent = await agent.publish(intent)
             try:
                 event: ResultEvent | None = await agent.wait_for(
-                    sent.tenant, sent.action_id, timeout
+                    sent.tenant, sent.action_id, timeout, fingerprint=sent.fingerprint()
                 )
             except NoAnswer:
                 event = None
