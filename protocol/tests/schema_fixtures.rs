@@ -59,7 +59,10 @@ fn assert_all_files_listed(kind: &str, dir: &str, listed: &[Value]) {
         .iter()
         .filter_map(|c| c["file"].as_str().map(str::to_string))
         .collect();
-    assert_eq!(on_disk, named, "{kind}/{dir}: files and cases.json disagree");
+    assert_eq!(
+        on_disk, named,
+        "{kind}/{dir}: files and cases.json disagree"
+    );
 }
 
 #[test]

@@ -29,8 +29,8 @@ def bin_dir() -> Path:
     explicit = os.environ.get("INTENT_BIN_DIR")
     if explicit:
         return Path(explicit)
-    target = Path(os.environ.get("CARGO_TARGET_DIR") or REPO / "target")
-    return target / "debug"
+    target = Path(os.environ.get("CARGO_TARGET_DIR") or "target")
+    return (target if target.is_absolute() else REPO / target) / "debug"
 
 
 def binary(name: str) -> Path:
