@@ -5,6 +5,7 @@ tests/src/procs.rs of the Rust e2e suite."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Awaitable, Callable, Iterator
 
 import aio_pika
 import psycopg
@@ -97,11 +98,12 @@ class World:
     tenant: str
     tenant_token: str
     dir: Path
+    downstream_url: str = ""
     children: list[Child] = field(default_factory=list)
 
     def mutations(self, key: str) -> int:
         """Writes the downstream really applied for an idempotency key (its own table)."""
-        with psycopg.connect(self.db_url) as conn:
+        with pg_connect(self.db_url) as conn:
             row = conn.execute(
                 "SELECT count(*) FROM downstream.mutations WHERE idem_key = %s", (key,)
             ).fetchone()
@@ -112,15 +114,28 @@ class World:
         return "\n".join(line for c in self.children for line in c.lines)
 
 
+def pg_connect(url: str, autocommit: bool = False) -> psycopg.Connection[tuple[object, ...]]:
+    """Connects, waiting out a shared server that is briefly at max_connections (other
+    suites run against the same Postgres)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return psycopg.connect(url, autocommit=autocommit)
+        except psycopg.OperationalError as e:
+            if "too many clients" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def _create_database(name: str) -> str:
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+    with pg_connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     base = PG_ADMIN.rsplit("/", 1)[0]
     return f"{base}/{name}"
 
 
 def _drop_database(name: str) -> None:
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+    with pg_connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
@@ -164,30 +179,39 @@ retry = {{ initial_delay_ms = 100, max_delay_ms = 1000 }}
 """
 
 
+WorldFactory = Callable[..., Awaitable[World]]
+
+
 @pytest.fixture
-async def world(tmp_path: Path) -> AsyncIterator[World]:
-    """A database, a downstream and one worker, unique to the test."""
-    wid = uuid.uuid4().hex[:12]
-    db_name = f"py_{wid}"
-    db_url = _create_database(db_name)
-    prefix = f"py{wid}"
-    admin_port = free_port()
-    w = World(
-        id=wid,
-        db_name=db_name,
-        db_url=db_url,
-        intents_exchange=f"{prefix}.intents",
-        results_exchange=f"{prefix}.results",
-        intents_queue=f"{prefix}.intents",
-        dead_letter_exchange=f"{prefix}.dlx",
-        dead_letter_queue=f"{prefix}.dead",
-        admin_url=f"http://127.0.0.1:{admin_port}",
-        admin_token=f"admin-token-{wid}",
-        tenant="north-shop",
-        tenant_token=f"tenant-token-{wid}",
-        dir=tmp_path,
-    )
-    try:
+async def make_world(tmp_path: Path) -> AsyncIterator[WorldFactory]:
+    """Builds worlds (a database, a downstream and one worker, unique to the test);
+    ``auth`` is appended to the tools file (e.g. an ``[auth]`` table). All are removed after
+    the test, whatever its outcome."""
+    worlds: list[World] = []
+
+    async def build(auth: str = "") -> World:
+        wid = uuid.uuid4().hex[:12]
+        db_name = f"py_{wid}"
+        db_url = _create_database(db_name)
+        prefix = f"py{wid}"
+        admin_port = free_port()
+        w = World(
+            id=wid,
+            db_name=db_name,
+            db_url=db_url,
+            intents_exchange=f"{prefix}.intents",
+            results_exchange=f"{prefix}.results",
+            intents_queue=f"{prefix}.intents",
+            dead_letter_exchange=f"{prefix}.dlx",
+            dead_letter_queue=f"{prefix}.dead",
+            admin_url=f"http://127.0.0.1:{admin_port}",
+            admin_token=f"admin-token-{wid}",
+            tenant="north-shop",
+            tenant_token=f"tenant-token-{wid}",
+            dir=tmp_path / wid,
+        )
+        w.dir.mkdir()
+        worlds.append(w)
         downstream = Child(
             "downstream",
             [str(binary("reference-downstream"))],
@@ -201,9 +225,9 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
         )
         w.children.append(downstream)
         line = downstream.wait_for_line("reference-downstream listening on", 20)
-        base = f"http://127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
-        tools = tmp_path / "tools.toml"
-        tools.write_text(TOOLS.format(base=base, common=COMMON.format()))
+        w.downstream_url = f"http://127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
+        tools = w.dir / "tools.toml"
+        tools.write_text(TOOLS.format(base=w.downstream_url, common=COMMON.format()) + auth)
         worker = Child(
             "worker",
             [str(binary("worker")), "run"],
@@ -226,18 +250,89 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
                 "WORKER_ADMIN_TOKEN": w.admin_token,
                 "WORKER_TENANT_TOKENS": f"{w.tenant}={w.tenant_token}",
                 "METRICS_ADDR": "off",
+                "WORKER_DB_POOL_SIZE": "3",
             },
         )
         w.children.append(worker)
         worker.wait_for_line("consuming intents", 30)
-        yield w
+        return w
+
+    try:
+        yield build
     finally:
-        for child in reversed(w.children):
-            child.stop()
-        await _delete_broker_objects(w)
-        _drop_database(db_name)
+        for w in worlds:
+            for child in reversed(w.children):
+                child.stop()
+            await _delete_broker_objects(w)
+            _drop_database(w.db_name)
+
+
+@pytest.fixture
+async def world(make_world: WorldFactory) -> World:
+    """The default world: tools refund (replay) and deploy (none), trusted tenants."""
+    return await make_world()
 
 
 @pytest.fixture
 def unique() -> Iterator[str]:
     yield uuid.uuid4().hex[:10]
+
+
+class FaultProxy:
+    """A TCP proxy in front of one upstream (the broker) whose link can be cut: ``cut()``
+    resets live connections and refuses new ones until ``restore()``. The Python twin of
+    tests/src/proxy.rs, so a client can lose its broker without touching the shared broker."""
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.cut_off = False
+        self.links: set[asyncio.StreamWriter] = set()
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+
+    async def start(self) -> FaultProxy:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut_off:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.transport.abort()
+            return
+        self.links.update((writer, up_writer))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (OSError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self.links.difference_update((writer, up_writer))
+
+    def cut(self) -> None:
+        self.cut_off = True
+        for link in list(self.links):
+            link.transport.abort()
+        self.links.clear()
+
+    def restore(self) -> None:
+        self.cut_off = False
+
+    def amqp_url(self) -> str:
+        return AMQP_URL.replace(f"@{self.upstream[0]}:{self.upstream[1]}", f"@127.0.0.1:{self.port}")
+
+    async def close(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psycopg
 
-from conftest import AMQP_URL, World
+from conftest import AMQP_URL, World, pg_connect
 from intent_worker_client import decode_intent
 
 README = Path(__file__).resolve().parents[3] / "README.md"
@@ -57,7 +57,7 @@ def test_readme_outbox_example_runs(world: World) -> None:
     env = {"AGENT_DATABASE_URL": world.db_url}
     run(python_blocks()[1], env)
     run(python_blocks()[1], env)  # idempotent DDL; a second intent row, deduped by the worker later
-    with psycopg.connect(world.db_url) as conn:
+    with pg_connect(world.db_url) as conn:
         rows = conn.execute("SELECT tenant, action_id, body FROM intent_outbox").fetchall()
     assert len(rows) == 2
     for tenant, action_id, body in rows:

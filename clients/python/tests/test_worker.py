@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import psycopg
 import pytest
 from jsonschema import Draft202012Validator, FormatChecker
 
-from conftest import AMQP_URL, World
+from conftest import AMQP_URL, World, pg_connect
 from intent_worker_client import (
     Intent,
     IntentClient,
@@ -97,18 +98,11 @@ async def test_a_repeat_is_answered_from_the_ledger_not_dispatched(world: World,
 async def test_lost_reply_is_pending_and_the_tool_says_do_not_retry(world: World, unique: str) -> None:
     action_id = f"deploy-{unique}"
     key = f"{world.tenant}:{action_id}"
-    port = next(
-        line.rsplit(":", 1)[1].strip()
-        for line in world.children[0].lines
-        if "listening on" in line
-    )
     # The downstream commits the deploy, then drops the connection: the outcome is unknown and
     # `deploy` has no recovery (none), so the worker must say pending and never resend.
-    import urllib.request
-
     urllib.request.urlopen(
         urllib.request.Request(
-            f"http://127.0.0.1:{port}/_control/faults",
+            f"{world.downstream_url}/_control/faults",
             data=json.dumps({"kind": "drop_after_commit", "key": key}).encode(),
             headers={"content-type": "application/json"},
         ),
@@ -166,7 +160,7 @@ async def test_invalid_intent_is_refused_before_anything_is_sent(world: World, u
     with pytest.raises(Exception) as missing:
         await IntentClient.connect(AMQP_URL, intents_exchange=f"nope-{unique}")
     assert "start a worker first" in str(missing.value)
-    with psycopg.connect(world.db_url) as conn:
+    with pg_connect(world.db_url) as conn:
         row = conn.execute("SELECT count(*) FROM operations").fetchone()
     assert row == (0,)
 
@@ -197,7 +191,7 @@ async def test_outbox_rollback_publishes_nothing_and_commit_publishes_once(
     world: World, unique: str
 ) -> None:
     agent_db = world.db_url  # the agent's own database; here the same server, own table
-    with psycopg.connect(agent_db) as conn:
+    with pg_connect(agent_db) as conn:
         create_outbox(conn)
         create_outbox(conn)  # idempotent
         conn.execute("CREATE TABLE refunds_requested (order_id text PRIMARY KEY)")
@@ -224,7 +218,7 @@ async def test_outbox_rollback_publishes_nothing_and_commit_publishes_once(
         # A stand-in for `publisher relay`: publish each unsent body byte for byte, then mark.
         for row_id, body in rows:
             await client.publish_body(body.encode())
-            with psycopg.connect(agent_db) as conn:
+            with pg_connect(agent_db) as conn:
                 conn.execute(
                     "UPDATE intent_outbox SET sent_at = now() WHERE id = %s AND sent_at IS NULL",
                     (row_id,),

@@ -26,7 +26,7 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
-from aio_pika.exceptions import AMQPError
+from aio_pika.exceptions import AMQPError, ChannelInvalidStateError
 
 from .intent import Intent, InvalidIntent, decode_intent
 from .result import InvalidResultEvent, RejectReason, ResultEvent
@@ -244,10 +244,19 @@ class IntentClient:
             user_id=self.user_id,
         )
         try:
-            await self._intents.publish(
-                message, routing_key=intent.tenant, mandatory=True, timeout=timeout
+            # The outer bound also covers a robust channel that is still reconnecting.
+            await asyncio.wait_for(
+                self._intents.publish(
+                    message, routing_key=intent.tenant, mandatory=True, timeout=timeout
+                ),
+                timeout,
             )
-        except (AMQPError, asyncio.TimeoutError, ConnectionError) as e:
+        except (
+            AMQPError,
+            ChannelInvalidStateError,
+            asyncio.TimeoutError,
+            ConnectionError,
+        ) as e:
             raise PublishError(
                 f"intent {intent.message_id} was not confirmed by the broker: {e!r}"
             ) from e
