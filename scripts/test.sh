@@ -5,7 +5,7 @@
 #
 # Steps: services (Postgres, RabbitMQ) -> tools (promtool, cargo-nextest) -> fmt -> clippy ->
 # alert rules (check + unit tests) -> compose file -> cargo build -> Python client (virtualenv,
-# mypy, pytest against the built worker) -> cargo nextest (whole workspace).
+# ruff, mypy, pytest against the built worker) -> cargo nextest (whole workspace).
 #
 # Environment:
 #   TEST_DATABASE_URL  Postgres the tests use   (default postgres://postgres@127.0.0.1:5432/postgres)
@@ -218,7 +218,8 @@ python_client_tests() {
     say "python: $("$venv/bin/python" --version 2>&1) in $venv"
     "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip || return 2
     "$venv/bin/python" -m pip install -q --disable-pip-version-check -e 'clients/python[test]' || return 2
-    (cd clients/python && "$venv/bin/python" -m mypy) || return 1
+    (cd clients/python && "$venv/bin/python" -m ruff format --check src tests &&
+        "$venv/bin/python" -m ruff check src tests && "$venv/bin/python" -m mypy) || return 1
     # pytest exits 5 when it collected no tests: that must fail the step, never pass it.
     local rc=0
     "$venv/bin/python" -m pytest clients/python/tests -p no:cacheprovider || rc=$?
@@ -238,6 +239,6 @@ step "promtool test rules" promtool test rules deploy/prometheus/alerts_test.yml
 step "compose file" check_compose
 # The end-to-end suites run the built binaries (worker with fault points, reference-downstream).
 step "cargo build" cargo build --workspace --locked
-step "python client (virtualenv, mypy, pytest)" python_client_tests
+step "python client (virtualenv, ruff, mypy, pytest)" python_client_tests
 step "cargo nextest" cargo nextest run --workspace --locked --no-fail-fast "$@"
 say "all steps passed ($((SECONDS - started_all))s)"

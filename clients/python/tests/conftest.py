@@ -12,9 +12,9 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Iterator
 
 import aio_pika
 import psycopg
@@ -37,7 +37,9 @@ def bin_dir() -> Path:
 def binary(name: str) -> Path:
     path = bin_dir() / name
     if not path.exists():
-        pytest.fail(f"{path} is missing: run `cargo build --workspace` first (scripts/test.sh does)")
+        pytest.fail(
+            f"{path} is missing: run `cargo build --workspace` first (scripts/test.sh does)"
+        )
     return path
 
 
@@ -136,7 +138,9 @@ def _create_database(name: str) -> str:
 
 def _drop_database(name: str) -> None:
     with pg_connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 async def _delete_broker_objects(world: World) -> None:
@@ -148,7 +152,11 @@ async def _delete_broker_objects(world: World) -> None:
                 await channel.queue_delete(queue)
             except Exception:
                 pass
-        for exchange in (world.intents_exchange, world.results_exchange, world.dead_letter_exchange):
+        for exchange in (
+            world.intents_exchange,
+            world.results_exchange,
+            world.dead_letter_exchange,
+        ):
             channel = await connection.channel()
             try:
                 await channel.exchange_delete(exchange)
@@ -329,7 +337,9 @@ class FaultProxy:
         self.cut_off = False
 
     def amqp_url(self) -> str:
-        return AMQP_URL.replace(f"@{self.upstream[0]}:{self.upstream[1]}", f"@127.0.0.1:{self.port}")
+        return AMQP_URL.replace(
+            f"@{self.upstream[0]}:{self.upstream[1]}", f"@127.0.0.1:{self.port}"
+        )
 
     async def close(self) -> None:
         self.cut()

@@ -193,7 +193,10 @@ def test_asyncapi_references_resolve() -> None:
             schema = json.loads((SCHEMA_DIR / ref).read_text())
             Draft202012Validator.check_schema(schema)
     # The examples in the document satisfy the payload schemas.
-    for message, schema_file in (("intent", "intent.schema.json"), ("result", "result.schema.json")):
+    for message, schema_file in (
+        ("intent", "intent.schema.json"),
+        ("result", "result.schema.json"),
+    ):
         for example in doc["components"]["messages"][message]["examples"]:
             validator(schema_file).validate(example["payload"])
     intent_example = doc["components"]["messages"]["intent"]["examples"][0]["payload"]
@@ -202,8 +205,11 @@ def test_asyncapi_references_resolve() -> None:
 
 def test_readme_documents_the_schemas() -> None:
     readme = (SCHEMA_DIR.parents[1] / "README.md").read_text()
-    for path in ("docs/schema/intent.schema.json", "docs/schema/result.schema.json",
-                 "docs/schema/asyncapi.yaml"):
+    for path in (
+        "docs/schema/intent.schema.json",
+        "docs/schema/result.schema.json",
+        "docs/schema/asyncapi.yaml",
+    ):
         assert path in readme, path
     assert re.search(r"^## From a Python agent", readme, re.M)
 

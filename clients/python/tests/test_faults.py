@@ -9,16 +9,18 @@ import subprocess
 import time
 import urllib.parse
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
-
 from conftest import AMQP_URL, FaultProxy, World, WorldFactory
+
 from intent_worker_client import Intent, IntentClient, NoAnswer, PublishError, Status
 
 
 def refund(tenant: str, action_id: str) -> Intent:
-    return Intent(tenant, action_id, "refund", {"order": "o-1", "amount_cents": 100, "currency": "USD"})
+    return Intent(
+        tenant, action_id, "refund", {"order": "o-1", "amount_cents": 100, "currency": "USD"}
+    )
 
 
 async def test_broker_link_cut_mid_wait_still_yields_the_answer(world: World) -> None:
@@ -63,7 +65,10 @@ async def test_broker_link_cut_mid_wait_still_yields_the_answer(world: World) ->
                     await asyncio.sleep(0.5)
             started = time.monotonic()
             answer = await client.wait_for(
-                world.tenant, again.action_id, timeout=20, fingerprint=again.fingerprint(),
+                world.tenant,
+                again.action_id,
+                timeout=20,
+                fingerprint=again.fingerprint(),
                 poll_interval=60,
             )
             assert answer.status is Status.SUCCEEDED
@@ -103,7 +108,9 @@ async def test_user_id_tenant_proof_with_a_second_broker_user(
     make_world: WorldFactory, second_user: tuple[str, str]
 ) -> None:
     user, password = second_user
-    world = await make_world(f'\n[auth]\nmode = "user_id"\nusers = {{ "{user}" = ["north-shop"] }}\n')
+    world = await make_world(
+        f'\n[auth]\nmode = "user_id"\nusers = {{ "{user}" = ["north-shop"] }}\n'
+    )
     parts = urllib.parse.urlsplit(AMQP_URL)
     url = parts._replace(
         netloc=f"{urllib.parse.quote(user)}:{password}@{parts.hostname}:{parts.port or 5672}"

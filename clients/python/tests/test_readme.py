@@ -8,9 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psycopg
-
 from conftest import AMQP_URL, World, pg_connect
+
 from intent_worker_client import decode_intent
 
 README = Path(__file__).resolve().parents[3] / "README.md"
@@ -62,8 +61,12 @@ def test_readme_outbox_example_runs(world: World) -> None:
     assert len(rows) == 2
     for tenant, action_id, body in rows:
         intent = decode_intent(body.encode())
-        assert (tenant, action_id) == (intent.tenant, intent.action_id) == (
-            "north-shop",
-            "refund-order-732",
+        assert (
+            (tenant, action_id)
+            == (intent.tenant, intent.action_id)
+            == (
+                "north-shop",
+                "refund-order-732",
+            )
         )
         assert intent.reply_to == "refund-agent-1"

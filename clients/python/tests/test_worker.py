@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
-import psycopg
 import pytest
+from conftest import AMQP_URL, World, pg_connect
 from jsonschema import Draft202012Validator, FormatChecker
 
-from conftest import AMQP_URL, World, pg_connect
 from intent_worker_client import (
     Intent,
     IntentClient,
@@ -23,7 +22,6 @@ from intent_worker_client import (
     NoAnswer,
     PublishError,
     RejectReason,
-    ResultEvent,
     Status,
     action_scope,
     create_outbox,
@@ -74,7 +72,9 @@ async def test_send_and_wait_returns_the_receipt(world: World, unique: str) -> N
     assert world.mutations(f"{world.tenant}:{action_id}") == 1
 
 
-async def test_a_repeat_is_answered_from_the_ledger_not_dispatched(world: World, unique: str) -> None:
+async def test_a_repeat_is_answered_from_the_ledger_not_dispatched(
+    world: World, unique: str
+) -> None:
     action_id = f"refund-{unique}"
     async with await connect(world) as client:
         first = await client.send_and_wait(refund(world, action_id, call_id="model-1"), 20)
@@ -95,7 +95,9 @@ async def test_a_repeat_is_answered_from_the_ledger_not_dispatched(world: World,
     assert world.mutations(f"{world.tenant}:{action_id}") == 1
 
 
-async def test_lost_reply_is_pending_and_the_tool_says_do_not_retry(world: World, unique: str) -> None:
+async def test_lost_reply_is_pending_and_the_tool_says_do_not_retry(
+    world: World, unique: str
+) -> None:
     action_id = f"deploy-{unique}"
     key = f"{world.tenant}:{action_id}"
     # The downstream commits the deploy, then drops the connection: the outcome is unknown and
@@ -127,7 +129,9 @@ async def test_lost_reply_is_pending_and_the_tool_says_do_not_retry(world: World
     assert world.mutations(key) == 1
 
 
-async def test_tool_answer_and_action_id_come_from_the_application(world: World, unique: str) -> None:
+async def test_tool_answer_and_action_id_come_from_the_application(
+    world: World, unique: str
+) -> None:
     async with await connect(world) as client:
 
         @intent_tool(client, tenant=world.tenant, name="refund", timeout=20)
@@ -165,7 +169,9 @@ async def test_invalid_intent_is_refused_before_anything_is_sent(world: World, u
     assert row == (0,)
 
 
-async def test_restarted_agent_learns_the_answer_from_the_status_api(world: World, unique: str) -> None:
+async def test_restarted_agent_learns_the_answer_from_the_status_api(
+    world: World, unique: str
+) -> None:
     action_id = f"refund-{unique}"
     async with await connect(world) as first:
         sent = await first.publish(refund(world, action_id))
@@ -234,12 +240,16 @@ async def test_results_for_another_agent_are_not_taken(world: World, unique: str
     results exchange, so this holds whatever routing the worker build in use has."""
     tenant = world.tenant
     a = await IntentClient.connect(
-        AMQP_URL, intents_exchange=world.intents_exchange,
-        results_exchange=world.results_exchange, reply_to=f"a-{unique}",
+        AMQP_URL,
+        intents_exchange=world.intents_exchange,
+        results_exchange=world.results_exchange,
+        reply_to=f"a-{unique}",
     )
     b = await IntentClient.connect(
-        AMQP_URL, intents_exchange=world.intents_exchange,
-        results_exchange=world.results_exchange, reply_to=f"b-{unique}",
+        AMQP_URL,
+        intents_exchange=world.intents_exchange,
+        results_exchange=world.results_exchange,
+        reply_to=f"b-{unique}",
     )
     try:
         await a._bind(tenant)
@@ -250,11 +260,17 @@ async def test_results_for_another_agent_are_not_taken(world: World, unique: str
 
         def event(action_id: str, status: str, event_id: str) -> aio_pika.Message:
             body = {
-                "tenant": tenant, "action_id": action_id, "tool": "refund", "status": status,
+                "tenant": tenant,
+                "action_id": action_id,
+                "tool": "refund",
+                "status": status,
                 "receipt": {"receipt_id": "r"} if status == "succeeded" else None,
                 "next_action": "check_status" if status == "pending" else None,
-                "attempts": 1, "message": "m", "fingerprint": None,
-                "event_id": event_id, "occurred_at": "2025-01-01T00:00:00.000Z",
+                "attempts": 1,
+                "message": "m",
+                "fingerprint": None,
+                "event_id": event_id,
+                "occurred_at": "2025-01-01T00:00:00.000Z",
             }
             RESULT_SCHEMA.validate(body)
             return aio_pika.Message(json.dumps(body).encode(), content_type="application/json")
@@ -264,7 +280,9 @@ async def test_results_for_another_agent_are_not_taken(world: World, unique: str
         await exchange.publish(event("x1", "succeeded", "e2"), routing_key=for_a)
         await exchange.publish(event("x1", "pending", "e1"), routing_key=for_a)  # late repeat
         # A tenant "north-shop.@" could not exist; "north-shop.x" is another tenant's key space.
-        await exchange.publish(event("x2", "succeeded", "e3"), routing_key=f"{tenant}x.@.a-{unique}")
+        await exchange.publish(
+            event("x2", "succeeded", "e3"), routing_key=f"{tenant}x.@.a-{unique}"
+        )
         await connection.close()
 
         got = await a.wait_for(tenant, "x1", timeout=5)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import logging
 import urllib.error
@@ -316,6 +317,9 @@ class IntentClient:
             self._version += 1
             self._changed.notify_all()
 
+    def _changed_since(self, version: int) -> bool:
+        return self._version != version
+
     def _heard(self, key: tuple[str, str], fingerprint: str | None) -> ResultEvent | None:
         """The first final answer heard for the action (for the intent with ``fingerprint``,
         when given), else the latest pending, else ``None``."""
@@ -357,7 +361,9 @@ class IntentClient:
             if now >= deadline:
                 break
             if self._status_url and now >= next_poll:
-                polled, status_error = await self._poll(tenant, action_id, fingerprint, status_error)
+                polled, status_error = await self._poll(
+                    tenant, action_id, fingerprint, status_error
+                )
                 if polled is not None:
                     if polled.is_final:
                         return polled
@@ -367,7 +373,7 @@ class IntentClient:
             async with self._changed:
                 try:
                     await asyncio.wait_for(
-                        self._changed.wait_for(lambda: self._version != version),
+                        self._changed.wait_for(functools.partial(self._changed_since, version)),
                         timeout=max(0.0, wake - loop.time()),
                     )
                 except asyncio.TimeoutError:

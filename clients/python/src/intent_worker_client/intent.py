@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from .fingerprint import fingerprint
 
@@ -178,7 +179,7 @@ def _check_strings(value: Any, depth: int) -> None:
         if not _encodable(value):
             raise ValueError("lone surrogate in a string")
     elif isinstance(value, dict):
-        for key, item in (value.pairs if isinstance(value, _Object) else value.items()):
+        for key, item in value.pairs if isinstance(value, _Object) else value.items():
             if not _encodable(key):
                 raise ValueError("lone surrogate in a key")
             _check_strings(item, depth)
@@ -276,4 +277,6 @@ def _check_rules(fields: list[tuple[str, str]]) -> None:
     for name, text in fields:
         _, accepts, allowed = _RULES[name]
         if not accepts(text):
-            raise InvalidIntent("invalid_characters", f"field {name!r} may contain only {allowed}", name)
+            raise InvalidIntent(
+                "invalid_characters", f"field {name!r} may contain only {allowed}", name
+            )

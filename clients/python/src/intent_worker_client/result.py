@@ -7,9 +7,10 @@ reason, attempts), so a reader never guesses what an answer means.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
 
 
 class Status(str, Enum):
@@ -87,7 +88,9 @@ class ResultEvent:
             raise InvalidResultEvent(str(e)) from None
         attempts = _required(value, "attempts", int)
         if isinstance(attempts, bool) or not 0 <= attempts <= 0xFFFF_FFFF:
-            raise InvalidResultEvent(f"attempts must be an unsigned 32-bit integer, got {attempts!r}")
+            raise InvalidResultEvent(
+                f"attempts must be an unsigned 32-bit integer, got {attempts!r}"
+            )
         return cls(
             tenant=_required(value, "tenant", str),
             action_id=_required(value, "action_id", str),

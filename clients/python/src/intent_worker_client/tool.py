@@ -13,9 +13,10 @@ import inspect
 import json
 import types
 import typing
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterator, Mapping, Union
+from typing import Any, Union
 
 from .client import IntentClient, NoAnswer
 from .intent import Intent
@@ -101,7 +102,7 @@ def answer_for(event: ResultEvent | None, tool: str, action_id: str) -> ToolAnsw
 
 
 ActionIdSource = Callable[[str, Mapping[str, Any]], str]
-ClientSource = Union[IntentClient, Callable[[], IntentClient]]
+ClientSource = IntentClient | Callable[[], IntentClient]
 
 
 def intent_tool(
