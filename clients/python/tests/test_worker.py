@@ -172,7 +172,8 @@ async def test_invalid_intent_is_refused_before_anything_is_sent(world: World, u
 async def test_restarted_agent_learns_the_answer_from_the_status_api(
     world: World, unique: str
 ) -> None:
-    action_id = f"refund-{unique}"
+    # Every character a URL path treats specially, so the status API call must quote it.
+    action_id = f'r/{unique}?q=1#frag%2F{{"x"}}\\;+'
     async with await connect(world) as first:
         sent = await first.publish(refund(world, action_id))
         await first.wait_for(world.tenant, action_id, 20)

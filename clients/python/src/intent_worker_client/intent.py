@@ -97,7 +97,10 @@ class Intent:
             "tenant": self.tenant,
             "action_id": self.action_id,
             "tool": self.tool,
-            "arguments": self.arguments,
+            # Any Mapping is sent as an object; anything else is left for the decoder to refuse.
+            "arguments": (
+                dict(self.arguments) if isinstance(self.arguments, Mapping) else self.arguments
+            ),
         }
         if self.call_id is not None:
             body["call_id"] = self.call_id
