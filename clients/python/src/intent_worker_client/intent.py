@@ -221,6 +221,11 @@ def decode_intent(body: bytes) -> Intent:
         raise InvalidIntent(
             "too_large", f"intent is {len(body)} bytes, over the {MAX_INTENT_BYTES}-byte limit"
         )
+    if body.lstrip(_WS)[:1] == b"[":
+        # The worker only skips over an array's contents before refusing it.
+        if _array_syntax_ok(body):
+            raise InvalidIntent("not_an_object", "intent must be a JSON object")
+        raise InvalidIntent("not_json", "intent is not valid JSON")
     value = parse_json(body)
     if not isinstance(value, _Object):
         raise InvalidIntent("not_an_object", "intent must be a JSON object")
@@ -283,3 +288,145 @@ def _check_rules(fields: list[tuple[str, str]]) -> None:
             raise InvalidIntent(
                 "invalid_characters", f"field {name!r} may contain only {allowed}", name
             )
+
+
+_WS = b" \t\n\r"
+_ESCAPES_OK = b'"\\/bfnrtu'
+_HEX = b"0123456789abcdefABCDEF"
+
+
+def _array_syntax_ok(data: bytes) -> bool:
+    """Whether ``data`` is a syntactically valid JSON array, judged like serde_json skips a
+    value it ignores: syntax only (string escapes, control characters, number grammar,
+    literals, nesting), without UTF-8, lone-surrogate, number-range or depth checks. The
+    worker's decoder reads a top-level array that way before refusing it as
+    ``not_an_object``. Iterative, so any depth is fine."""
+    n = len(data)
+    i = 0
+
+    def skip_ws(i: int) -> int:
+        while i < n and data[i] in _WS:
+            i += 1
+        return i
+
+    def scalar(i: int) -> int:
+        """End of the string, number or literal at ``i``, or -1."""
+        c = data[i]
+        if c == 0x22:  # string
+            i += 1
+            while i < n:
+                b = data[i]
+                if b == 0x22:
+                    return i + 1
+                if b == 0x5C:
+                    if i + 1 >= n or data[i + 1] not in _ESCAPES_OK:
+                        return -1
+                    if data[i + 1] == 0x75:  # \uXXXX
+                        if i + 6 > n or any(h not in _HEX for h in data[i + 2 : i + 6]):
+                            return -1
+                        i += 6
+                    else:
+                        i += 2
+                elif b < 0x20:
+                    return -1
+                else:
+                    i += 1
+            return -1
+        if c == 0x2D or 0x30 <= c <= 0x39:  # number
+            if c == 0x2D:
+                i += 1
+            if i >= n or not 0x30 <= data[i] <= 0x39:
+                return -1
+            if data[i] == 0x30:
+                i += 1
+            else:
+                while i < n and 0x30 <= data[i] <= 0x39:
+                    i += 1
+            if i < n and data[i] == 0x2E:
+                i += 1
+                start = i
+                while i < n and 0x30 <= data[i] <= 0x39:
+                    i += 1
+                if i == start:
+                    return -1
+            if i < n and data[i] in b"eE":
+                i += 1
+                if i < n and data[i] in b"+-":
+                    i += 1
+                start = i
+                while i < n and 0x30 <= data[i] <= 0x39:
+                    i += 1
+                if i == start:
+                    return -1
+            # A digit right after a leading zero ("01") is an invalid number.
+            if i < n and 0x30 <= data[i] <= 0x39:
+                return -1
+            return i
+        for word in (b"true", b"false", b"null"):
+            if data.startswith(word, i):
+                return i + len(word)
+        return -1
+
+    i = skip_ws(i)
+    if i >= n or data[i] != 0x5B:
+        return False
+    stack: list[int] = []  # open containers: 0x5B '[' or 0x7B '{'
+    expect_value = True
+    while True:
+        i = skip_ws(i)
+        if i >= n:
+            return False
+        c = data[i]
+        if expect_value:
+            if c in (0x5B, 0x7B):
+                stack.append(c)
+                i = skip_ws(i + 1)
+                if i < n and data[i] == (0x5D if c == 0x5B else 0x7D):
+                    stack.pop()
+                    i += 1
+                    expect_value = False
+                    if not stack:
+                        break
+                    continue
+                if c == 0x7B:
+                    # An object member: a string key, ':' then the value.
+                    if i >= n or data[i] != 0x22:
+                        return False
+                    i = scalar(i)
+                    if i < 0:
+                        return False
+                    i = skip_ws(i)
+                    if i >= n or data[i] != 0x3A:
+                        return False
+                    i += 1
+                continue
+            i = scalar(i)
+            if i < 0:
+                return False
+            expect_value = False
+            if not stack:
+                break
+            continue
+        # After a value: ',' or the closing bracket of the innermost container.
+        top = stack[-1]
+        if c == 0x2C:
+            i = skip_ws(i + 1)
+            if top == 0x7B:
+                if i >= n or data[i] != 0x22:
+                    return False
+                i = scalar(i)
+                if i < 0:
+                    return False
+                i = skip_ws(i)
+                if i >= n or data[i] != 0x3A:
+                    return False
+                i += 1
+            expect_value = True
+        elif c == (0x5D if top == 0x5B else 0x7D):
+            stack.pop()
+            i += 1
+            if not stack:
+                break
+        else:
+            return False
+    return skip_ws(i) == n
