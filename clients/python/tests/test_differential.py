@@ -79,14 +79,22 @@ def value(rng: random.Random) -> str:
     return '{"deep":' + nested(rng.choice([124, 125, 126, 127])) + "}"
 
 
+GOOD = {
+    "tenant": ['"north-shop"', '"eu.north_shop-2"', '"' + "t" * 200 + '"'],
+    "action_id": ['"refund-204"', '"{\\"id\\":\'x\'}%/?#"', '"' + "a" * 200 + '"'],
+    "tool": ['"refund"', '"' + "x" * 64 + '"'],
+    "arguments": ['{"order":"o-1"}', "{}", '{"a":{"b":[1,2.5e3,null]},"a":0}'],
+    "call_id": ["null", '"model-9f2"', '"\\u00e9\\ud83d\\ude00 \\u2028"', '"' + "é" * 200 + '"'],
+    "reply_to": ["null", '"agent-7"', '"a.b"'],
+}
+
+
 def body(rng: random.Random) -> bytes:
     entries = []
     for name in NAMES:
-        if rng.random() < 0.85:
-            if name == "arguments" and rng.random() < 0.7:
-                entries.append((name, rng.choice(['{"order":"o-1"}', "{}", '{"a":{"b":[1,2]}}'])))
-            elif name in ("tenant", "action_id", "tool") and rng.random() < 0.5:
-                entries.append((name, '"ok-value"'))
+        if rng.random() < 0.93:
+            if rng.random() < 0.8:
+                entries.append((name, rng.choice(GOOD[name])))
             else:
                 entries.append((name, value(rng)))
     if rng.random() < 0.1:
