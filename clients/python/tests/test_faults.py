@@ -53,7 +53,7 @@ async def test_broker_link_cut_mid_wait_still_yields_the_answer(world: World) ->
             assert time.monotonic() - started < 10
 
             # Back up: the robust connection re-declares the queue and its bindings, and the
-            # next answer arrives through the queue (before the first status API poll at 10 s).
+            # next answer arrives through the queue.
             proxy.restore()
             deadline = time.monotonic() + 30
             while True:
@@ -63,16 +63,17 @@ async def test_broker_link_cut_mid_wait_still_yields_the_answer(world: World) ->
                 except PublishError:
                     assert time.monotonic() < deadline, "client did not reconnect"
                     await asyncio.sleep(0.5)
-            started = time.monotonic()
             answer = await client.wait_for(
                 world.tenant,
                 again.action_id,
-                timeout=20,
+                timeout=30,
                 fingerprint=again.fingerprint(),
                 poll_interval=60,
             )
             assert answer.status is Status.SUCCEEDED
-            assert time.monotonic() - started < 8, "answer came from the status API, not the queue"
+            # It came through the re-declared queue (status API answers are not recorded there).
+            heard = client._heard((world.tenant, again.action_id), again.fingerprint())
+            assert heard is not None and heard.status is Status.SUCCEEDED
         finally:
             await client.close()
     finally:
