@@ -1,19 +1,28 @@
-//! The consumer step for one batch of deliveries, independent of the broker: decode and
-//! validate, admit into the ledger (the inbox), claim new operations for dispatch, and answer
-//! duplicates, conflicts and bad messages through the result outbox. The AMQP layer dead-letters
-//! what this step says, acks only after it returns, and starts the dispatches.
+//! The consumer step for one batch of deliveries, independent of the broker. It runs in
+//! stages, each rule in one place:
+//!
+//! 1. **decode** ([`decode`]): the intent, or the error plus whatever key could be salvaged;
+//! 2. **prove the tenant** ([`triage`]): a message whose tenant the transport did not prove
+//!    is dead-lettered and answers nobody, whatever else is wrong with it;
+//! 3. **look up the inbox**: admissible intents are admitted (inserted or matched to their
+//!    row); refused messages' keys are looked up, read-only, in one query;
+//! 4. **answer or claim** ([`refusal_answer`], [`Answers`]): new rows are claimed for
+//!    dispatch; everything else is answered — from the key's row whenever it has one.
+//!
+//! Answers to a delivery are routed to that delivery's `reply_to`. The AMQP layer
+//! dead-letters what this step says, acks only after it returns, and starts the dispatches.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use metrics::counter;
-use protocol::{RejectReason, Status};
+use protocol::{DecodeError, Intent, RejectReason, Status};
 
 use crate::config::TenantAuth;
 use crate::context::Context;
 use crate::fault;
 use crate::ledger::outbox::{self, NewEvent};
-use crate::ledger::{LedgerError, NewOperation, Operation, State};
+use crate::ledger::{Admitted, LedgerError, NewOperation, Operation, State};
 use crate::telemetry::metrics as m;
 
 /// One delivery as the intake step needs it.
@@ -47,10 +56,266 @@ pub struct StepOutcome {
     pub answered: usize,
 }
 
-/// An intent that passed validation, with where it came from.
-struct Valid {
-    redelivered: bool,
-    new: NewOperation,
+/// Stage 1: what a body says.
+#[derive(Debug)]
+pub enum Decoded {
+    Intent(Box<Intent>),
+    /// Not an intent. `key` is the tenant and action id when they could be salvaged, and
+    /// `reply_to` likewise; without a key nobody can be answered.
+    Bad {
+        error: DecodeError,
+        key: Option<(String, String)>,
+        reply_to: Option<String>,
+    },
+}
+
+/// Stage 1.
+pub fn decode(body: &[u8]) -> Decoded {
+    match protocol::decode_intent(body) {
+        Ok(intent) => Decoded::Intent(Box::new(intent)),
+        Err(error) => Decoded::Bad {
+            error,
+            key: protocol::salvage_key(body),
+            reply_to: protocol::salvage_reply_to(body),
+        },
+    }
+}
+
+/// Stages 1 and 2 for one delivery.
+#[derive(Debug)]
+pub enum Triage {
+    /// Nobody may be answered (no key, or a tenant the transport did not prove): only
+    /// dead-lettered.
+    Drop(DeadLetter),
+    /// A proven key whose message is not admitted: answered (from the key's row when it has
+    /// one) and dead-lettered.
+    Refuse(Refusal),
+    /// A proven intent for a configured tool.
+    Admit(Valid),
+}
+
+/// A message refused before admission, for a key whose tenant is proven.
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    pub index: usize,
+    pub tenant: String,
+    pub action_id: String,
+    /// The delivery's own `reply_to`: where its answer goes.
+    pub reply_to: Option<String>,
+    pub kind: RefusalKind,
+}
+
+#[derive(Debug, Clone)]
+pub enum RefusalKind {
+    /// The body broke the contract; its fingerprint is unknowable.
+    Invalid { code: &'static str, error: String },
+    /// A well-formed intent naming a tool this pool does not have.
+    UnknownTool { tool: String, fingerprint: String },
+}
+
+/// An intent that passed stages 1 and 2, with where it came from.
+#[derive(Debug, Clone)]
+pub struct Valid {
+    pub redelivered: bool,
+    pub new: NewOperation,
+}
+
+/// Stages 1 and 2: decode, then prove the tenant the message names before anything about it
+/// is answered — for decode failures and unknown tools too, since an answer is routed to
+/// that tenant. `has_tool` says whether the pool has an adapter for a tool.
+pub fn triage(
+    index: usize,
+    incoming: &Incoming,
+    auth: &TenantAuth,
+    has_tool: impl Fn(&str) -> bool,
+) -> Triage {
+    let user = incoming.user_id.as_deref();
+    match decode(&incoming.body) {
+        Decoded::Bad {
+            error, key: None, ..
+        } => Triage::Drop(DeadLetter {
+            index,
+            reason: "invalid_message",
+            detail: format!("{}: {error}", error.code()),
+        }),
+        Decoded::Bad {
+            error,
+            key: Some((tenant, action_id)),
+            reply_to,
+        } => {
+            if !auth.allows(user, &tenant) {
+                return Triage::Drop(tenant_mismatch(
+                    index,
+                    user,
+                    &tenant,
+                    &format!("undecodable body ({})", error.code()),
+                ));
+            }
+            Triage::Refuse(Refusal {
+                index,
+                tenant,
+                action_id,
+                reply_to,
+                kind: RefusalKind::Invalid {
+                    code: error.code(),
+                    error: error.to_string(),
+                },
+            })
+        }
+        Decoded::Intent(intent) => {
+            fault::point("crash_on_intake", &intent.action_id);
+            if !auth.allows(user, &intent.tenant) {
+                return Triage::Drop(tenant_mismatch(
+                    index,
+                    user,
+                    &intent.tenant,
+                    &format!("intent for tool {:?}", intent.tool),
+                ));
+            }
+            let fingerprint = intent.fingerprint();
+            if !has_tool(&intent.tool) {
+                return Triage::Refuse(Refusal {
+                    index,
+                    tenant: intent.tenant,
+                    action_id: intent.action_id,
+                    reply_to: intent.reply_to,
+                    kind: RefusalKind::UnknownTool {
+                        tool: intent.tool,
+                        fingerprint,
+                    },
+                });
+            }
+            let intent = *intent;
+            Triage::Admit(Valid {
+                redelivered: incoming.redelivered,
+                new: NewOperation {
+                    arguments: intent.canonical_arguments(),
+                    tenant: intent.tenant,
+                    action_id: intent.action_id,
+                    tool: intent.tool,
+                    fingerprint,
+                    call_id: intent.call_id,
+                    reply_to: intent.reply_to,
+                },
+            })
+        }
+    }
+}
+
+/// The claimed tenant is not proven: no result goes to it (that would let one tenant address
+/// another, or deny another's action); the message is kept in the dead-letter queue.
+fn tenant_mismatch(index: usize, user: Option<&str>, tenant: &str, what: &str) -> DeadLetter {
+    DeadLetter {
+        index,
+        reason: "tenant_mismatch",
+        detail: format!(
+            "publisher user {:?} may not act for tenant {tenant:?} ({what}); nothing was answered",
+            user.unwrap_or("")
+        ),
+    }
+}
+
+impl Refusal {
+    /// The dead-letter entry; its reason does not depend on what the key's row says.
+    pub fn dead_letter(&self) -> DeadLetter {
+        match &self.kind {
+            RefusalKind::Invalid { code, error } => DeadLetter {
+                index: self.index,
+                reason: "invalid_message",
+                detail: format!("{code}: {error}"),
+            },
+            RefusalKind::UnknownTool { tool, .. } => DeadLetter {
+                index: self.index,
+                reason: "unknown_tool",
+                detail: format!("unknown tool {tool:?}"),
+            },
+        }
+    }
+
+    fn key(&self) -> (String, String) {
+        (self.tenant.clone(), self.action_id.clone())
+    }
+}
+
+/// Stage 4 for a refused message: the answer comes from the key's row when it has one — the
+/// stored answer when this is the same intent, otherwise `intent_conflict` saying the key is
+/// taken (an undecodable body's fingerprint is unknowable, so it always differs). Only a key
+/// without a row reads "nothing was done". Returns the event and its metrics reason.
+pub fn refusal_answer(r: &Refusal, row: Option<&Operation>) -> (NewEvent, &'static str) {
+    let (event, label) = match (row, &r.kind) {
+        (None, RefusalKind::Invalid { code, error }) => (
+            outbox::rejected_event(
+                &r.tenant,
+                &r.action_id,
+                "",
+                RejectReason::InvalidMessage,
+                Some(code.to_string()),
+                format!("The intent was rejected before any action: {error}; nothing was done."),
+                None,
+            ),
+            "invalid_message",
+        ),
+        (None, RefusalKind::UnknownTool { tool, fingerprint }) => (
+            outbox::rejected_event(
+                &r.tenant,
+                &r.action_id,
+                tool,
+                RejectReason::UnknownTool,
+                None,
+                format!(
+                    "The tool {tool:?} is not configured on this worker pool; nothing was done."
+                ),
+                Some(fingerprint.clone()),
+            ),
+            "unknown_tool",
+        ),
+        (Some(op), RefusalKind::UnknownTool { fingerprint, .. })
+            if *fingerprint == op.fingerprint =>
+        {
+            (outbox::stored_result(op), "stored")
+        }
+        (Some(op), kind) => {
+            let (tool, fingerprint, why) = match kind {
+                RefusalKind::Invalid { code, .. } => {
+                    ("", None, format!("could not be decoded ({code})"))
+                }
+                RefusalKind::UnknownTool { tool, fingerprint } => (
+                    tool.as_str(),
+                    Some(fingerprint.clone()),
+                    format!("names the tool {tool:?}, which is not configured on this worker pool"),
+                ),
+            };
+            (
+                key_taken_event(&r.tenant, &r.action_id, tool, fingerprint, op, &why),
+                "intent_conflict",
+            )
+        }
+    };
+    (event.answering(r.reply_to.as_deref()), label)
+}
+
+/// `intent_conflict` for a message that reuses a key that already has an operation.
+fn key_taken_event(
+    tenant: &str,
+    action_id: &str,
+    tool: &str,
+    fingerprint: Option<String>,
+    op: &Operation,
+    why: &str,
+) -> NewEvent {
+    outbox::rejected_event(
+        tenant,
+        action_id,
+        tool,
+        RejectReason::IntentConflict,
+        None,
+        format!(
+            "action_id {action_id:?} already has an operation ({} {}); this message {why} and was not run, and the stored operation is unchanged. The key must not be reused for a new action: a new action needs a new action_id chosen by the application.",
+            op.tool,
+            op.state()
+        ),
+        fingerprint,
+    )
 }
 
 /// Processes one batch. On a ledger error nothing was acked and the caller retries the same
@@ -62,98 +327,24 @@ pub async fn step(
     batch: &[Incoming],
 ) -> Result<StepOutcome, LedgerError> {
     let mut out = StepOutcome::default();
-    let mut events: Vec<NewEvent> = Vec::new();
+    let mut refusals: Vec<Refusal> = Vec::new();
     let mut valid: Vec<Valid> = Vec::new();
 
+    // Stages 1 and 2.
     for (index, incoming) in batch.iter().enumerate() {
-        let intent = match protocol::decode_intent(&incoming.body) {
-            Ok(intent) => intent,
-            Err(e) => {
-                if let Some((tenant, action_id)) = protocol::salvage_key(&incoming.body) {
-                    events.push(outbox::rejected_event(
-                        &tenant,
-                        &action_id,
-                        "",
-                        RejectReason::InvalidMessage,
-                        Some(e.code().to_string()),
-                        format!("The intent was rejected before any action: {e}."),
-                        None,
-                    ));
-                    counter!(m::REJECTED, "reason" => "invalid_message").increment(1);
-                }
-                out.dead_letters.push(DeadLetter {
-                    index,
-                    reason: "invalid_message",
-                    detail: format!("{}: {e}", e.code()),
-                });
-                continue;
+        match triage(index, incoming, auth, |tool| ctx.tools.get(tool).is_some()) {
+            Triage::Drop(dl) => out.dead_letters.push(dl),
+            Triage::Refuse(r) => {
+                out.dead_letters.push(r.dead_letter());
+                refusals.push(r);
             }
-        };
-        fault::point("crash_on_intake", &intent.action_id);
-        if !auth.allows(incoming.user_id.as_deref(), &intent.tenant) {
-            // The claimed tenant is not proven: no result goes to it (that would let one tenant
-            // address another); the message is kept in the dead-letter queue.
-            out.dead_letters.push(DeadLetter {
-                index,
-                reason: "tenant_mismatch",
-                detail: format!(
-                    "publisher user {:?} may not act for tenant {:?}",
-                    incoming.user_id.as_deref().unwrap_or(""),
-                    intent.tenant
-                ),
-            });
-            continue;
+            Triage::Admit(v) => valid.push(v),
         }
-        let fingerprint = intent.fingerprint();
-        if ctx.tools.get(&intent.tool).is_none() {
-            events.push(outbox::rejected_event(
-                &intent.tenant,
-                &intent.action_id,
-                &intent.tool,
-                RejectReason::UnknownTool,
-                None,
-                format!(
-                    "The tool {:?} is not configured on this worker pool; nothing was done.",
-                    intent.tool
-                ),
-                Some(fingerprint),
-            ));
-            counter!(m::REJECTED, "reason" => "unknown_tool").increment(1);
-            out.dead_letters.push(DeadLetter {
-                index,
-                reason: "unknown_tool",
-                detail: format!("unknown tool {:?}", intent.tool),
-            });
-            continue;
-        }
-        valid.push(Valid {
-            redelivered: incoming.redelivered,
-            new: NewOperation {
-                arguments: intent.canonical_arguments(),
-                tenant: intent.tenant,
-                action_id: intent.action_id,
-                tool: intent.tool,
-                fingerprint,
-                call_id: intent.call_id,
-                reply_to: intent.reply_to,
-            },
-        });
     }
 
-    // Fold duplicates inside the batch: the first of a key is admitted, the rest answer after.
-    let mut first_of: HashMap<(String, String), usize> = HashMap::new();
-    let mut unique: Vec<&Valid> = Vec::new();
-    let mut later: Vec<(&Valid, usize)> = Vec::new();
-    for v in &valid {
-        let key = (v.new.tenant.clone(), v.new.action_id.clone());
-        match first_of.get(&key) {
-            Some(&u) => later.push((v, u)),
-            None => {
-                first_of.insert(key, unique.len());
-                unique.push(v);
-            }
-        }
-    }
+    // Stage 3: admit, then look up the refused keys (after admitting, so a key first
+    // recorded in this very batch is seen too).
+    let (unique, later) = fold_duplicates(&valid);
     let admitted = ctx
         .ledger
         .admit(
@@ -165,56 +356,39 @@ pub async fn step(
     if let Some(a) = admitted.iter().find(|a| a.inserted) {
         fault::point("after_prepared", &a.operation.action_id);
     }
+    let rows = if refusals.is_empty() {
+        Vec::new()
+    } else {
+        let mut keys: Vec<(String, String)> = refusals.iter().map(Refusal::key).collect();
+        keys.sort();
+        keys.dedup();
+        ctx.ledger.find_keys(&keys).await?
+    };
 
-    let mut to_claim = Vec::new();
-    // Per unique intent: Some(op) when it must be answered from the stored row.
-    let mut answer_from: Vec<Option<&Operation>> = vec![None; unique.len()];
-    for (u, (v, a)) in unique.iter().zip(&admitted).enumerate() {
-        let op = &a.operation;
-        if op.fingerprint != v.new.fingerprint {
-            events.push(conflict_event(&v.new, op));
-            duplicate("conflict");
-        } else if op.state() == State::Prepared {
-            to_claim.push(op.id);
-        } else {
-            duplicate(reason(v.redelivered, op));
-            answer_from[u] = Some(op);
+    // Stage 4.
+    let mut events: Vec<NewEvent> = Vec::new();
+    for r in &refusals {
+        let row = rows
+            .iter()
+            .find(|o| o.tenant == r.tenant && o.action_id == r.action_id);
+        let (event, label) = refusal_answer(r, row);
+        match (label, row) {
+            ("stored", Some(op)) => duplicate(reason(batch[r.index].redelivered, op)),
+            _ => counter!(m::REJECTED, "reason" => label).increment(1),
         }
+        events.push(event);
     }
+    let answers = Answers::new(&unique, &admitted);
+    events.extend(answers.before_claim());
     let (claimed, answered) = ctx
         .ledger
         .claim_and_answer(
-            &to_claim,
+            &answers.to_claim,
             &ctx.worker_id,
             ctx.lease,
             &ctx.windows,
             |claimed| {
-                let claimed_ids: Vec<i64> = claimed.iter().map(|o| o.id).collect();
-                for (u, a) in admitted.iter().enumerate() {
-                    let op = &a.operation;
-                    if to_claim.contains(&op.id) && !claimed_ids.contains(&op.id) {
-                        // A prepared row someone else claimed first: it is in flight.
-                        duplicate(reason(unique[u].redelivered, op));
-                        events.push(outbox::operation_event(
-                            op,
-                            Status::Pending,
-                            outbox::pending_message(op),
-                        ));
-                    } else if let Some(op) = answer_from[u] {
-                        events.push(outbox::stored_result(op));
-                    }
-                }
-                for (v, u) in later {
-                    let first = &admitted[u].operation;
-                    if first.fingerprint != v.new.fingerprint {
-                        events.push(conflict_event(&v.new, first));
-                        duplicate("conflict");
-                    } else {
-                        let current = claimed.iter().find(|c| c.id == first.id).unwrap_or(first);
-                        duplicate(reason(v.redelivered, current));
-                        events.push(outbox::stored_result(current));
-                    }
-                }
+                events.extend(answers.after_claim(claimed, &later));
                 events
             },
         )
@@ -225,6 +399,97 @@ pub async fn step(
     }
     out.claimed = claimed;
     Ok(out)
+}
+
+/// Folds duplicates inside the batch: the first of a key is admitted, each later one is
+/// answered after, with the index of its first in the unique list.
+fn fold_duplicates(valid: &[Valid]) -> (Vec<&Valid>, Vec<(&Valid, usize)>) {
+    let mut first_of: HashMap<(&str, &str), usize> = HashMap::new();
+    let mut unique: Vec<&Valid> = Vec::new();
+    let mut later: Vec<(&Valid, usize)> = Vec::new();
+    for v in valid {
+        let key = (v.new.tenant.as_str(), v.new.action_id.as_str());
+        match first_of.get(&key) {
+            Some(&u) => later.push((v, u)),
+            None => {
+                first_of.insert(key, unique.len());
+                unique.push(v);
+            }
+        }
+    }
+    (unique, later)
+}
+
+/// Stage 4 for admitted intents: which rows to claim, and the answers to deliveries whose
+/// key was already recorded — each routed to that delivery's `reply_to`.
+struct Answers<'a> {
+    unique: &'a [&'a Valid],
+    admitted: &'a [Admitted],
+    to_claim: Vec<i64>,
+    /// Per unique intent: the stored row it must be answered from.
+    answer_from: Vec<Option<&'a Operation>>,
+    conflicts: Vec<NewEvent>,
+}
+
+impl<'a> Answers<'a> {
+    fn new(unique: &'a [&'a Valid], admitted: &'a [Admitted]) -> Answers<'a> {
+        let mut a = Answers {
+            unique,
+            admitted,
+            to_claim: Vec::new(),
+            answer_from: vec![None; unique.len()],
+            conflicts: Vec::new(),
+        };
+        for (u, (v, adm)) in unique.iter().zip(admitted).enumerate() {
+            let op = &adm.operation;
+            if op.fingerprint != v.new.fingerprint {
+                a.conflicts.push(conflict_event(&v.new, op));
+                duplicate("conflict");
+            } else if op.state() == State::Prepared {
+                a.to_claim.push(op.id);
+            } else {
+                duplicate(reason(v.redelivered, op));
+                a.answer_from[u] = Some(op);
+            }
+        }
+        a
+    }
+
+    /// Answers known before claiming (conflicts with stored rows).
+    fn before_claim(&self) -> Vec<NewEvent> {
+        self.conflicts.clone()
+    }
+
+    /// Answers written in the claim's commit, once it is known which rows this worker won.
+    fn after_claim(&self, claimed: &[Operation], later: &[(&Valid, usize)]) -> Vec<NewEvent> {
+        let mut events = Vec::new();
+        for (u, a) in self.admitted.iter().enumerate() {
+            let op = &a.operation;
+            let delivery = &self.unique[u].new;
+            if self.to_claim.contains(&op.id) && !claimed.iter().any(|c| c.id == op.id) {
+                // A prepared row someone else claimed first: it is in flight.
+                duplicate(reason(self.unique[u].redelivered, op));
+                events.push(
+                    outbox::operation_event(op, Status::Pending, outbox::pending_message(op))
+                        .answering(delivery.reply_to.as_deref()),
+                );
+            } else if let Some(op) = self.answer_from[u] {
+                events.push(outbox::stored_result(op).answering(delivery.reply_to.as_deref()));
+            }
+        }
+        for (v, u) in later {
+            let first = &self.admitted[*u].operation;
+            if first.fingerprint != v.new.fingerprint {
+                events.push(conflict_event(&v.new, first));
+                duplicate("conflict");
+            } else {
+                let current = claimed.iter().find(|c| c.id == first.id).unwrap_or(first);
+                duplicate(reason(v.redelivered, current));
+                events.push(outbox::stored_result(current).answering(v.new.reply_to.as_deref()));
+            }
+        }
+        events
+    }
 }
 
 fn duplicate(reason: &'static str) {
@@ -243,7 +508,7 @@ fn reason(redelivered: bool, op: &Operation) -> &'static str {
 }
 
 /// Same key, other intent: rejected before any network activity; the stored result is never
-/// returned for it.
+/// returned for it. Routed to the delivery that reused the key.
 fn conflict_event(new: &NewOperation, _stored: &Operation) -> NewEvent {
     counter!(m::REJECTED, "reason" => "intent_conflict").increment(1);
     outbox::rejected_event(
@@ -258,4 +523,5 @@ fn conflict_event(new: &NewOperation, _stored: &Operation) -> NewEvent {
         ),
         Some(new.fingerprint.clone()),
     )
+    .answering(new.reply_to.as_deref())
 }
