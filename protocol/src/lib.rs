@@ -24,5 +24,6 @@ pub use intent::{
     MAX_TOOL_LEN,
 };
 pub use result::{
-    result_routing_key, tenant_binding_keys, RejectReason, ResultEvent, Status, REPLY_WORD,
+    result_routing_key, tenant_binding_keys, RejectReason, ResultEvent, Status,
+    MAX_ROUTING_KEY_BYTES, REPLY_WORD,
 };

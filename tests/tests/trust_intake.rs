@@ -501,3 +501,37 @@ async fn each_agent_receives_only_the_answers_for_its_reply_to() {
     }
     cleanup(env).await;
 }
+
+/// A 200-character tenant with a 200-character `reply_to` (both allowed) would make a
+/// 403-byte routing key, longer than AMQP allows: the event goes to the tenant-wide key
+/// instead of jamming the relay, and later events still flow.
+#[tokio::test]
+async fn a_reply_to_too_long_for_a_routing_key_falls_back_to_the_tenant_key() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let mut w = Worker::start(
+        &env,
+        "w",
+        &WorkerOptions::new(env.standard_tools(ds.port, "")),
+    )
+    .await;
+    let tenant = "t".repeat(200);
+    let agent = Agent::new(&env, &[]).await;
+    let mut plain = ResultQueue::bind(&env, &[tenant.clone()]).await;
+    let long = with_reply_to(
+        intent(&tenant, "long-1", "refund", json!({"order": "l"})),
+        Some(&"r".repeat(200)),
+    );
+    agent.send(&long).await;
+    plain.wait("long-1", Status::Succeeded).await;
+    agent
+        .send(&with_reply_to(
+            intent(&tenant, "short-1", "refund", json!({"order": "s"})),
+            None,
+        ))
+        .await;
+    plain.wait("short-1", Status::Succeeded).await;
+    assert!(w.is_running());
+    plain.close().await;
+    cleanup(env).await;
+}

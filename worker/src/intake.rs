@@ -525,3 +525,212 @@ fn conflict_event(new: &NewOperation, _stored: &Operation) -> NewEvent {
     )
     .answering(new.reply_to.as_deref())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use chrono::Utc;
+    use serde_json::json;
+
+    use super::*;
+    use crate::ledger::StateColumn;
+
+    fn alice_for_a() -> TenantAuth {
+        TenantAuth::UserId {
+            users: BTreeMap::from([("alice".to_string(), vec!["tenant-a".to_string()])]),
+        }
+    }
+
+    fn incoming(body: &str, user: Option<&str>) -> Incoming {
+        Incoming {
+            body: body.as_bytes().to_vec(),
+            redelivered: false,
+            user_id: user.map(str::to_string),
+        }
+    }
+
+    fn refund(tenant: &str, action_id: &str, reply_to: Option<&str>) -> String {
+        let mut v = json!({"tenant": tenant, "action_id": action_id, "tool": "refund",
+                           "arguments": {"order": "o-1"}});
+        if let Some(r) = reply_to {
+            v["reply_to"] = json!(r);
+        }
+        v.to_string()
+    }
+
+    fn op(state: State, fingerprint: &str, reply_to: Option<&str>) -> Operation {
+        let now = Utc::now();
+        Operation {
+            id: 7,
+            tenant: "tenant-a".into(),
+            action_id: "k-1".into(),
+            tool: "refund".into(),
+            fingerprint: fingerprint.into(),
+            arguments: Some("{}".into()),
+            call_id: None,
+            reply_to: reply_to.map(str::to_string),
+            state: StateColumn(state),
+            fence: 1,
+            lease_owner: None,
+            lease_until: None,
+            attempts: 1,
+            recovery_attempts: 0,
+            next_attempt_at: None,
+            first_dispatch_at: Some(now),
+            replay_deadline: None,
+            receipt: Some(json!({"receipt_id": "r-1"})),
+            receipt_id: Some("r-1".into()),
+            evidence: None,
+            last_reported: None,
+            created_at: now,
+            updated_at: now,
+            state_since: now,
+            swept_at: None,
+        }
+    }
+
+    fn refused(t: Triage) -> Refusal {
+        match t {
+            Triage::Refuse(r) => r,
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_unproven_tenant_is_dropped_whatever_else_is_wrong() {
+        let auth = alice_for_a();
+        let bodies = [
+            r#"{"tenant":"tenant-b","action_id":"b-1","tool":"refund","arguments":5}"#.to_string(),
+            refund("tenant-b", "b-1", None).replace("refund", "teleport"),
+            refund("tenant-b", "b-1", None),
+        ];
+        for body in &bodies {
+            match triage(3, &incoming(body, Some("alice")), &auth, |t| t == "refund") {
+                Triage::Drop(dl) => {
+                    assert_eq!(dl.index, 3);
+                    assert_eq!(dl.reason, "tenant_mismatch");
+                    assert!(dl.detail.contains("alice") && dl.detail.contains("tenant-b"));
+                }
+                other => panic!("{body}: expected a drop, got {other:?}"),
+            }
+        }
+        // No user at all proves nothing either.
+        let t = triage(0, &incoming(&bodies[0], None), &auth, |_| true);
+        assert!(matches!(
+            t,
+            Triage::Drop(DeadLetter {
+                reason: "tenant_mismatch",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn proven_tenants_are_refused_or_admitted_and_unsalvageable_bodies_dropped() {
+        let auth = alice_for_a();
+        let bad = r#"{"tenant":"tenant-a","action_id":"k-1","tool":"refund","arguments":5,"reply_to":"ag-1"}"#;
+        let r = refused(triage(0, &incoming(bad, Some("alice")), &auth, |_| true));
+        assert_eq!(r.reply_to.as_deref(), Some("ag-1"));
+        assert!(matches!(
+            r.kind,
+            RefusalKind::Invalid {
+                code: "wrong_type",
+                ..
+            }
+        ));
+        assert_eq!(r.dead_letter().reason, "invalid_message");
+
+        let unknown = refund("tenant-a", "k-1", None);
+        let r = refused(triage(0, &incoming(&unknown, Some("alice")), &auth, |_| {
+            false
+        }));
+        assert_eq!(r.dead_letter().reason, "unknown_tool");
+
+        let t = triage(0, &incoming(&unknown, Some("alice")), &auth, |_| true);
+        assert!(matches!(t, Triage::Admit(_)));
+
+        let t = triage(0, &incoming("not json", Some("alice")), &auth, |_| true);
+        assert!(matches!(
+            t,
+            Triage::Drop(DeadLetter {
+                reason: "invalid_message",
+                ..
+            })
+        ));
+        // Trusted mode proves every tenant.
+        let t = triage(0, &incoming(&unknown, None), &TenantAuth::Trusted, |_| true);
+        assert!(matches!(t, Triage::Admit(_)));
+    }
+
+    #[test]
+    fn a_key_with_a_row_is_answered_from_the_row() {
+        let auth = TenantAuth::Trusted;
+        let body = refund("tenant-a", "k-1", Some("agent-2"));
+        let r = refused(triage(0, &incoming(&body, None), &auth, |_| false));
+        let RefusalKind::UnknownTool { fingerprint, .. } = &r.kind else {
+            unreachable!()
+        };
+
+        // No row: "nothing was done".
+        let (ev, label) = refusal_answer(&r, None);
+        assert_eq!(label, "unknown_tool");
+        assert!(ev.event.message.contains("nothing was done"));
+        assert_eq!(ev.routing_key(), "tenant-a.@.agent-2");
+
+        // Same intent, row succeeded: the stored answer, to this delivery's reply_to.
+        let row = op(State::Succeeded, fingerprint, Some("agent-1"));
+        let (ev, label) = refusal_answer(&r, Some(&row));
+        assert_eq!(label, "stored");
+        assert_eq!(ev.event.status, Status::Succeeded);
+        assert_eq!(ev.event.receipt, row.receipt);
+        assert_eq!(ev.routing_key(), "tenant-a.@.agent-2");
+
+        // Another intent under the key: intent_conflict naming the row's state.
+        let row = op(State::Unknown, "other", None);
+        let (ev, label) = refusal_answer(&r, Some(&row));
+        assert_eq!(label, "intent_conflict");
+        assert_eq!(ev.event.reason, Some(RejectReason::IntentConflict));
+        assert!(!ev.event.message.contains("nothing was done"));
+        assert!(ev
+            .event
+            .message
+            .contains("already has an operation (refund unknown)"));
+
+        // An undecodable body's fingerprint is unknowable: always a conflict, never stored.
+        let bad = r#"{"tenant":"tenant-a","action_id":"k-1","tool":"refund","arguments":5}"#;
+        let r = refused(triage(0, &incoming(bad, None), &auth, |_| true));
+        let row = op(State::Succeeded, fingerprint, Some("agent-1"));
+        let (ev, label) = refusal_answer(&r, Some(&row));
+        assert_eq!(label, "intent_conflict");
+        assert_eq!(ev.event.fingerprint, None);
+        assert_eq!(
+            ev.routing_key(),
+            "tenant-a",
+            "no reply_to: the tenant-wide key"
+        );
+        let (ev, _) = refusal_answer(&r, None);
+        assert_eq!(ev.event.reason, Some(RejectReason::InvalidMessage));
+        assert_eq!(ev.event.detail.as_deref(), Some("wrong_type"));
+    }
+
+    #[test]
+    fn in_batch_duplicates_fold_onto_the_first_of_their_key() {
+        let v = |id: &str| Valid {
+            redelivered: false,
+            new: NewOperation {
+                tenant: "t".into(),
+                action_id: id.into(),
+                tool: "refund".into(),
+                fingerprint: "f".into(),
+                arguments: "{}".into(),
+                call_id: None,
+                reply_to: None,
+            },
+        };
+        let batch = [v("a"), v("b"), v("a"), v("a")];
+        let (unique, later) = fold_duplicates(&batch);
+        assert_eq!(unique.len(), 2);
+        assert_eq!(later.iter().map(|(_, u)| *u).collect::<Vec<_>>(), [0, 0]);
+    }
+}
