@@ -517,7 +517,7 @@ async fn a_reply_to_too_long_for_a_routing_key_falls_back_to_the_tenant_key() {
     .await;
     let tenant = "t".repeat(200);
     let agent = Agent::new(&env, &[]).await;
-    let mut plain = ResultQueue::bind(&env, &[tenant.clone()]).await;
+    let mut plain = ResultQueue::bind(&env, std::slice::from_ref(&tenant)).await;
     let long = with_reply_to(
         intent(&tenant, "long-1", "refund", json!({"order": "l"})),
         Some(&"r".repeat(200)),
