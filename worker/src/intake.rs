@@ -714,6 +714,58 @@ mod tests {
         assert_eq!(ev.event.detail.as_deref(), Some("wrong_type"));
     }
 
+    fn valid(action_id: &str, fingerprint: &str, reply_to: Option<&str>) -> Valid {
+        Valid {
+            redelivered: false,
+            new: NewOperation {
+                tenant: "tenant-a".into(),
+                action_id: action_id.into(),
+                tool: "refund".into(),
+                fingerprint: fingerprint.into(),
+                arguments: "{}".into(),
+                call_id: None,
+                reply_to: reply_to.map(str::to_string),
+            },
+        }
+    }
+
+    #[test]
+    fn answers_to_deliveries_go_to_their_own_reply_to_not_the_rows() {
+        // The row was recorded by agent-1; agent-2 repeats the intent, agent-3 reuses the key.
+        let row = op(State::Succeeded, "f", Some("agent-1"));
+        let batch = [
+            valid("k-1", "f", Some("agent-2")),
+            valid("k-1", "other", Some("agent-3")),
+            valid("k-1", "f", None),
+        ];
+        let (unique, later) = fold_duplicates(&batch);
+        let admitted = [Admitted {
+            operation: row.clone(),
+            inserted: false,
+        }];
+        let answers = Answers::new(&unique, &admitted);
+        assert!(answers.to_claim.is_empty());
+        assert!(answers.before_claim().is_empty());
+        let events = answers.after_claim(&[], &later);
+        let keys: Vec<(String, Status)> = events
+            .iter()
+            .map(|e| (e.routing_key(), e.event.status))
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                ("tenant-a.@.agent-2".to_string(), Status::Succeeded),
+                ("tenant-a.@.agent-3".to_string(), Status::Rejected),
+                ("tenant-a".to_string(), Status::Succeeded),
+            ]
+        );
+        // Events about the operation itself keep the row's reply_to.
+        assert_eq!(
+            outbox::stored_result(&row).routing_key(),
+            "tenant-a.@.agent-1"
+        );
+    }
+
     #[test]
     fn in_batch_duplicates_fold_onto_the_first_of_their_key() {
         let v = |id: &str| Valid {
