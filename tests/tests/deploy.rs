@@ -70,3 +70,33 @@ async fn a_bad_worker_migrate_value_stops_start_up_naming_it() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("WORKER_MIGRATE"), "{err}");
 }
+
+/// The tools file shipped in the Kubernetes ConfigMap must start a worker: parsed, built into
+/// adapters and past the start-up refusals, with the Deployment's settings.
+#[test]
+fn the_k8s_tools_configmap_passes_the_workers_start_up_checks() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/k8s/base/configmap-tools.yaml");
+    let yaml = std::fs::read_to_string(&path).expect("read the ConfigMap");
+    // The block scalar under `tools.toml: |`, de-indented (no YAML parser in this crate).
+    let mut lines = yaml
+        .lines()
+        .skip_while(|l| l.trim() != "tools.toml: |")
+        .skip(1);
+    let first = lines.next().expect("tools.toml has content");
+    let indent = first.len() - first.trim_start().len();
+    let toml: String = std::iter::once(first)
+        .chain(
+            lines.take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() >= indent),
+        )
+        .map(|l| format!("{}\n", l.get(indent..).unwrap_or("")))
+        .collect();
+    let tools = worker::config::Tools::parse(std::path::Path::new("tools.toml"), &toml)
+        .unwrap_or_else(|e| panic!("{e}\n{toml}"));
+    assert!(!tools.tools.is_empty());
+    worker::adapter::ToolSet::from_config(&tools).expect("adapters build");
+    // nextest runs each test in its own process, so setting the environment here is contained.
+    std::env::set_var("DATABASE_URL", "postgres://unused@127.0.0.1/unused");
+    let settings = worker::config::Settings::from_env().expect("settings");
+    worker::config::check_proof(&settings, &tools).expect("start-up checks");
+}
