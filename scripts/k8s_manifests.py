@@ -241,8 +241,21 @@ def rule_object() -> dict:
     }
 
 
+class _RuleDumper(yaml.SafeDumper):
+    pass
+
+
+def _str(dumper, value):
+    # Multi-line expressions stay readable block scalars, as in alerts.yml.
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_RuleDumper.add_representer(str, _str)
+
+
 def gen_rules() -> None:
-    text = yaml.safe_dump(rule_object(), sort_keys=False, width=100, allow_unicode=True)
+    text = yaml.dump(rule_object(), Dumper=_RuleDumper, sort_keys=False, width=1000, allow_unicode=True)
     RULE_FILE.write_text(RULE_HEADER + text)
     print(f"wrote {RULE_FILE.relative_to(ROOT)} ({sum(len(g['rules']) for g in alerts_groups())} rules)")
 
