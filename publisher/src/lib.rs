@@ -25,9 +25,16 @@ pub mod cli;
 pub mod demo;
 pub mod error;
 pub mod follow;
+pub mod metrics;
+pub mod outbox;
 pub mod publish;
+pub mod relay;
 pub mod topology;
+pub mod wait;
 
 pub use error::PublishError;
 pub use follow::Follower;
+pub use outbox::{Outbox, OutboxError};
 pub use publish::{action_key, Publisher};
+pub use relay::{Relay, RelayConfig};
+pub use wait::{Answer, AnswerConfig, StatusApi, WaitError};

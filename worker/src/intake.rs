@@ -195,13 +195,16 @@ pub async fn step(
                     if to_claim.contains(&op.id) && !claimed_ids.contains(&op.id) {
                         // A prepared row someone else claimed first: it is in flight.
                         duplicate(reason(unique[u].redelivered, op));
-                        events.push(outbox::operation_event(
-                            op,
-                            Status::Pending,
-                            outbox::pending_message(op),
+                        events.push(answer_to(
+                            outbox::operation_event(
+                                op,
+                                Status::Pending,
+                                outbox::pending_message(op),
+                            ),
+                            &unique[u].new,
                         ));
                     } else if let Some(op) = answer_from[u] {
-                        events.push(outbox::stored_result(op));
+                        events.push(answer_to(outbox::stored_result(op), &unique[u].new));
                     }
                 }
                 for (v, u) in later {
@@ -212,7 +215,7 @@ pub async fn step(
                     } else {
                         let current = claimed.iter().find(|c| c.id == first.id).unwrap_or(first);
                         duplicate(reason(v.redelivered, current));
-                        events.push(outbox::stored_result(current));
+                        events.push(answer_to(outbox::stored_result(current), &v.new));
                     }
                 }
                 events
@@ -242,11 +245,17 @@ fn reason(redelivered: bool, op: &Operation) -> &'static str {
     }
 }
 
+/// A duplicate's answer goes to the `reply_to` of the delivery that caused it, not the stored one.
+fn answer_to(mut event: NewEvent, delivery: &NewOperation) -> NewEvent {
+    event.reply_to = delivery.reply_to.clone();
+    event
+}
+
 /// Same key, other intent: rejected before any network activity; the stored result is never
 /// returned for it.
 fn conflict_event(new: &NewOperation, _stored: &Operation) -> NewEvent {
     counter!(m::REJECTED, "reason" => "intent_conflict").increment(1);
-    outbox::rejected_event(
+    let mut event = outbox::rejected_event(
         &new.tenant,
         &new.action_id,
         &new.tool,
@@ -257,5 +266,8 @@ fn conflict_event(new: &NewOperation, _stored: &Operation) -> NewEvent {
             new.action_id
         ),
         Some(new.fingerprint.clone()),
-    )
+    );
+    // The answer goes to the agent that sent the conflicting intent.
+    event.reply_to = new.reply_to.clone();
+    event
 }

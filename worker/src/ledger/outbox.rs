@@ -16,6 +16,9 @@ use super::{Ledger, LedgerError, Operation, State};
 pub struct NewEvent {
     pub operation_id: Option<i64>,
     pub event: ResultEvent,
+    /// The agent's `reply_to`: the event is routed to `<tenant>.@.<reply_to>`, or to `<tenant>`
+    /// without one (`protocol::result_routing_key`).
+    pub reply_to: Option<String>,
 }
 
 /// An outbox row claimed by a relay.
@@ -35,6 +38,7 @@ fn now_rfc3339() -> String {
 pub fn operation_event(op: &Operation, status: Status, message: String) -> NewEvent {
     NewEvent {
         operation_id: Some(op.id),
+        reply_to: op.reply_to.clone(),
         event: ResultEvent {
             tenant: op.tenant.clone(),
             action_id: op.action_id.clone(),
@@ -70,6 +74,7 @@ pub fn rejected_event(
 ) -> NewEvent {
     NewEvent {
         operation_id: None,
+        reply_to: None,
         event: ResultEvent {
             tenant: tenant.to_string(),
             action_id: action_id.to_string(),
@@ -123,6 +128,7 @@ pub fn stored_result(op: &Operation) -> NewEvent {
             Some(op.fingerprint.clone()),
         );
         event.operation_id = Some(op.id);
+        event.reply_to = op.reply_to.clone();
         event.event.attempts = op.attempts.max(0) as u32;
         return event;
     }
@@ -166,7 +172,10 @@ pub async fn insert_events(
     for e in events {
         ids.push(uuid::Uuid::parse_str(&e.event.event_id).unwrap_or_else(|_| uuid::Uuid::new_v4()));
         op_ids.push(e.operation_id);
-        keys.push(e.event.tenant.clone());
+        keys.push(protocol::result_routing_key(
+            &e.event.tenant,
+            e.reply_to.as_deref(),
+        ));
         statuses.push(e.event.status.as_str().to_string());
         payloads.push(serde_json::to_value(&e.event).expect("result events serialize"));
     }
