@@ -345,9 +345,10 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
     }
     let metrics_addr: Option<SocketAddr> = match args.metrics_addr.as_str() {
         "off" | "none" | "" => None,
-        addr => Some(addr.parse().map_err(|e| {
-            UsageError(format!("PUBLISHER_METRICS_ADDR {addr:?}: {e}"))
-        })?),
+        addr => Some(
+            addr.parse()
+                .map_err(|e| UsageError(format!("PUBLISHER_METRICS_ADDR {addr:?}: {e}")))?,
+        ),
     };
     let pool = connect_db(&args.db.database_url, args.db_pool.max(1)).await?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

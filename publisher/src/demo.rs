@@ -54,7 +54,10 @@ pub async fn run(config: DemoConfig) -> anyhow::Result<()> {
     let mut answers = Follower::follow_keys(
         &config.amqp_url,
         &config.results_exchange,
-        &[protocol::result_routing_key(&config.tenant, Some(&reply_to))],
+        &[protocol::result_routing_key(
+            &config.tenant,
+            Some(&reply_to),
+        )],
         None,
     )
     .await

@@ -34,7 +34,10 @@ pub fn install() -> Result<PrometheusHandle, String> {
         PUBLISH_FAILURES,
         "Outbox rows whose publish failed, by reason (unroutable, nacked, not_confirmed, amqp)."
     );
-    describe_counter!(ROWS_SENT, "Outbox rows published, confirmed and marked sent.");
+    describe_counter!(
+        ROWS_SENT,
+        "Outbox rows published, confirmed and marked sent."
+    );
     describe_counter!(ROWS_SWEPT, "Sent outbox rows deleted after the retention.");
     for reason in REASONS {
         counter!(PUBLISH_FAILURES, "reason" => reason).absolute(0);
@@ -76,7 +79,10 @@ pub async fn serve(
                     Err(error) => tracing::warn!(%error, "cannot measure the outbox backlog"),
                 }
                 (
-                    [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4",
+                    )],
                     handle.render(),
                 )
             }

@@ -163,10 +163,12 @@ impl Relay {
             }
         }
         if !sent.is_empty() {
-            sqlx::query("UPDATE intent_outbox SET sent_at = now() WHERE id = ANY($1) AND sent_at IS NULL")
-                .bind(&sent)
-                .execute(&self.pool)
-                .await?;
+            sqlx::query(
+                "UPDATE intent_outbox SET sent_at = now() WHERE id = ANY($1) AND sent_at IS NULL",
+            )
+            .bind(&sent)
+            .execute(&self.pool)
+            .await?;
             counter!(m::ROWS_SENT).increment(sent.len() as u64);
         }
         if !failed.is_empty() {

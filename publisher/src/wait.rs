@@ -59,7 +59,9 @@ pub enum WaitError {
         timeout: Duration,
     },
     /// `reply_to` cannot be bound exactly (a `*` or `#` word would be a topic wildcard).
-    #[error("reply_to {0:?} contains a `*` or `#` word, which a topic binding treats as a wildcard")]
+    #[error(
+        "reply_to {0:?} contains a `*` or `#` word, which a topic binding treats as a wildcard"
+    )]
     BadReplyTo(String),
     /// The status API answered with an error, or not at all.
     #[error("status API: {0}")]
@@ -269,7 +271,9 @@ impl Publisher {
                     Ok(Some(delivery)) => delivery?,
                 };
                 let Ok(event) = serde_json::from_slice::<ResultEvent>(&delivery.data) else {
-                    tracing::warn!("skipped a message on the results queue that is not a result event");
+                    tracing::warn!(
+                        "skipped a message on the results queue that is not a result event"
+                    );
                     continue;
                 };
                 if event.tenant != intent.tenant || event.action_id != intent.action_id {

@@ -106,7 +106,7 @@ pub async fn step(
         }
         let fingerprint = intent.fingerprint();
         if ctx.tools.get(&intent.tool).is_none() {
-            events.push(outbox::rejected_event(
+            let mut event = outbox::rejected_event(
                 &intent.tenant,
                 &intent.action_id,
                 &intent.tool,
@@ -117,7 +117,9 @@ pub async fn step(
                     intent.tool
                 ),
                 Some(fingerprint),
-            ));
+            );
+            event.reply_to = intent.reply_to.clone();
+            events.push(event);
             counter!(m::REJECTED, "reason" => "unknown_tool").increment(1);
             out.dead_letters.push(DeadLetter {
                 index,

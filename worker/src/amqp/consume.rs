@@ -17,7 +17,7 @@ use lapin::options::{
     ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Channel, Connection};
+use lapin::{BasicProperties, Channel, Connection};
 use metrics::counter;
 use sha2::{Digest, Sha256};
 
@@ -255,9 +255,13 @@ async fn dead_letter(
         "x-original-routing-key".into(),
         AMQPValue::LongString(LongString::from(d.routing_key.as_str())),
     );
-    let props = d
-        .properties
-        .clone()
+    if let Some(user) = d.properties.user_id() {
+        headers.insert(
+            "x-intent-worker-user-id".into(),
+            AMQPValue::LongString(LongString::from(user.as_str())),
+        );
+    }
+    let props = without_user_id(&d.properties)
         .with_headers(headers)
         .with_delivery_mode(2);
     let confirm = dlx
@@ -280,6 +284,25 @@ async fn dead_letter(
     }
     counter!(m::DEAD_LETTERED, "reason" => dl.reason).increment(1);
     Ok(())
+}
+
+/// The properties without `user_id`: RabbitMQ refuses a publish whose `user_id` is not the
+/// publishing connection's user, so a message from another broker user cannot be copied to the
+/// dead-letter exchange with it (the original user goes into a header instead).
+fn without_user_id(p: &BasicProperties) -> BasicProperties {
+    let mut out = BasicProperties::default();
+    macro_rules! copy {
+        ($($get:ident => $set:ident),*) => {
+            $(if let Some(v) = p.$get() { out = out.$set(v.clone()); })*
+        };
+    }
+    copy!(content_type => with_content_type, content_encoding => with_content_encoding,
+        headers => with_headers, delivery_mode => with_delivery_mode, priority => with_priority,
+        correlation_id => with_correlation_id, reply_to => with_reply_to,
+        expiration => with_expiration, message_id => with_message_id,
+        timestamp => with_timestamp, kind => with_type, app_id => with_app_id,
+        cluster_id => with_cluster_id);
+    out
 }
 
 /// Lower-case hex.
