@@ -241,9 +241,9 @@ pub struct RelayArgs {
     /// Prometheus `/metrics` listener; `off` disables it.
     #[arg(long, env = "PUBLISHER_METRICS_ADDR", default_value = "127.0.0.1:9466")]
     pub metrics_addr: String,
-    /// Database connections of this relay.
-    #[arg(long, env = "PUBLISHER_DB_POOL", default_value_t = 4)]
-    pub db_pool: u32,
+    /// Relay loops in this process, each with its own channel (they claim disjoint rows).
+    #[arg(long, env = "PUBLISHER_CONCURRENCY", default_value_t = 2)]
+    pub concurrency: u32,
 }
 
 #[derive(Debug, Args)]
@@ -350,7 +350,8 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
                 .map_err(|e| UsageError(format!("PUBLISHER_METRICS_ADDR {addr:?}: {e}")))?,
         ),
     };
-    let pool = connect_db(&args.db.database_url, args.db_pool.max(1)).await?;
+    let concurrency = args.concurrency.max(1);
+    let pool = connect_db(&args.db.database_url, concurrency + 2).await?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {
         let mut rx = stop_rx.clone();
@@ -372,14 +373,6 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
         tracing::info!("stopping the relay");
         let _ = stop_tx.send(true);
     });
-    let connect = || async {
-        Publisher::connect(amqp_url, &args.exchange)
-            .await
-            .map(|p| p.with_user_id(set_user_id))
-    };
-    let publisher = connect()
-        .await
-        .with_context(|| format!("cannot connect to the broker at {}", redact(amqp_url)))?;
     let config = RelayConfig {
         batch: args.batch,
         lease: args.lease,
@@ -389,8 +382,27 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
         retention: args.retention,
         sweep_interval: args.sweep_interval,
     };
-    let mut relay = Relay::new(pool, publisher, config);
-    relay.run(stopped(), connect).await?;
+    let mut loops = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let (amqp_url, exchange) = (amqp_url.to_owned(), args.exchange.clone());
+        let connect = move || {
+            let (amqp_url, exchange) = (amqp_url.clone(), exchange.clone());
+            async move {
+                Publisher::connect(&amqp_url, &exchange)
+                    .await
+                    .map(|p| p.with_user_id(set_user_id))
+            }
+        };
+        let publisher = connect()
+            .await
+            .with_context(|| format!("cannot connect to the broker at {}", redact(amqp_url)))?;
+        let mut relay = Relay::new(pool.clone(), publisher, config.clone());
+        let stop = stopped();
+        loops.spawn(async move { relay.run(stop, connect).await });
+    }
+    while let Some(done) = loops.join_next().await {
+        done.context("relay loop panicked")??;
+    }
     Ok(())
 }
 
