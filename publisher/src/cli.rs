@@ -384,9 +384,9 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
     };
     let mut loops = tokio::task::JoinSet::new();
     for _ in 0..concurrency {
-        let (amqp_url, exchange) = (amqp_url.to_owned(), args.exchange.clone());
+        let (url, exchange) = (amqp_url.to_owned(), args.exchange.clone());
         let connect = move || {
-            let (amqp_url, exchange) = (amqp_url.clone(), exchange.clone());
+            let (amqp_url, exchange) = (url.clone(), exchange.clone());
             async move {
                 Publisher::connect(&amqp_url, &exchange)
                     .await

@@ -143,8 +143,7 @@ async fn consume_all(env: &Env, queue: &str) -> Vec<String> {
         .await
         .unwrap();
     let mut ids = Vec::new();
-    while let Ok(Some(Ok(d))) =
-        tokio::time::timeout(Duration::from_secs(1), consumer.next()).await
+    while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(1), consumer.next()).await
     {
         ids.push(
             d.properties
@@ -914,5 +913,80 @@ async fn publisher_proves_its_tenant_with_the_connection_user() {
     assert!(reasons.iter().all(|r| *r == mismatch), "{reasons:?}");
     assert_eq!(env.writes("south-shop:r-spoof").await, 0);
     assert_eq!(env.writes("north-shop:r-anon").await, 0);
+    cleanup(env).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measurement (not part of the suite): `send_and_wait` and `publisher send --wait` latency.
+// cargo nextest run -p e2e --test agent_side --run-ignored only -E 'test(latency)' --no-capture
+// ---------------------------------------------------------------------------------------------
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+#[tokio::test]
+#[ignore = "measurement; run explicitly"]
+async fn send_and_wait_latency() {
+    let n: usize = std::env::var("LATENCY_SAMPLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let (env, _ds, w) = setup("").await;
+    let agent = publisher_for(&env)
+        .await
+        .with_answers(answers(&env, None, "latency-agent"));
+    agent
+        .send_and_wait(&refund("north-shop", "warm-up"), T)
+        .await
+        .unwrap();
+    let mut library = Vec::with_capacity(n);
+    for k in 0..n {
+        let started = Instant::now();
+        let a = agent
+            .send_and_wait(&refund("north-shop", &format!("lat-{k}")), T)
+            .await
+            .unwrap();
+        library.push(started.elapsed());
+        assert_eq!(a.event.status, Status::Succeeded);
+    }
+    library.sort();
+    let cli_n = (n / 5).max(10);
+    let mut cli = Vec::with_capacity(cli_n);
+    for k in 0..cli_n {
+        let started = Instant::now();
+        let out = run_cli(
+            &env,
+            &w,
+            &[
+                "send",
+                "--wait",
+                "--tenant",
+                "north-shop",
+                "--action-id",
+                &format!("cli-lat-{k}"),
+                "--tool",
+                "refund",
+                "--args",
+                r#"{"order":"o-1"}"#,
+            ],
+        );
+        cli.push(started.elapsed());
+        assert_eq!(out.status.code(), Some(0));
+    }
+    cli.sort();
+    eprintln!(
+        "send_and_wait (library, {n} samples): p50 {:?} p99 {:?} max {:?}",
+        percentile(&library, 50.0),
+        percentile(&library, 99.0),
+        library[library.len() - 1]
+    );
+    eprintln!(
+        "publisher send --wait (process, {cli_n} samples): p50 {:?} p99 {:?} max {:?}",
+        percentile(&cli, 50.0),
+        percentile(&cli, 99.0),
+        cli[cli.len() - 1]
+    );
     cleanup(env).await;
 }
