@@ -40,7 +40,7 @@ pub fn exit_code(error: &anyhow::Error) -> i32 {
         exit::NO_ANSWER
     } else if matches!(
         error.downcast_ref::<WaitError>(),
-        Some(WaitError::BadReplyTo(_))
+        Some(WaitError::BadReplyTo(_) | WaitError::KeyTooLong(_))
     ) {
         exit::USAGE
     } else {

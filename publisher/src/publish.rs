@@ -10,6 +10,8 @@
 //! the connection's user, so a worker in `[auth] mode = "user_id"` can trust it.
 //! [`Publisher::with_user_id`] turns this off (for a broker user whose name must not be sent).
 
+use std::collections::HashMap;
+
 use lapin::{
     options::{BasicPublishOptions, ConfirmSelectOptions},
     uri::AMQPUri,
@@ -54,6 +56,8 @@ pub struct Publisher {
     user_id: Option<String>,
     /// Settings of `send_and_wait` (wait.rs).
     pub(crate) answers: crate::wait::AnswerConfig,
+    /// Held while a publish (or a batch) awaits its confirms, so returns are attributed right.
+    in_flight: tokio::sync::Mutex<()>,
 }
 
 impl Publisher {
@@ -73,6 +77,7 @@ impl Publisher {
             exchange: exchange.to_owned(),
             user_id: Some(user_id),
             answers: crate::wait::AnswerConfig::default(),
+            in_flight: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -136,10 +141,8 @@ impl Publisher {
         action_id: &str,
         body: &[u8],
     ) -> Result<(), PublishError> {
-        let confirm = self
-            .start(tenant, body, self.intent_properties(tenant, action_id))
-            .await?;
-        self.confirmed(tenant, confirm).await
+        self.send(tenant, body, self.intent_properties(tenant, action_id))
+            .await
     }
 
     /// Publishes every intent of `batch` (same properties as [`Publisher::publish_encoded`])
@@ -147,19 +150,62 @@ impl Publisher {
     /// rather than one round trip per message. Returns one result per intent, in order; a
     /// channel error fails the intents not yet sent or confirmed.
     pub async fn publish_batch(&self, batch: &[Encoded<'_>]) -> Vec<Result<(), PublishError>> {
+        let _one_at_a_time = self.in_flight.lock().await;
         let mut pending = Vec::with_capacity(batch.len());
         for intent in batch {
             let properties = self.intent_properties(intent.tenant, intent.action_id);
             pending.push(self.start(intent.tenant, intent.body, properties).await);
         }
-        let mut results = Vec::with_capacity(batch.len());
-        for (intent, started) in batch.iter().zip(pending) {
-            results.push(match started {
-                Ok(confirm) => self.confirmed(intent.tenant, confirm).await,
+        let mut confirmations = Vec::with_capacity(batch.len());
+        for started in pending {
+            confirmations.push(match started {
+                Ok(confirm) => confirm.await.map_err(PublishError::from),
                 Err(error) => Err(error),
             });
         }
-        results
+        // lapin hands each basic.return to whichever confirm it completes next, and completes a
+        // multiple-ack's confirms in no particular order, so a return may sit on another
+        // message's confirm. Attribute returns by the message's own key instead: messages with
+        // the same key have the same routing key, so they are routable or not alike.
+        let mut returned: HashMap<String, Vec<String>> = HashMap::new();
+        for confirmation in confirmations.iter_mut().flatten() {
+            let taken = match confirmation {
+                Confirmation::Ack(message) | Confirmation::Nack(message) => message.take(),
+                Confirmation::NotRequested => None,
+            };
+            if let Some(message) = taken {
+                let key = message
+                    .delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|id| id.to_string())
+                    .unwrap_or_default();
+                returned
+                    .entry(key)
+                    .or_default()
+                    .push(message.reply_text.to_string());
+            }
+        }
+        batch
+            .iter()
+            .zip(confirmations)
+            .map(|(intent, confirmation)| match confirmation? {
+                Confirmation::Ack(_) => {
+                    let key = action_key(intent.tenant, intent.action_id);
+                    match returned.get_mut(&key).and_then(Vec::pop) {
+                        Some(reply_text) => Err(PublishError::Unroutable {
+                            exchange: self.exchange.clone(),
+                            routing_key: intent.tenant.to_owned(),
+                            reply_text,
+                        }),
+                        None => Ok(()),
+                    }
+                }
+                Confirmation::Nack(_) => Err(PublishError::Nacked),
+                Confirmation::NotRequested => Err(PublishError::NotConfirmed),
+            })
+            .collect()
     }
 
     fn intent_properties(&self, tenant: &str, action_id: &str) -> BasicProperties {
@@ -201,6 +247,9 @@ impl Publisher {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
+        // One publish in flight per channel: lapin attaches a basic.return to the next confirm
+        // it completes, which is this publish's only while nothing else is in flight.
+        let _one_at_a_time = self.in_flight.lock().await;
         let confirm = self.start(routing_key, body, properties).await?;
         self.confirmed(routing_key, confirm).await
     }

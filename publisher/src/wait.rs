@@ -63,6 +63,9 @@ pub enum WaitError {
         "reply_to {0:?} contains a `*` or `#` word, which a topic binding treats as a wildcard"
     )]
     BadReplyTo(String),
+    /// `<tenant>.@.<reply_to>` is longer than an AMQP routing key may be (255 bytes).
+    #[error("the result routing key {0:?} is longer than 255 bytes: use a shorter reply_to")]
+    KeyTooLong(String),
     /// The status API answered with an error, or not at all.
     #[error("status API: {0}")]
     Status(String),
@@ -199,6 +202,9 @@ pub fn generated_reply_to() -> String {
     format!("agent-{:x}-{:x}", std::process::id(), nanos)
 }
 
+/// AMQP routing keys and binding keys are short strings: at most 255 bytes.
+const MAX_ROUTING_KEY: usize = 255;
+
 fn check_reply_to(reply_to: &str) -> Result<(), WaitError> {
     if reply_to.split('.').any(|word| word == "*" || word == "#") {
         return Err(WaitError::BadReplyTo(reply_to.to_owned()));
@@ -241,6 +247,9 @@ impl Publisher {
             .map_err(PublishError::from)?;
         let exchange = &self.answers.results_exchange;
         let key = protocol::result_routing_key(&intent.tenant, Some(&reply_to));
+        if key.len() > MAX_ROUTING_KEY {
+            return Err(WaitError::KeyTooLong(key));
+        }
         let mut consumer = async {
             topology::declare_topic_exchange(&channel, exchange).await?;
             let queue = topology::declare_results_queue(&channel, exchange, &[key], None).await?;

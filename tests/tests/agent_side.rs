@@ -397,6 +397,79 @@ async fn unroutable_row_stays_unsent_with_backoff_and_is_counted() {
 }
 
 #[tokio::test]
+async fn a_pipelined_batch_marks_exactly_the_routed_rows_sent() {
+    let env = Env::new().await;
+    let p = publisher_for(&env).await;
+    p.declare_exchange().await.unwrap();
+    // A queue for north-shop only: south-shop's intents in the same batch are returned.
+    let conn = lapin::Connection::connect(&env.amqp_url, Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        env.topology.intents_queue.as_str().into(),
+        lapin::options::QueueDeclareOptions::default(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        env.topology.intents_queue.as_str().into(),
+        env.topology.intents_exchange.as_str().into(),
+        "north-shop".into(),
+        Default::default(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    Outbox::migrate(&env.pool).await.unwrap();
+    let mut expected = Vec::new();
+    for k in 0..40 {
+        let tenant = if k % 3 == 0 {
+            "south-shop"
+        } else {
+            "north-shop"
+        };
+        let id = enqueue(&env, &refund(tenant, &format!("mix-{k}"))).await;
+        if tenant == "north-shop" {
+            expected.push((id, format!("north-shop:mix-{k}")));
+        }
+    }
+    let relay = Relay::new(env.pool.clone(), p, relay_config());
+    let report = relay.step().await.unwrap();
+    assert_eq!((report.claimed, report.sent, report.failed), (40, 26, 14));
+    let sent: Vec<i64> =
+        sqlx::query_scalar("SELECT id FROM intent_outbox WHERE sent_at IS NOT NULL ORDER BY id")
+            .fetch_all(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        sent,
+        expected.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+        "exactly the routed rows are marked sent"
+    );
+    let unsent_errors: Vec<String> = sqlx::query_scalar(
+        "SELECT last_error FROM intent_outbox WHERE sent_at IS NULL AND tenant = 'south-shop'",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(unsent_errors.len(), 14);
+    assert!(unsent_errors.iter().all(|e| e.contains("unroutable")));
+    let mut got: Vec<String> = drain(&env, &env.topology.intents_queue)
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    got.sort();
+    let mut want: Vec<String> = expected.into_iter().map(|(_, key)| key).collect();
+    want.sort();
+    assert_eq!(got, want);
+    let _ = conn.close(200, "".into()).await;
+    cleanup(env).await;
+}
+
+#[tokio::test]
 async fn relay_killed_between_publish_and_mark_publishes_again_and_the_inbox_suppresses_it() {
     let (env, _ds, _w) = setup("").await;
     Outbox::migrate(&env.pool).await.unwrap();
