@@ -470,6 +470,91 @@ async fn a_pipelined_batch_marks_exactly_the_routed_rows_sent() {
 }
 
 #[tokio::test]
+async fn relay_survives_a_cut_broker_link_and_stops_on_sigterm_mid_outage() {
+    let env = Env::new().await;
+    declare_worker_topology(&env).await;
+    Outbox::migrate(&env.pool).await.unwrap();
+    let proxy = e2e::FaultProxy::start("127.0.0.1:5672").await;
+    let via_proxy = env
+        .amqp_url
+        .replacen("127.0.0.1:5672", &proxy.addr().to_string(), 1);
+    assert_ne!(via_proxy, env.amqp_url);
+    let mut relay = RelayProc::spawn(
+        &env,
+        "relay",
+        &[
+            ("AMQP_URL", via_proxy.as_str()),
+            ("PUBLISHER_BACKOFF_INITIAL", "200ms"),
+        ],
+    );
+    relay.wait_output("relay running").await;
+    let first = enqueue(&env, &refund("north-shop", "cut-0")).await;
+    e2e::wait_for("the first row sent", T, || async {
+        outbox_row(&env, first).await.sent.then_some(())
+    })
+    .await;
+
+    proxy.cut();
+    let mut ids = Vec::new();
+    for k in 1..=20 {
+        ids.push(enqueue(&env, &refund("north-shop", &format!("cut-{k}"))).await);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for id in &ids {
+        assert!(
+            !outbox_row(&env, *id).await.sent,
+            "nothing is sent while the link is cut"
+        );
+    }
+    proxy.restore();
+    e2e::wait_for("all rows sent after the link is back", T, || async {
+        let unsent: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM intent_outbox WHERE sent_at IS NULL")
+                .fetch_one(&env.pool)
+                .await
+                .unwrap();
+        (unsent == 0).then_some(())
+    })
+    .await;
+    let mut got = consume_all(&env, &env.topology.intents_queue).await;
+    got.sort();
+    got.dedup();
+    assert_eq!(got.len(), 21, "every intent arrived at least once");
+    assert!(
+        relay.output().contains("relay reconnected"),
+        "{}",
+        relay.output()
+    );
+
+    // SIGTERM while the broker is unreachable: the relay stops promptly; its rows stay unsent.
+    proxy.cut();
+    let last = enqueue(&env, &refund("north-shop", "cut-last")).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let _ = Command::new("kill")
+        .args(["-TERM", &relay.child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = relay.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "relay ignored SIGTERM:\n{}",
+            relay.output()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status:?}\n{}", relay.output());
+    assert!(
+        !outbox_row(&env, last).await.sent,
+        "kept for the next relay"
+    );
+    proxy.restore();
+    cleanup(env).await;
+}
+
+#[tokio::test]
 async fn relay_killed_between_publish_and_mark_publishes_again_and_the_inbox_suppresses_it() {
     let (env, _ds, _w) = setup("").await;
     Outbox::migrate(&env.pool).await.unwrap();
