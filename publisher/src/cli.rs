@@ -87,6 +87,7 @@ pub struct Cli {
         long,
         global = true,
         env = "AMQP_URL",
+        hide_env_values = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     pub amqp_url: String,
