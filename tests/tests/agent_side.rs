@@ -309,6 +309,49 @@ async fn rolled_back_agent_transaction_publishes_nothing() {
 }
 
 #[tokio::test]
+async fn sent_rows_are_swept_after_the_retention_and_unsent_rows_never() {
+    let env = Env::new().await;
+    declare_worker_topology(&env).await;
+    Outbox::migrate(&env.pool).await.unwrap();
+    let old = enqueue(&env, &refund("north-shop", "sweep-old")).await;
+    let recent = enqueue(&env, &refund("north-shop", "sweep-recent")).await;
+    let relay = Relay::new(
+        env.pool.clone(),
+        publisher_for(&env).await,
+        RelayConfig {
+            retention: Duration::from_secs(3600),
+            ..relay_config()
+        },
+    );
+    assert_eq!(relay.step().await.unwrap().sent, 2);
+    // An unsent row older than the retention, and a sent one.
+    let unsent = enqueue(&env, &refund("north-shop", "sweep-unsent")).await;
+    sqlx::query("UPDATE intent_outbox SET sent_at = now() - interval '2 hours' WHERE id = $1;")
+        .bind(old)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE intent_outbox SET created_at = now() - interval '3 hours',
+                next_attempt_at = now() + interval '1 hour' WHERE id = $1",
+    )
+    .bind(unsent)
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(relay.sweep().await.unwrap(), 1);
+    let left: Vec<i64> = sqlx::query_scalar("SELECT id FROM intent_outbox ORDER BY id")
+        .fetch_all(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, vec![recent, unsent]);
+    let (backlog, oldest) = publisher::relay::backlog(&env.pool).await.unwrap();
+    assert_eq!(backlog, 1);
+    assert!(oldest >= 3.0 * 3600.0 - 60.0, "{oldest}");
+    cleanup(env).await;
+}
+
+#[tokio::test]
 async fn unroutable_row_stays_unsent_with_backoff_and_is_counted() {
     let env = Env::new().await;
     // The exchange exists but no queue is bound: every publish is returned.
