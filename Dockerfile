@@ -19,9 +19,11 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     set -eux; \
     release="-p intent-worker -p intent-publisher -p reference-downstream --features intent-worker/https"; \
-    if cargo tree --locked -e features -i intent-worker $release | grep -q 'feature "fault-points"'; then \
-        echo 'refusing to build: fault-points is enabled in the release set' >&2; exit 1; \
-    fi; \
+    for crate in intent-worker intent-publisher; do \
+        if cargo tree --locked -e features -i $crate $release | grep -q 'feature "fault-points"'; then \
+            echo "refusing to build: fault-points is enabled for $crate in the release set" >&2; exit 1; \
+        fi; \
+    done; \
     cargo build --release --locked $release; \
     mkdir -p /out; \
     cp target/release/worker target/release/publisher target/release/reference-downstream /out/

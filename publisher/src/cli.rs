@@ -1,11 +1,82 @@
-//! The `publisher` command line: `send`, `follow` and `demo`.
+//! The `publisher` command line: `send` (optionally `--wait`), `wait`, `follow`, `migrate`,
+//! `relay` and `demo`, and the exit codes scripts rely on.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 
-use crate::{demo, Follower, PublishError, Publisher};
+use crate::wait::{Answer, AnswerConfig, StatusApi, WaitError};
+use crate::{demo, Follower, Outbox, PublishError, Publisher, Relay, RelayConfig};
+
+/// Exit codes of `send --wait` and `wait` (README "From a Rust agent").
+pub mod exit {
+    pub const SUCCEEDED: i32 = 0;
+    /// Any other error (broker, database, ...).
+    pub const ERROR: i32 = 1;
+    /// Bad arguments or settings.
+    pub const USAGE: i32 = 2;
+    /// No answer at all before the timeout (neither the queue nor the status API).
+    pub const NO_ANSWER: i32 = 3;
+    pub const PENDING: i32 = 10;
+    pub const FAILED: i32 = 11;
+    pub const REJECTED: i32 = 12;
+}
+
+/// An error in the arguments or settings: exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+/// The exit code for an error returned by [`run`].
+pub fn exit_code(error: &anyhow::Error) -> i32 {
+    if error.downcast_ref::<UsageError>().is_some() {
+        exit::USAGE
+    } else if matches!(
+        error.downcast_ref::<WaitError>(),
+        Some(WaitError::NoAnswer { .. })
+    ) {
+        exit::NO_ANSWER
+    } else if matches!(
+        error.downcast_ref::<WaitError>(),
+        Some(WaitError::BadReplyTo(_) | WaitError::KeyTooLong(_))
+    ) {
+        exit::USAGE
+    } else {
+        exit::ERROR
+    }
+}
+
+/// The exit code for an answer.
+pub fn answer_code(answer: &Answer) -> i32 {
+    match answer.event.status {
+        protocol::Status::Succeeded => exit::SUCCEEDED,
+        protocol::Status::Pending => exit::PENDING,
+        protocol::Status::Failed => exit::FAILED,
+        protocol::Status::Rejected => exit::REJECTED,
+    }
+}
+
+/// Parses `30s`, `500ms`, `2m`, `1h` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration (e.g. 30s, 500ms, 2m)"))?;
+    let secs = match unit.trim() {
+        "" | "s" => number,
+        "ms" => number / 1000.0,
+        "m" => number * 60.0,
+        "h" => number * 3600.0,
+        other => return Err(format!("unknown duration unit {other:?} (ms, s, m, h)")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("{text:?}: {e}"))
+}
 
 /// Publish intents to the intent worker and follow their results.
 #[derive(Debug, Parser)]
@@ -16,9 +87,21 @@ pub struct Cli {
         long,
         global = true,
         env = "AMQP_URL",
+        hide_env_values = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     pub amqp_url: String,
+
+    /// Send the connection's user as AMQP `user_id` (tenant proof; `false` turns it off).
+    #[arg(
+        long,
+        global = true,
+        env = "PUBLISHER_SET_USER_ID",
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        value_name = "BOOL"
+    )]
+    pub set_user_id: bool,
 
     #[command(subcommand)]
     pub command: Command,
@@ -26,8 +109,15 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Validate one intent as the worker would, publish it and wait for the confirm.
+    /// Validate one intent as the worker would, publish it and wait for the confirm
+    /// (with `--wait`, also for its answer).
     Send(SendArgs),
+    /// Ask the worker's status API for one action's answer, until final or the timeout.
+    Wait(WaitArgs),
+    /// Create the agent-side `intent_outbox` table (idempotent).
+    Migrate(DbArgs),
+    /// Publish `intent_outbox` rows to the intents exchange (many relays may run).
+    Relay(RelayArgs),
     /// Print the tenant's result events, one JSON object per line.
     Follow(FollowArgs),
     /// Demo agent: publish a series of intents, re-sending some to show deduplication.
@@ -57,6 +147,104 @@ pub struct SendArgs {
     /// Intents exchange.
     #[arg(long, env = "INTENTS_EXCHANGE", default_value = "intents")]
     pub exchange: String,
+    /// Wait for the answer; the exit code tells the status (0 succeeded, 10 pending,
+    /// 11 failed, 12 rejected, 3 no answer).
+    #[arg(long)]
+    pub wait: bool,
+    /// How long `--wait` waits (e.g. 30s, 500ms, 2m).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    #[command(flatten)]
+    pub answers: AnswerArgs,
+}
+
+/// Where answers come from.
+#[derive(Debug, Args)]
+pub struct AnswerArgs {
+    /// Results exchange.
+    #[arg(long, env = "RESULTS_EXCHANGE", default_value = "results")]
+    pub results_exchange: String,
+    /// The worker's status API (e.g. http://127.0.0.1:8080), asked when the queue gives
+    /// no final answer in time.
+    #[arg(long, env = "PUBLISHER_STATUS_URL")]
+    pub status_url: Option<String>,
+    /// Tenant (or admin) token for the status API.
+    #[arg(long, env = "PUBLISHER_STATUS_TOKEN", hide_env_values = true)]
+    pub status_token: Option<String>,
+}
+
+impl AnswerArgs {
+    fn status_api(&self) -> anyhow::Result<Option<StatusApi>> {
+        match (&self.status_url, &self.status_token) {
+            (None, _) => Ok(None),
+            (Some(_), None) => Err(UsageError(
+                "PUBLISHER_STATUS_URL is set but PUBLISHER_STATUS_TOKEN is not".into(),
+            )
+            .into()),
+            (Some(url), Some(token)) => Ok(Some(
+                StatusApi::new(url, token).map_err(|e| UsageError(e.to_string()))?,
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct WaitArgs {
+    #[arg(long)]
+    pub tenant: String,
+    #[arg(long)]
+    pub action_id: String,
+    /// How long to keep asking (e.g. 30s).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// Pause between two questions.
+    #[arg(long, default_value = "500ms", value_parser = parse_duration)]
+    pub poll: Duration,
+    #[command(flatten)]
+    pub answers: AnswerArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct DbArgs {
+    /// The agent's Postgres database (holds `intent_outbox`).
+    #[arg(long, env = "PUBLISHER_DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+}
+
+#[derive(Debug, Args)]
+pub struct RelayArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Intents exchange.
+    #[arg(long, env = "INTENTS_EXCHANGE", default_value = "intents")]
+    pub exchange: String,
+    /// Rows claimed and published per step.
+    #[arg(long, env = "PUBLISHER_BATCH", default_value_t = 500)]
+    pub batch: i64,
+    /// How long a claim keeps other relays off a row (e.g. 30s).
+    #[arg(long, env = "PUBLISHER_LEASE", default_value = "30s", value_parser = parse_duration)]
+    pub lease: Duration,
+    /// Pause when the outbox has nothing due.
+    #[arg(long, env = "PUBLISHER_IDLE_POLL", default_value = "200ms", value_parser = parse_duration)]
+    pub idle_poll: Duration,
+    /// First retry delay after a failed publish (doubles per attempt, jittered).
+    #[arg(long, env = "PUBLISHER_BACKOFF_INITIAL", default_value = "1s", value_parser = parse_duration)]
+    pub backoff_initial: Duration,
+    /// Longest retry delay.
+    #[arg(long, env = "PUBLISHER_BACKOFF_MAX", default_value = "5m", value_parser = parse_duration)]
+    pub backoff_max: Duration,
+    /// Sent rows are deleted this long after they were sent.
+    #[arg(long, env = "PUBLISHER_RETENTION", default_value = "24h", value_parser = parse_duration)]
+    pub retention: Duration,
+    /// How often sent rows are swept.
+    #[arg(long, env = "PUBLISHER_SWEEP_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub sweep_interval: Duration,
+    /// Prometheus `/metrics` listener; `off` disables it.
+    #[arg(long, env = "PUBLISHER_METRICS_ADDR", default_value = "127.0.0.1:9466")]
+    pub metrics_addr: String,
+    /// Relay loops in this process, each with its own channel (they claim disjoint rows).
+    #[arg(long, env = "PUBLISHER_CONCURRENCY", default_value_t = 2)]
+    pub concurrency: u32,
 }
 
 #[derive(Debug, Args)]
@@ -98,31 +286,154 @@ pub struct DemoArgs {
     /// Intents exchange.
     #[arg(long, env = "INTENTS_EXCHANGE", default_value = "intents")]
     pub exchange: String,
+    /// Results exchange.
+    #[arg(long, env = "RESULTS_EXCHANGE", default_value = "results")]
+    pub results_exchange: String,
+    /// Enqueue through this agent database's `intent_outbox` (published by `publisher
+    /// relay`) instead of publishing directly.
+    #[arg(long, env = "PUBLISHER_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// How long to wait for the last answers after the last intent.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub answer_timeout: Duration,
 }
 
-/// Runs the parsed command. An `Err` is printed by `main` and exits with 1.
-pub async fn run(cli: Cli) -> anyhow::Result<()> {
+/// Runs the parsed command and returns the process exit code. An `Err` is printed by
+/// `main` and exits with [`exit_code`].
+pub async fn run(cli: Cli) -> anyhow::Result<i32> {
+    let set_user_id = cli.set_user_id;
     match cli.command {
-        Command::Send(args) => send(&cli.amqp_url, args).await,
-        Command::Follow(args) => follow(&cli.amqp_url, args).await,
-        Command::Demo(args) => {
-            demo::run(demo::DemoConfig {
-                amqp_url: cli.amqp_url,
-                exchange: args.exchange,
-                tenant: args.tenant,
-                tool: args.tool,
-                count: args.count,
-                interval: Duration::from_millis(args.interval_ms),
-                duplicate_every: args.duplicate_every,
-            })
-            .await
+        Command::Send(args) => send(&cli.amqp_url, set_user_id, args).await,
+        Command::Wait(args) => wait(args).await,
+        Command::Follow(args) => follow(&cli.amqp_url, args).await.map(|()| 0),
+        Command::Migrate(args) => {
+            let pool = connect_db(&args.database_url, 1).await?;
+            Outbox::migrate(&pool).await?;
+            println!("intent_outbox is ready");
+            Ok(0)
         }
+        Command::Relay(args) => relay(&cli.amqp_url, set_user_id, args).await.map(|()| 0),
+        Command::Demo(args) => demo::run(demo::DemoConfig {
+            amqp_url: cli.amqp_url,
+            exchange: args.exchange,
+            results_exchange: args.results_exchange,
+            tenant: args.tenant,
+            tool: args.tool,
+            count: args.count,
+            interval: Duration::from_millis(args.interval_ms),
+            duplicate_every: args.duplicate_every,
+            set_user_id,
+            database_url: args.database_url,
+            answer_timeout: args.answer_timeout,
+        })
+        .await
+        .map(|()| 0),
     }
 }
 
-async fn send(amqp_url: &str, args: SendArgs) -> anyhow::Result<()> {
-    let arguments: serde_json::Value =
-        serde_json::from_str(&args.arguments).context("--args is not valid JSON")?;
+async fn connect_db(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool> {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .context("cannot connect to the agent database (PUBLISHER_DATABASE_URL)")
+}
+
+async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Result<()> {
+    if args.batch < 1 {
+        return Err(UsageError("--batch must be at least 1".into()).into());
+    }
+    let metrics_addr: Option<SocketAddr> = match args.metrics_addr.as_str() {
+        "off" | "none" | "" => None,
+        addr => Some(
+            addr.parse()
+                .map_err(|e| UsageError(format!("PUBLISHER_METRICS_ADDR {addr:?}: {e}")))?,
+        ),
+    };
+    let concurrency = args.concurrency.max(1);
+    let pool = connect_db(&args.db.database_url, concurrency + 2).await?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    };
+    if let Some(addr) = metrics_addr {
+        let handle = crate::metrics::install().map_err(|e| anyhow::anyhow!(e))?;
+        let listener = crate::metrics::serve(addr, handle, pool.clone(), stopped());
+        tokio::spawn(async move {
+            if let Err(error) = listener.await {
+                tracing::error!(%error, "metrics listener failed");
+            }
+        });
+    }
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("stopping the relay");
+        let _ = stop_tx.send(true);
+    });
+    let config = RelayConfig {
+        batch: args.batch,
+        lease: args.lease,
+        idle_poll: args.idle_poll,
+        backoff_initial: args.backoff_initial,
+        backoff_max: args.backoff_max,
+        retention: args.retention,
+        sweep_interval: args.sweep_interval,
+    };
+    let mut loops = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let (url, exchange) = (amqp_url.to_owned(), args.exchange.clone());
+        let connect = move || {
+            let (amqp_url, exchange) = (url.clone(), exchange.clone());
+            async move {
+                Publisher::connect(&amqp_url, &exchange)
+                    .await
+                    .map(|p| p.with_user_id(set_user_id))
+            }
+        };
+        let publisher = connect()
+            .await
+            .with_context(|| format!("cannot connect to the broker at {}", redact(amqp_url)))?;
+        let mut relay = Relay::new(pool.clone(), publisher, config.clone());
+        let stop = stopped();
+        loops.spawn(async move { relay.run(stop, connect).await });
+    }
+    while let Some(done) = loops.join_next().await {
+        done.context("relay loop panicked")??;
+    }
+    Ok(())
+}
+
+/// SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn wait(args: WaitArgs) -> anyhow::Result<i32> {
+    let Some(api) = args.answers.status_api()? else {
+        return Err(UsageError(
+            "publisher wait needs PUBLISHER_STATUS_URL and PUBLISHER_STATUS_TOKEN".into(),
+        )
+        .into());
+    };
+    let answer = api
+        .wait(&args.tenant, &args.action_id, args.timeout, args.poll)
+        .await?;
+    println!("{}", serde_json::to_string(&answer.event)?);
+    Ok(answer_code(&answer))
+}
+
+async fn send(amqp_url: &str, set_user_id: bool, args: SendArgs) -> anyhow::Result<i32> {
+    let arguments: serde_json::Value = serde_json::from_str(&args.arguments)
+        .map_err(|e| UsageError(format!("--args is not valid JSON: {e}")))?;
     let mut body = serde_json::Map::new();
     body.insert("tenant".into(), args.tenant.into());
     body.insert("action_id".into(), args.action_id.into());
@@ -136,12 +447,26 @@ async fn send(amqp_url: &str, args: SendArgs) -> anyhow::Result<()> {
     }
     let body = serde_json::to_vec(&serde_json::Value::Object(body))?;
     let intent = protocol::decode_intent(&body)
-        .map_err(|error| anyhow::anyhow!("invalid intent: {error}"))?;
+        .map_err(|error| UsageError(format!("invalid intent: {error}")))?;
     let fingerprint = protocol::fingerprint(&intent.tool, &intent.arguments);
 
     let publisher = Publisher::connect(amqp_url, &args.exchange)
         .await
-        .with_context(|| format!("cannot connect to the broker at {}", redact(amqp_url)))?;
+        .with_context(|| format!("cannot connect to the broker at {}", redact(amqp_url)))?
+        .with_user_id(set_user_id);
+    if args.wait {
+        let answers = AnswerConfig {
+            results_exchange: args.answers.results_exchange.clone(),
+            status_api: args.answers.status_api()?,
+            ..AnswerConfig::default()
+        };
+        let publisher = publisher.with_answers(answers);
+        let answer = publisher.send_and_wait(&intent, args.timeout).await;
+        publisher.close().await.ok();
+        let answer = answer?;
+        println!("{}", serde_json::to_string(&answer.event)?);
+        return Ok(answer_code(&answer));
+    }
     publisher.publish(&intent).await.with_context(|| {
         format!(
             "publishing {}:{} to exchange {:?}",
@@ -153,7 +478,7 @@ async fn send(amqp_url: &str, args: SendArgs) -> anyhow::Result<()> {
         intent.tenant, intent.action_id
     );
     publisher.close().await.ok();
-    Ok(())
+    Ok(0)
 }
 
 async fn follow(amqp_url: &str, args: FollowArgs) -> anyhow::Result<()> {

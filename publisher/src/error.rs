@@ -33,6 +33,10 @@ pub enum PublishError {
     #[error("the broker sent no publisher confirm; delivery is not proven")]
     NotConfirmed,
 
+    /// The AMQP URL cannot be parsed.
+    #[error("invalid AMQP URL: {0}")]
+    BadUrl(String),
+
     /// A message on the results queue is not a result event.
     #[error("not a result event: {0}")]
     BadResult(String),

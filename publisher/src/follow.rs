@@ -1,4 +1,4 @@
-//! Following result events for one tenant.
+//! Following every result event of one tenant (a tenant-wide observer).
 
 use std::time::Duration;
 
@@ -14,8 +14,7 @@ use crate::{error::PublishError, topology};
 /// Unacknowledged results the broker may push ahead of [`Follower::next`].
 const PREFETCH: u16 = 32;
 
-/// A consumer on a results queue bound to the results exchange with routing key =
-/// tenant.
+/// A consumer on a results queue bound to the results exchange for one tenant.
 pub struct Follower {
     connection: Connection,
     channel: Channel,
@@ -26,7 +25,8 @@ pub struct Follower {
 impl Follower {
     /// Connects, declares `results_exchange` (durable topic, no arguments: the same
     /// declaration as the worker's, so it is idempotent) and a queue bound to it with the
-    /// tenant-wide keys `<tenant>` and `<tenant>.@.#`, and starts consuming.
+    /// tenant-wide keys `<tenant>` and `<tenant>.@.#` (every result of the tenant, whatever
+    /// its `reply_to`), and starts consuming.
     ///
     /// `queue = Some(name)`: a durable, non-exclusive queue that keeps results while no
     /// follower runs. `None`: a server-named exclusive auto-delete queue, which only
@@ -37,11 +37,24 @@ impl Follower {
         tenant: &str,
         queue: Option<&str>,
     ) -> Result<Follower, PublishError> {
+        let keys = protocol::tenant_binding_keys(tenant);
+        Follower::follow_keys(amqp_url, results_exchange, &keys, queue).await
+    }
+
+    /// Like [`Follower::follow`], bound with `binding_keys` instead: one agent binds only
+    /// `protocol::result_routing_key(tenant, Some(reply_to))`.
+    pub async fn follow_keys(
+        amqp_url: &str,
+        results_exchange: &str,
+        binding_keys: &[String],
+        queue: Option<&str>,
+    ) -> Result<Follower, PublishError> {
         let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
         topology::declare_topic_exchange(&channel, results_exchange).await?;
         let queue =
-            topology::declare_results_queue(&channel, results_exchange, tenant, queue).await?;
+            topology::declare_results_queue(&channel, results_exchange, binding_keys, queue)
+                .await?;
         channel
             .basic_qos(PREFETCH, BasicQosOptions::default())
             .await?;

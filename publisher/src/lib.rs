@@ -1,33 +1,48 @@
-//! Publisher side of the intent worker: publish intents with publisher confirms and
-//! follow their result events.
+//! Publisher side of the intent worker: publish intents with publisher confirms (directly or
+//! through a transactional outbox in the agent's own database), wait for one action's answer,
+//! and follow result events.
 //!
 //! An agent sends an intent keyed by `(tenant, action_id)` to the intents exchange
-//! (routing key = tenant, persistent, `message_id = "<tenant>:<action_id>"`). Every
-//! publish is `mandatory` and awaits its confirm, so `Ok` means the broker routed and
-//! accepted it; an unroutable or nacked message is an error. The publisher never
-//! retries and never changes the action key: sending the same action again is the
-//! caller's decision, under the same key, and the worker's inbox deduplicates it.
-//! Results come back on the results exchange (routing key = tenant).
+//! (routing key = tenant, persistent, `message_id = "<tenant>:<action_id>"`, `user_id` = the
+//! connection's user). Every publish is `mandatory` and awaits its confirm, so `Ok` means the
+//! broker routed and accepted it; an unroutable or nacked message is an error. The publisher
+//! never changes the action key: sending the same action again is the caller's decision, under
+//! the same key, and the worker's inbox deduplicates it. Results come back on the results
+//! exchange under `<tenant>.@.<reply_to>` (or `<tenant>` without `reply_to`).
 //!
 //! # Layout
 //! - `publish.rs` ([`publish`]): [`Publisher`]: connect in confirm mode, `publish`,
-//!   `publish_encoded`, `publish_raw`.
-//! - `follow.rs` ([`follow`]): [`Follower`]: a results queue bound to the tenant,
-//!   `next` with a timeout.
+//!   `publish_encoded`, pipelined `publish_batch`, `publish_raw`; tenant proof (`user_id`).
+//! - `wait.rs` ([`wait`]): `Publisher::send_and_wait` on a queue bound to the agent's own
+//!   routing key, [`StatusApi`] fallback, [`Answer`], [`WaitError`].
+//! - `outbox.rs` ([`outbox`]): the agent-side `intent_outbox` table (`migrations/`) and
+//!   [`Outbox::enqueue`] in the caller's transaction.
+//! - `relay.rs` ([`relay`]): [`Relay`]: claim due outbox rows, publish, settle, sweep.
+//! - `metrics.rs` ([`metrics`]): the relay's Prometheus metrics and `/metrics` listener.
+//! - `follow.rs` ([`follow`]): [`Follower`]: a results queue bound to the tenant (or to given
+//!   keys), `next` with a timeout.
 //! - `topology.rs` ([`topology`]): the only declarations this side makes (results
 //!   exchange and queue; the intents exchange for tests and the demo).
 //! - `error.rs` ([`error`]): [`PublishError`].
-//! - `cli.rs` ([`cli`]): the `publisher` command line (`send`, `follow`, `demo`);
-//!   `main.rs` only sets up logging, parses arguments and calls [`cli::run`].
+//! - `cli.rs` ([`cli`]): the `publisher` command line (`send [--wait]`, `wait`, `follow`,
+//!   `migrate`, `relay`, `demo`) and its exit codes; `main.rs` only sets up logging, parses
+//!   arguments and calls [`cli::run`].
 //! - `demo.rs` ([`demo`]): the demo agent for docker compose.
 
 pub mod cli;
 pub mod demo;
 pub mod error;
 pub mod follow;
+pub mod metrics;
+pub mod outbox;
 pub mod publish;
+pub mod relay;
 pub mod topology;
+pub mod wait;
 
 pub use error::PublishError;
 pub use follow::Follower;
+pub use outbox::{Outbox, OutboxError};
 pub use publish::{action_key, Publisher};
+pub use relay::{Relay, RelayConfig};
+pub use wait::{Answer, AnswerConfig, StatusApi, WaitError};

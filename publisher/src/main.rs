@@ -1,4 +1,5 @@
-//! `publisher`: send intents, follow results, run the demo agent.
+//! `publisher`: send intents (and wait for answers), relay the outbox, follow results, run
+//! the demo agent.
 
 use std::io::IsTerminal;
 
@@ -15,8 +16,11 @@ async fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = publisher::cli::Cli::parse();
-    if let Err(error) = publisher::cli::run(cli).await {
-        eprintln!("error: {error:#}");
-        std::process::exit(1);
+    match publisher::cli::run(cli).await {
+        Ok(code) => std::process::exit(code),
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::exit(publisher::cli::exit_code(&error));
+        }
     }
 }

@@ -4,10 +4,18 @@
 //! broker routed the message to at least one queue and took responsibility for it.
 //! The message id is the logical action key `<tenant>:<action_id>`, the same on every
 //! send of the same action; the publisher never retries and never mints a new key.
+//!
+//! Tenant proof: every message carries the AMQP `user_id` of the connection's user (taken
+//! from the AMQP URL, `guest` when it names none). RabbitMQ refuses a `user_id` that is not
+//! the connection's user, so a worker in `[auth] mode = "user_id"` can trust it.
+//! [`Publisher::with_user_id`] turns this off (for a broker user whose name must not be sent).
+
+use std::collections::HashMap;
 
 use lapin::{
     options::{BasicPublishOptions, ConfirmSelectOptions},
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
+    uri::AMQPUri,
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm,
 };
 
 use crate::{error::PublishError, topology};
@@ -23,17 +31,41 @@ pub fn action_key(tenant: &str, action_id: &str) -> String {
     format!("{tenant}:{action_id}")
 }
 
+/// The broker user an AMQP URL connects as (`guest`, the AMQP default, when it names none).
+pub fn url_user(amqp_url: &str) -> Result<String, PublishError> {
+    let uri: AMQPUri = amqp_url
+        .parse()
+        .map_err(|error: String| PublishError::BadUrl(error))?;
+    Ok(uri.authority.userinfo.username)
+}
+
+/// One already-encoded intent of a [`Publisher::publish_batch`].
+#[derive(Debug, Clone, Copy)]
+pub struct Encoded<'a> {
+    pub tenant: &'a str,
+    pub action_id: &'a str,
+    pub body: &'a [u8],
+}
+
 /// A connection and a confirm-mode channel bound to one exchange.
 pub struct Publisher {
-    connection: Connection,
+    pub(crate) connection: Connection,
     channel: Channel,
     exchange: String,
+    /// The connection's user, sent as AMQP `user_id`; `None` when turned off.
+    user_id: Option<String>,
+    /// Settings of `send_and_wait` (wait.rs).
+    pub(crate) answers: crate::wait::AnswerConfig,
+    /// Held while a publish (or a batch) awaits its confirms, so returns are attributed right.
+    in_flight: tokio::sync::Mutex<()>,
 }
 
 impl Publisher {
     /// Connects to `amqp_url`, opens a channel in confirm mode and remembers
-    /// `exchange`. Declares nothing: the worker owns its topology.
+    /// `exchange`. Declares nothing: the worker owns its topology. Messages carry the
+    /// connection's user as `user_id` (see [`Publisher::with_user_id`]).
     pub async fn connect(amqp_url: &str, exchange: &str) -> Result<Publisher, PublishError> {
+        let user_id = url_user(amqp_url)?;
         let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
         channel
@@ -43,7 +75,30 @@ impl Publisher {
             connection,
             channel,
             exchange: exchange.to_owned(),
+            user_id: Some(user_id),
+            answers: crate::wait::AnswerConfig::default(),
+            in_flight: tokio::sync::Mutex::new(()),
         })
+    }
+
+    /// Whether messages carry the connection's user as AMQP `user_id` (on by default).
+    /// Turn it off only when no worker checks tenant proof: a worker in
+    /// `[auth] mode = "user_id"` dead-letters intents without it as `tenant_mismatch`.
+    pub fn with_user_id(mut self, on: bool) -> Publisher {
+        if !on {
+            self.user_id = None;
+        }
+        self
+    }
+
+    /// Whether the connection and the publishing channel are still open.
+    pub fn is_connected(&self) -> bool {
+        self.connection.status().connected() && self.channel.status().connected()
+    }
+
+    /// The `user_id` sent with every message, if any.
+    pub fn user_id(&self) -> Option<&str> {
+        self.user_id.as_deref()
     }
 
     /// The exchange this publisher sends to.
@@ -86,11 +141,82 @@ impl Publisher {
         action_id: &str,
         body: &[u8],
     ) -> Result<(), PublishError> {
+        self.send(tenant, body, self.intent_properties(tenant, action_id))
+            .await
+    }
+
+    /// Publishes every intent of `batch` (same properties as [`Publisher::publish_encoded`])
+    /// and only then awaits the confirms, so the broker confirms the batch as a pipeline
+    /// rather than one round trip per message. Returns one result per intent, in order; a
+    /// channel error fails the intents not yet sent or confirmed.
+    pub async fn publish_batch(&self, batch: &[Encoded<'_>]) -> Vec<Result<(), PublishError>> {
+        let _one_at_a_time = self.in_flight.lock().await;
+        let mut pending = Vec::with_capacity(batch.len());
+        for intent in batch {
+            let properties = self.intent_properties(intent.tenant, intent.action_id);
+            pending.push(self.start(intent.tenant, intent.body, properties).await);
+        }
+        let mut confirmations = Vec::with_capacity(batch.len());
+        for started in pending {
+            confirmations.push(match started {
+                Ok(confirm) => confirm.await.map_err(PublishError::from),
+                Err(error) => Err(error),
+            });
+        }
+        // lapin hands each basic.return to whichever confirm it completes next, and completes a
+        // multiple-ack's confirms in no particular order, so a return may sit on another
+        // message's confirm. Attribute returns by the message's own key instead: messages with
+        // the same key have the same routing key, so they are routable or not alike.
+        let mut returned: HashMap<String, Vec<String>> = HashMap::new();
+        for confirmation in confirmations.iter_mut().flatten() {
+            let taken = match confirmation {
+                Confirmation::Ack(message) | Confirmation::Nack(message) => message.take(),
+                Confirmation::NotRequested => None,
+            };
+            if let Some(message) = taken {
+                let key = message
+                    .delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|id| id.to_string())
+                    .unwrap_or_default();
+                returned
+                    .entry(key)
+                    .or_default()
+                    .push(message.reply_text.to_string());
+            }
+        }
+        batch
+            .iter()
+            .zip(confirmations)
+            .map(|(intent, confirmation)| match confirmation? {
+                Confirmation::Ack(_) => {
+                    let key = action_key(intent.tenant, intent.action_id);
+                    match returned.get_mut(&key).and_then(Vec::pop) {
+                        Some(reply_text) => Err(PublishError::Unroutable {
+                            exchange: self.exchange.clone(),
+                            routing_key: intent.tenant.to_owned(),
+                            reply_text,
+                        }),
+                        None => Ok(()),
+                    }
+                }
+                Confirmation::Nack(_) => Err(PublishError::Nacked),
+                Confirmation::NotRequested => Err(PublishError::NotConfirmed),
+            })
+            .collect()
+    }
+
+    fn intent_properties(&self, tenant: &str, action_id: &str) -> BasicProperties {
         let properties = BasicProperties::default()
             .with_content_type(JSON.into())
             .with_delivery_mode(PERSISTENT)
             .with_message_id(action_key(tenant, action_id).into());
-        self.send(tenant, body, properties).await
+        match &self.user_id {
+            Some(user) => properties.with_user_id(user.as_str().into()),
+            None => properties,
+        }
     }
 
     /// Publishes an arbitrary body (mandatory, persistent, with confirm) and no
@@ -121,7 +247,21 @@ impl Publisher {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
-        let confirmation = self
+        // One publish in flight per channel: lapin attaches a basic.return to the next confirm
+        // it completes, which is this publish's only while nothing else is in flight.
+        let _one_at_a_time = self.in_flight.lock().await;
+        let confirm = self.start(routing_key, body, properties).await?;
+        self.confirmed(routing_key, confirm).await
+    }
+
+    /// Sends one mandatory publish; the confirm is awaited separately.
+    async fn start(
+        &self,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<PublisherConfirm, PublishError> {
+        Ok(self
             .channel
             .basic_publish(
                 self.exchange.as_str().into(),
@@ -133,9 +273,16 @@ impl Publisher {
                 body,
                 properties,
             )
-            .await?
-            .await?;
-        match confirmation {
+            .await?)
+    }
+
+    /// Awaits a publish's confirm and maps it: routed and acked is the only success.
+    async fn confirmed(
+        &self,
+        routing_key: &str,
+        confirm: PublisherConfirm,
+    ) -> Result<(), PublishError> {
+        match confirm.await? {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(returned)) => Err(PublishError::Unroutable {
                 exchange: self.exchange.clone(),

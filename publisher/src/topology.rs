@@ -4,7 +4,8 @@
 //! dead-letter exchange). The publisher side only declares:
 //! - the results exchange, with exactly the arguments the worker uses (durable topic,
 //!   no extra arguments) so either side may declare it first;
-//! - its own results queue, bound with routing key = tenant;
+//! - its own results queue, bound to the tenant's keys (`<tenant>`, `<tenant>.@.#`) or to one
+//!   agent's key (`<tenant>.@.<reply_to>`);
 //! - for tests and the demo, the intents exchange itself (same arguments).
 
 use lapin::{
@@ -62,16 +63,19 @@ pub fn is_not_found(error: &lapin::Error) -> bool {
     )
 }
 
-/// Declares the follower's results queue and binds it to `exchange` with the tenant-wide keys
-/// `<tenant>` and `<tenant>.@.#` ([`protocol::tenant_binding_keys`]). Returns the queue name (server-generated when `queue` is `None`).
+/// Declares a results queue and binds it to `exchange` with each of `binding_keys`.
+/// Returns the queue name (server-generated when `queue` is `None`).
 ///
 /// - `Some(name)`: durable, non-exclusive, not auto-deleted: results wait there while
 ///   no follower runs, and several followers may share it.
 /// - `None`: a server-named exclusive auto-delete queue, gone with the connection.
+///
+/// A tenant-wide follower binds `protocol::tenant_binding_keys(tenant)` (`<tenant>` and
+/// `<tenant>.@.#`); one agent binds only `<tenant>.@.<its reply_to>`.
 pub async fn declare_results_queue(
     channel: &Channel,
     exchange: &str,
-    tenant: &str,
+    binding_keys: &[String],
     queue: Option<&str>,
 ) -> Result<String, lapin::Error> {
     let (name, options) = match queue {
@@ -95,8 +99,7 @@ pub async fn declare_results_queue(
         .queue_declare(name.into(), options, FieldTable::default())
         .await?;
     let name = declared.name().as_str().to_owned();
-    // Tenant-wide: events without `reply_to` (`<tenant>`) and with any (`<tenant>.@.#`).
-    for key in protocol::tenant_binding_keys(tenant) {
+    for key in binding_keys {
         channel
             .queue_bind(
                 name.as_str().into(),

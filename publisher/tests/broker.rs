@@ -161,7 +161,11 @@ async fn publish_sets_key_properties_and_body() {
             Some("application/json")
         );
         assert_eq!(*properties.delivery_mode(), Some(2));
-        assert_eq!(*properties.user_id(), None);
+        // Tenant proof: the connection's user, which RabbitMQ validates.
+        assert_eq!(
+            properties.user_id().as_ref().map(|s| s.as_str()),
+            Some("guest")
+        );
         ids.push(properties.message_id().as_ref().map(|s| s.to_string()));
     }
     // The logical key, never a fresh id per publish.

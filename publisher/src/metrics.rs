@@ -1,0 +1,94 @@
+//! Prometheus metrics of `publisher relay`: names, the recorder and the `/metrics` listener
+//! (`PUBLISHER_METRICS_ADDR`).
+//!
+//! The backlog gauges come from the outbox table and are refreshed on every scrape, so every
+//! relay reports the same global figure: alert rules aggregate them with `max()`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use metrics::{counter, describe_counter, describe_gauge, gauge};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use sqlx::PgPool;
+
+pub const BACKLOG: &str = "intent_publisher_outbox_backlog";
+pub const OLDEST_UNSENT: &str = "intent_publisher_outbox_oldest_unsent_age_seconds";
+pub const PUBLISH_FAILURES: &str = "intent_publisher_publish_failures_total";
+pub const ROWS_SENT: &str = "intent_publisher_rows_sent_total";
+pub const ROWS_SWEPT: &str = "intent_publisher_rows_swept_total";
+
+/// Failure reasons, pre-registered at 0 so rates exist before the first failure.
+const REASONS: [&str; 4] = ["unroutable", "nacked", "not_confirmed", "amqp"];
+
+/// Installs the global recorder; returns the handle that renders the exposition text.
+pub fn install() -> Result<PrometheusHandle, String> {
+    let handle = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| e.to_string())?;
+    describe_gauge!(BACKLOG, "Unsent rows in intent_outbox (all relays).");
+    describe_gauge!(
+        OLDEST_UNSENT,
+        "Age in seconds of the oldest unsent intent_outbox row (0 when none)."
+    );
+    describe_counter!(
+        PUBLISH_FAILURES,
+        "Outbox rows whose publish failed, by reason (unroutable, nacked, not_confirmed, amqp)."
+    );
+    describe_counter!(
+        ROWS_SENT,
+        "Outbox rows published, confirmed and marked sent."
+    );
+    describe_counter!(ROWS_SWEPT, "Sent outbox rows deleted after the retention.");
+    for reason in REASONS {
+        counter!(PUBLISH_FAILURES, "reason" => reason).absolute(0);
+    }
+    counter!(ROWS_SENT).absolute(0);
+    counter!(ROWS_SWEPT).absolute(0);
+    Ok(handle)
+}
+
+/// Serves `GET /metrics` until `shutdown` resolves.
+pub async fn serve(
+    addr: SocketAddr,
+    handle: PrometheusHandle,
+    pool: PgPool,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::routing::get;
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "metrics listening");
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    let app = axum::Router::new().route(
+        "/metrics",
+        get(move || {
+            let handle = handle.clone();
+            let pool = pool.clone();
+            async move {
+                match crate::relay::backlog(&pool).await {
+                    Ok((count, oldest)) => {
+                        gauge!(BACKLOG).set(count as f64);
+                        gauge!(OLDEST_UNSENT).set(oldest.max(0.0));
+                    }
+                    Err(error) => tracing::warn!(%error, "cannot measure the outbox backlog"),
+                }
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4",
+                    )],
+                    handle.render(),
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,330 @@
+//! The outbox relay: claims due `intent_outbox` rows, publishes them with confirms and marks
+//! the confirmed ones sent. Many relays may run against the same table.
+//!
+//! Each step is three statements and never holds a transaction across the publish:
+//! 1. claim: one `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED) RETURNING`
+//!    pushes `next_attempt_at` forward by the lease, so other relays skip the rows while
+//!    this one publishes them, and take them over if it dies;
+//! 2. publish the batch (mandatory, persistent) and await the confirms together;
+//! 3. settle: confirmed rows are marked sent in one statement; nacked, returned
+//!    (unroutable) or failed rows get `attempts + 1`, `last_error` and a jittered, capped
+//!    back-off in another.
+//!
+//! A relay that dies between 2 and 3 leaves its rows unsent: they are published again when
+//! the lease passes, and the worker's inbox suppresses the repeat (same action key).
+
+use std::future::Future;
+use std::time::Duration;
+
+use metrics::counter;
+use sqlx::PgPool;
+use tracing::{info, warn};
+
+use crate::metrics as m;
+use crate::publish::Encoded;
+use crate::{PublishError, Publisher};
+
+/// How a relay runs (`publisher relay` flags / `PUBLISHER_*` settings).
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// Rows claimed and published per step.
+    pub batch: i64,
+    /// How long a claim keeps other relays off a row.
+    pub lease: Duration,
+    /// Pause when a step found less than a full batch.
+    pub idle_poll: Duration,
+    /// First retry delay after a failed publish; doubles per attempt up to `backoff_max`,
+    /// with jitter (50-100 % of the delay).
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    /// Sent rows are deleted this long after `sent_at`.
+    pub retention: Duration,
+    /// How often sent rows are swept.
+    pub sweep_interval: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            batch: 500,
+            lease: Duration::from_secs(30),
+            idle_poll: Duration::from_millis(200),
+            backoff_initial: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(300),
+            retention: Duration::from_secs(24 * 3600),
+            sweep_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Why a relay step failed as a whole (rows stay unsent and are claimed again later).
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error(transparent)]
+    Publish(#[from] PublishError),
+}
+
+/// A claimed row.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Claimed {
+    pub id: i64,
+    pub tenant: String,
+    pub action_id: String,
+    pub body: String,
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepReport {
+    pub claimed: usize,
+    pub sent: usize,
+    pub failed: usize,
+    /// The broker link failed during the step: the publisher must reconnect.
+    pub link_failed: bool,
+}
+
+/// One relay: the agent database and a publisher for the intents exchange.
+pub struct Relay {
+    pool: PgPool,
+    publisher: Publisher,
+    config: RelayConfig,
+}
+
+impl Relay {
+    pub fn new(pool: PgPool, publisher: Publisher, config: RelayConfig) -> Relay {
+        Relay {
+            pool,
+            publisher,
+            config,
+        }
+    }
+
+    pub fn config(&self) -> &RelayConfig {
+        &self.config
+    }
+
+    /// Replaces the publisher (after a broker link failure).
+    pub fn set_publisher(&mut self, publisher: Publisher) {
+        self.publisher = publisher;
+    }
+
+    /// Claims up to `batch` due rows for `lease`, oldest first.
+    pub async fn claim(&self) -> Result<Vec<Claimed>, RelayError> {
+        let mut rows: Vec<Claimed> = sqlx::query_as(
+            "UPDATE intent_outbox SET next_attempt_at = now() + make_interval(secs => $2)
+             WHERE id IN (SELECT id FROM intent_outbox
+                          WHERE sent_at IS NULL AND next_attempt_at <= now()
+                          ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
+             RETURNING id, tenant, action_id, body",
+        )
+        .bind(self.config.batch)
+        .bind(self.config.lease.as_secs_f64())
+        .fetch_all(&self.pool)
+        .await?;
+        rows.sort_by_key(|r| r.id);
+        Ok(rows)
+    }
+
+    /// Publishes claimed rows as one pipelined batch; one result per row, in order.
+    pub async fn publish(&self, rows: &[Claimed]) -> Vec<Result<(), PublishError>> {
+        let batch: Vec<Encoded<'_>> = rows
+            .iter()
+            .map(|r| Encoded {
+                tenant: &r.tenant,
+                action_id: &r.action_id,
+                body: r.body.as_bytes(),
+            })
+            .collect();
+        self.publisher.publish_batch(&batch).await
+    }
+
+    /// Records the outcome of a publish: sent rows in one statement, failed rows (with their
+    /// errors and back-off) in another.
+    pub async fn settle(
+        &self,
+        rows: &[Claimed],
+        results: &[Result<(), PublishError>],
+    ) -> Result<StepReport, RelayError> {
+        let mut sent = Vec::new();
+        let (mut failed, mut errors) = (Vec::new(), Vec::new());
+        let mut link_failed = false;
+        for (row, result) in rows.iter().zip(results) {
+            match result {
+                Ok(()) => sent.push(row.id),
+                Err(error) => {
+                    let reason = failure_reason(error);
+                    link_failed |= reason == "amqp";
+                    counter!(m::PUBLISH_FAILURES, "reason" => reason).increment(1);
+                    failed.push(row.id);
+                    errors.push(error.to_string());
+                }
+            }
+        }
+        if !sent.is_empty() {
+            sqlx::query(
+                "UPDATE intent_outbox SET sent_at = now() WHERE id = ANY($1) AND sent_at IS NULL",
+            )
+            .bind(&sent)
+            .execute(&self.pool)
+            .await?;
+            counter!(m::ROWS_SENT).increment(sent.len() as u64);
+        }
+        if !failed.is_empty() {
+            sqlx::query(
+                "UPDATE intent_outbox o
+                 SET attempts = o.attempts + 1, last_error = f.error,
+                     next_attempt_at = now() + make_interval(secs =>
+                         least($3::float8, $4::float8 * power(2, least(o.attempts, 30)))
+                         * (0.5 + random() / 2))
+                 FROM unnest($1::int8[], $2::text[]) AS f(id, error)
+                 WHERE o.id = f.id AND o.sent_at IS NULL",
+            )
+            .bind(&failed)
+            .bind(&errors)
+            .bind(self.config.backoff_max.as_secs_f64())
+            .bind(self.config.backoff_initial.as_secs_f64())
+            .execute(&self.pool)
+            .await?;
+            warn!(
+                failed = failed.len(),
+                first_error = %errors[0],
+                "intents not published; they stay in the outbox and are retried"
+            );
+        }
+        Ok(StepReport {
+            claimed: rows.len(),
+            sent: sent.len(),
+            failed: failed.len(),
+            link_failed,
+        })
+    }
+
+    /// Claim, publish, settle.
+    pub async fn step(&self) -> Result<StepReport, RelayError> {
+        let rows = self.claim().await?;
+        if rows.is_empty() {
+            return Ok(StepReport::default());
+        }
+        let results = self.publish(&rows).await;
+        fault_point("after_publish");
+        self.settle(&rows, &results).await
+    }
+
+    /// Deletes rows sent longer than `retention` ago (at most 10,000 per call).
+    pub async fn sweep(&self) -> Result<u64, RelayError> {
+        let done = sqlx::query(
+            "DELETE FROM intent_outbox WHERE id IN (
+                 SELECT id FROM intent_outbox
+                 WHERE sent_at IS NOT NULL AND sent_at < now() - make_interval(secs => $1)
+                 LIMIT 10000)",
+        )
+        .bind(self.config.retention.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        counter!(m::ROWS_SWEPT).increment(done.rows_affected());
+        Ok(done.rows_affected())
+    }
+
+    /// Runs steps until `shutdown` resolves. `reconnect` builds a new publisher when the
+    /// broker link failed; database errors are logged and retried after `idle_poll`.
+    pub async fn run<R, F>(
+        &mut self,
+        shutdown: impl Future<Output = ()>,
+        mut reconnect: R,
+    ) -> Result<(), RelayError>
+    where
+        R: FnMut() -> F,
+        F: Future<Output = Result<Publisher, PublishError>>,
+    {
+        tokio::pin!(shutdown);
+        let mut last_sweep = tokio::time::Instant::now() - self.config.sweep_interval;
+        info!(batch = self.config.batch, "relay running");
+        loop {
+            if last_sweep.elapsed() >= self.config.sweep_interval {
+                last_sweep = tokio::time::Instant::now();
+                match self.sweep().await {
+                    Ok(0) => {}
+                    Ok(n) => info!(swept = n, "swept sent outbox rows"),
+                    Err(error) => warn!(%error, "outbox sweep failed"),
+                }
+            }
+            let report = match self.step().await {
+                Ok(report) => report,
+                Err(error) => {
+                    warn!(%error, "relay step failed; retrying");
+                    StepReport::default()
+                }
+            };
+            if report.link_failed || !self.publisher.is_connected() {
+                warn!("broker link lost; reconnecting");
+                loop {
+                    tokio::select! {
+                        _ = &mut shutdown => return Ok(()),
+                        next = reconnect() => match next {
+                            Ok(publisher) => {
+                                self.publisher = publisher;
+                                info!("relay reconnected");
+                                break;
+                            }
+                            Err(error) => {
+                                warn!(%error, "cannot reconnect to the broker");
+                                tokio::time::sleep(self.config.idle_poll.max(Duration::from_secs(1))).await;
+                            }
+                        }
+                    }
+                }
+            }
+            if report.claimed < self.config.batch as usize {
+                tokio::select! {
+                    _ = &mut shutdown => return Ok(()),
+                    _ = tokio::time::sleep(self.config.idle_poll) => {}
+                }
+            } else if futures_lite::future::poll_once(&mut shutdown)
+                .await
+                .is_some()
+            {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Backlog figures for metrics and the alert: unsent rows and the age of the oldest.
+pub async fn backlog(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {
+    sqlx::query_as(
+        "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0)
+         FROM intent_outbox WHERE sent_at IS NULL",
+    )
+    .fetch_one(pool)
+    .await
+}
+
+/// The metrics label of a failed publish.
+fn failure_reason(error: &PublishError) -> &'static str {
+    match error {
+        PublishError::Unroutable { .. } => "unroutable",
+        PublishError::Nacked => "nacked",
+        PublishError::NotConfirmed => "not_confirmed",
+        _ => "amqp",
+    }
+}
+
+/// `PUBLISHER_FAULT_POINT=<name>` (builds with the `fault-points` feature only): announce on
+/// stderr and stop the process with SIGSTOP, so a test can SIGKILL it exactly there.
+#[inline]
+fn fault_point(_name: &str) {
+    #[cfg(feature = "fault-points")]
+    if std::env::var("PUBLISHER_FAULT_POINT").as_deref() == Ok(_name) {
+        extern "C" {
+            fn raise(sig: i32) -> i32;
+        }
+        const SIGSTOP: i32 = 19;
+        eprintln!("fault point reached: {_name}; stopping (SIGSTOP)");
+        // SAFETY: raise(3) with a valid signal number has no memory-safety preconditions.
+        unsafe {
+            raise(SIGSTOP);
+        }
+    }
+}
