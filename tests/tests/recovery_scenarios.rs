@@ -143,14 +143,16 @@ async fn paused_sender_resumes_after_recovery_and_cannot_change_the_receipt() {
     let b = Worker::start(&env, "b", &opts).await;
     let recovered = agent.succeeded(TENANT, "refund-p").await;
     let row = env.operation(TENANT, "refund-p").await.unwrap();
-    // A resumes, sends its (stale) request with the same key and gets the replayed receipt.
+    // A resumes: its send fence finds the lease gone, so its stale request never leaves.
     a.resume();
     a.wait_output("fault point resumed", T).await;
-    e2e::wait_for("A's late send", T, || async {
-        (env.writes(&key("refund-p")).await >= 2).then_some(())
-    })
-    .await;
+    a.wait_output("send abandoned, nothing was sent", T).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        env.writes(&key("refund-p")).await,
+        1,
+        "only B's replay reached the downstream"
+    );
     let after = env.operation(TENANT, "refund-p").await.unwrap();
     assert_eq!(env.mutations(&key("refund-p")).await, 1);
     assert_eq!(after.state, "succeeded");
@@ -171,23 +173,31 @@ async fn paused_sender_resumes_after_recovery_and_cannot_change_the_receipt() {
 async fn a_late_timeout_never_overwrites_succeeded() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    // Lease 1 s, tool timeout 2 s: the lease expires and recovery succeeds while the first
-    // request is still waiting; its timeout arrives afterwards with a stale fence.
+    // The send fence renews A's lease past the tool's timeout, so only a paused A can outlive
+    // it: A sends (the downstream commits and answers after 1.5 s), is paused mid-request past
+    // its lease, B recovers by replay and succeeds; A's late answer or timeout then arrives
+    // with a stale fence.
     let opts = WorkerOptions {
         lease_secs: 1,
         ..WorkerOptions::new(env.standard_tools(ds.port, ""))
     };
-    ds.fault(json!({"kind": "slow_after_commit", "key": key("refund-s"), "delay_ms": 4000}))
+    ds.fault(json!({"kind": "slow_after_commit", "key": key("refund-s"), "delay_ms": 1500}))
         .await;
     let w = Worker::start(&env, "w", &opts).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
         .request(TENANT, "refund-s", "refund", json!({"order": "o-s"}))
         .await;
+    e2e::wait_for("the first write", T, || async {
+        (env.writes(&key("refund-s")).await >= 1).then_some(())
+    })
+    .await;
+    w.pause();
+    let b = Worker::start(&env, "b", &opts).await;
     agent.until(TENANT, "refund-s", Status::Succeeded, T).await;
     let row = env.operation(TENANT, "refund-s").await.unwrap();
-    // The first request times out at ~2 s; give it time to try to write.
-    e2e::wait_for("the stale timeout", T, || async {
+    w.resume();
+    e2e::wait_for("the stale outcome", T, || async {
         w.output
             .contains("outcome discarded: the operation moved on")
             .then_some(())
@@ -197,7 +207,7 @@ async fn a_late_timeout_never_overwrites_succeeded() {
     assert_eq!(after.state, "succeeded");
     assert_eq!(after.receipt, row.receipt);
     assert_eq!(env.mutations(&key("refund-s")).await, 1);
-    drop(w);
+    drop((w, b));
     cleanup(env).await;
 }
 

@@ -104,10 +104,53 @@ pub async fn run(ctx: Arc<Context>, op: Operation) {
         .await;
         return;
     };
+    fault::point("before_send", &op.action_id);
+    let kind = if op.attempts <= 1 { "first" } else { "retry" };
+    if !send_fence(&ctx, &op, &tool.config, kind).await {
+        return;
+    }
     let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
     fault::point("after_response", &op.action_id);
     let transition = after_dispatch(&op, &tool.config, outcome, Utc::now());
     finish(&ctx, &op, Phase::Dispatch, transition).await;
+}
+
+/// The send fence of a first dispatch or retry (see [`crate::ledger::Ledger::fence_send`]):
+/// true when the write may leave now. Time may have passed since the claim (waiting for a
+/// permit, a slow completion, a paused process), so ownership is confirmed on the database
+/// clock right before the request leaves; otherwise nothing is sent and the row is left to
+/// whoever owns it now.
+async fn send_fence(ctx: &Context, op: &Operation, tool: &ToolConfig, kind: &'static str) -> bool {
+    match ctx
+        .ledger
+        .fence_send(op.id, op.fence, &ctx.worker_id, ctx.lease, tool.timeout)
+        .await
+    {
+        Ok(true) => true,
+        Ok(false) => {
+            abandoned(op, kind, "the lease was lost before the request left");
+            false
+        }
+        Err(e) => {
+            // Unconfirmed ownership is no ownership: the lease lapses and recovery decides.
+            counter!(m::LEDGER_ERRORS, "operation" => "send_fence").increment(1);
+            abandoned(
+                op,
+                kind,
+                &format!("the send fence could not be checked: {e}"),
+            );
+            false
+        }
+    }
+}
+
+/// Counts and logs a write that was abandoned before it left.
+pub fn abandoned(op: &Operation, kind: &'static str, why: &str) {
+    counter!(m::STALE_SENDS_ABANDONED, "tool" => op.tool.clone(), "kind" => kind).increment(1);
+    tracing::warn!(
+        tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool, fence = op.fence, kind,
+        "send abandoned, nothing was sent: {why}"
+    );
 }
 
 /// The next state after a write attempt.

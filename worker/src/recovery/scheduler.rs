@@ -12,6 +12,7 @@ use chrono::Utc;
 use metrics::{counter, gauge};
 
 use super::choose::{choose, facts, Action};
+use crate::config::Capability;
 use crate::context::Context;
 use crate::dispatch::{self, after_recovery, finish, request_for, timed, InFlight};
 use crate::fault;
@@ -232,18 +233,39 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
                 defer_for_budget(&ctx, &op, phase, config).await;
                 return;
             }
+            fault::point("before_send", &op.action_id);
+            let Capability::Replay { window, margin } = config.capability else {
+                unreachable!("choose replays only tools with recovery = \"replay\"")
+            };
             match ctx
                 .ledger
-                .begin_replay(op.id, op.fence, &ctx.worker_id)
+                .begin_replay(
+                    op.id,
+                    op.fence,
+                    &ctx.worker_id,
+                    ctx.lease,
+                    config.timeout,
+                    window,
+                    margin,
+                )
                 .await
             {
                 Ok(true) => {}
                 Ok(false) => {
-                    tracing::debug!(action_id = %op.action_id, "replay lease lost");
+                    dispatch::abandoned(
+                        &op,
+                        "replay",
+                        "the lease was lost or the replay window ends before the request could be answered",
+                    );
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(action_id = %op.action_id, error = %e, "cannot record replay attempt");
+                    counter!(m::LEDGER_ERRORS, "operation" => "send_fence").increment(1);
+                    dispatch::abandoned(
+                        &op,
+                        "replay",
+                        &format!("the send fence could not be checked: {e}"),
+                    );
                     return;
                 }
             }
