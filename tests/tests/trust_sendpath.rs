@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use e2e::{cleanup, metric_value, Agent, Downstream, Env, Worker, WorkerOptions};
+use e2e::{cleanup, intent, metric_value, Agent, Downstream, Env, Worker, WorkerOptions};
 use protocol::Status;
 use serde_json::json;
 
@@ -147,5 +147,129 @@ async fn a_replay_paused_past_its_window_is_abandoned() {
     assert_eq!(abandoned, 1.0, "the abandoned replay is counted");
     assert_eq!(env.mutations(&key(action)).await, 1);
     drop(a);
+    cleanup(env).await;
+}
+
+/// Retries sent against a downstream that sheds every other write (429), as the downstream's
+/// own request log shows them: what the budget's accounting allows whatever became of them.
+#[derive(Debug, sqlx::FromRow)]
+struct ShedCounts {
+    firsts: i64,
+    retries: i64,
+    retry_successes: i64,
+    first_successes: i64,
+    phase_secs: f64,
+}
+
+#[tokio::test]
+async fn retries_against_a_half_shedding_downstream_stay_within_the_budget() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let (ratio, floor_per_minute, window_secs) = (0.1, 60.0, 10.0);
+    let tools = env.write_tools(&format!(
+        "[tools.refund]\nurl = \"http://127.0.0.1:{}/replay/refunds\"\nrecovery = \"replay\"\nreplay_window_secs = 3600\n\
+         receipt_id = \"/receipt_id\"\nreceipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n\
+         retry = {{ max_attempts = 50, initial_delay_ms = 100, max_delay_ms = 300 }}\n\
+         budget = {{ ratio = {ratio}, floor_per_minute = {floor_per_minute}, window_secs = {window_secs} }}\n",
+        ds.port
+    ));
+    ds.fault(json!({"kind": "status", "status": 429, "every": 2, "times": 1000000}))
+        .await;
+    let opts = WorkerOptions::new(tools);
+    let _w1 = Worker::start(&env, "w1", &opts).await;
+    let _w2 = Worker::start(&env, "w2", &opts).await;
+    let agent = Agent::new(&env, &[TENANT]).await;
+    // Steady traffic while the downstream sheds: 50 intents/s for 8 s.
+    let n = 400;
+    for i in 0..n {
+        agent
+            .send(&intent(
+                TENANT,
+                &format!("refund-h{i}"),
+                "refund",
+                json!({"order": i}),
+            ))
+            .await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    e2e::wait_for("every operation tried once", T, || async {
+        let firsts: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT idem_key) FROM downstream.requests WHERE kind = 'write'",
+        )
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+        (firsts == n).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let c: ShedCounts = sqlx::query_as(
+        "WITH w AS (
+            SELECT status, row_number() OVER (PARTITION BY idem_key ORDER BY id) AS nth, at
+            FROM downstream.requests WHERE kind = 'write')
+         SELECT count(*) FILTER (WHERE nth = 1) AS firsts,
+                count(*) FILTER (WHERE nth > 1) AS retries,
+                count(*) FILTER (WHERE nth > 1 AND status BETWEEN 200 AND 299) AS retry_successes,
+                count(*) FILTER (WHERE nth = 1 AND status BETWEEN 200 AND 299) AS first_successes,
+                extract(epoch FROM max(at) - min(at))::float8 AS phase_secs
+         FROM w",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    eprintln!("shedding phase: {c:?}");
+    assert_eq!(c.firsts, n, "every operation was tried once");
+    assert!(c.retries > 0, "some retries ran: {c:?}");
+    // The token bucket (capacity 2 x floor_per_minute x window / 60, retries only above half):
+    // a retry sent costs a token and earns it back plus `ratio` only if it succeeds; a first
+    // success earns `ratio`, a first failure costs one, and time refills floor_per_minute.
+    // So, whatever became of the operations later:
+    //   retries - (1 + ratio) x retry successes <= capacity / 2 + ratio x first successes
+    //                                             + floor_per_minute x phase / 60 (+1)
+    let capacity = 2.0 * floor_per_minute * window_secs / 60.0;
+    let net = c.retries as f64 - (1.0 + ratio) * c.retry_successes as f64;
+    let allowed = capacity / 2.0
+        + 1.0
+        + ratio * c.first_successes as f64
+        + floor_per_minute * (c.phase_secs + 1.0) / 60.0;
+    assert!(
+        net <= allowed,
+        "retries net of their successes {net:.1} exceed the budget {allowed:.1}: {c:?}"
+    );
+    // And the plain share the issue asks for: with half of all writes shed, first failures
+    // keep the bucket below half, so retries sent stay within ratio x first attempts plus the
+    // floor of each window the phase spans.
+    let windows = (c.phase_secs / window_secs).ceil() + 1.0;
+    let share = (ratio * c.firsts as f64).floor() + floor_per_minute * window_secs / 60.0 * windows;
+    assert!(
+        c.retries as f64 <= share,
+        "{} retries sent, more than ratio x first attempts + floor = {share}: {c:?}",
+        c.retries
+    );
+    // The downstream stops shedding: every deferred retry proceeds and all end succeeded.
+    reqwest::Client::new()
+        .delete(format!("http://127.0.0.1:{}/_control/faults", ds.port))
+        .send()
+        .await
+        .unwrap();
+    let drain_started = std::time::Instant::now();
+    e2e::wait_for("the backlog to drain", Duration::from_secs(90), || async {
+        let done: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM operations WHERE state = 'succeeded'")
+                .fetch_one(&env.pool)
+                .await
+                .unwrap();
+        (done == n).then_some(())
+    })
+    .await;
+    eprintln!(
+        "drained {n} operations {:?} after the shedding stopped",
+        drain_started.elapsed()
+    );
+    let mutations: i64 = sqlx::query_scalar("SELECT count(*) FROM downstream.mutations")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(mutations, n);
     cleanup(env).await;
 }

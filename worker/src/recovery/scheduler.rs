@@ -17,6 +17,7 @@ use crate::context::Context;
 use crate::dispatch::{self, after_recovery, finish, request_for, timed, InFlight};
 use crate::fault;
 use crate::ledger::{ClaimKind, Claimed, Phase, State, Transition};
+use crate::retry::WriteKind;
 use crate::telemetry::metrics as m;
 
 /// Rows leased per scheduler pass.
@@ -76,7 +77,22 @@ pub async fn run(ctx: Arc<Context>, interval: Duration, stop: CancelToken) {
     }
 }
 
+/// Writes this worker's pending budget credits and refreshes the budget gauges.
 async fn refresh_budget_gauges(ctx: &Context) {
+    for (name, credit) in ctx.budget.take_all() {
+        let Some(tool) = ctx.tools.get(&name) else {
+            continue;
+        };
+        if let Err(e) = ctx
+            .ledger
+            .adjust_retry_tokens(&name, &tool.config.budget, credit)
+            .await
+        {
+            ctx.budget.credit(&name, credit);
+            counter!(m::LEDGER_ERRORS, "operation" => "budget").increment(1);
+            tracing::warn!(tool = %name, error = %e, "cannot record retry budget credits");
+        }
+    }
     for (name, tool) in ctx.tools.iter() {
         if let Ok(v) = ctx
             .ledger
@@ -147,9 +163,11 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
             {
                 Ok(Some(op)) => dispatch::run(ctx, op).await,
                 Ok(None) => {
+                    ctx.budget.credit(&op.tool, 1.0);
                     tracing::debug!(action_id = %op.action_id, "retry taken by another worker")
                 }
                 Err(e) => {
+                    ctx.budget.credit(&op.tool, 1.0);
                     tracing::warn!(action_id = %op.action_id, error = %e, "cannot start retry")
                 }
             }
@@ -253,8 +271,9 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
                 Ok(true) => {}
                 Ok(false) => {
                     dispatch::abandoned(
+                        &ctx,
                         &op,
-                        "replay",
+                        WriteKind::Retry,
                         "the lease was lost or the replay window ends before the request could be answered",
                     );
                     return;
@@ -262,14 +281,16 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
                 Err(e) => {
                     counter!(m::LEDGER_ERRORS, "operation" => "send_fence").increment(1);
                     dispatch::abandoned(
+                        &ctx,
                         &op,
-                        "replay",
+                        WriteKind::Retry,
                         &format!("the send fence could not be checked: {e}"),
                     );
                     return;
                 }
             }
             let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
+            dispatch::account(&ctx, config, WriteKind::Retry, &outcome).await;
             after_recovery(&op, config, outcome)
         }
     };
@@ -281,9 +302,11 @@ async fn spend_retry(
     op: &crate::ledger::Operation,
     budget: &crate::config::BudgetPolicy,
 ) -> bool {
-    match ctx.ledger.try_spend_retry(&op.tool, op.id, budget).await {
+    let pending = ctx.budget.take(&op.tool);
+    match ctx.ledger.try_spend_retry(&op.tool, budget, pending).await {
         Ok(ok) => ok,
         Err(e) => {
+            ctx.budget.credit(&op.tool, pending);
             tracing::warn!(tool = %op.tool, error = %e, "cannot read the retry budget; deferring");
             false
         }
@@ -291,7 +314,7 @@ async fn spend_retry(
 }
 
 /// How long a budget-deferred retry waits before it looks again: a thirtieth of the window,
-/// between 1 and 5 seconds, so freed budget (a window sliding on, a refunded success) is used
+/// between 1 and 5 seconds, so refilled tokens (time, successes) are used
 /// soon without hammering the ledger.
 pub fn budget_deferral(window_secs: u64) -> Duration {
     Duration::from_secs(window_secs / 30).clamp(Duration::from_secs(1), Duration::from_secs(5))

@@ -119,7 +119,7 @@ fn describe() {
     );
     describe_gauge!(
         BUDGET_AVAILABLE,
-        "Retries the tool's shared budget still allows in the current window."
+        "Retries the tool's shared token bucket allows right now (whole tokens above half its capacity)."
     );
     describe_counter!(
         SWEPT,
