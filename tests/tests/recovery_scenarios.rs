@@ -173,32 +173,28 @@ async fn paused_sender_resumes_after_recovery_and_cannot_change_the_receipt() {
 async fn a_late_timeout_never_overwrites_succeeded() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    // The send fence renews A's lease past the tool's timeout, so only a paused A can outlive
-    // it: A sends (the downstream commits and answers after 1.5 s), is paused mid-request past
-    // its lease, B recovers by replay and succeeds; A's late answer or timeout then arrives
-    // with a stale fence.
-    let opts = WorkerOptions {
-        lease_secs: 1,
-        ..WorkerOptions::new(env.standard_tools(ds.port, ""))
-    };
-    ds.fault(json!({"kind": "slow_after_commit", "key": key("refund-s"), "delay_ms": 1500}))
+    // The downstream commits and answers only after 4 s; the tool times out at 2 s, below the
+    // 3 s lease (start-up refuses otherwise). A is paused while its request waits, past its
+    // lease; B recovers by replay; A's timeout then arrives with a stale fence.
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
+    ds.fault(json!({"kind": "slow_after_commit", "key": key("refund-s"), "delay_ms": 4000}))
         .await;
-    let w = Worker::start(&env, "w", &opts).await;
+    let a = Worker::start(&env, "a", &opts).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
         .request(TENANT, "refund-s", "refund", json!({"order": "o-s"}))
         .await;
-    e2e::wait_for("the first write", T, || async {
+    e2e::wait_for("A's request to reach the downstream", T, || async {
         (env.writes(&key("refund-s")).await >= 1).then_some(())
     })
     .await;
-    w.pause();
+    a.pause();
     let b = Worker::start(&env, "b", &opts).await;
     agent.until(TENANT, "refund-s", Status::Succeeded, T).await;
     let row = env.operation(TENANT, "refund-s").await.unwrap();
-    w.resume();
-    e2e::wait_for("the stale outcome", T, || async {
-        w.output
+    a.resume();
+    e2e::wait_for("the stale timeout", T, || async {
+        a.output
             .contains("outcome discarded: the operation moved on")
             .then_some(())
     })
@@ -207,7 +203,7 @@ async fn a_late_timeout_never_overwrites_succeeded() {
     assert_eq!(after.state, "succeeded");
     assert_eq!(after.receipt, row.receipt);
     assert_eq!(env.mutations(&key("refund-s")).await, 1);
-    drop((w, b));
+    drop((a, b));
     cleanup(env).await;
 }
 
