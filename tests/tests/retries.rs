@@ -303,7 +303,18 @@ async fn shared_budget_bounds_retries_and_deferred_retries_proceed_after_recover
             ))
             .await;
     }
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    let started = std::time::Instant::now();
+    e2e::wait_for("every first attempt", T, || async {
+        let firsts: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT idem_key) FROM downstream.requests WHERE kind = 'write'",
+        )
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+        (firsts == n).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(5).saturating_sub(started.elapsed())).await;
     // Over the failing phase, retries seen by the downstream stay within ratio x first attempts
     // plus the floor of every budget window the phase spans (one extra window for the skew
     // between the worker's budget clock and arrival at the downstream).

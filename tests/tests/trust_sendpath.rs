@@ -169,7 +169,7 @@ async fn retries_against_a_half_shedding_downstream_stay_within_the_budget() {
     let tools = env.write_tools(&format!(
         "[tools.refund]\nurl = \"http://127.0.0.1:{}/replay/refunds\"\nrecovery = \"replay\"\nreplay_window_secs = 3600\n\
          receipt_id = \"/receipt_id\"\nreceipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n\
-         retry = {{ max_attempts = 50, initial_delay_ms = 100, max_delay_ms = 300 }}\n\
+         timeout_ms = 2000\nretry = {{ max_attempts = 50, initial_delay_ms = 100, max_delay_ms = 300 }}\n\
          budget = {{ ratio = {ratio}, floor_per_minute = {floor_per_minute}, window_secs = {window_secs} }}\n",
         ds.port
     ));

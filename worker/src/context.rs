@@ -24,7 +24,7 @@ pub struct Context {
     pub relay_wake: Arc<Notify>,
     /// Wakes the recovery scheduler (e.g. an unknown outcome of a tool without recovery).
     pub scheduler_wake: Arc<Notify>,
-    /// Retry-budget credits earned here and not yet written to the ledger.
+    /// Retry-budget movements of this worker's outcomes not yet written to the ledger.
     pub budget: crate::retry::BudgetTally,
     completer: mpsc::Sender<(Completion, oneshot::Sender<Result<Applied, LedgerError>>)>,
 }

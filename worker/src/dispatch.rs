@@ -114,7 +114,7 @@ pub async fn run(ctx: Arc<Context>, op: Operation) {
         return;
     }
     let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
-    account(&ctx, &tool.config, kind, &outcome).await;
+    account(&ctx, &tool.config, kind, &outcome);
     fault::point("after_response", &op.action_id);
     let transition = after_dispatch(&op, &tool.config, outcome, Utc::now());
     finish(&ctx, &op, Phase::Dispatch, transition).await;
@@ -154,7 +154,7 @@ async fn send_fence(ctx: &Context, op: &Operation, tool: &ToolConfig, kind: Writ
 /// budget token it spent.
 pub fn abandoned(ctx: &Context, op: &Operation, kind: WriteKind, why: &str) {
     if kind == WriteKind::Retry {
-        ctx.budget.credit(&op.tool, 1.0);
+        ctx.budget.add(&op.tool, 1.0);
     }
     let kind = match kind {
         WriteKind::First => "first",
@@ -169,24 +169,11 @@ pub fn abandoned(ctx: &Context, op: &Operation, kind: WriteKind, why: &str) {
 }
 
 /// Moves the tool's retry budget by what a write's outcome is worth
-/// ([`crate::retry::budget_delta`]): credits are tallied in memory, a debit (a failed first
-/// attempt) is written at once together with the pending credits.
-pub async fn account(ctx: &Context, tool: &ToolConfig, kind: WriteKind, outcome: &Outcome) {
-    let delta = budget_delta(kind, outcome, tool.budget.ratio);
-    if delta >= 0.0 {
-        ctx.budget.credit(&tool.name, delta);
-        return;
-    }
-    let pending = ctx.budget.take(&tool.name);
-    if let Err(e) = ctx
-        .ledger
-        .adjust_retry_tokens(&tool.name, &tool.budget, pending + delta)
-        .await
-    {
-        ctx.budget.credit(&tool.name, pending);
-        counter!(m::LEDGER_ERRORS, "operation" => "budget").increment(1);
-        tracing::warn!(tool = %tool.name, error = %e, "cannot record a failure in the retry budget");
-    }
+/// ([`crate::retry::budget_delta`]), through this worker's tally (see
+/// [`crate::retry::BudgetTally`]).
+pub fn account(ctx: &Context, tool: &ToolConfig, kind: WriteKind, outcome: &Outcome) {
+    ctx.budget
+        .add(&tool.name, budget_delta(kind, outcome, tool.budget.ratio));
 }
 
 /// The next state after a write attempt.

@@ -85,29 +85,31 @@ pub fn budget_delta(kind: WriteKind, outcome: &Outcome, ratio: f64) -> f64 {
     }
 }
 
-/// Bucket credits this worker has earned but not yet written (successes are frequent; writing
-/// each one would serialise every completion on the tool's row). They are written with the
-/// next spend or debit of the tool and on every scheduler pass; a crash loses at most one pass
-/// of credits, which only makes the budget stricter. Debits are never held here.
+/// Bucket movements (credits and debits) of this worker's outcomes not yet written to the ledger.
+/// Writing each outcome on its own would make every completion wait on the tool's row lock (and
+/// hold a pool connection meanwhile); instead the net movement is written with this worker's
+/// next spend for the tool (so its own failures always count before it retries) and on every
+/// scheduler pass. Another worker's failures reach the bucket within one of its passes; a crash
+/// loses at most one pass of movements.
 #[derive(Debug, Default)]
 pub struct BudgetTally {
     pending: Mutex<HashMap<String, f64>>,
 }
 
 impl BudgetTally {
-    /// Adds a credit (>= 0) for `tool`.
-    pub fn credit(&self, tool: &str, tokens: f64) {
-        if tokens > 0.0 {
+    /// Adds a movement (credit > 0, debit < 0) for `tool`.
+    pub fn add(&self, tool: &str, tokens: f64) {
+        if tokens != 0.0 {
             *self.lock().entry(tool.to_string()).or_default() += tokens;
         }
     }
 
-    /// Takes `tool`'s pending credit (to write it with a statement).
+    /// Takes `tool`'s pending movement (to write it with a statement).
     pub fn take(&self, tool: &str) -> f64 {
         self.lock().remove(tool).unwrap_or(0.0)
     }
 
-    /// Takes every pending credit.
+    /// Takes every pending movement.
     pub fn take_all(&self) -> Vec<(String, f64)> {
         self.lock().drain().collect()
     }
@@ -138,14 +140,15 @@ mod tests {
     }
 
     #[test]
-    fn the_tally_hands_out_each_credit_once() {
+    fn the_tally_hands_out_each_movement_once() {
         let t = BudgetTally::default();
-        t.credit("a", 0.5);
-        t.credit("a", 0.25);
-        t.credit("b", -1.0);
+        t.add("a", 0.5);
+        t.add("a", 0.25);
+        t.add("b", -1.0);
+        t.add("c", 0.0);
         assert_eq!(t.take("a"), 0.75);
         assert_eq!(t.take("a"), 0.0);
-        assert!(t.take_all().is_empty());
+        assert_eq!(t.take_all(), vec![("b".to_string(), -1.0)]);
     }
 
     #[test]

@@ -77,7 +77,7 @@ pub async fn run(ctx: Arc<Context>, interval: Duration, stop: CancelToken) {
     }
 }
 
-/// Writes this worker's pending budget credits and refreshes the budget gauges.
+/// Writes this worker's pending budget movements and refreshes the budget gauges.
 async fn refresh_budget_gauges(ctx: &Context) {
     for (name, credit) in ctx.budget.take_all() {
         let Some(tool) = ctx.tools.get(&name) else {
@@ -88,9 +88,9 @@ async fn refresh_budget_gauges(ctx: &Context) {
             .adjust_retry_tokens(&name, &tool.config.budget, credit)
             .await
         {
-            ctx.budget.credit(&name, credit);
+            ctx.budget.add(&name, credit);
             counter!(m::LEDGER_ERRORS, "operation" => "budget").increment(1);
-            tracing::warn!(tool = %name, error = %e, "cannot record retry budget credits");
+            tracing::warn!(tool = %name, error = %e, "cannot record retry budget movements");
         }
     }
     for (name, tool) in ctx.tools.iter() {
@@ -163,11 +163,11 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
             {
                 Ok(Some(op)) => dispatch::run(ctx, op).await,
                 Ok(None) => {
-                    ctx.budget.credit(&op.tool, 1.0);
+                    ctx.budget.add(&op.tool, 1.0);
                     tracing::debug!(action_id = %op.action_id, "retry taken by another worker")
                 }
                 Err(e) => {
-                    ctx.budget.credit(&op.tool, 1.0);
+                    ctx.budget.add(&op.tool, 1.0);
                     tracing::warn!(action_id = %op.action_id, error = %e, "cannot start retry")
                 }
             }
@@ -290,7 +290,7 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
                 }
             }
             let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
-            dispatch::account(&ctx, config, WriteKind::Retry, &outcome).await;
+            dispatch::account(&ctx, config, WriteKind::Retry, &outcome);
             after_recovery(&op, config, outcome)
         }
     };
@@ -306,7 +306,7 @@ async fn spend_retry(
     match ctx.ledger.try_spend_retry(&op.tool, budget, pending).await {
         Ok(ok) => ok,
         Err(e) => {
-            ctx.budget.credit(&op.tool, pending);
+            ctx.budget.add(&op.tool, pending);
             tracing::warn!(tool = %op.tool, error = %e, "cannot read the retry budget; deferring");
             false
         }
