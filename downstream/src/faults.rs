@@ -77,6 +77,7 @@ pub struct FaultSpec {
     pub delay_ms: Option<u64>,
     pub status: Option<u16>,
     pub retry_after: Option<String>,
+    pub every: Option<u32>,
 }
 
 /// A fault as stored and listed. `times` is the number of uses left.
@@ -90,6 +91,11 @@ pub struct Fault {
     pub delay_ms: u64,
     pub status: Option<u16>,
     pub retry_after: Option<String>,
+    /// Applies to the 1st, (1+every)th, (1+2·every)th ... matching request; the others pass
+    /// untouched without using up `times` (`every = 2`: shed half the requests).
+    pub every: u32,
+    /// Matching requests seen so far.
+    pub seen: u32,
 }
 
 impl Fault {
@@ -98,6 +104,10 @@ impl Fault {
         let times = spec.times.unwrap_or(1);
         if times == 0 {
             return Err("times must be at least 1".into());
+        }
+        let every = spec.every.unwrap_or(1);
+        if every == 0 {
+            return Err("every must be at least 1".into());
         }
         // lookup_miss only makes sense on lookups, so that is its default.
         let default_on = match spec.kind {
@@ -131,6 +141,8 @@ impl Fault {
             delay_ms,
             status,
             retry_after: spec.retry_after,
+            every,
+            seen: 0,
         })
     }
 
@@ -170,6 +182,11 @@ impl FaultBook {
     pub fn take(&self, on: Direction, key: Option<&str>) -> Option<Fault> {
         let mut book = self.lock();
         let index = book.faults.iter().position(|f| f.matches(on, key))?;
+        let fault = &mut book.faults[index];
+        fault.seen += 1;
+        if !(fault.seen - 1).is_multiple_of(fault.every) {
+            return None;
+        }
         let taken = book.faults[index].clone();
         if taken.times <= 1 {
             book.faults.remove(index);
@@ -227,6 +244,22 @@ mod tests {
         assert!(book.take(Direction::Write, Some("k1")).is_some());
         assert!(book.take(Direction::Write, Some("k1")).is_none());
         assert!(book.list().is_empty());
+    }
+
+    #[test]
+    fn every_other_request_is_shed_and_only_applied_uses_count() {
+        let book = FaultBook::default();
+        book.add(spec(
+            serde_json::json!({"kind": "status", "status": 429, "every": 2, "times": 2}),
+        ))
+        .unwrap();
+        let hits: Vec<bool> = (0..6)
+            .map(|_| book.take(Direction::Write, None).is_some())
+            .collect();
+        assert_eq!(hits, [true, false, true, false, false, false]);
+        assert!(book
+            .add(spec(serde_json::json!({"kind": "status", "every": 0})))
+            .is_err());
     }
 
     #[test]

@@ -24,6 +24,8 @@ pub struct Context {
     pub relay_wake: Arc<Notify>,
     /// Wakes the recovery scheduler (e.g. an unknown outcome of a tool without recovery).
     pub scheduler_wake: Arc<Notify>,
+    /// Retry-budget movements of this worker's outcomes not yet written to the ledger.
+    pub budget: crate::retry::BudgetTally,
     completer: mpsc::Sender<(Completion, oneshot::Sender<Result<Applied, LedgerError>>)>,
 }
 
@@ -51,6 +53,7 @@ impl Context {
             in_flight: Arc::new(Semaphore::new(max_in_flight)),
             relay_wake: Arc::new(Notify::new()),
             scheduler_wake: Arc::new(Notify::new()),
+            budget: Default::default(),
             completer: tx,
         })
     }

@@ -16,7 +16,7 @@ use crate::config::{Capability, ToolConfig};
 use crate::context::Context;
 use crate::fault;
 use crate::ledger::{Applied, Completion, Operation, Phase, State, Transition};
-use crate::retry::{retry_delay, with_retry_after};
+use crate::retry::{budget_delta, retry_delay, with_retry_after, WriteKind};
 use crate::telemetry::metrics as m;
 
 /// The adapter request for an operation: its stable key and its stored canonical body.
@@ -104,10 +104,76 @@ pub async fn run(ctx: Arc<Context>, op: Operation) {
         .await;
         return;
     };
+    fault::point("before_send", &op.action_id);
+    let kind = if op.attempts <= 1 {
+        WriteKind::First
+    } else {
+        WriteKind::Retry
+    };
+    if !send_fence(&ctx, &op, &tool.config, kind).await {
+        return;
+    }
     let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
+    account(&ctx, &tool.config, kind, &outcome);
     fault::point("after_response", &op.action_id);
     let transition = after_dispatch(&op, &tool.config, outcome, Utc::now());
     finish(&ctx, &op, Phase::Dispatch, transition).await;
+}
+
+/// The send fence of a first dispatch or retry (see [`crate::ledger::Ledger::fence_send`]):
+/// true when the write may leave now. Time may have passed since the claim (waiting for a
+/// permit, a slow completion, a paused process), so ownership is confirmed on the database
+/// clock right before the request leaves; otherwise nothing is sent and the row is left to
+/// whoever owns it now.
+async fn send_fence(ctx: &Context, op: &Operation, tool: &ToolConfig, kind: WriteKind) -> bool {
+    match ctx
+        .ledger
+        .fence_send(op.id, op.fence, &ctx.worker_id, ctx.lease, tool.timeout)
+        .await
+    {
+        Ok(true) => true,
+        Ok(false) => {
+            abandoned(ctx, op, kind, "the lease was lost before the request left");
+            false
+        }
+        Err(e) => {
+            // Unconfirmed ownership is no ownership: the lease lapses and recovery decides.
+            counter!(m::LEDGER_ERRORS, "operation" => "send_fence").increment(1);
+            abandoned(
+                ctx,
+                op,
+                kind,
+                &format!("the send fence could not be checked: {e}"),
+            );
+            false
+        }
+    }
+}
+
+/// Counts and logs a write that was abandoned before it left; a retry or replay gets back the
+/// budget token it spent.
+pub fn abandoned(ctx: &Context, op: &Operation, kind: WriteKind, why: &str) {
+    if kind == WriteKind::Retry {
+        ctx.budget.add(&op.tool, 1.0);
+    }
+    let kind = match kind {
+        WriteKind::First => "first",
+        WriteKind::Retry if op.state() == State::Unknown => "replay",
+        WriteKind::Retry => "retry",
+    };
+    counter!(m::STALE_SENDS_ABANDONED, "tool" => op.tool.clone(), "kind" => kind).increment(1);
+    tracing::warn!(
+        tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool, fence = op.fence, kind,
+        "send abandoned, nothing was sent: {why}"
+    );
+}
+
+/// Moves the tool's retry budget by what a write's outcome is worth
+/// ([`crate::retry::budget_delta`]), through this worker's tally (see
+/// [`crate::retry::BudgetTally`]).
+pub fn account(ctx: &Context, tool: &ToolConfig, kind: WriteKind, outcome: &Outcome) {
+    ctx.budget
+        .add(&tool.name, budget_delta(kind, outcome, tool.budget.ratio));
 }
 
 /// The next state after a write attempt.

@@ -8,9 +8,10 @@
 //! process every time that action is taken from the queue: a poison message.
 
 /// Points a test can stop at.
-pub const POINTS: [&str; 5] = [
+pub const POINTS: [&str; 6] = [
     "after_prepared",
     "after_dispatching",
+    "before_send",
     "after_response",
     "after_succeeded",
     "crash_on_intake",

@@ -1,14 +1,17 @@
 //! Retry timing and the shared retry budget. The ledger scheduler is the only retry layer;
-//! this module only computes when the next attempt may run and whether the tool's budget
-//! allows it.
+//! this module computes when the next attempt may run and what each write's outcome is worth to
+//! the tool's token bucket (kept in Postgres, see `ledger::guard`).
 //!
 //! `backoff` (RUSTSEC-2025-0012: unmaintained) is used only inside [`retry_delay`], so it can
 //! be swapped without touching callers.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use backoff::backoff::Backoff;
 
+use crate::adapter::Outcome;
 use crate::config::RetryPolicy;
 
 /// Delay before attempt `attempt + 1`, given that `attempt` attempts (>= 1) have been made:
@@ -50,9 +53,103 @@ pub fn with_retry_after(
     }
 }
 
+/// Which write an outcome answers, for the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteKind {
+    /// The first request of an operation (not budgeted; its outcome still moves the bucket).
+    First,
+    /// A retry or replay, which spent one token when it was sent.
+    Retry,
+}
+
+/// Tokens an outcome moves in the tool's bucket (gRPC retry throttling): a failure of a first
+/// attempt (not sent, not applied, unknown) costs one; a retry already paid when sent, so its
+/// failure costs nothing more; any success earns `ratio`, and a retry's success also earns back
+/// the token it spent; a definitive rejection is no sign of overload and earns back a retry's
+/// token.
+pub fn budget_delta(kind: WriteKind, outcome: &Outcome, ratio: f64) -> f64 {
+    let refund = if kind == WriteKind::Retry { 1.0 } else { 0.0 };
+    match outcome {
+        Outcome::Succeeded { .. } => refund + ratio,
+        Outcome::Rejected { .. } => refund,
+        Outcome::NotSent { .. }
+        | Outcome::NotApplied { .. }
+        | Outcome::Unknown { .. }
+        | Outcome::LookupMiss { .. } => {
+            if kind == WriteKind::First {
+                -1.0
+            } else {
+                0.0
+            }
+        }
+    }
+}
+
+/// Bucket movements (credits and debits) of this worker's outcomes not yet written to the ledger.
+/// Writing each outcome on its own would make every completion wait on the tool's row lock (and
+/// hold a pool connection meanwhile); instead the net movement is written with this worker's
+/// next spend for the tool (so its own failures always count before it retries) and on every
+/// scheduler pass. Another worker's failures reach the bucket within one of its passes; a crash
+/// loses at most one pass of movements.
+#[derive(Debug, Default)]
+pub struct BudgetTally {
+    pending: Mutex<HashMap<String, f64>>,
+}
+
+impl BudgetTally {
+    /// Adds a movement (credit > 0, debit < 0) for `tool`.
+    pub fn add(&self, tool: &str, tokens: f64) {
+        if tokens != 0.0 {
+            *self.lock().entry(tool.to_string()).or_default() += tokens;
+        }
+    }
+
+    /// Takes `tool`'s pending movement (to write it with a statement).
+    pub fn take(&self, tool: &str) -> f64 {
+        self.lock().remove(tool).unwrap_or(0.0)
+    }
+
+    /// Takes every pending movement.
+    pub fn take_all(&self) -> Vec<(String, f64)> {
+        self.lock().drain().collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, f64>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failures_spend_successes_refill_by_the_ratio() {
+        let ok = Outcome::Succeeded {
+            receipt: serde_json::json!({}),
+            receipt_id: "r".into(),
+        };
+        let shed = Outcome::NotApplied {
+            evidence: "429".into(),
+            retry_after: None,
+        };
+        assert_eq!(budget_delta(WriteKind::First, &ok, 0.1), 0.1);
+        assert_eq!(budget_delta(WriteKind::First, &shed, 0.1), -1.0);
+        assert_eq!(budget_delta(WriteKind::Retry, &ok, 0.1), 1.1);
+        assert_eq!(budget_delta(WriteKind::Retry, &shed, 0.1), 0.0);
+    }
+
+    #[test]
+    fn the_tally_hands_out_each_movement_once() {
+        let t = BudgetTally::default();
+        t.add("a", 0.5);
+        t.add("a", 0.25);
+        t.add("b", -1.0);
+        t.add("c", 0.0);
+        assert_eq!(t.take("a"), 0.75);
+        assert_eq!(t.take("a"), 0.0);
+        assert_eq!(t.take_all(), vec![("b".to_string(), -1.0)]);
+    }
 
     #[test]
     fn delays_grow_exponentially_within_jitter_and_cap() {

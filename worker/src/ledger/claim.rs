@@ -116,21 +116,68 @@ impl Ledger {
             .await?)
     }
 
-    /// Counts one more write request (a replay) against an `unknown` row leased by `fence`.
+    /// The send fence of a first dispatch or a retry, run just before the request leaves: one
+    /// conditional statement on the database clock that succeeds only while this worker's fence
+    /// still owns the row in `dispatching` with a live lease, and renews that lease to outlive
+    /// the tool's whole `timeout` plus one `lease` (for recording the answer). False means the
+    /// row moved on (its lease expired and recovery may own it): the send must be abandoned.
+    pub async fn fence_send(
+        &self,
+        id: i64,
+        fence: i64,
+        worker_id: &str,
+        lease: Duration,
+        timeout: Duration,
+    ) -> Result<bool, LedgerError> {
+        let r = sqlx::query(
+            "UPDATE operations
+             SET lease_until = now() + make_interval(secs => $4 + $5)
+             WHERE id = $1 AND fence = $2 AND state = 'dispatching' AND lease_owner = $3
+               AND lease_until > now()",
+        )
+        .bind(id)
+        .bind(fence)
+        .bind(worker_id)
+        .bind(timeout.as_secs_f64())
+        .bind(lease.as_secs_f64())
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// The send fence of a replay of an `unknown` row leased by `fence`, run just before the
+    /// replay leaves; counts one more write request. One conditional statement on the database
+    /// clock: the lease is still live, and a request sent now, waited on for the tool's whole
+    /// `timeout`, still lands `margin` before the replay deadline (`window` after the first
+    /// dispatch when no deadline was stored). The lease (and the row's next round) is renewed
+    /// past the timeout. False: abandon the replay, nothing was counted.
+    #[allow(clippy::too_many_arguments)]
     pub async fn begin_replay(
         &self,
         id: i64,
         fence: i64,
         worker_id: &str,
+        lease: Duration,
+        timeout: Duration,
+        window: Duration,
+        margin: Duration,
     ) -> Result<bool, LedgerError> {
         let r = sqlx::query(
             "UPDATE operations SET attempts = attempts + 1, changed_by = $3,
-                    first_dispatch_at = coalesce(first_dispatch_at, now())
-             WHERE id = $1 AND fence = $2 AND state = 'unknown'",
+                    lease_until = now() + make_interval(secs => $4 + $5),
+                    next_attempt_at = now() + make_interval(secs => $4 + $5)
+             WHERE id = $1 AND fence = $2 AND state = 'unknown' AND lease_owner = $3
+               AND lease_until > now()
+               AND now() + make_interval(secs => $4 + $7)
+                   < coalesce(replay_deadline, first_dispatch_at + make_interval(secs => $6))",
         )
         .bind(id)
         .bind(fence)
         .bind(worker_id)
+        .bind(timeout.as_secs_f64())
+        .bind(lease.as_secs_f64())
+        .bind(window.as_secs_f64())
+        .bind(margin.as_secs_f64())
         .execute(&self.pool)
         .await?;
         Ok(r.rows_affected() == 1)

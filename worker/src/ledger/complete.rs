@@ -216,13 +216,6 @@ async fn apply(
     if let Some(event) = event_for(&row.op, row.prev_reported.as_deref()) {
         outbox::insert_events(conn, &[event]).await?;
     }
-    if row.op.state() == State::Succeeded && row.op.attempts > 1 {
-        // A retry that succeeded was not amplification: give its budget back.
-        sqlx::query("DELETE FROM retry_spend WHERE operation_id = $1")
-            .bind(row.op.id)
-            .execute(&mut *conn)
-            .await?;
-    }
     Ok(Applied::Done(row.op))
 }
 

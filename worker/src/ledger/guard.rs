@@ -1,6 +1,7 @@
-//! Bookkeeping that is not an operation's state: the shared retry budget and the redelivery
-//! counter of the poison guard. Each check-and-spend is one transaction serialised per tool by
-//! an advisory lock, so concurrent workers cannot overspend.
+//! Bookkeeping that is not an operation's state: the shared retry budget (a token bucket per
+//! tool, see `migrations/0006_retry_tokens.sql`) and the redelivery counter of the poison
+//! guard. Each spend or refill is one statement on the tool's row, which the row lock
+//! serialises, so concurrent workers cannot overspend.
 
 use std::time::Duration;
 
@@ -8,57 +9,95 @@ use super::{Ledger, LedgerError};
 use crate::config::BudgetPolicy;
 
 impl Ledger {
-    /// Spends one retry of `operation_id` from `tool`'s budget if the window allows it. The
-    /// spending is given back if the operation then succeeds (see `complete`).
+    /// Sends one retry (or replay) of `tool` if its token bucket allows it: one conditional
+    /// statement that applies the time refill and this worker's not yet recorded `pending`
+    /// outcomes, then spends one token only if the level exceeds half the capacity. The row is
+    /// locked for the statement, so all workers spend from one bucket. True: the retry may be
+    /// sent (the token is spent and only a success earns it back).
     pub async fn try_spend_retry(
         &self,
         tool: &str,
-        operation_id: i64,
         policy: &BudgetPolicy,
+        pending: f64,
     ) -> Result<bool, LedgerError> {
-        let mut tx = self.pool.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('intent-worker:retry-budget:' || $1))")
+        let (capacity, rate) = (capacity(policy), refill_per_sec(policy));
+        for _ in 0..2 {
+            let spent: Option<bool> = sqlx::query_scalar(
+                "WITH cur AS (
+                    SELECT tool, greatest(0, least($2, tokens + $3 * extract(epoch FROM now() - updated_at)
+                                                   + $4)) AS level
+                    FROM retry_tokens WHERE tool = $1 FOR UPDATE)
+                 UPDATE retry_tokens b
+                 SET tokens = cur.level - CASE WHEN cur.level > $2 / 2 THEN 1 ELSE 0 END,
+                     updated_at = now()
+                 FROM cur WHERE b.tool = cur.tool
+                 RETURNING cur.level > $2 / 2",
+            )
             .bind(tool)
-            .execute(&mut *tx)
+            .bind(capacity)
+            .bind(rate)
+            .bind(pending)
+            .fetch_optional(&self.pool)
             .await?;
-        let spent: Option<i64> = sqlx::query_scalar(
-            "INSERT INTO retry_spend (tool, operation_id)
-             SELECT $1, $5 WHERE (SELECT count(*) FROM retry_spend
-                              WHERE tool = $1 AND at > now() - make_interval(secs => $2))
-                           < floor($3 * (SELECT count(*) FROM operations
-                                         WHERE tool = $1 AND first_dispatch_at > now() - make_interval(secs => $2)))
-                             + $4
-             RETURNING id",
-        )
-        .bind(tool)
-        .bind(policy.window_secs as f64)
-        .bind(policy.ratio)
-        .bind(floor(policy))
-        .bind(operation_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(spent.is_some())
+            if let Some(spent) = spent {
+                return Ok(spent);
+            }
+            // First use of this tool: a full bucket, then spend from it.
+            sqlx::query(
+                "INSERT INTO retry_tokens (tool, tokens) VALUES ($1, $2) ON CONFLICT (tool) DO NOTHING",
+            )
+            .bind(tool)
+            .bind(capacity)
+            .execute(&self.pool)
+            .await?;
+        }
+        Err(LedgerError::Refused(format!(
+            "retry budget row for tool {tool} vanished"
+        )))
     }
 
-    /// Retries `tool`'s budget still allows in the current window.
+    /// Records outcomes in `tool`'s bucket: `delta` tokens (negative for failures), with the
+    /// time refill, clamped to `0..=capacity`. One statement.
+    pub async fn adjust_retry_tokens(
+        &self,
+        tool: &str,
+        policy: &BudgetPolicy,
+        delta: f64,
+    ) -> Result<(), LedgerError> {
+        sqlx::query(
+            "INSERT INTO retry_tokens AS b (tool, tokens) VALUES ($1, greatest(0, least($2, $2 + $4)))
+             ON CONFLICT (tool) DO UPDATE
+             SET tokens = greatest(0, least($2, b.tokens + $3 * extract(epoch FROM now() - b.updated_at)
+                                            + $4)),
+                 updated_at = now()",
+        )
+        .bind(tool)
+        .bind(capacity(policy))
+        .bind(refill_per_sec(policy))
+        .bind(delta)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Retries `tool`'s bucket allows right now: whole tokens above half the capacity (a full
+    /// bucket when the tool has not retried yet).
     pub async fn retry_budget_available(
         &self,
         tool: &str,
         policy: &BudgetPolicy,
     ) -> Result<f64, LedgerError> {
-        Ok(sqlx::query_scalar(
-            "SELECT (floor($3 * (SELECT count(*) FROM operations
-                                 WHERE tool = $1 AND first_dispatch_at > now() - make_interval(secs => $2)))
-                     + $4 - (SELECT count(*) FROM retry_spend
-                             WHERE tool = $1 AND at > now() - make_interval(secs => $2)))::float8",
+        let capacity = capacity(policy);
+        let level: Option<f64> = sqlx::query_scalar(
+            "SELECT least($2, tokens + $3 * extract(epoch FROM now() - updated_at))::float8
+             FROM retry_tokens WHERE tool = $1",
         )
         .bind(tool)
-        .bind(policy.window_secs as f64)
-        .bind(policy.ratio)
-        .bind(floor(policy))
-        .fetch_one(&self.pool)
-        .await?)
+        .bind(capacity)
+        .bind(refill_per_sec(policy))
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok((level.unwrap_or(capacity) - capacity / 2.0).ceil().max(0.0))
     }
 
     /// Counts one more processing start of a redelivered message; returns the deliveries seen
@@ -99,7 +138,15 @@ impl Ledger {
     }
 }
 
-/// The floor for the window: `floor_per_minute` scaled to the window length.
-fn floor(policy: &BudgetPolicy) -> f64 {
-    (policy.floor_per_minute as f64 * policy.window_secs as f64 / 60.0).floor()
+/// The bucket's capacity: twice the floor of one window (`floor_per_minute × window_secs / 60`),
+/// at least 2, so a full bucket allows a burst of one window's floor before it throttles.
+pub fn capacity(policy: &BudgetPolicy) -> f64 {
+    (2.0 * policy.floor_per_minute as f64 * policy.window_secs as f64 / 60.0)
+        .floor()
+        .max(2.0)
+}
+
+/// Tokens the bucket regains per second whatever happens (`floor_per_minute / 60`).
+pub fn refill_per_sec(policy: &BudgetPolicy) -> f64 {
+    policy.floor_per_minute as f64 / 60.0
 }

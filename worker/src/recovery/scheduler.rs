@@ -12,10 +12,12 @@ use chrono::Utc;
 use metrics::{counter, gauge};
 
 use super::choose::{choose, facts, Action};
+use crate::config::Capability;
 use crate::context::Context;
 use crate::dispatch::{self, after_recovery, finish, request_for, timed, InFlight};
 use crate::fault;
 use crate::ledger::{ClaimKind, Claimed, Phase, State, Transition};
+use crate::retry::WriteKind;
 use crate::telemetry::metrics as m;
 
 /// Rows leased per scheduler pass.
@@ -75,7 +77,22 @@ pub async fn run(ctx: Arc<Context>, interval: Duration, stop: CancelToken) {
     }
 }
 
+/// Writes this worker's pending budget movements and refreshes the budget gauges.
 async fn refresh_budget_gauges(ctx: &Context) {
+    for (name, credit) in ctx.budget.take_all() {
+        let Some(tool) = ctx.tools.get(&name) else {
+            continue;
+        };
+        if let Err(e) = ctx
+            .ledger
+            .adjust_retry_tokens(&name, &tool.config.budget, credit)
+            .await
+        {
+            ctx.budget.add(&name, credit);
+            counter!(m::LEDGER_ERRORS, "operation" => "budget").increment(1);
+            tracing::warn!(tool = %name, error = %e, "cannot record retry budget movements");
+        }
+    }
     for (name, tool) in ctx.tools.iter() {
         if let Ok(v) = ctx
             .ledger
@@ -146,9 +163,11 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
             {
                 Ok(Some(op)) => dispatch::run(ctx, op).await,
                 Ok(None) => {
+                    ctx.budget.add(&op.tool, 1.0);
                     tracing::debug!(action_id = %op.action_id, "retry taken by another worker")
                 }
                 Err(e) => {
+                    ctx.budget.add(&op.tool, 1.0);
                     tracing::warn!(action_id = %op.action_id, error = %e, "cannot start retry")
                 }
             }
@@ -232,22 +251,46 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
                 defer_for_budget(&ctx, &op, phase, config).await;
                 return;
             }
+            fault::point("before_send", &op.action_id);
+            let Capability::Replay { window, margin } = config.capability else {
+                unreachable!("choose replays only tools with recovery = \"replay\"")
+            };
             match ctx
                 .ledger
-                .begin_replay(op.id, op.fence, &ctx.worker_id)
+                .begin_replay(
+                    op.id,
+                    op.fence,
+                    &ctx.worker_id,
+                    ctx.lease,
+                    config.timeout,
+                    window,
+                    margin,
+                )
                 .await
             {
                 Ok(true) => {}
                 Ok(false) => {
-                    tracing::debug!(action_id = %op.action_id, "replay lease lost");
+                    dispatch::abandoned(
+                        &ctx,
+                        &op,
+                        WriteKind::Retry,
+                        "the lease was lost or the replay window ends before the request could be answered",
+                    );
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(action_id = %op.action_id, error = %e, "cannot record replay attempt");
+                    counter!(m::LEDGER_ERRORS, "operation" => "send_fence").increment(1);
+                    dispatch::abandoned(
+                        &ctx,
+                        &op,
+                        WriteKind::Retry,
+                        &format!("the send fence could not be checked: {e}"),
+                    );
                     return;
                 }
             }
             let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
+            dispatch::account(&ctx, config, WriteKind::Retry, &outcome);
             after_recovery(&op, config, outcome)
         }
     };
@@ -259,9 +302,11 @@ async fn spend_retry(
     op: &crate::ledger::Operation,
     budget: &crate::config::BudgetPolicy,
 ) -> bool {
-    match ctx.ledger.try_spend_retry(&op.tool, op.id, budget).await {
+    let pending = ctx.budget.take(&op.tool);
+    match ctx.ledger.try_spend_retry(&op.tool, budget, pending).await {
         Ok(ok) => ok,
         Err(e) => {
+            ctx.budget.add(&op.tool, pending);
             tracing::warn!(tool = %op.tool, error = %e, "cannot read the retry budget; deferring");
             false
         }
@@ -269,7 +314,7 @@ async fn spend_retry(
 }
 
 /// How long a budget-deferred retry waits before it looks again: a thirtieth of the window,
-/// between 1 and 5 seconds, so freed budget (a window sliding on, a refunded success) is used
+/// between 1 and 5 seconds, so refilled tokens (time, successes) are used
 /// soon without hammering the ledger.
 pub fn budget_deferral(window_secs: u64) -> Duration {
     Duration::from_secs(window_secs / 30).clamp(Duration::from_secs(1), Duration::from_secs(5))

@@ -32,6 +32,7 @@ pub const TRANSITIONS: &str = "intent_worker_transitions_total";
 pub const RECOVERIES: &str = "intent_worker_recovery_actions_total";
 pub const LATE_RECEIPTS: &str = "intent_worker_late_receipts_total";
 pub const STALE_WRITES: &str = "intent_worker_stale_writes_total";
+pub const STALE_SENDS_ABANDONED: &str = "intent_worker_stale_sends_abandoned_total";
 pub const LEDGER_ERRORS: &str = "intent_worker_ledger_errors_total";
 pub const RETRIES_SCHEDULED: &str = "intent_worker_retries_scheduled_total";
 pub const BUDGET_DEFERRALS: &str = "intent_worker_retry_budget_deferrals_total";
@@ -104,6 +105,10 @@ fn describe() {
         "Outcomes discarded because the row had moved on (stale fence or state)."
     );
     describe_counter!(
+        STALE_SENDS_ABANDONED,
+        "Writes abandoned before leaving because the send fence failed (lease lost, or a replay too close to its window's end), by tool and kind (first, retry, replay)."
+    );
+    describe_counter!(
         LEDGER_ERRORS,
         "Ledger statements that failed, by operation."
     );
@@ -114,7 +119,7 @@ fn describe() {
     );
     describe_gauge!(
         BUDGET_AVAILABLE,
-        "Retries the tool's shared budget still allows in the current window."
+        "Retries the tool's shared token bucket allows right now (whole tokens above half its capacity)."
     );
     describe_counter!(
         SWEPT,

@@ -1,0 +1,175 @@
+//! The send path's ledger statements against a real Postgres, on its clock: the send fence of a
+//! dispatch and of a replay (issue 8 item 9) and the retry token bucket (item 12).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use worker::config::BudgetPolicy;
+use worker::ledger::State;
+
+const LEASE: Duration = Duration::from_secs(3);
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Seconds from the database's now() to a timestamp column of the row.
+async fn secs_ahead(db: &TestDb, id: i64, column: &str) -> f64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT extract(epoch FROM {column} - now())::float8 FROM operations WHERE id = $1"
+    )))
+    .bind(id)
+    .fetch_one(db.pool())
+    .await
+    .unwrap()
+}
+
+async fn set(db: &TestDb, id: i64, assignment: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE operations SET {assignment} WHERE id = $1"
+    )))
+    .bind(id)
+    .execute(db.pool())
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dispatch_fence_needs_this_fence_and_a_live_lease_and_renews_it_past_the_timeout() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let op = dispatching(&ctx, "north", "fence-1", "refund").await;
+    let l = &db.ledger;
+    assert!(!l
+        .fence_send(op.id, op.fence + 1, WORKER_ID, LEASE, TIMEOUT)
+        .await
+        .unwrap());
+    assert!(!l
+        .fence_send(op.id, op.fence, "another-worker", LEASE, TIMEOUT)
+        .await
+        .unwrap());
+    assert!(l
+        .fence_send(op.id, op.fence, WORKER_ID, LEASE, TIMEOUT)
+        .await
+        .unwrap());
+    let ahead = secs_ahead(&db, op.id, "lease_until").await;
+    assert!(
+        (4.5..=5.0).contains(&ahead),
+        "lease renewed to timeout + lease ahead: {ahead}"
+    );
+    // The lease ran out on the database clock (a paused worker): no send.
+    set(&db, op.id, "lease_until = now() - interval '1 millisecond'").await;
+    assert!(!l
+        .fence_send(op.id, op.fence, WORKER_ID, LEASE, TIMEOUT)
+        .await
+        .unwrap());
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replay_fence_needs_a_live_lease_and_an_answer_before_the_window_ends() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let op = unknown(&ctx, "north", "replay-1", "refund").await;
+    assert_eq!(op.state(), State::Unknown);
+    let l = &db.ledger;
+    let (window, margin) = (Duration::from_secs(60), Duration::from_secs(1));
+    // Leased by this worker, deadline 10 s away: 2 s timeout + 1 s margin fit.
+    set(
+        &db,
+        op.id,
+        &format!("lease_owner = '{WORKER_ID}', lease_until = now() + interval '30 seconds', replay_deadline = now() + interval '10 seconds'"),
+    )
+    .await;
+    assert!(l
+        .begin_replay(op.id, op.fence, WORKER_ID, LEASE, TIMEOUT, window, margin)
+        .await
+        .unwrap());
+    let next = secs_ahead(&db, op.id, "next_attempt_at").await;
+    assert!(
+        (4.5..=5.0).contains(&next),
+        "the next round waits past this replay: {next}"
+    );
+    // 2.5 s left: a request sent now could be answered only 0.5 s before the end, inside the
+    // 1 s margin.
+    set(
+        &db,
+        op.id,
+        "replay_deadline = now() + interval '2.5 seconds'",
+    )
+    .await;
+    assert!(!l
+        .begin_replay(op.id, op.fence, WORKER_ID, LEASE, TIMEOUT, window, margin)
+        .await
+        .unwrap());
+    // No stored deadline: first dispatch + window decides (60 s ago here).
+    set(
+        &db,
+        op.id,
+        "replay_deadline = NULL, first_dispatch_at = now() - interval '60 seconds'",
+    )
+    .await;
+    assert!(!l
+        .begin_replay(op.id, op.fence, WORKER_ID, LEASE, TIMEOUT, window, margin)
+        .await
+        .unwrap());
+    // Window open again, but the lease is gone.
+    set(
+        &db,
+        op.id,
+        "replay_deadline = now() + interval '1 hour', lease_until = now() - interval '1 millisecond'",
+    )
+    .await;
+    assert!(!l
+        .begin_replay(op.id, op.fence, WORKER_ID, LEASE, TIMEOUT, window, margin)
+        .await
+        .unwrap());
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM operations WHERE id = $1")
+        .bind(op.id)
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        attempts,
+        op.attempts + 1,
+        "only the one replay let out counted"
+    );
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bucket_lets_retries_out_only_above_half_and_failed_ones_stay_spent() {
+    let db = TestDb::new().await;
+    let l = &db.ledger;
+    // Capacity 2 x 6 x 100 / 60 = 20; the time refill (0.1/s) is negligible here.
+    let policy = BudgetPolicy {
+        ratio: 0.1,
+        floor_per_minute: 6,
+        window_secs: 100,
+    };
+    assert_eq!(l.retry_budget_available("t", &policy).await.unwrap(), 10.0);
+    // A first failure is pending with the first spend: 20 - 0.5 = 19.5, then 10 retries leave
+    // 9.5 (each spent above half).
+    let mut sent = 0;
+    while l
+        .try_spend_retry("t", &policy, if sent == 0 { -0.5 } else { 0.0 })
+        .await
+        .unwrap()
+    {
+        sent += 1;
+        assert!(sent <= 20, "the bucket never throttled");
+    }
+    assert_eq!(sent, 10);
+    // Failed retries keep their tokens spent; a succeeded one earns 1 + ratio: above half again.
+    l.adjust_retry_tokens("t", &policy, 1.1).await.unwrap();
+    assert!(l.try_spend_retry("t", &policy, 0.0).await.unwrap());
+    assert!(!l.try_spend_retry("t", &policy, 0.0).await.unwrap());
+    // Failures never take the level below zero.
+    l.adjust_retry_tokens("t", &policy, -1000.0).await.unwrap();
+    let tokens: f64 = sqlx::query_scalar("SELECT tokens FROM retry_tokens WHERE tool = 't'")
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(tokens, 0.0);
+    assert_eq!(l.retry_budget_available("t", &policy).await.unwrap(), 0.0);
+    db.drop_db().await;
+}
