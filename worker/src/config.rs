@@ -94,6 +94,8 @@ pub struct Settings {
     pub db_pool_size: u32,
     /// Log format: "text" or "json".
     pub log_json: bool,
+    /// AMQP heartbeat asked of the broker, seconds (0 = off): how soon a silent link is lost.
+    pub amqp_heartbeat_secs: u16,
 }
 
 fn var(name: &'static str) -> Option<String> {
@@ -256,6 +258,7 @@ impl Settings {
             )?),
             db_pool_size: parse("WORKER_DB_POOL_SIZE", 10u32)?.max(2),
             log_json: log_format == "json",
+            amqp_heartbeat_secs: parse("WORKER_AMQP_HEARTBEAT_SECS", 10u16)?,
         })
     }
 }
