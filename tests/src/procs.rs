@@ -268,6 +268,23 @@ impl Worker {
         }
     }
 
+    /// SIGTERM and wait for a graceful exit without blocking the test's runtime (so a
+    /// [`crate::FaultProxy`] in the same runtime keeps forwarding meanwhile).
+    pub async fn terminate_async(&mut self, timeout: Duration) -> Option<i32> {
+        signal(self.pid(), "TERM");
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            if tokio::time::Instant::now() > deadline {
+                self.kill();
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
