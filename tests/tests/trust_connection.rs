@@ -224,6 +224,69 @@ async fn malformed_intent_from_a_second_broker_user_is_dead_lettered_not_fatal()
     cleanup(env).await;
 }
 
+/// Item 1, a copy the broker keeps refusing: the worker's own broker user may not write to the
+/// dead-letter exchange. The delivery is rejected without requeue after a few attempts, so the
+/// queue's own dead-letter exchange takes it (the broker needs no permission for that); the
+/// worker stays up and the good intents of the batch succeed.
+#[tokio::test]
+async fn refused_dead_letter_copy_falls_back_to_the_queues_own_dead_lettering() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let bob = BrokerUser::create(&env, "bob");
+    let dlx = env.topology.dead_letter_exchange.replace('.', "\\.");
+    rabbitmqctl(&[
+        "set_permissions",
+        "-p",
+        "/",
+        &bob.name,
+        ".*",
+        &format!("^(?!{dlx}$).*"),
+        ".*",
+    ]);
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
+        .amqp_url(&bob.url(&env))
+        .with_metrics();
+    let _agent = Agent::new_after(&env, &["north-shop"], &opts).await;
+    let agent = Agent::new(&env, &["north-shop"]).await;
+    let good = ids("ok", 6);
+    publish(&agent, "north-shop", &good[..3]).await;
+    let bad = br#"{"tenant":"north-shop","action_id":"bad-5","tool":"refund","arguments":5}"#;
+    agent.send_raw("north-shop", bad).await;
+    publish(&agent, "north-shop", &good[3..]).await;
+    let mut w = Worker::start(&env, "w", &opts).await;
+    all_succeed(&env, "north-shop", &good, T).await;
+    one_mutation_each(&env, "north-shop", &good).await;
+    let mut dead = Vec::new();
+    let deadline = tokio::time::Instant::now() + T;
+    while dead.is_empty() && tokio::time::Instant::now() < deadline {
+        dead.extend(agent.drain_dead_letters(&env).await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        dead.len(),
+        1,
+        "the bad intent reached the dead-letter queue"
+    );
+    assert_eq!(dead[0].data, bad.to_vec());
+    assert!(
+        header(&dead[0], "x-death").is_some(),
+        "dead-lettered by the broker itself"
+    );
+    let metrics = w.metrics().await;
+    assert_eq!(
+        e2e::metric_value(
+            &metrics,
+            "intent_worker_dead_letter_refused_total",
+            &[("reason", "invalid_message")]
+        ),
+        1.0
+    );
+    assert!(w.is_running(), "a refused copy is never fatal");
+    drop(w);
+    drop(bob);
+    cleanup(env).await;
+}
+
 /// Publishes intents for `ids` (tools round-robin) as the test's agent.
 async fn publish(agent: &Agent, tenant: &str, ids: &[String]) {
     for (i, id) in ids.iter().enumerate() {
