@@ -167,15 +167,20 @@ struct Acks {
     settled_through: u64,
 }
 
+/// How to ack a recorded batch.
+#[derive(Debug, PartialEq, Eq)]
+enum AckPlan {
+    /// One `multiple` ack up to this tag (None: every tag was already rejected), after which
+    /// every tag up to the batch's last is settled.
+    Through { ack: Option<u64>, settled: u64 },
+    /// One ack per tag: an earlier tag is unsettled, so `multiple` could cover it.
+    Each(Vec<u64>),
+}
+
 impl Acks {
-    /// Acks `tags` (all recorded; `rejected` among them already settled): one `multiple` ack
-    /// when they continue the settled prefix without a gap, else one ack per tag.
-    async fn ack(
-        &mut self,
-        channel: &Channel,
-        tags: &[u64],
-        rejected: &[u64],
-    ) -> Result<(), lapin::Error> {
+    /// `tags` were all recorded; `rejected` among them are already settled. A `multiple` ack
+    /// only when they continue the settled prefix without a gap.
+    fn plan(&self, tags: &[u64], rejected: &[u64]) -> AckPlan {
         let mut sorted = tags.to_vec();
         sorted.sort_unstable();
         let contiguous = sorted
@@ -183,18 +188,41 @@ impl Acks {
             .enumerate()
             .all(|(i, t)| *t == self.settled_through + 1 + i as u64);
         let last = *sorted.last().expect("non-empty batch");
+        let to_ack: Vec<u64> = sorted
+            .into_iter()
+            .filter(|t| !rejected.contains(t))
+            .collect();
         if contiguous {
-            if sorted.iter().any(|t| !rejected.contains(t)) {
-                channel
-                    .basic_ack(last, BasicAckOptions { multiple: true })
-                    .await?;
+            AckPlan::Through {
+                ack: (!to_ack.is_empty()).then_some(last),
+                settled: last,
             }
-            self.settled_through = last;
         } else {
-            for t in sorted.iter().filter(|t| !rejected.contains(t)) {
-                channel
-                    .basic_ack(*t, BasicAckOptions { multiple: false })
-                    .await?;
+            AckPlan::Each(to_ack)
+        }
+    }
+
+    async fn ack(
+        &mut self,
+        channel: &Channel,
+        tags: &[u64],
+        rejected: &[u64],
+    ) -> Result<(), lapin::Error> {
+        match self.plan(tags, rejected) {
+            AckPlan::Through { ack, settled } => {
+                if let Some(tag) = ack {
+                    channel
+                        .basic_ack(tag, BasicAckOptions { multiple: true })
+                        .await?;
+                }
+                self.settled_through = settled;
+            }
+            AckPlan::Each(tags) => {
+                for t in tags {
+                    channel
+                        .basic_ack(t, BasicAckOptions { multiple: false })
+                        .await?;
+                }
             }
         }
         Ok(())
@@ -513,4 +541,79 @@ pub fn dead_letter_properties(
 /// Lower-case hex.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn multiple_ack_only_continues_a_settled_prefix() {
+        let acks = Acks::default();
+        assert_eq!(
+            acks.plan(&[2, 1, 3], &[]),
+            AckPlan::Through {
+                ack: Some(3),
+                settled: 3
+            }
+        );
+        assert_eq!(
+            acks.plan(&[1], &[1]),
+            AckPlan::Through {
+                ack: None,
+                settled: 1
+            }
+        );
+        let acks = Acks { settled_through: 3 };
+        // Tag 4 was never recorded: 5 and 6 are acked one by one, 4 is not covered.
+        assert_eq!(acks.plan(&[5, 6], &[]), AckPlan::Each(vec![5, 6]));
+        assert_eq!(acks.plan(&[5, 6, 7], &[6]), AckPlan::Each(vec![5, 7]));
+        assert_eq!(
+            acks.plan(&[4, 5], &[5]),
+            AckPlan::Through {
+                ack: Some(5),
+                settled: 5
+            }
+        );
+    }
+
+    #[test]
+    fn dead_letter_copy_drops_user_id_and_keeps_it_in_a_header() {
+        let mut h = FieldTable::default();
+        h.insert("trace".into(), AMQPValue::LongString("t-1".into()));
+        let original = BasicProperties::default()
+            .with_user_id("alice".into())
+            .with_content_type("application/json".into())
+            .with_message_id("m-1".into())
+            .with_headers(h);
+        let dl = DeadLetter {
+            index: 0,
+            reason: "invalid_message",
+            detail: "wrong_type: arguments".into(),
+        };
+        let p = dead_letter_properties(&original, &dl, "tenant-a");
+        assert!(p.user_id().is_none());
+        assert_eq!(
+            p.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
+        assert_eq!(p.message_id().as_ref().unwrap().as_str(), "m-1");
+        assert_eq!(*p.delivery_mode(), Some(2));
+        let headers = p.headers().as_ref().unwrap().inner();
+        let text = |k: &str| match headers.get(k) {
+            Some(AMQPValue::LongString(s)) => s.to_string(),
+            other => panic!("{k}: {other:?}"),
+        };
+        assert_eq!(text("x-intent-worker-user-id"), "alice");
+        assert_eq!(text("x-intent-worker-reason"), "invalid_message");
+        assert_eq!(text("x-original-routing-key"), "tenant-a");
+        assert_eq!(text("trace"), "t-1");
+        let anonymous = dead_letter_properties(&BasicProperties::default(), &dl, "k");
+        assert!(!anonymous
+            .headers()
+            .as_ref()
+            .unwrap()
+            .inner()
+            .contains_key("x-intent-worker-user-id"));
+    }
 }
