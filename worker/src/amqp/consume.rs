@@ -244,7 +244,24 @@ async fn process(
     let mut backoff = Duration::from_millis(100);
     loop {
         match try_process(dlx, ctx, config, &batch).await {
-            Ok(Recorded { claimed, refused }) => {
+            Ok(Recorded {
+                claimed,
+                broken: Some(e),
+                ..
+            }) => {
+                // The claims are committed; the link broke while dead-lettering. Dispatch them
+                // (they need no broker) and leave the deliveries unacked: they come back
+                // redelivered and the inbox answers them from their rows.
+                for op in claimed {
+                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, op)).await;
+                }
+                return Err(e);
+            }
+            Ok(Recorded {
+                claimed,
+                refused,
+                broken: None,
+            }) => {
                 // Counted once the batch is recorded, so a batch retried in an outage counts once.
                 counter!(m::INTENTS_RECEIVED).increment(batch.len() as u64);
                 let mut settled = Ok(());
@@ -298,11 +315,13 @@ enum Failure {
     Broker(AmqpError),
 }
 
-/// A recorded batch: the operations to dispatch, and the deliveries (batch indices) whose
-/// dead-letter copy the broker refused, to be rejected without requeue.
+/// A recorded batch: the operations to dispatch, the deliveries (batch indices) whose
+/// dead-letter copy the broker refused, to be rejected without requeue, and whether the broker
+/// connection broke while dead-lettering (then nothing is acked).
 struct Recorded {
     claimed: Vec<crate::ledger::Operation>,
     refused: Vec<usize>,
+    broken: Option<AmqpError>,
 }
 
 async fn try_process(
@@ -335,6 +354,7 @@ async fn try_process(
                 return Ok(Recorded {
                     claimed: Vec::new(),
                     refused: if copied { Vec::new() } else { vec![0] },
+                    broken: None,
                 });
             }
         }
@@ -355,19 +375,22 @@ async fn try_process(
         .await
         .map_err(Failure::Ledger)?;
     let mut refused = Vec::new();
+    let mut broken = None;
     for dl in &outcome.dead_letters {
         tracing::warn!(reason = dl.reason, detail = %dl.detail, "intent dead-lettered");
-        if !dlx
-            .send(&batch[dl.index], dl)
-            .await
-            .map_err(Failure::Broker)?
-        {
-            refused.push(dl.index);
+        match dlx.send(&batch[dl.index], dl).await {
+            Ok(true) => {}
+            Ok(false) => refused.push(dl.index),
+            Err(e) => {
+                broken = Some(e);
+                break;
+            }
         }
     }
     Ok(Recorded {
         claimed: outcome.claimed,
         refused,
+        broken,
     })
 }
 
