@@ -307,9 +307,12 @@ async fn broker_link_cut_for_twelve_seconds_is_survived() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
+    let mut opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
         .amqp_url(&via(&env.amqp_url, proxy.addr()))
         .with_metrics();
+    // A lease well above the tools' 2 s timeout: a slow machine must not turn a `none` tool's
+    // dispatch into `held`, which is not what this test is about.
+    opts.lease_secs = 10;
     let mut w = Worker::start(&env, "w", &opts).await;
     let agent = Agent::new(&env, &["north-shop"]).await;
     let all = ids("cut", 60);

@@ -1,6 +1,6 @@
 //! The intents consumer: manual acks, a prefetch window, and batches. Each batch goes through
 //! [`crate::intake::step`]; bad messages are copied to the dead-letter exchange (with publisher
-//! confirms) and only then is the batch acked; claimed operations are then dispatched.
+//! confirms); claimed operations are dispatched and the batch is acked.
 //!
 //! Ack rule: a delivery tag is acked only after its own record committed. A batch that could not
 //! be recorded when shutdown came is left unacked and the consumer takes nothing more (the
@@ -264,6 +264,12 @@ async fn process(
             }) => {
                 // Counted once the batch is recorded, so a batch retried in an outage counts once.
                 counter!(m::INTENTS_RECEIVED).increment(batch.len() as u64);
+                // The claims are committed: they are dispatched first, so no send waits on the
+                // broker (if the link has just gone, the ack is lost and the redelivery is
+                // answered from the inbox).
+                for op in claimed {
+                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, op)).await;
+                }
                 let mut settled = Ok(());
                 let mut rejected = Vec::new();
                 for tag in refused.iter().map(|&i| batch[i].delivery_tag) {
@@ -281,11 +287,6 @@ async fn process(
                     settled = acks.ack(channel, &tags, &rejected).await;
                 }
                 ctx.relay_wake.notify_one();
-                // The claims are committed: they are dispatched even when the broker link has
-                // just gone (the ack is then lost and the redelivery is answered from the inbox).
-                for op in claimed {
-                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, op)).await;
-                }
                 settled.map_err(AmqpError::broker("basic.ack"))?;
                 return Ok(Processed::Recorded);
             }
