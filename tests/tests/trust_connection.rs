@@ -148,6 +148,15 @@ async fn one_mutation_each(env: &Env, tenant: &str, ids: &[String]) {
 
 const TOOLS: [&str; 3] = ["refund", "ticket", "deploy"];
 
+/// Worker options with a lease well above the tools' 2 s timeout: a slow, shared machine must
+/// not let leases expire mid-request (a `none` tool's dispatch would end `held`), which is not
+/// what these tests are about.
+fn base_opts(tools: std::path::PathBuf) -> WorkerOptions {
+    let mut opts = WorkerOptions::new(tools);
+    opts.lease_secs = 10;
+    opts
+}
+
 /// Item 1: in tenant-proof mode a second broker user publishes a malformed intent in a batch
 /// of good ones. On main the dead-letter copy kept `user_id = alice`, RabbitMQ refused it on
 /// the worker's `guest` connection and the worker exited.
@@ -163,7 +172,7 @@ async fn malformed_intent_from_a_second_broker_user_is_dead_lettered_not_fatal()
         alice.name
     ));
     std::fs::write(&tools, text).unwrap();
-    let opts = WorkerOptions::new(tools);
+    let opts = base_opts(tools);
     // The batch is queued before the worker starts, so the bad intent sits among good ones.
     let _agent = Agent::new_after(&env, &["tenant-a"], &opts).await;
     let good: Vec<String> = (0..10).map(|i| format!("good-{i}")).collect();
@@ -243,7 +252,7 @@ async fn refused_dead_letter_copy_falls_back_to_the_queues_own_dead_lettering() 
         &format!("^(?!{dlx}$).*"),
         ".*",
     ]);
-    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
+    let opts = base_opts(env.standard_tools(ds.port, ""))
         .amqp_url(&bob.url(&env))
         .with_metrics();
     let _agent = Agent::new_after(&env, &["north-shop"], &opts).await;
@@ -307,12 +316,9 @@ async fn broker_link_cut_for_twelve_seconds_is_survived() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let mut opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
+    let opts = base_opts(env.standard_tools(ds.port, ""))
         .amqp_url(&via(&env.amqp_url, proxy.addr()))
         .with_metrics();
-    // A lease well above the tools' 2 s timeout: a slow machine must not turn a `none` tool's
-    // dispatch into `held`, which is not what this test is about.
-    opts.lease_secs = 10;
     let mut w = Worker::start(&env, "w", &opts).await;
     let agent = Agent::new(&env, &["north-shop"]).await;
     let all = ids("cut", 60);
@@ -358,7 +364,7 @@ async fn broker_black_hole_is_detected_by_heartbeat_and_survived() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
+    let opts = base_opts(env.standard_tools(ds.port, ""))
         .amqp_url(&via(&env.amqp_url, proxy.addr()))
         .env("WORKER_AMQP_HEARTBEAT_SECS", "2")
         .with_metrics();
@@ -399,8 +405,8 @@ async fn postgres_link_cut_and_restored_all_succeed() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let pg = FaultProxy::start(&host_port(&env.db_url)).await;
-    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
-        .database_url(&via(&env.db_url, pg.addr()));
+    let opts =
+        base_opts(env.standard_tools(ds.port, "")).database_url(&via(&env.db_url, pg.addr()));
     let mut w = Worker::start(&env, "w", &opts).await;
     let agent = Agent::new(&env, &["north-shop"]).await;
     let all = ids("pg", 42);
@@ -441,8 +447,8 @@ async fn sigterm_during_broker_outage_exits_cleanly() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
-        .amqp_url(&via(&env.amqp_url, proxy.addr()));
+    let opts =
+        base_opts(env.standard_tools(ds.port, "")).amqp_url(&via(&env.amqp_url, proxy.addr()));
     let mut w = Worker::start(&env, "w", &opts).await;
     let agent = Agent::new(&env, &["north-shop"]).await;
     let all = ids("term", 5);
@@ -469,7 +475,7 @@ async fn readyz_reports_broker_and_ledger_loss() {
     let ds = Downstream::start(&env).await;
     let proxy = FaultProxy::start(&broker_addr(&env)).await;
     let pg = FaultProxy::start(&host_port(&env.db_url)).await;
-    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
+    let opts = base_opts(env.standard_tools(ds.port, ""))
         .amqp_url(&via(&env.amqp_url, proxy.addr()))
         .database_url(&via(&env.db_url, pg.addr()))
         .with_metrics();
@@ -550,7 +556,7 @@ async fn sigterm_with_ledger_down_never_acks_an_unrecorded_delivery() {
     let ds = Downstream::start(&env).await;
     let pg = FaultProxy::start(&host_port(&env.db_url)).await;
     let tools = env.standard_tools(ds.port, "");
-    let opts = WorkerOptions::new(tools.clone())
+    let opts = base_opts(tools.clone())
         .database_url(&via(&env.db_url, pg.addr()))
         .env("WORKER_SHUTDOWN_GRACE_SECS", "2");
     let agent = Agent::new_after(&env, &["north-shop"], &opts).await;
@@ -575,7 +581,7 @@ async fn sigterm_with_ledger_down_never_acks_an_unrecorded_delivery() {
         published.extend(buffered);
     }
     // A worker with a healthy ledger link takes whatever was left unacked.
-    let _w = Worker::start(&env, "final", &WorkerOptions::new(tools)).await;
+    let _w = Worker::start(&env, "final", &base_opts(tools)).await;
     let deadline = tokio::time::Instant::now() + T;
     loop {
         let mut missing = Vec::new();
