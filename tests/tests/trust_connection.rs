@@ -148,12 +148,24 @@ async fn one_mutation_each(env: &Env, tenant: &str, ids: &[String]) {
 
 const TOOLS: [&str; 3] = ["refund", "ticket", "deploy"];
 
-/// Worker options with a lease well above the tools' 2 s timeout: a slow, shared machine must
-/// not let leases expire mid-request (a `none` tool's dispatch would end `held`), which is not
-/// what these tests are about.
+/// The standard tools with an 8 s timeout and worker options with a 20 s lease: on a slow,
+/// shared machine a request must not time out or outlive its lease (a `none` tool's dispatch
+/// would end `held`), which is not what these tests are about.
+fn roomy_tools(env: &Env, port: u16) -> std::path::PathBuf {
+    let path = env.standard_tools(port, "");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("timeout_ms = 2000"));
+    std::fs::write(
+        &path,
+        text.replace("timeout_ms = 2000", "timeout_ms = 8000"),
+    )
+    .unwrap();
+    path
+}
+
 fn base_opts(tools: std::path::PathBuf) -> WorkerOptions {
     let mut opts = WorkerOptions::new(tools);
-    opts.lease_secs = 10;
+    opts.lease_secs = 20;
     opts
 }
 
@@ -165,7 +177,7 @@ async fn malformed_intent_from_a_second_broker_user_is_dead_lettered_not_fatal()
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let alice = BrokerUser::create(&env, "alice");
-    let tools = env.standard_tools(ds.port, "");
+    let tools = roomy_tools(&env, ds.port);
     let mut text = std::fs::read_to_string(&tools).unwrap();
     text.push_str(&format!(
         "\n[auth]\nmode = \"user_id\"\nusers = {{ \"{}\" = [\"tenant-a\"] }}\n",
@@ -252,7 +264,7 @@ async fn refused_dead_letter_copy_falls_back_to_the_queues_own_dead_lettering() 
         &format!("^(?!{dlx}$).*"),
         ".*",
     ]);
-    let opts = base_opts(env.standard_tools(ds.port, ""))
+    let opts = base_opts(roomy_tools(&env, ds.port))
         .amqp_url(&bob.url(&env))
         .with_metrics();
     let _agent = Agent::new_after(&env, &["north-shop"], &opts).await;
@@ -316,7 +328,7 @@ async fn broker_link_cut_for_twelve_seconds_is_survived() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let opts = base_opts(env.standard_tools(ds.port, ""))
+    let opts = base_opts(roomy_tools(&env, ds.port))
         .amqp_url(&via(&env.amqp_url, proxy.addr()))
         .with_metrics();
     let mut w = Worker::start(&env, "w", &opts).await;
@@ -364,7 +376,7 @@ async fn broker_black_hole_is_detected_by_heartbeat_and_survived() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let opts = base_opts(env.standard_tools(ds.port, ""))
+    let opts = base_opts(roomy_tools(&env, ds.port))
         .amqp_url(&via(&env.amqp_url, proxy.addr()))
         .env("WORKER_AMQP_HEARTBEAT_SECS", "2")
         .with_metrics();
@@ -405,8 +417,7 @@ async fn postgres_link_cut_and_restored_all_succeed() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let pg = FaultProxy::start(&host_port(&env.db_url)).await;
-    let opts =
-        base_opts(env.standard_tools(ds.port, "")).database_url(&via(&env.db_url, pg.addr()));
+    let opts = base_opts(roomy_tools(&env, ds.port)).database_url(&via(&env.db_url, pg.addr()));
     let mut w = Worker::start(&env, "w", &opts).await;
     let agent = Agent::new(&env, &["north-shop"]).await;
     let all = ids("pg", 42);
@@ -447,8 +458,7 @@ async fn sigterm_during_broker_outage_exits_cleanly() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let opts =
-        base_opts(env.standard_tools(ds.port, "")).amqp_url(&via(&env.amqp_url, proxy.addr()));
+    let opts = base_opts(roomy_tools(&env, ds.port)).amqp_url(&via(&env.amqp_url, proxy.addr()));
     let mut w = Worker::start(&env, "w", &opts).await;
     let agent = Agent::new(&env, &["north-shop"]).await;
     let all = ids("term", 5);
@@ -475,7 +485,7 @@ async fn readyz_reports_broker_and_ledger_loss() {
     let ds = Downstream::start(&env).await;
     let proxy = FaultProxy::start(&broker_addr(&env)).await;
     let pg = FaultProxy::start(&host_port(&env.db_url)).await;
-    let opts = base_opts(env.standard_tools(ds.port, ""))
+    let opts = base_opts(roomy_tools(&env, ds.port))
         .amqp_url(&via(&env.amqp_url, proxy.addr()))
         .database_url(&via(&env.db_url, pg.addr()))
         .with_metrics();
@@ -555,7 +565,7 @@ async fn sigterm_with_ledger_down_never_acks_an_unrecorded_delivery() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let pg = FaultProxy::start(&host_port(&env.db_url)).await;
-    let tools = env.standard_tools(ds.port, "");
+    let tools = roomy_tools(&env, ds.port);
     let opts = base_opts(tools.clone())
         .database_url(&via(&env.db_url, pg.addr()))
         .env("WORKER_SHUTDOWN_GRACE_SECS", "2");
