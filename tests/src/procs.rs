@@ -123,6 +123,17 @@ impl WorkerOptions {
         self.extra_env.insert(k.to_string(), v.to_string());
         self
     }
+
+    /// Connects the worker to RabbitMQ through `url` (e.g. a [`crate::FaultProxy`]) instead of
+    /// the test's broker URL.
+    pub fn amqp_url(self, url: &str) -> Self {
+        self.env("AMQP_URL", url)
+    }
+
+    /// Connects the worker's ledger through `url` instead of the test database's URL.
+    pub fn database_url(self, url: &str) -> Self {
+        self.env("DATABASE_URL", url)
+    }
 }
 
 /// A running worker process.
@@ -259,8 +270,43 @@ impl Worker {
         }
     }
 
+    /// SIGTERM and wait for a graceful exit without blocking the test's runtime (so a
+    /// [`crate::FaultProxy`] in the same runtime keeps forwarding meanwhile).
+    pub async fn terminate_async(&mut self, timeout: Duration) -> Option<i32> {
+        signal(self.pid(), "TERM");
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            if tokio::time::Instant::now() > deadline {
+                self.kill();
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// GETs a path of the metrics listener (needs `with_metrics()`): (status, body); status 0
+    /// when nothing answered.
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        let port = self.metrics_port.expect("worker started without metrics");
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        match client
+            .get(format!("http://127.0.0.1:{port}{path}"))
+            .send()
+            .await
+        {
+            Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
+            Err(_) => (0, String::new()),
+        }
     }
 
     /// Scrapes `/metrics` (needs `with_metrics()`).

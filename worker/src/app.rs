@@ -1,13 +1,15 @@
 //! Wiring: builds the worker from its settings and runs consumer, dispatchers, recovery
-//! scheduler, relay, metrics and admin API until a signal, then shuts down gracefully.
+//! scheduler, relay, metrics and admin API until a signal, then shuts down gracefully. The
+//! consumer and the relay each own one broker connection and reopen it when it is lost.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use metrics::counter;
 
 use crate::adapter::ToolSet;
-use crate::amqp::{self, consume::ConsumerConfig, relay::Relay};
+use crate::amqp::{self, consume::ConsumerConfig, relay::Relay, Link, LinkState};
 use crate::config::{Settings, Tools};
 use crate::context::Context;
 use crate::ledger::Ledger;
@@ -32,7 +34,7 @@ pub async fn connect_ledger(settings: &Settings) -> anyhow::Result<Ledger> {
     }
 }
 
-/// Runs the worker until SIGTERM/Ctrl-C (or a fatal broker error).
+/// Runs the worker until SIGTERM/Ctrl-C. Losing the broker is not fatal: each link reconnects.
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let tools_file = Tools::load(&settings.tools_path)?;
     let tools = ToolSet::from_config(&tools_file)?;
@@ -47,9 +49,6 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         wait_for_migrations(&ledger).await?;
     }
 
-    let connection = connect_amqp(&settings).await?;
-    amqp::topology::declare(&connection, &settings.topology).await?;
-
     let ctx = Context::new(
         ledger.clone(),
         tools.clone(),
@@ -59,12 +58,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     );
     let (trigger, stop) = shutdown::channel();
     let tool_names: Vec<String> = tools.iter().map(|(n, _)| n.clone()).collect();
+    let links = LinkState::default();
 
     if let Some(addr) = settings.metrics_addr {
         let stop = stop.clone();
         let (handle, ledger, names) = (handle.clone(), ledger.clone(), tool_names.clone());
+        let links = links.clone();
         tokio::spawn(async move {
-            if let Err(e) = m::serve(addr, handle, ledger, names, async move {
+            if let Err(e) = m::serve(addr, handle, ledger, names, links, async move {
                 stop.cancelled().await
             })
             .await
@@ -102,26 +103,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         settings.tombstone_retention,
         stop.clone(),
     ));
-    let relay = Relay::new(
-        &connection,
-        settings.topology.results_exchange.clone(),
-        ctx.clone(),
-    )
-    .await?;
     // The relay stops last: after in-flight work has recorded its results.
     let (relay_trigger, relay_stop) = shutdown::channel();
-    // A broken broker channel in the relay is fatal, like one in the consumer: the process
-    // exits and its supervisor restarts it (the outbox keeps every result).
-    let (fatal_tx, mut fatal_rx) = tokio::sync::mpsc::channel::<anyhow::Error>(1);
-    let relay = tokio::spawn(async move {
-        let result = relay.run(relay_stop).await;
-        if let Err(e) = &result {
-            let _ = fatal_tx
-                .send(anyhow::anyhow!("result relay failed: {e}"))
-                .await;
-        }
-        result
-    });
+    let relay = tokio::spawn(relay_link(
+        settings.clone(),
+        ctx.clone(),
+        links.clone(),
+        relay_stop,
+    ));
 
     let consumer_config = ConsumerConfig {
         topology: settings.topology.clone(),
@@ -130,58 +119,160 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         prepared_grace: settings.lease,
     };
     tracing::info!(worker_id = %settings.worker_id, tools = ?tool_names, "worker started");
-    let consumer = amqp::consume::run(&connection, ctx.clone(), consumer_config, stop.clone());
+    let consumer = consumer_link(&settings, ctx.clone(), consumer_config, links, stop.clone());
     tokio::pin!(consumer);
     // On a signal the consumer is told to stop and then awaited, so a batch it is in the middle
     // of is recorded, acked and dispatched rather than abandoned half-way (which would turn its
-    // claims into false unknowns).
-    let outcome = tokio::select! {
-        r = &mut consumer => r.map_err(anyhow::Error::from),
+    // claims into false unknowns). It also stops while the broker is unreachable.
+    tokio::select! {
+        () = &mut consumer => {}
         _ = shutdown::signal() => {
             tracing::info!("shutdown requested");
             trigger.fire();
-            (&mut consumer).await.map_err(anyhow::Error::from)
+            (&mut consumer).await;
         }
-        Some(e) = fatal_rx.recv() => {
-            trigger.fire();
-            let _ = (&mut consumer).await;
-            Err(e)
-        }
-    };
-    if let Err(e) = &outcome {
-        tracing::error!(error = %format!("{e:#}"), "fatal error; shutting down");
     }
     trigger.fire();
     drain(&ctx, settings.shutdown_grace, settings.max_in_flight).await;
     let _ = sched.await;
     let _ = sweeper.await;
     relay_trigger.fire();
-    match tokio::time::timeout(Duration::from_secs(10), relay).await {
-        Ok(Ok(Err(e))) => {
-            tracing::warn!(error = %e, "relay stopped with an error; unpublished results stay in the outbox")
-        }
-        Err(_) => {
-            tracing::warn!("relay did not finish in time; unpublished results stay in the outbox")
-        }
-        _ => {}
+    if tokio::time::timeout(Duration::from_secs(10), relay)
+        .await
+        .is_err()
+    {
+        tracing::warn!("relay did not finish in time; unpublished results stay in the outbox");
     }
-    let _ = connection.close(200, "shutdown".into()).await;
     tracing::info!("worker stopped");
-    outcome
+    Ok(())
 }
 
-async fn connect_amqp(settings: &Settings) -> anyhow::Result<lapin::Connection> {
-    let mut delay = Duration::from_millis(250);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+/// Closes a connection without waiting on a link that may be a black hole.
+async fn close_quietly(connection: &lapin::Connection) {
+    let _ = tokio::time::timeout(
+        Duration::from_secs(2),
+        connection.close(200, "shutdown".into()),
+    )
+    .await;
+}
+
+/// Waits out a reconnect delay; false when `stop` fired meanwhile.
+async fn pause(attempt: u32, stop: &shutdown::CancelToken) -> bool {
+    let delay = amqp::reconnect_delay(attempt);
+    tokio::select! {
+        biased;
+        _ = stop.cancelled() => false,
+        _ = tokio::time::sleep(delay) => true,
+    }
+}
+
+/// Connects (named `name`), giving up only when `stop` fires.
+async fn connect_until_stopped(
+    settings: &Settings,
+    name: &str,
+    link: Link,
+    stop: &shutdown::CancelToken,
+) -> Option<lapin::Connection> {
+    let mut attempt = 0;
     loop {
-        match amqp::connect(&settings.amqp_url, &settings.worker_id).await {
-            Ok(c) => return Ok(c),
-            Err(e) if tokio::time::Instant::now() < deadline => {
-                tracing::warn!(error = %e, "RabbitMQ not reachable yet; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(5));
+        let connected = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return None,
+            c = amqp::connect_with_heartbeat(&settings.amqp_url, name, settings.amqp_heartbeat_secs) => c,
+        };
+        match connected {
+            Ok(c) => return Some(c),
+            Err(e) => {
+                attempt += 1;
+                tracing::warn!(?link, attempt, error = %e, "RabbitMQ not reachable; retrying");
+                if !pause(attempt, stop).await {
+                    return None;
+                }
             }
-            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// The consumer's broker link: connect, declare the topology, consume; when the link breaks,
+/// reconnect with back-off and start again. Returns only once `stop` fired.
+async fn consumer_link(
+    settings: &Settings,
+    ctx: Arc<Context>,
+    config: ConsumerConfig,
+    links: LinkState,
+    stop: shutdown::CancelToken,
+) {
+    let mut attempt = 0;
+    loop {
+        let Some(connection) =
+            connect_until_stopped(settings, &settings.worker_id, Link::Consumer, &stop).await
+        else {
+            return;
+        };
+        let result = match amqp::topology::declare(&connection, &settings.topology).await {
+            Ok(()) => {
+                links.set(Link::Consumer, true);
+                attempt = 0;
+                amqp::consume::run(&connection, ctx.clone(), &config, stop.clone()).await
+            }
+            Err(e) => Err(e),
+        };
+        links.set(Link::Consumer, false);
+        close_quietly(&connection).await;
+        match result {
+            Ok(()) => return,
+            Err(e) => {
+                attempt += 1;
+                counter!(m::BROKER_RECONNECTS, "link" => "consumer").increment(1);
+                tracing::error!(error = %e, attempt, "consumer lost its broker link; reconnecting (unacked deliveries return to the queue)");
+                if !pause(attempt, &stop).await {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The relay's broker link, like [`consumer_link`]; runs until `stop` fired and the relay's
+/// last round is done (or the link is down at that moment: results stay in the outbox).
+async fn relay_link(
+    settings: Settings,
+    ctx: Arc<Context>,
+    links: LinkState,
+    stop: shutdown::CancelToken,
+) {
+    let name = format!("{}-relay", settings.worker_id);
+    let mut attempt = 0;
+    loop {
+        let Some(connection) = connect_until_stopped(&settings, &name, Link::Relay, &stop).await
+        else {
+            return;
+        };
+        let exchange = settings.topology.results_exchange.clone();
+        let result = match Relay::new(&connection, exchange, ctx.clone()).await {
+            Ok(relay) => {
+                links.set(Link::Relay, true);
+                attempt = 0;
+                relay.run(stop.clone()).await
+            }
+            Err(e) => Err(e),
+        };
+        links.set(Link::Relay, false);
+        close_quietly(&connection).await;
+        match result {
+            Ok(()) => return,
+            Err(e) if stop.is_cancelled() => {
+                tracing::warn!(error = %e, "relay lost its broker link while stopping; unpublished results stay in the outbox");
+                return;
+            }
+            Err(e) => {
+                attempt += 1;
+                counter!(m::BROKER_RECONNECTS, "link" => "relay").increment(1);
+                tracing::error!(error = %e, attempt, "relay lost its broker link; reconnecting (results wait in the outbox)");
+                if !pause(attempt, &stop).await {
+                    return;
+                }
+            }
         }
     }
 }

@@ -97,6 +97,8 @@ pub struct Settings {
     pub migrate: bool,
     /// Log format: "text" or "json".
     pub log_json: bool,
+    /// AMQP heartbeat asked of the broker, seconds (0 = off): how soon a silent link is lost.
+    pub amqp_heartbeat_secs: u16,
 }
 
 fn var(name: &'static str) -> Option<String> {
@@ -275,6 +277,7 @@ impl Settings {
             db_pool_size: parse("WORKER_DB_POOL_SIZE", 10u32)?.max(2),
             migrate: parse_bool("WORKER_MIGRATE", true)?,
             log_json: log_format == "json",
+            amqp_heartbeat_secs: parse("WORKER_AMQP_HEARTBEAT_SECS", 10u16)?,
         })
     }
 }
@@ -929,6 +932,7 @@ budget = { ratio = 0.2 }
             tombstone_retention: Duration::from_secs(tombstone_secs),
             db_pool_size: 2,
             migrate: true,
+            amqp_heartbeat_secs: 10,
             log_json: false,
         }
     }

@@ -12,9 +12,10 @@
 //! - [`dispatch`]: sending a claimed operation and recording what happened.
 //! - [`recovery`]: the pure recovery decision and the scheduler that runs it.
 //! - [`retry`]: retry delays and the shared retry budget.
-//! - [`amqp`]: everything that talks to the broker: topology, consumer, result relay.
+//! - [`amqp`]: everything that talks to the broker: topology, consumer, result relay, link
+//!   state; `app` reconnects each link when it is lost.
 //! - [`ops`]: the operator and agent HTTP API.
-//! - [`telemetry`]: logs and Prometheus metrics.
+//! - [`telemetry`]: logs, Prometheus metrics, `/livez` and `/readyz`, `worker probe`.
 //! - [`fault`]: named stop points for crash tests (feature `fault-points`).
 //! - [`app`]: wiring and graceful shutdown.
 

@@ -22,11 +22,29 @@ enum Command {
     /// Operator actions on held and unresolved operations.
     #[command(subcommand)]
     Ops(worker::ops::cli::OpsCommand),
+    /// Health check for containers: GET the URL (e.g. http://127.0.0.1:9464/readyz); exit 0
+    /// on a 2xx answer, 1 otherwise. Needs no other configuration.
+    Probe {
+        url: String,
+        /// Give up after this many milliseconds.
+        #[arg(long, default_value_t = 3000)]
+        timeout_ms: u64,
+    },
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::Probe { url, timeout_ms }) = &cli.command {
+        let timeout = std::time::Duration::from_millis(*timeout_ms);
+        return match worker::telemetry::health::probe(url, timeout).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("worker probe: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let settings = match worker::config::Settings::from_env() {
         Ok(s) => s,
         Err(e) => {
@@ -39,6 +57,7 @@ async fn main() -> ExitCode {
         Command::Run => worker::app::run(settings).await,
         Command::Migrate => worker::app::migrate(&settings).await,
         Command::Ops(cmd) => worker::ops::cli::run(&settings, cmd).await,
+        Command::Probe { .. } => unreachable!("handled before the settings are read"),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

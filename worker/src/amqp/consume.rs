@@ -1,6 +1,18 @@
 //! The intents consumer: manual acks, a prefetch window, and batches. Each batch goes through
 //! [`crate::intake::step`]; bad messages are copied to the dead-letter exchange (with publisher
-//! confirms) and only then is the batch acked; claimed operations are then dispatched.
+//! confirms); claimed operations are dispatched and the batch is acked.
+//!
+//! Ack rule: a delivery tag is acked only after its own record committed. A batch that could not
+//! be recorded when shutdown came is left unacked and the consumer takes nothing more (the
+//! stop branch of its `select!` is biased), and `basic.ack(multiple)` is used only when every
+//! earlier tag of the channel is already settled, so it can never cover an unrecorded one.
+//!
+//! A dead-letter copy that the broker refuses (a closed channel, a nack, no route) is that
+//! message's problem, not the process's: the copy is retried on a fresh channel a few times,
+//! then counted and logged, and the delivery is rejected without requeue so the queue's own
+//! dead-letter exchange takes it. Copies never carry the publisher's `user_id` (the broker
+//! refuses one the worker's connection cannot vouch for); it is kept in the header
+//! `x-intent-worker-user-id`.
 //!
 //! A redelivered message is processed alone, after counting the redelivery in Postgres: a
 //! message that crashes workers is dead-lettered once it reaches the delivery limit, whatever
@@ -13,11 +25,12 @@ use std::time::Duration;
 use futures_lite::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, BasicRejectOptions,
     ConfirmSelectOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Channel, Connection};
+use lapin::Confirmation;
+use lapin::{BasicProperties, Channel, Connection};
 use metrics::counter;
 use sha2::{Digest, Sha256};
 
@@ -30,6 +43,7 @@ use crate::shutdown::CancelToken;
 use crate::telemetry::metrics as m;
 
 /// How the consumer runs.
+#[derive(Clone)]
 pub struct ConsumerConfig {
     pub topology: Topology,
     pub prefetch: u16,
@@ -38,12 +52,20 @@ pub struct ConsumerConfig {
     pub prepared_grace: Duration,
 }
 
-/// Consumes until `stop` fires or the channel breaks. Unacked deliveries return to the queue
-/// when the channel closes.
+/// Whether [`process`] recorded its batch (and then acked it) or gave it up at shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Processed {
+    Recorded,
+    /// Shutdown came while the batch could not be recorded: nothing was acked.
+    Abandoned,
+}
+
+/// Consumes until `stop` fires (Ok) or the channel or connection breaks (Err: the caller
+/// reconnects). Unacked deliveries return to the queue when the channel closes.
 pub async fn run(
     connection: &Connection,
     ctx: Arc<Context>,
-    config: ConsumerConfig,
+    config: &ConsumerConfig,
     stop: CancelToken,
 ) -> Result<(), AmqpError> {
     let channel = connection
@@ -55,13 +77,7 @@ pub async fn run(
         .await
         .map_err(AmqpError::broker("basic.qos"))?;
     // Dead-letter copies go out on their own confirmed channel.
-    let dlx = connection
-        .create_channel()
-        .await
-        .map_err(AmqpError::broker("opening the dead-letter channel"))?;
-    dlx.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(AmqpError::broker("confirm.select"))?;
+    let mut dlx = DeadLetters::open(connection, &config.topology).await?;
     let tag = format!("intent-worker-{}", ctx.worker_id);
     let mut consumer = channel
         .basic_consume(
@@ -74,8 +90,11 @@ pub async fn run(
         .map_err(AmqpError::broker("basic.consume"))?;
     tracing::info!(queue = %config.topology.intents_queue, prefetch = config.prefetch, "consuming intents");
     let max_batch = config.prefetch as usize;
-    loop {
+    let mut acks = Acks::default();
+    'consume: loop {
+        // Biased: once stopping, no further delivery is taken, even if one is buffered.
         let first = tokio::select! {
+            biased;
             _ = stop.cancelled() => break,
             next = consumer.next() => next,
         };
@@ -96,12 +115,17 @@ pub async fn run(
         let mut batch = vec![first];
         // A redelivered message is handled alone so a poison message cannot take others with it.
         if !batch[0].redelivered {
-            while batch.len() < max_batch {
+            while batch.len() < max_batch && !stop.is_cancelled() {
                 match futures_lite::future::poll_once(consumer.next()).await {
                     Some(Some(Ok(d))) if !d.redelivered => batch.push(d),
                     Some(Some(Ok(d))) => {
                         // Keep order simple: finish this batch, then the redelivered one alone.
-                        process(&channel, &dlx, &ctx, &config, batch, &stop).await?;
+                        let done =
+                            process(&channel, &mut dlx, &ctx, config, batch, &stop, &mut acks)
+                                .await?;
+                        if done == Processed::Abandoned {
+                            break 'consume;
+                        }
                         batch = vec![d];
                         break;
                     }
@@ -120,51 +144,165 @@ pub async fn run(
                 }
             }
         }
-        process(&channel, &dlx, &ctx, &config, batch, &stop).await?;
+        if process(&channel, &mut dlx, &ctx, config, batch, &stop, &mut acks).await?
+            == Processed::Abandoned
+        {
+            break;
+        }
     }
     tracing::info!("consumer stopped; unacked deliveries return to the queue");
-    let _ = channel.close(200, "shutdown".into()).await;
+    let _ = tokio::time::timeout(
+        Duration::from_secs(2),
+        channel.close(200, "shutdown".into()),
+    )
+    .await;
     Ok(())
+}
+
+/// Which delivery tags of the consumer channel are settled, so that `multiple` acks are used
+/// only when they cannot cover an unrecorded tag.
+#[derive(Debug, Default)]
+struct Acks {
+    /// Every tag up to this one is acked or rejected.
+    settled_through: u64,
+}
+
+/// How to ack a recorded batch.
+#[derive(Debug, PartialEq, Eq)]
+enum AckPlan {
+    /// One `multiple` ack up to this tag (None: every tag was already rejected), after which
+    /// every tag up to the batch's last is settled.
+    Through { ack: Option<u64>, settled: u64 },
+    /// One ack per tag: an earlier tag is unsettled, so `multiple` could cover it.
+    Each(Vec<u64>),
+}
+
+impl Acks {
+    /// `tags` were all recorded; `rejected` among them are already settled. A `multiple` ack
+    /// only when they continue the settled prefix without a gap.
+    fn plan(&self, tags: &[u64], rejected: &[u64]) -> AckPlan {
+        let mut sorted = tags.to_vec();
+        sorted.sort_unstable();
+        let contiguous = sorted
+            .iter()
+            .enumerate()
+            .all(|(i, t)| *t == self.settled_through + 1 + i as u64);
+        let last = *sorted.last().expect("non-empty batch");
+        let to_ack: Vec<u64> = sorted
+            .into_iter()
+            .filter(|t| !rejected.contains(t))
+            .collect();
+        if contiguous {
+            AckPlan::Through {
+                ack: (!to_ack.is_empty()).then_some(last),
+                settled: last,
+            }
+        } else {
+            AckPlan::Each(to_ack)
+        }
+    }
+
+    async fn ack(
+        &mut self,
+        channel: &Channel,
+        tags: &[u64],
+        rejected: &[u64],
+    ) -> Result<(), lapin::Error> {
+        match self.plan(tags, rejected) {
+            AckPlan::Through { ack, settled } => {
+                if let Some(tag) = ack {
+                    channel
+                        .basic_ack(tag, BasicAckOptions { multiple: true })
+                        .await?;
+                }
+                self.settled_through = settled;
+            }
+            AckPlan::Each(tags) => {
+                for t in tags {
+                    channel
+                        .basic_ack(t, BasicAckOptions { multiple: false })
+                        .await?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Processes one batch until it is recorded and acked; on a ledger error the same batch is
 /// retried (never acked unrecorded, never requeued, so a database outage does not spend the
-/// messages' delivery limit).
+/// messages' delivery limit) until it records or shutdown comes.
 async fn process(
     channel: &Channel,
-    dlx: &Channel,
+    dlx: &mut DeadLetters<'_>,
     ctx: &Arc<Context>,
     config: &ConsumerConfig,
     batch: Vec<Delivery>,
     stop: &CancelToken,
-) -> Result<(), AmqpError> {
+    acks: &mut Acks,
+) -> Result<Processed, AmqpError> {
     let mut backoff = Duration::from_millis(100);
     loop {
         match try_process(dlx, ctx, config, &batch).await {
-            Ok(claimed) => {
-                // Counted once the batch is recorded, so a batch retried in an outage counts once.
-                counter!(m::INTENTS_RECEIVED).increment(batch.len() as u64);
-                let last = batch
-                    .iter()
-                    .map(|d| d.delivery_tag)
-                    .max()
-                    .expect("non-empty batch");
-                channel
-                    .basic_ack(last, BasicAckOptions { multiple: true })
-                    .await
-                    .map_err(AmqpError::broker("basic.ack"))?;
-                ctx.relay_wake.notify_one();
+            Ok(Recorded {
+                claimed,
+                broken: Some(e),
+                ..
+            }) => {
+                // The claims are committed; the link broke while dead-lettering. Dispatch them
+                // (they need no broker) and leave the deliveries unacked: they come back
+                // redelivered and the inbox answers them from their rows.
                 for op in claimed {
                     ctx.spawn_bounded(|ctx| dispatch::run(ctx, op)).await;
                 }
-                return Ok(());
+                return Err(e);
+            }
+            Ok(Recorded {
+                claimed,
+                refused,
+                broken: None,
+            }) => {
+                // Counted once the batch is recorded, so a batch retried in an outage counts once.
+                counter!(m::INTENTS_RECEIVED).increment(batch.len() as u64);
+                // The claims are committed: they are dispatched first, so no send waits on the
+                // broker (if the link has just gone, the ack is lost and the redelivery is
+                // answered from the inbox).
+                for op in claimed {
+                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, op)).await;
+                }
+                let mut settled = Ok(());
+                let mut rejected = Vec::new();
+                for tag in refused.iter().map(|&i| batch[i].delivery_tag) {
+                    // The queue's own dead-letter exchange takes it: nothing is lost.
+                    settled = channel
+                        .basic_reject(tag, BasicRejectOptions { requeue: false })
+                        .await;
+                    if settled.is_err() {
+                        break;
+                    }
+                    rejected.push(tag);
+                }
+                if settled.is_ok() {
+                    let tags: Vec<u64> = batch.iter().map(|d| d.delivery_tag).collect();
+                    settled = acks.ack(channel, &tags, &rejected).await;
+                }
+                ctx.relay_wake.notify_one();
+                settled.map_err(AmqpError::broker("basic.ack"))?;
+                return Ok(Processed::Recorded);
             }
             Err(Failure::Broker(e)) => return Err(e),
             Err(Failure::Ledger(e)) => {
                 counter!(m::LEDGER_ERRORS, "operation" => "intake").increment(1);
                 tracing::error!(error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot record intents; retrying the batch");
                 tokio::select! {
-                    _ = stop.cancelled() => return Ok(()),
+                    biased;
+                    _ = stop.cancelled() => {
+                        tracing::warn!(
+                            deliveries = batch.len(),
+                            "shutting down with a batch that could not be recorded; it stays unacked and returns to the queue"
+                        );
+                        return Ok(Processed::Abandoned);
+                    }
                     _ = tokio::time::sleep(backoff) => {}
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(10));
@@ -178,12 +316,21 @@ enum Failure {
     Broker(AmqpError),
 }
 
+/// A recorded batch: the operations to dispatch, the deliveries (batch indices) whose
+/// dead-letter copy the broker refused, to be rejected without requeue, and whether the broker
+/// connection broke while dead-lettering (then nothing is acked).
+struct Recorded {
+    claimed: Vec<crate::ledger::Operation>,
+    refused: Vec<usize>,
+    broken: Option<AmqpError>,
+}
+
 async fn try_process(
-    dlx: &Channel,
+    dlx: &mut DeadLetters<'_>,
     ctx: &Arc<Context>,
     config: &ConsumerConfig,
     batch: &[Delivery],
-) -> Result<Vec<crate::ledger::Operation>, Failure> {
+) -> Result<Recorded, Failure> {
     let limit = config.topology.delivery_limit;
     // Poison guard (a redelivered delivery arrives alone).
     if let [d] = batch {
@@ -204,10 +351,12 @@ async fn try_process(
                     detail: format!("delivered {deliveries} times (limit {limit}); workers crashed while handling it"),
                 };
                 tracing::error!(deliveries, limit, "poison message dead-lettered");
-                dead_letter(dlx, &config.topology, d, &dl)
-                    .await
-                    .map_err(Failure::Broker)?;
-                return Ok(Vec::new());
+                let copied = dlx.send(d, &dl).await.map_err(Failure::Broker)?;
+                return Ok(Recorded {
+                    claimed: Vec::new(),
+                    refused: if copied { Vec::new() } else { vec![0] },
+                    broken: None,
+                });
             }
         }
     }
@@ -226,84 +375,269 @@ async fn try_process(
     let outcome = intake::step(ctx, &config.auth, config.prepared_grace, &incoming)
         .await
         .map_err(Failure::Ledger)?;
+    let mut refused = Vec::new();
+    let mut broken = None;
     for dl in &outcome.dead_letters {
         tracing::warn!(reason = dl.reason, detail = %dl.detail, "intent dead-lettered");
-        dead_letter(dlx, &config.topology, &batch[dl.index], dl)
-            .await
-            .map_err(Failure::Broker)?;
+        match dlx.send(&batch[dl.index], dl).await {
+            Ok(true) => {}
+            Ok(false) => refused.push(dl.index),
+            Err(e) => {
+                broken = Some(e);
+                break;
+            }
+        }
     }
-    Ok(outcome.claimed)
+    Ok(Recorded {
+        claimed: outcome.claimed,
+        refused,
+        broken,
+    })
 }
 
-/// Copies a delivery to the dead-letter exchange with the reason, and waits for the confirm.
-async fn dead_letter(
-    dlx: &Channel,
-    t: &Topology,
-    d: &Delivery,
-    dl: &DeadLetter,
-) -> Result<(), AmqpError> {
-    let mut headers = d.properties.headers().clone().unwrap_or_default();
-    headers.insert(
-        "x-intent-worker-reason".into(),
-        AMQPValue::LongString(LongString::from(dl.reason)),
-    );
-    headers.insert(
-        "x-intent-worker-detail".into(),
-        AMQPValue::LongString(LongString::from(dl.detail.as_str())),
-    );
-    headers.insert(
-        "x-original-routing-key".into(),
-        AMQPValue::LongString(LongString::from(d.routing_key.as_str())),
-    );
-    if let Some(user) = d.properties.user_id() {
-        headers.insert(
-            "x-intent-worker-user-id".into(),
-            AMQPValue::LongString(LongString::from(user.as_str())),
-        );
+/// Copy attempts per dead letter before the delivery is handed to the queue's own DLX.
+const DEAD_LETTER_ATTEMPTS: u32 = 3;
+
+/// The confirmed channel dead-letter copies go out on, reopened when the broker closes it.
+struct DeadLetters<'c> {
+    connection: &'c Connection,
+    channel: Channel,
+    topology: &'c Topology,
+}
+
+impl<'c> DeadLetters<'c> {
+    async fn open(
+        connection: &'c Connection,
+        topology: &'c Topology,
+    ) -> Result<DeadLetters<'c>, AmqpError> {
+        Ok(DeadLetters {
+            connection,
+            channel: confirmed_channel(connection).await?,
+            topology,
+        })
     }
-    let props = copy_without_user_id(&d.properties)
+
+    /// Copies `d` to the dead-letter exchange. Ok(true): confirmed. Ok(false): the broker kept
+    /// refusing this copy (counted and logged; the caller rejects the delivery so the queue's
+    /// DLX takes it). Err: the connection itself is gone.
+    async fn send(&mut self, d: &Delivery, dl: &DeadLetter) -> Result<bool, AmqpError> {
+        let mut delay = Duration::from_millis(100);
+        let mut last = String::new();
+        for attempt in 1..=DEAD_LETTER_ATTEMPTS {
+            match self.publish(d, dl).await {
+                Ok(()) => {
+                    counter!(m::DEAD_LETTERED, "reason" => dl.reason).increment(1);
+                    return Ok(true);
+                }
+                Err(e) => {
+                    if !self.connection.status().connected() {
+                        return Err(e);
+                    }
+                    tracing::warn!(attempt, reason = dl.reason, error = %e, "dead-letter copy refused; retrying on a fresh channel");
+                    last = e.to_string();
+                }
+            }
+            if attempt < DEAD_LETTER_ATTEMPTS {
+                tokio::time::sleep(delay).await;
+                delay *= 4;
+            }
+            if self.channel.status().connected() {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(1),
+                    self.channel.close(200, "reopening".into()),
+                )
+                .await;
+            }
+            self.channel = confirmed_channel(self.connection).await?;
+        }
+        counter!(m::DEAD_LETTER_REFUSED, "reason" => dl.reason).increment(1);
+        tracing::error!(
+            reason = dl.reason, detail = %dl.detail, error = %last,
+            "the broker refused the dead-letter copy {DEAD_LETTER_ATTEMPTS} times; rejecting the delivery so the queue's own dead-letter exchange takes it"
+        );
+        Ok(false)
+    }
+
+    /// One confirmed, routed copy with the reason headers.
+    async fn publish(&self, d: &Delivery, dl: &DeadLetter) -> Result<(), AmqpError> {
+        let t = self.topology;
+        let props = dead_letter_properties(&d.properties, dl, d.routing_key.as_str());
+        let confirm = self
+            .channel
+            .basic_publish(
+                t.dead_letter_exchange.as_str().into(),
+                d.routing_key.clone(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                &d.data,
+                props,
+            )
+            .await
+            .map_err(AmqpError::broker("publishing to the dead-letter exchange"))?
+            .await
+            .map_err(AmqpError::broker("dead-letter confirm"))?;
+        match confirm {
+            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(AmqpError::NotConfirmed {
+                exchange: t.dead_letter_exchange.clone(),
+                reason: "unroutable (no queue bound)".into(),
+            }),
+            Confirmation::Nack(_) => Err(AmqpError::NotConfirmed {
+                exchange: t.dead_letter_exchange.clone(),
+                reason: "nacked".into(),
+            }),
+        }
+    }
+}
+
+async fn confirmed_channel(connection: &Connection) -> Result<Channel, AmqpError> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(AmqpError::broker("opening the dead-letter channel"))?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(AmqpError::broker("confirm.select"))?;
+    Ok(channel)
+}
+
+/// The copy's properties: the original ones with the reason headers, persistent, and without
+/// `user_id`, which RabbitMQ accepts only when it names the publishing connection's own user
+/// (the original is kept in `x-intent-worker-user-id`).
+pub fn dead_letter_properties(
+    original: &BasicProperties,
+    dl: &DeadLetter,
+    routing_key: &str,
+) -> BasicProperties {
+    let mut headers = original.headers().clone().unwrap_or_default();
+    let mut text = |k: &str, v: &str| {
+        headers.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
+    };
+    text("x-intent-worker-reason", dl.reason);
+    text("x-intent-worker-detail", &dl.detail);
+    text("x-original-routing-key", routing_key);
+    if let Some(user) = original.user_id() {
+        text("x-intent-worker-user-id", user.as_str());
+    }
+    let mut p = BasicProperties::default()
         .with_headers(headers)
         .with_delivery_mode(2);
-    let confirm = dlx
-        .basic_publish(
-            t.dead_letter_exchange.as_str().into(),
-            d.routing_key.clone(),
-            BasicPublishOptions::default(),
-            &d.data,
-            props,
-        )
-        .await
-        .map_err(AmqpError::broker("publishing to the dead-letter exchange"))?
-        .await
-        .map_err(AmqpError::broker("dead-letter confirm"))?;
-    if !confirm.is_ack() {
-        return Err(AmqpError::NotConfirmed {
-            exchange: t.dead_letter_exchange.clone(),
-            reason: "nacked".into(),
-        });
+    let o = original;
+    if let Some(v) = o.content_type() {
+        p = p.with_content_type(v.clone());
     }
-    counter!(m::DEAD_LETTERED, "reason" => dl.reason).increment(1);
-    Ok(())
-}
-
-/// The delivery's properties minus `user_id`: the broker refuses a `user_id` other than the
-/// worker's own connection user, so the publisher's stays in a header instead.
-fn copy_without_user_id(p: &lapin::BasicProperties) -> lapin::BasicProperties {
-    let mut out = lapin::BasicProperties::default();
-    macro_rules! copy {
-        ($($get:ident => $set:ident),*) => {
-            $(if let Some(v) = p.$get() { out = out.$set(v.clone()); })*
-        };
+    if let Some(v) = o.content_encoding() {
+        p = p.with_content_encoding(v.clone());
     }
-    copy!(content_type => with_content_type, content_encoding => with_content_encoding,
-          priority => with_priority, correlation_id => with_correlation_id,
-          reply_to => with_reply_to, expiration => with_expiration,
-          message_id => with_message_id, timestamp => with_timestamp, kind => with_type,
-          app_id => with_app_id, cluster_id => with_cluster_id);
-    out
+    if let Some(v) = o.priority() {
+        p = p.with_priority(*v);
+    }
+    if let Some(v) = o.correlation_id() {
+        p = p.with_correlation_id(v.clone());
+    }
+    if let Some(v) = o.reply_to() {
+        p = p.with_reply_to(v.clone());
+    }
+    if let Some(v) = o.expiration() {
+        p = p.with_expiration(v.clone());
+    }
+    if let Some(v) = o.message_id() {
+        p = p.with_message_id(v.clone());
+    }
+    if let Some(v) = o.timestamp() {
+        p = p.with_timestamp(*v);
+    }
+    if let Some(v) = o.kind() {
+        p = p.with_type(v.clone());
+    }
+    if let Some(v) = o.app_id() {
+        p = p.with_app_id(v.clone());
+    }
+    if let Some(v) = o.cluster_id() {
+        p = p.with_cluster_id(v.clone());
+    }
+    p
 }
 
 /// Lower-case hex.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn multiple_ack_only_continues_a_settled_prefix() {
+        let acks = Acks::default();
+        assert_eq!(
+            acks.plan(&[2, 1, 3], &[]),
+            AckPlan::Through {
+                ack: Some(3),
+                settled: 3
+            }
+        );
+        assert_eq!(
+            acks.plan(&[1], &[1]),
+            AckPlan::Through {
+                ack: None,
+                settled: 1
+            }
+        );
+        let acks = Acks { settled_through: 3 };
+        // Tag 4 was never recorded: 5 and 6 are acked one by one, 4 is not covered.
+        assert_eq!(acks.plan(&[5, 6], &[]), AckPlan::Each(vec![5, 6]));
+        assert_eq!(acks.plan(&[5, 6, 7], &[6]), AckPlan::Each(vec![5, 7]));
+        assert_eq!(
+            acks.plan(&[4, 5], &[5]),
+            AckPlan::Through {
+                ack: Some(5),
+                settled: 5
+            }
+        );
+    }
+
+    #[test]
+    fn dead_letter_copy_drops_user_id_and_keeps_it_in_a_header() {
+        let mut h = FieldTable::default();
+        h.insert("trace".into(), AMQPValue::LongString("t-1".into()));
+        let original = BasicProperties::default()
+            .with_user_id("alice".into())
+            .with_content_type("application/json".into())
+            .with_message_id("m-1".into())
+            .with_headers(h);
+        let dl = DeadLetter {
+            index: 0,
+            reason: "invalid_message",
+            detail: "wrong_type: arguments".into(),
+        };
+        let p = dead_letter_properties(&original, &dl, "tenant-a");
+        assert!(p.user_id().is_none());
+        assert_eq!(
+            p.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
+        assert_eq!(p.message_id().as_ref().unwrap().as_str(), "m-1");
+        assert_eq!(*p.delivery_mode(), Some(2));
+        let headers = p.headers().as_ref().unwrap().inner();
+        let text = |k: &str| match headers.get(k) {
+            Some(AMQPValue::LongString(s)) => s.to_string(),
+            other => panic!("{k}: {other:?}"),
+        };
+        assert_eq!(text("x-intent-worker-user-id"), "alice");
+        assert_eq!(text("x-intent-worker-reason"), "invalid_message");
+        assert_eq!(text("x-original-routing-key"), "tenant-a");
+        assert_eq!(text("trace"), "t-1");
+        let anonymous = dead_letter_properties(&BasicProperties::default(), &dl, "k");
+        assert!(!anonymous
+            .headers()
+            .as_ref()
+            .unwrap()
+            .inner()
+            .contains_key("x-intent-worker-user-id"));
+    }
 }

@@ -1,12 +1,21 @@
 //! Everything that talks to RabbitMQ: the topology the worker declares, the intents consumer
-//! and the result relay. A broken connection or channel is fatal for the process: the worker
-//! exits non-zero and its supervisor restarts it; leases and the inbox make that safe.
+//! and the result relay, and the link state the readiness probe reports. A lost connection is
+//! not fatal: `app` reconnects each link (consumer, relay) with a jittered, capped back-off
+//! ([`reconnect_delay`]), redeclares the topology and resumes; unacked deliveries come back and
+//! the inbox dedupes them. The AMQP heartbeat turns a silent black hole into a lost link.
 
 pub mod consume;
 pub mod relay;
 pub mod topology;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
+
+use crate::config::RetryPolicy;
 
 /// Errors at the broker boundary.
 #[derive(Debug, thiserror::Error)]
@@ -15,6 +24,8 @@ pub enum AmqpError {
     Connect { url: String, source: lapin::Error },
     #[error("RabbitMQ {what} failed: {source}")]
     Broker { what: String, source: lapin::Error },
+    #[error("invalid AMQP_URL {url}: {reason}")]
+    BadUrl { url: String, reason: String },
     #[error("{0}")]
     Topology(String),
     #[error("publish to {exchange} was not confirmed: {reason}")]
@@ -28,15 +39,88 @@ impl AmqpError {
     }
 }
 
-/// Opens a connection named after the worker (visible in the management UI).
+/// Opens a connection named after the worker (visible in the management UI), with the heartbeat
+/// the URL asks for (or the broker's).
 pub async fn connect(url: &str, name: &str) -> Result<Connection, AmqpError> {
+    connect_with_heartbeat(url, name, 0).await
+}
+
+/// Like [`connect`], for a worker link. `heartbeat_secs`
+/// (0 = off) is asked for unless the URL sets `heartbeat=` itself; the broker and lapin settle
+/// on the lower of both, so a link that stops moving is declared dead after about two beats.
+pub async fn connect_with_heartbeat(
+    url: &str,
+    name: &str,
+    heartbeat_secs: u16,
+) -> Result<Connection, AmqpError> {
+    let mut uri: AMQPUri = url.parse().map_err(|reason: String| AmqpError::BadUrl {
+        url: redact(url),
+        reason,
+    })?;
+    if uri.query.heartbeat.is_none() && heartbeat_secs > 0 {
+        uri.query.heartbeat = Some(heartbeat_secs);
+    }
+    // A connect into a black hole must fail rather than hang (milliseconds).
+    if uri.query.connection_timeout.is_none() {
+        uri.query.connection_timeout = Some(10_000);
+    }
     let props = ConnectionProperties::default().with_connection_name(name.to_string().into());
-    Connection::connect(url, props)
+    Connection::connect_uri(uri, props)
         .await
         .map_err(|source| AmqpError::Connect {
             url: redact(url),
             source,
         })
+}
+
+/// Delay before reconnect attempt `attempt` (1-based): from 250 ms doubling to a 10 s cap,
+/// ±50 % jitter so a pool that lost the broker together does not return in lockstep. Uses the
+/// one `backoff` wrapper ([`crate::retry::retry_delay`]).
+pub fn reconnect_delay(attempt: u32) -> Duration {
+    let policy = RetryPolicy {
+        initial_delay_ms: 250,
+        multiplier: 2.0,
+        max_delay_ms: 10_000,
+        jitter: 0.5,
+        ..RetryPolicy::default()
+    };
+    crate::retry::retry_delay(&policy, attempt.max(1))
+}
+
+/// Whether each broker link is up, for `/readyz`. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct LinkState {
+    consumer: Arc<AtomicBool>,
+    relay: Arc<AtomicBool>,
+}
+
+/// One of the worker's broker links.
+#[derive(Clone, Copy, Debug)]
+pub enum Link {
+    Consumer,
+    Relay,
+}
+
+impl LinkState {
+    pub fn set(&self, link: Link, up: bool) {
+        let flag = match link {
+            Link::Consumer => &self.consumer,
+            Link::Relay => &self.relay,
+        };
+        flag.store(up, Ordering::SeqCst);
+    }
+
+    /// The links that are down now (empty when all are up).
+    pub fn down(&self) -> Vec<&'static str> {
+        let mut down = Vec::new();
+        if !self.consumer.load(Ordering::SeqCst) {
+            down.push("consumer");
+        }
+        if !self.relay.load(Ordering::SeqCst) {
+            down.push("relay");
+        }
+        down
+    }
 }
 
 /// Hides the password of an AMQP URL for logs.

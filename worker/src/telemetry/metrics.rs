@@ -17,6 +17,8 @@ pub const INTENTS_RECEIVED: &str = "intent_worker_intents_received_total";
 pub const DUPLICATES: &str = "intent_worker_duplicates_suppressed_total";
 pub const REJECTED: &str = "intent_worker_rejected_total";
 pub const DEAD_LETTERED: &str = "intent_worker_dead_lettered_total";
+pub const DEAD_LETTER_REFUSED: &str = "intent_worker_dead_letter_refused_total";
+pub const BROKER_RECONNECTS: &str = "intent_worker_broker_reconnects_total";
 pub const OPERATIONS: &str = "intent_worker_operations";
 pub const OLDEST_UNRESOLVED: &str = "intent_worker_oldest_unresolved_age_seconds";
 pub const UNRESOLVED: &str = "intent_worker_unresolved_operations";
@@ -54,6 +56,14 @@ fn describe() {
     describe_counter!(
         DEAD_LETTERED,
         "Deliveries copied to the dead-letter exchange, by reason."
+    );
+    describe_counter!(
+        DEAD_LETTER_REFUSED,
+        "Dead-letter copies the broker kept refusing, by reason; each delivery was rejected without requeue so the queue's own dead-letter exchange took it."
+    );
+    describe_counter!(
+        BROKER_RECONNECTS,
+        "Broker links lost and reopened, by link (consumer, relay)."
     );
     describe_gauge!(OPERATIONS, "Operations in the ledger by state.");
     describe_gauge!(OLDEST_UNRESOLVED, Unit::Seconds, "Age since recording of the oldest unresolved operation per tool and state (dispatching counts only when its lease expired); 0 when none.");
@@ -144,6 +154,9 @@ pub fn install() -> Result<PrometheusHandle, String> {
         counter!(DUPLICATES, "reason" => reason).absolute(0);
     }
     gauge!(IN_FLIGHT).set(0.0);
+    for link in ["consumer", "relay"] {
+        counter!(BROKER_RECONNECTS, "link" => link).absolute(0);
+    }
     Ok(handle)
 }
 
@@ -190,12 +203,14 @@ pub async fn refresh_ledger_gauges(ledger: &Ledger, tools: impl Iterator<Item = 
     }
 }
 
-/// Serves `GET /metrics` until `shutdown` resolves.
+/// Serves `GET /metrics`, `GET /livez` and `GET /readyz` (see [`super::health`]) until
+/// `shutdown` resolves.
 pub async fn serve(
     addr: SocketAddr,
     handle: PrometheusHandle,
     ledger: Ledger,
     tools: Vec<String>,
+    links: crate::amqp::LinkState,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use axum::routing::get;
@@ -209,24 +224,34 @@ pub async fn serve(
             upkeep.run_upkeep();
         }
     });
-    let app = axum::Router::new().route(
-        "/metrics",
-        get(move || {
-            let handle = handle.clone();
-            let ledger = ledger.clone();
-            let tools = tools.clone();
-            async move {
-                refresh_ledger_gauges(&ledger, tools.into_iter()).await;
-                (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        "text/plain; version=0.0.4",
-                    )],
-                    handle.render(),
-                )
-            }
-        }),
-    );
+    let ready_ledger = ledger.clone();
+    let app = axum::Router::new()
+        .route("/livez", get(super::health::livez))
+        .route(
+            "/readyz",
+            get(move || {
+                let (links, ledger) = (links.clone(), ready_ledger.clone());
+                async move { super::health::readyz(&links, &ledger).await }
+            }),
+        )
+        .route(
+            "/metrics",
+            get(move || {
+                let handle = handle.clone();
+                let ledger = ledger.clone();
+                let tools = tools.clone();
+                async move {
+                    refresh_ledger_gauges(&ledger, tools.into_iter()).await;
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4",
+                        )],
+                        handle.render(),
+                    )
+                }
+            }),
+        );
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await

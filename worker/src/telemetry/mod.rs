@@ -1,5 +1,7 @@
-//! Telemetry: the tracing subscriber (text or JSON logs on stderr) and Prometheus metrics.
+//! Telemetry: the tracing subscriber (text or JSON logs on stderr), Prometheus metrics and the
+//! health endpoints.
 
+pub mod health;
 pub mod metrics;
 
 use tracing_subscriber::EnvFilter;

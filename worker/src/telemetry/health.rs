@@ -1,0 +1,86 @@
+//! Health endpoints on the metrics listener and the `worker probe` client that container
+//! health checks run (the runtime image has no curl).
+//!
+//! - `GET /livez`: 200 while the process serves HTTP at all.
+//! - `GET /readyz`: 200 only while both broker links (consumer, relay) are up and the ledger
+//!   answers `SELECT 1` within [`LEDGER_TIMEOUT`]; otherwise 503 with a JSON body naming why.
+
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::Json;
+use serde_json::{json, Value};
+
+use crate::amqp::LinkState;
+use crate::ledger::Ledger;
+
+/// How long `/readyz` waits for the ledger before calling it unreachable.
+pub const LEDGER_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `GET /livez`.
+pub async fn livez() -> (StatusCode, Json<Value>) {
+    (StatusCode::OK, Json(json!({ "status": "live" })))
+}
+
+/// `GET /readyz`.
+pub async fn readyz(links: &LinkState, ledger: &Ledger) -> (StatusCode, Json<Value>) {
+    let mut reasons: Vec<String> = links
+        .down()
+        .into_iter()
+        .map(|link| format!("broker {link} link is down (reconnecting)"))
+        .collect();
+    let ping = sqlx::query("SELECT 1").execute(ledger.pool());
+    match tokio::time::timeout(LEDGER_TIMEOUT, ping).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => reasons.push(format!("ledger does not answer: {e}")),
+        Err(_) => reasons.push(format!(
+            "ledger does not answer within {} ms",
+            LEDGER_TIMEOUT.as_millis()
+        )),
+    }
+    if reasons.is_empty() {
+        (StatusCode::OK, Json(json!({ "status": "ready" })))
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "status": "not_ready", "reasons": reasons })),
+        )
+    }
+}
+
+/// Errors of `worker probe`.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("cannot reach {url}: {source}")]
+    Request { url: String, source: reqwest::Error },
+    #[error("{url} answered {status}: {body}")]
+    NotOk {
+        url: String,
+        status: u16,
+        body: String,
+    },
+}
+
+/// `worker probe URL`: GETs `url` (e.g. `http://127.0.0.1:9464/readyz`) and succeeds only on a
+/// 2xx answer within `timeout`.
+pub async fn probe(url: &str, timeout: Duration) -> Result<(), ProbeError> {
+    let request = |source| ProbeError::Request {
+        url: url.to_string(),
+        source,
+    };
+    let client = reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .map_err(request)?;
+    let response = client.get(url).send().await.map_err(request)?;
+    let status = response.status();
+    if status.is_success() {
+        return Ok(());
+    }
+    let body = response.text().await.unwrap_or_default();
+    Err(ProbeError::NotOk {
+        url: url.to_string(),
+        status: status.as_u16(),
+        body: body.chars().take(500).collect(),
+    })
+}
