@@ -261,6 +261,11 @@ impl Worker {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// How the process ended, or `None` while it runs.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// Scrapes `/metrics` (needs `with_metrics()`).
     pub async fn metrics(&self) -> String {
         let port = self.metrics_port.expect("worker started without metrics");
@@ -303,9 +308,11 @@ impl Drop for Worker {
 }
 
 fn signal(pid: u32, sig: &str) {
+    // Quiet: the process may already be gone (a SIGCONT on drop after SIGKILL).
     let _ = Command::new("kill")
         .arg(format!("-{sig}"))
         .arg(pid.to_string())
+        .stderr(Stdio::null())
         .status();
 }
 
