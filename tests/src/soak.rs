@@ -109,6 +109,9 @@ pub struct SoakReport {
     pub false_failure: usize,
     pub false_rejection: usize,
     pub lost: usize,
+    /// Keys whose row is final (`succeeded`/`failed`) but whose final answer never reached
+    /// the agent.
+    pub lost_answers: usize,
     pub unresolved: usize,
     /// First `pending` to the final answer, per key that had one, in milliseconds.
     pub recovery_latencies_ms: Vec<i64>,
@@ -194,6 +197,7 @@ impl fmt::Display for SoakReport {
             self.duplicate_mutations
         )?;
         writeln!(f, "lost intents:               {}", self.lost)?;
+        writeln!(f, "lost final answers:         {}", self.lost_answers)?;
         writeln!(f, "false success:              {}", self.false_success)?;
         writeln!(f, "false failure:              {}", self.false_failure)?;
         writeln!(f, "false rejection:            {}", self.false_rejection)?;
@@ -960,6 +964,17 @@ async fn check(
                     ));
                 }
                 _ => {}
+            }
+        }
+        if let Some(row) = row.filter(|r| matches!(r.state.as_str(), "succeeded" | "failed")) {
+            let told = sorted.iter().any(|e| e.status.as_str() == row.state);
+            if !told {
+                report.lost_answers += 1;
+                report.violations.push(format!(
+                    "lost answer: {key} is {} in the ledger but the agent never received that answer (it got {:?})",
+                    row.state,
+                    sorted.iter().map(|e| e.status.as_str()).collect::<Vec<_>>()
+                ));
             }
         }
         report.false_success += usize::from(false_success);
