@@ -102,6 +102,8 @@ pub struct SoakReport {
     pub downstream_faults: BTreeMap<String, usize>,
     /// Worker exits the soak did not cause, with how they ended and their last log lines.
     pub unexpected_exits: Vec<String>,
+    /// Restarted workers that exited before they consumed (measure, not an invariant).
+    pub startup_exits: Vec<String>,
     pub per_capability: BTreeMap<Capability, CapabilityFigures>,
     /// Extra mutations beyond the first, over every key.
     pub duplicate_mutations: i64,
@@ -225,7 +227,26 @@ impl fmt::Display for SoakReport {
             "worker exits not caused by the soak: {}",
             self.unexpected_exits.len()
         )?;
-        for e in self.unexpected_exits.iter().take(10) {
+        // Grouped by the process's last words, so a run with many exits stays readable.
+        let mut causes: BTreeMap<String, usize> = BTreeMap::new();
+        for e in &self.unexpected_exits {
+            let last = e.rsplit(" | ").next().unwrap_or(e);
+            let cause = last.split_once("worker: ").map_or(last, |(_, c)| c);
+            let cause: String = cause.split(": ").take(2).collect::<Vec<_>>().join(": ");
+            *causes.entry(cause).or_default() += 1;
+        }
+        for (cause, n) in &causes {
+            writeln!(f, "  {n} × {cause}")?;
+        }
+        for e in self.unexpected_exits.iter().take(3) {
+            writeln!(f, "  e.g. {e}")?;
+        }
+        writeln!(
+            f,
+            "restarted workers that exited during start-up: {}",
+            self.startup_exits.len()
+        )?;
+        for e in self.startup_exits.iter().take(5) {
             writeln!(f, "  {e}")?;
         }
         if self.violations.is_empty() {
@@ -385,6 +406,7 @@ struct Fleet {
     procs: Mutex<Vec<Proc>>,
     opts: WorkerOptions,
     unexpected: Mutex<Vec<String>>,
+    startup_exits: Mutex<Vec<String>>,
 }
 
 /// `url` with its `host:port` replaced by `addr`.
@@ -418,11 +440,19 @@ impl Fleet {
                 if let Some(status) = w.exit_status() {
                     let text = strip_ansi(&w.output.text());
                     let tail: Vec<&str> = text.lines().rev().take(3).collect();
-                    self.unexpected.lock().unwrap().push(format!(
+                    let line = format!(
                         "worker {} exited by itself ({status}); last lines: {}",
                         w.name,
                         tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
-                    ));
+                    );
+                    // A process that never got going (e.g. restarted while its Postgres link
+                    // was cut) fails fast by design; one that was serving must survive a lost
+                    // link.
+                    if w.output.contains("consuming intents") {
+                        self.unexpected.lock().unwrap().push(line);
+                    } else {
+                        self.startup_exits.lock().unwrap().push(line);
+                    }
                     p.worker = None;
                     p.restart_at = now + Duration::from_secs(1);
                 }
@@ -484,6 +514,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         procs: Mutex::new(Vec::new()),
         opts,
         unexpected: Mutex::new(Vec::new()),
+        startup_exits: Mutex::new(Vec::new()),
     });
     for i in 0..cfg.workers {
         let w = fleet.spawn(&env, i, 0);
@@ -613,6 +644,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
 
     let events = std::mem::take(&mut *events.lock().unwrap());
     report.unexpected_exits = std::mem::take(&mut *fleet.unexpected.lock().unwrap());
+    report.startup_exits = std::mem::take(&mut *fleet.startup_exits.lock().unwrap());
     check(&env, &actions, &events, &mut report).await?;
     for e in publish_errors.iter().take(5) {
         report
