@@ -226,6 +226,11 @@ impl Worker {
         self.child.id()
     }
 
+    /// How the process ended, or `None` while it runs.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// SIGKILL: no cleanup, no goodbye, like a crash.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -259,11 +264,6 @@ impl Worker {
 
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
-    }
-
-    /// How the process ended, or `None` while it runs.
-    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().ok().flatten()
     }
 
     /// Scrapes `/metrics` (needs `with_metrics()`).
