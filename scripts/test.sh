@@ -4,7 +4,8 @@
 #   scripts/test.sh [extra cargo-nextest args, e.g. -E 'test(claim)']
 #
 # Steps: services (Postgres, RabbitMQ) -> tools (promtool, cargo-nextest) -> fmt -> clippy ->
-# alert rules (check + unit tests) -> cargo nextest (whole workspace) -> compose file.
+# alert rules (check + unit tests) -> compose file -> cargo build -> Python client (virtualenv,
+# ruff, mypy, pytest against the built worker) -> cargo nextest (whole workspace).
 #
 # Environment:
 #   TEST_DATABASE_URL  Postgres the tests use   (default postgres://postgres@127.0.0.1:5432/postgres)
@@ -194,6 +195,41 @@ check_compose() {
     fi
 }
 
+# ---- (g) Python client -------------------------------------------------------------------------
+# clients/python's tests run in a virtualenv of their own (never the system Python), created under
+# the cargo target dir and refreshed from PyPI each run (pip skips what is already installed).
+python_client_tests() {
+    local venv python
+    mkdir -p "${CARGO_TARGET_DIR:-target}"
+    venv="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/pyenv"
+    python=$(command -v python3 || true)
+    if [ -z "$python" ] || ! "$python" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+        apt_install python3 && apt_install python3-venv || true
+        python=$(command -v python3 || true)
+    fi
+    if [ -z "$python" ] || ! "$python" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+        echo "ERROR: the Python client's tests need python3 >= 3.10 with venv/ensurepip (apt-get install python3 python3-venv)" >&2
+        return 2
+    fi
+    if ! "$venv/bin/python" -c 'import sys' 2>/dev/null; then
+        rm -rf "$venv"
+        "$python" -m venv "$venv" || return 2
+    fi
+    say "python: $("$venv/bin/python" --version 2>&1) in $venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip || return 2
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e 'clients/python[test]' || return 2
+    (cd clients/python && "$venv/bin/python" -m ruff format --check src tests &&
+        "$venv/bin/python" -m ruff check src tests && "$venv/bin/python" -m mypy) || return 1
+    # pytest exits 5 when it collected no tests: that must fail the step, never pass it.
+    local rc=0
+    "$venv/bin/python" -m pytest clients/python/tests -p no:cacheprovider || rc=$?
+    if [ "$rc" -eq 5 ]; then
+        echo "ERROR: pytest collected no tests in clients/python/tests" >&2
+        return 1
+    fi
+    return "$rc"
+}
+
 step "services (PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ $MQ_HOST:$MQ_PORT)" check_services
 step "tools" check_tools
 step "cargo fmt --check" cargo fmt --all -- --check
@@ -203,5 +239,6 @@ step "promtool test rules" promtool test rules deploy/prometheus/alerts_test.yml
 step "compose file" check_compose
 # The end-to-end suites run the built binaries (worker with fault points, reference-downstream).
 step "cargo build" cargo build --workspace --locked
+step "python client (virtualenv, ruff, mypy, pytest)" python_client_tests
 step "cargo nextest" cargo nextest run --workspace --locked --no-fail-fast "$@"
 say "all steps passed ($((SECONDS - started_all))s)"

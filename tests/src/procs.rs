@@ -91,7 +91,9 @@ impl WorkerOptions {
     pub fn new(tools: PathBuf) -> WorkerOptions {
         WorkerOptions {
             tools,
-            lease_secs: 2,
+            // Above the standard tools' 2 s timeout: a tool timeout at or above the lease is
+            // refused at start-up.
+            lease_secs: 3,
             recovery_interval_ms: 200,
             prefetch: 32,
             delivery_limit: 5,

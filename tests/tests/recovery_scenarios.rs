@@ -171,24 +171,28 @@ async fn paused_sender_resumes_after_recovery_and_cannot_change_the_receipt() {
 async fn a_late_timeout_never_overwrites_succeeded() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    // Lease 1 s, tool timeout 2 s: the lease expires and recovery succeeds while the first
-    // request is still waiting; its timeout arrives afterwards with a stale fence.
-    let opts = WorkerOptions {
-        lease_secs: 1,
-        ..WorkerOptions::new(env.standard_tools(ds.port, ""))
-    };
+    // The downstream commits and answers only after 4 s; the tool times out at 2 s, below the
+    // 3 s lease (start-up refuses otherwise). A is paused while its request waits, past its
+    // lease; B recovers by replay; A's timeout then arrives with a stale fence.
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
     ds.fault(json!({"kind": "slow_after_commit", "key": key("refund-s"), "delay_ms": 4000}))
         .await;
-    let w = Worker::start(&env, "w", &opts).await;
+    let a = Worker::start(&env, "a", &opts).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
     agent
         .request(TENANT, "refund-s", "refund", json!({"order": "o-s"}))
         .await;
+    e2e::wait_for("A's request to reach the downstream", T, || async {
+        (env.writes(&key("refund-s")).await >= 1).then_some(())
+    })
+    .await;
+    a.pause();
+    let b = Worker::start(&env, "b", &opts).await;
     agent.until(TENANT, "refund-s", Status::Succeeded, T).await;
     let row = env.operation(TENANT, "refund-s").await.unwrap();
-    // The first request times out at ~2 s; give it time to try to write.
+    a.resume();
     e2e::wait_for("the stale timeout", T, || async {
-        w.output
+        a.output
             .contains("outcome discarded: the operation moved on")
             .then_some(())
     })
@@ -197,7 +201,7 @@ async fn a_late_timeout_never_overwrites_succeeded() {
     assert_eq!(after.state, "succeeded");
     assert_eq!(after.receipt, row.receipt);
     assert_eq!(env.mutations(&key("refund-s")).await, 1);
-    drop(w);
+    drop((a, b));
     cleanup(env).await;
 }
 

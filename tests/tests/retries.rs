@@ -17,11 +17,17 @@ fn key(action: &str) -> String {
     format!("{TENANT}:{action}")
 }
 
-/// A replay tool `refund` at `port` with the given extra settings.
+/// A replay tool `refund` at `port` with the given extra settings (timeout 2 s unless they set
+/// one: a timeout at or above the lease is refused at start-up).
 fn refund_tool(env: &Env, port: u16, settings: &str) -> std::path::PathBuf {
+    let timeout = if settings.contains("timeout_ms") {
+        ""
+    } else {
+        "timeout_ms = 2000\n"
+    };
     env.write_tools(&format!(
         "[tools.refund]\nurl = \"http://127.0.0.1:{port}/replay/refunds\"\nrecovery = \"replay\"\nreplay_window_secs = 3600\n\
-         receipt_id = \"/receipt_id\"\nreceipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n{settings}\n"
+         receipt_id = \"/receipt_id\"\nreceipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n{timeout}{settings}\n"
     ))
 }
 
@@ -233,10 +239,8 @@ async fn amplification_is_bounded_even_with_workers_killed_mid_flight() {
     );
     ds.fault(json!({"kind": "status", "status": 429, "times": 100000}))
         .await;
-    let opts = WorkerOptions {
-        lease_secs: 1,
-        ..WorkerOptions::new(tools)
-    };
+    // Lease 3 s (the default): above the 2 s tool timeout, as start-up requires.
+    let opts = WorkerOptions::new(tools);
     let agent = Agent::new_after(&env, &[TENANT], &opts).await;
     let actions: Vec<String> = (0..12).map(|i| format!("refund-a{i}")).collect();
     let mut workers = Vec::new();

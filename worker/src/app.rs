@@ -36,6 +36,7 @@ pub async fn connect_ledger(settings: &Settings) -> anyhow::Result<Ledger> {
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let tools_file = Tools::load(&settings.tools_path)?;
     let tools = ToolSet::from_config(&tools_file)?;
+    crate::config::check_proof(&settings, &tools_file)?;
     warn_about_risky_settings(&settings, &tools_file);
     let handle =
         m::install().map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
@@ -195,8 +196,9 @@ async fn drain(ctx: &Arc<Context>, grace: Duration, max_in_flight: usize) {
     }
 }
 
-/// Settings that work but weaken the guarantees: said once at start-up.
-fn warn_about_risky_settings(settings: &Settings, tools: &Tools) {
+/// Settings that work but weaken the guarantees: said once at start-up (the unsafe ones were
+/// refused by [`crate::config::check_proof`]).
+fn warn_about_risky_settings(_settings: &Settings, tools: &Tools) {
     if matches!(tools.auth, crate::config::TenantAuth::Trusted) {
         tracing::warn!(
             "tenants are trusted as written in each intent; with more than one tenant set [auth] mode = \"user_id\" \
@@ -204,18 +206,11 @@ fn warn_about_risky_settings(settings: &Settings, tools: &Tools) {
         );
     }
     for (name, tool) in &tools.tools {
-        if tool.timeout >= settings.lease {
-            tracing::warn!(
-                tool = %name, timeout_ms = tool.timeout.as_millis() as u64, lease_secs = settings.lease.as_secs(),
-                "the tool's timeout is not shorter than WORKER_LEASE_SECS: a slow request's lease can expire while \
-                 it is still in flight, turning it into an unknown outcome (safe, but needless recovery)"
-            );
-        }
         if tool.receipt_match.is_empty() {
             tracing::warn!(
                 tool = %name,
-                "receipt_match is empty: any 2xx with a receipt id is taken as this operation's receipt; \
-                 declare the echo fields the downstream returns"
+                "receipt_match = {{}} (explicit opt-out): any 2xx with a receipt id is taken as this operation's \
+                 receipt; declare the echo fields the downstream returns"
             );
         }
     }

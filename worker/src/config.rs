@@ -349,13 +349,16 @@ struct RawTool {
     #[serde(default)]
     connect_timeout_ms: Option<u64>,
     receipt_id: String,
+    /// Absent is refused; an explicit `{}` is the documented opt-out.
     #[serde(default)]
-    receipt_match: BTreeMap<String, String>,
+    receipt_match: Option<BTreeMap<String, String>>,
     recovery: String,
     replay_window_secs: Option<u64>,
     #[serde(alias = "replay_margin_secs")]
     replay_safety_margin_secs: Option<u64>,
     lookup_url: Option<String>,
+    #[serde(default)]
+    replay_final_statuses: Vec<u16>,
     #[serde(default = "default_recovery_attempts", alias = "max_recovery_attempts")]
     recovery_attempts: u32,
     #[serde(default)]
@@ -409,8 +412,12 @@ pub struct ToolConfig {
     /// JSON pointer to the receipt id in a 2xx body.
     pub receipt_id: String,
     /// JSON pointer -> template ("{tenant}", "{action_id}", "{key}") the receipt must echo.
+    /// Empty only when the file says `receipt_match = {}` (a warned opt-out).
     pub receipt_match: BTreeMap<String, String>,
     pub capability: Capability,
+    /// Statuses that, answered to a replay, are final (`failed`). Empty by default: during
+    /// recovery only a matching receipt proves an outcome.
+    pub replay_final_statuses: Vec<u16>,
     /// Recovery rounds (lookups or replays) before an unknown outcome is held.
     pub recovery_attempts: u32,
     pub retry: RetryPolicy,
@@ -515,7 +522,15 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
             t.receipt_id
         )));
     }
-    for pointer in t.receipt_match.keys() {
+    let Some(receipt_match) = t.receipt_match.clone() else {
+        return Err(bad(
+            "receipt_match is required: list the JSON pointers where the downstream echoes the \
+             operation (e.g. { \"/idempotency_key\" = \"{tenant}:{action_id}\" }); \
+             `receipt_match = {}` opts out, taking any 2xx with a receipt id as this operation's receipt"
+                .into(),
+        ));
+    };
+    for pointer in receipt_match.keys() {
         if !pointer.starts_with('/') {
             return Err(bad(format!(
                 "receipt_match key {pointer:?} must be a JSON pointer"
@@ -533,11 +548,18 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
             if window == 0 {
                 return Err(bad("replay_window_secs must be at least 1".into()));
             }
-            // Default margin: a tenth of the window, at most five minutes, so a request still in
-            // flight cannot reach the downstream after its key has been pruned.
+            // Default margin: a tenth of the window, between 1 s and five minutes, so a request
+            // still in flight cannot reach the downstream after its key has been pruned.
             let margin = t
                 .replay_safety_margin_secs
-                .unwrap_or((window / 10).min(300));
+                .unwrap_or((window / 10).clamp(1, 300));
+            if margin == 0 {
+                return Err(bad(
+                    "replay_safety_margin_secs = 0: a replay sent just before the window closes \
+                     could reach the downstream after it forgot the key; use at least 1"
+                        .into(),
+                ));
+            }
             if margin >= window {
                 return Err(bad(
                     "replay_safety_margin_secs must be below replay_window_secs".into(),
@@ -558,6 +580,15 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
                     "lookup_url {url:?} must start with http:// or https://"
                 )));
             }
+            // A lookup must name the whole operation, or it may find another one.
+            let names_key = url.contains("{key}");
+            let names_both = url.contains("{tenant}") && url.contains("{action_id}");
+            if !names_key && !names_both {
+                return Err(bad(format!(
+                    "lookup_url {url:?} must contain {{key}}, or both {{tenant}} and {{action_id}}, \
+                     so a lookup can only find this operation"
+                )));
+            }
             Capability::Lookup { url_template: url }
         }
         "none" => Capability::None,
@@ -571,6 +602,18 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
         return Err(bad(
             "lookup_url is only used with recovery = \"lookup\"".into()
         ));
+    }
+    if !t.replay_final_statuses.is_empty() && !matches!(capability, Capability::Replay { .. }) {
+        return Err(bad(
+            "replay_final_statuses is only used with recovery = \"replay\"".into(),
+        ));
+    }
+    for s in &t.replay_final_statuses {
+        if !(400..=499).contains(s) {
+            return Err(bad(format!(
+                "replay_final_statuses: {s} is not an HTTP 4xx status"
+            )));
+        }
     }
     if t.replay_window_secs.is_some() && !matches!(capability, Capability::Replay { .. }) {
         return Err(bad(
@@ -615,13 +658,54 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
             t.connect_timeout_ms.unwrap_or(t.timeout_ms.min(5000)),
         ),
         receipt_id: t.receipt_id,
-        receipt_match: t.receipt_match,
+        receipt_match,
         capability,
+        replay_final_statuses: t.replay_final_statuses,
         recovery_attempts: t.recovery_attempts.max(1),
         retry: t.retry,
         budget: t.budget,
         headers: t.headers,
     })
+}
+
+/// Refuses settings that, together, would silently weaken the proof of an outcome (issue 8
+/// items 9 and 11). The error names the tool and the keys involved.
+pub fn check_proof(settings: &Settings, tools: &Tools) -> Result<(), ConfigError> {
+    let bad = |name: &str, reason: String| {
+        invalid(&settings.tools_path, format!("tools.{name}: {reason}"))
+    };
+    for (name, tool) in &tools.tools {
+        // A request still in flight when its lease ends turns into a needless unknown outcome,
+        // and a send must leave while the lease outlives the whole timeout.
+        if tool.timeout >= settings.lease {
+            return Err(bad(
+                name,
+                format!(
+                    "timeout_ms = {} is not shorter than WORKER_LEASE_SECS = {}; a request could \
+                     still be in flight when its lease ends and recovery starts",
+                    tool.timeout.as_millis(),
+                    settings.lease.as_secs()
+                ),
+            ));
+        }
+        // The tombstone (key, fingerprint, final answer) must outlive the downstream's memory
+        // of the key; else a redelivered intent is admitted as new while the key is remembered.
+        if let Capability::Replay { window, .. } = tool.capability {
+            if settings.tombstone_retention < window {
+                return Err(bad(
+                    name,
+                    format!(
+                        "WORKER_TOMBSTONE_RETENTION_SECS = {} is shorter than replay_window_secs = {}; \
+                         a forgotten key could be admitted and sent again while the downstream \
+                         still remembers it",
+                        settings.tombstone_retention.as_secs(),
+                        window.as_secs()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -641,6 +725,7 @@ replay_window_secs = 86400
 [tools.ticket]
 url = "http://127.0.0.1:9100/lookup/tickets"
 receipt_id = "/receipt_id"
+receipt_match = { "/idempotency_key" = "{tenant}:{action_id}" }
 recovery = "lookup"
 lookup_url = "http://127.0.0.1:9100/lookup/tickets/by-key/{tenant}:{action_id}"
 retry = { max_attempts = 3, not_applied_statuses = [429, 503] }
@@ -672,7 +757,7 @@ budget = { ratio = 0.2 }
     fn rejects_missing_capability_settings_with_the_tool_name() {
         let err = Tools::parse(
             Path::new("t.toml"),
-            "[tools.x]\nurl='http://a'\nreceipt_id='/id'\nrecovery='lookup'\n",
+            "[tools.x]\nurl='http://a'\nreceipt_id='/id'\nreceipt_match={}\nrecovery='lookup'\n",
         )
         .unwrap_err()
         .to_string();
@@ -682,7 +767,7 @@ budget = { ratio = 0.2 }
         );
         let err = Tools::parse(
             Path::new("t.toml"),
-            "[tools.x]\nurl='http://a'\nreceipt_id='/id'\nrecovery='maybe'\n",
+            "[tools.x]\nurl='http://a'\nreceipt_id='/id'\nreceipt_match={}\nrecovery='maybe'\n",
         )
         .unwrap_err()
         .to_string();
@@ -705,5 +790,160 @@ budget = { ratio = 0.2 }
         assert!(!auth.allows(Some("agent-n"), "south"));
         assert!(!auth.allows(None, "north"));
         assert!(TenantAuth::Trusted.allows(None, "any"));
+    }
+
+    const MATCH: &str = "receipt_match = { \"/idempotency_key\" = \"{tenant}:{action_id}\" }";
+
+    fn parse_err(toml: &str) -> String {
+        Tools::parse(Path::new("t.toml"), toml)
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn receipt_match_must_be_written_and_an_explicit_empty_table_opts_out() {
+        let err = parse_err("[tools.pay]\nurl='http://a'\nreceipt_id='/id'\nrecovery='none'\n");
+        assert!(
+            err.contains("tools.pay") && err.contains("receipt_match is required"),
+            "{err}"
+        );
+        let tools = Tools::parse(
+            Path::new("t.toml"),
+            "[tools.pay]\nurl='http://a'\nreceipt_id='/id'\nreceipt_match = {}\nrecovery='none'\n",
+        )
+        .unwrap();
+        assert!(tools.tools["pay"].receipt_match.is_empty());
+    }
+
+    #[test]
+    fn a_lookup_url_must_name_the_whole_operation() {
+        let tool = |url: &str| {
+            format!("[tools.t]\nurl='http://a'\nreceipt_id='/id'\n{MATCH}\nrecovery='lookup'\nlookup_url='{url}'\n")
+        };
+        for url in [
+            "http://a/by-action/{action_id}",
+            "http://a/by-tenant/{tenant}",
+            "http://a/all",
+            "http://a/{tool}/{action_id}",
+        ] {
+            let err = parse_err(&tool(url));
+            assert!(
+                err.contains("tools.t") && err.contains("lookup_url") && err.contains("{key}"),
+                "{url}: {err}"
+            );
+        }
+        for url in ["http://a/by-key/{key}", "http://a/{tenant}/x/{action_id}"] {
+            Tools::parse(Path::new("t.toml"), &tool(url)).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_zero_replay_margin_is_refused_and_the_default_is_at_least_one_second() {
+        let tool = |extra: &str| {
+            format!("[tools.r]\nurl='http://a'\nreceipt_id='/id'\n{MATCH}\nrecovery='replay'\n{extra}\n")
+        };
+        let err = parse_err(&tool(
+            "replay_window_secs = 600\nreplay_safety_margin_secs = 0",
+        ));
+        assert!(
+            err.contains("tools.r") && err.contains("replay_safety_margin_secs = 0"),
+            "{err}"
+        );
+        let tools = Tools::parse(Path::new("t.toml"), &tool("replay_window_secs = 5")).unwrap();
+        assert_eq!(
+            tools.tools["r"].capability,
+            Capability::Replay {
+                window: Duration::from_secs(5),
+                margin: Duration::from_secs(1)
+            }
+        );
+    }
+
+    #[test]
+    fn replay_final_statuses_are_4xx_and_only_for_replay_tools() {
+        let tool = |recovery: &str, statuses: &str| {
+            format!("[tools.r]\nurl='http://a'\nreceipt_id='/id'\n{MATCH}\n{recovery}\nreplay_final_statuses = {statuses}\n")
+        };
+        let replay = "recovery='replay'\nreplay_window_secs = 600";
+        let tools = Tools::parse(Path::new("t.toml"), &tool(replay, "[422, 409]")).unwrap();
+        assert_eq!(tools.tools["r"].replay_final_statuses, vec![422, 409]);
+        let err = parse_err(&tool(replay, "[503]"));
+        assert!(err.contains("replay_final_statuses: 503"), "{err}");
+        let err = parse_err(&tool("recovery='none'", "[422]"));
+        assert!(
+            err.contains("tools.r") && err.contains("replay_final_statuses is only used"),
+            "{err}"
+        );
+        let none = Tools::parse(
+            Path::new("t.toml"),
+            &format!("[tools.r]\nurl='http://a'\nreceipt_id='/id'\n{MATCH}\n{replay}\n"),
+        )
+        .unwrap();
+        assert!(none.tools["r"].replay_final_statuses.is_empty());
+    }
+
+    fn settings(lease_secs: u64, tombstone_secs: u64) -> Settings {
+        Settings {
+            database_url: "postgres://x".into(),
+            amqp_url: "amqp://x".into(),
+            tools_path: PathBuf::from("t.toml"),
+            prefetch: 1,
+            metrics_addr: None,
+            admin_addr: None,
+            admin_token: None,
+            tenant_tokens: BTreeMap::new(),
+            topology: Topology {
+                intents_exchange: "i".into(),
+                intents_queue: "i".into(),
+                results_exchange: "r".into(),
+                dead_letter_exchange: "d".into(),
+                dead_letter_queue: "d".into(),
+                delivery_limit: 5,
+                queue_delivery_limit: 20,
+            },
+            lease: Duration::from_secs(lease_secs),
+            recovery_interval: Duration::from_secs(1),
+            max_in_flight: 1,
+            worker_id: "w".into(),
+            shutdown_grace: Duration::from_secs(1),
+            retention: Duration::from_secs(86_400),
+            tombstone_retention: Duration::from_secs(tombstone_secs),
+            db_pool_size: 2,
+            log_json: false,
+        }
+    }
+
+    #[test]
+    fn a_timeout_at_or_above_the_lease_is_refused_naming_the_tool() {
+        let tools = Tools::parse(
+            Path::new("t.toml"),
+            &format!("[tools.slow]\nurl='http://a'\nreceipt_id='/id'\n{MATCH}\nrecovery='none'\ntimeout_ms = 30000\n"),
+        )
+        .unwrap();
+        let err = check_proof(&settings(30, 365 * 86_400), &tools)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tools.slow")
+                && err.contains("timeout_ms = 30000")
+                && err.contains("WORKER_LEASE_SECS = 30"),
+            "{err}"
+        );
+        check_proof(&settings(31, 365 * 86_400), &tools).unwrap();
+    }
+
+    #[test]
+    fn a_tombstone_retention_shorter_than_a_replay_window_is_refused() {
+        let tools = Tools::parse(Path::new("t.toml"), EXAMPLE).unwrap();
+        let err = check_proof(&settings(30, 3600), &tools)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tools.refund")
+                && err.contains("WORKER_TOMBSTONE_RETENTION_SECS = 3600")
+                && err.contains("replay_window_secs = 86400"),
+            "{err}"
+        );
+        check_proof(&settings(30, 86_400), &tools).unwrap();
     }
 }

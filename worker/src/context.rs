@@ -40,7 +40,7 @@ impl Context {
         max_in_flight: usize,
     ) -> Arc<Context> {
         let (tx, rx) = mpsc::channel(COMPLETION_BATCH * 4);
-        let windows = tools.replay_windows();
+        let windows = ReplayWindows::new(tools.replay_windows());
         tokio::spawn(run_completer(ledger.clone(), worker_id.clone(), rx));
         Arc::new(Context {
             ledger,

@@ -177,30 +177,51 @@ pub fn after_recovery(op: &Operation, tool: &ToolConfig, outcome: Outcome) -> Tr
             receipt,
             receipt_id,
         },
-        // A definitive answer to the original key: the downstream will not apply it.
-        Outcome::Rejected { evidence, .. } => Transition::Failed {
-            evidence: format!("the downstream refused the original request on replay: {evidence}"),
-        },
-        other => {
-            let round = op.recovery_attempts.max(1) as u32;
-            if round >= tool.recovery_attempts {
-                Transition::Held {
-                    evidence: format!(
-                        "recovery attempts exhausted ({round}) without a matching receipt; last: {}",
-                        other.evidence()
-                    ),
-                }
-            } else {
-                let delay = with_retry_after(
-                    &tool.retry,
-                    retry_delay(&tool.retry, round),
-                    other.retry_after(),
-                );
-                Transition::Unknown {
-                    delay,
-                    evidence: other.evidence(),
-                }
+        // A status answered to a replay proves nothing about the original write (a rotated API
+        // key, a WAF, a deploy serving 404): only the statuses the tool lists are final.
+        Outcome::Rejected { status, evidence } if tool.replay_final_statuses.contains(&status) => {
+            Transition::Failed {
+                evidence: format!(
+                    "the downstream refused the original request on replay with HTTP {status}, \
+                     listed in replay_final_statuses: {evidence}"
+                ),
             }
+        }
+        Outcome::Rejected { status, evidence } => recovery_unproven(
+            op,
+            tool,
+            Outcome::Unknown {
+                evidence: format!(
+                    "replay answered HTTP {status}, which proves nothing about the original \
+                     request (not in replay_final_statuses): {evidence}"
+                ),
+                retry_after: None,
+            },
+        ),
+        other => recovery_unproven(op, tool, other),
+    }
+}
+
+/// A recovery round that brought no matching receipt: unknown again, or held once the tool's
+/// recovery rounds are spent. The answer is kept as evidence.
+fn recovery_unproven(op: &Operation, tool: &ToolConfig, other: Outcome) -> Transition {
+    let round = op.recovery_attempts.max(1) as u32;
+    if round >= tool.recovery_attempts {
+        Transition::Held {
+            evidence: format!(
+                "recovery attempts exhausted ({round}) without a matching receipt; last: {}",
+                other.evidence()
+            ),
+        }
+    } else {
+        let delay = with_retry_after(
+            &tool.retry,
+            retry_delay(&tool.retry, round),
+            other.retry_after(),
+        );
+        Transition::Unknown {
+            delay,
+            evidence: other.evidence(),
         }
     }
 }

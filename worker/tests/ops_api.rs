@@ -587,3 +587,53 @@ async fn the_sweeper_removes_private_data_and_keeps_the_tombstone() {
     drop(api);
     db.drop_db().await;
 }
+
+/// Issue 8 item 10: `fail` on an `unknown` row races a recovery round that holds a live lease
+/// (a replay may be on the wire and bring back a receipt). It is refused like `recheck`, and
+/// allowed once the lease has lapsed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_refuses_an_unknown_row_under_a_live_recovery_lease() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let api = start_api(ctx.clone()).await;
+    let op = unknown(&ctx, "north", "refund-11", "refund").await;
+    sqlx::query("UPDATE operations SET next_attempt_at = now() WHERE id = $1")
+        .bind(op.id)
+        .execute(db.pool())
+        .await
+        .unwrap();
+    let leased = ctx
+        .ledger
+        .lease_for_recovery(op.id, "recovering-worker", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a recovery round leased the row");
+    let events_before = outbox_events(db.pool(), op.id).await.len();
+    let path = format!("{}/fail", op_path("north", "refund-11"));
+    let body = json!({"evidence": "the bank says it was never applied", "operator": "erin",
+                      "request_id": "op-fail-leased"});
+    let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
+    assert_eq!(r.status, 409, "{}", r.body);
+    let now = db.ledger.get(op.id).await.unwrap().unwrap();
+    assert_eq!(now.state(), State::Unknown);
+    assert_eq!(
+        now.fence, leased.fence,
+        "the round's fence still owns the row"
+    );
+    assert_eq!(outbox_events(db.pool(), op.id).await.len(), events_before);
+
+    // Once the round's lease has lapsed, the operator may fail it.
+    sqlx::query("UPDATE operations SET lease_until = now() - interval '1 second' WHERE id = $1")
+        .bind(op.id)
+        .execute(db.pool())
+        .await
+        .unwrap();
+    let body = json!({"evidence": "the bank says it was never applied", "operator": "erin",
+                      "request_id": "op-fail-lapsed"});
+    let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.body["state"], "failed");
+
+    drop(api);
+    db.drop_db().await;
+}

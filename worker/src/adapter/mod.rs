@@ -48,6 +48,8 @@ pub enum Outcome {
         retry_after: Option<Duration>,
     },
     /// A definitive rejection (4xx other than 408/409/429): it did not and will not apply.
+    /// Answered to a replay it proves nothing about the original write; recovery keeps the row
+    /// unknown unless the tool lists the status in `replay_final_statuses`.
     Rejected { status: u16, evidence: String },
     /// It may have been applied: timeout, reset after writing, 5xx, 408, 409, a receipt that
     /// does not match, an unreadable 2xx.
@@ -147,13 +149,16 @@ impl ToolSet {
         self.tools.iter()
     }
 
-    /// Replay windows of replay-capable tools, for the ledger's deadline.
-    pub fn replay_windows(&self) -> crate::ledger::ReplayWindows {
-        crate::ledger::ReplayWindows::new(self.tools.iter().filter_map(|(n, t)| {
-            match t.config.capability {
+    /// Replay windows of replay-capable tools (tool name, window), from which the ledger
+    /// stores each first dispatch's protection deadline. Plain values: adapters do not depend
+    /// on the ledger.
+    pub fn replay_windows(&self) -> Vec<(String, Duration)> {
+        self.tools
+            .iter()
+            .filter_map(|(n, t)| match t.config.capability {
                 Capability::Replay { window, .. } => Some((n.clone(), window)),
                 _ => None,
-            }
-        }))
+            })
+            .collect()
     }
 }

@@ -330,11 +330,15 @@ async fn transition(
                 .await?
         }
         OperatorChange::Fail { .. } => {
+            // Like recheck, an `unknown` row under a live recovery lease is refused: that
+            // round's replay or lookup may be on the wire and bring back the receipt.
             let sql = format!(
                 "UPDATE operations SET state = 'failed', evidence = $3, changed_by = $2,
                         lease_owner = NULL, lease_until = NULL, next_attempt_at = NULL,
                         last_reported = 'failed'
-                 WHERE id = $1 AND state IN ('retry_wait', 'unknown', 'held')
+                 WHERE id = $1
+                   AND (state IN ('retry_wait', 'held')
+                        OR (state = 'unknown' AND (lease_until IS NULL OR lease_until < now())))
                  RETURNING {returning}"
             );
             sqlx::query_as(sqlx::AssertSqlSafe(sql))

@@ -433,7 +433,14 @@ pub async fn fail(
         reason: evidence.clone(),
     };
     let change = OperatorChange::Fail { evidence };
-    apply_final(ctx, op.id, &request, &change, "held, unknown or retry_wait").await
+    apply_final(
+        ctx,
+        op.id,
+        &request,
+        &change,
+        "held, retry_wait, or unknown while no recovery round is running",
+    )
+    .await
 }
 
 /// Applies a resolution that makes the operation final (resolve, fail) and, when it moved,

@@ -1,0 +1,76 @@
+"""Python client for the intent worker (message contract version 1).
+
+- :class:`Intent`, :func:`decode_intent`, :class:`InvalidIntent`: the intent and a validator
+  that mirrors the worker's strict decoder (rules, order, error codes).
+- :func:`fingerprint`, :func:`canonical_json`: the worker's intent fingerprint.
+- :class:`ResultEvent`, :class:`Status`, :class:`RejectReason`: the answer.
+- :class:`IntentClient`: ``publish``, ``wait_for``, ``send_and_wait`` over RabbitMQ, with the
+  status API (``GET /v1/operations/{tenant}/{action_id}``) as fallback.
+- :func:`enqueue`, :func:`create_outbox`: the agent-side transactional outbox (psycopg 3).
+- :func:`intent_tool`, :func:`action_scope`: tools for agent frameworks.
+"""
+
+from .client import (
+    ClientError,
+    IntentClient,
+    NoAnswer,
+    PublishError,
+    StatusApiError,
+    TopologyMissing,
+    fetch_status,
+    result_routing_key,
+)
+from .fingerprint import canonical_json, fingerprint
+from .intent import (
+    MAX_INTENT_BYTES,
+    MAX_KEY_LEN,
+    MAX_TOOL_LEN,
+    Intent,
+    InvalidIntent,
+    decode_intent,
+)
+from .outbox import OUTBOX_DDL, create_outbox, enqueue, enqueue_async
+from .result import InvalidResultEvent, RejectReason, ResultEvent, Status
+from .tool import (
+    MissingActionId,
+    ToolAnswer,
+    action_from_scope,
+    action_scope,
+    answer_for,
+    intent_tool,
+    parameters_schema,
+)
+
+__all__ = [
+    "MAX_INTENT_BYTES",
+    "MAX_KEY_LEN",
+    "MAX_TOOL_LEN",
+    "OUTBOX_DDL",
+    "ClientError",
+    "Intent",
+    "IntentClient",
+    "InvalidIntent",
+    "InvalidResultEvent",
+    "MissingActionId",
+    "NoAnswer",
+    "PublishError",
+    "RejectReason",
+    "ResultEvent",
+    "Status",
+    "StatusApiError",
+    "ToolAnswer",
+    "TopologyMissing",
+    "action_from_scope",
+    "action_scope",
+    "answer_for",
+    "canonical_json",
+    "create_outbox",
+    "decode_intent",
+    "enqueue",
+    "enqueue_async",
+    "fetch_status",
+    "fingerprint",
+    "intent_tool",
+    "parameters_schema",
+    "result_routing_key",
+]

@@ -1,0 +1,213 @@
+"""A decorator that turns a Python function signature into an intent-backed tool for an agent
+framework. The model supplies the arguments; the application supplies the action id (from a
+context set around the model's turn, or a callable), so a model that "tries again" reaches
+the same ledger row instead of a new action. The return value is the worker's answer, worded
+for the model: ``pending`` (and silence) reads as "outcome unknown, do not retry".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import json
+import types
+import typing
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Union
+
+from .client import IntentClient, NoAnswer
+from .intent import Intent
+from .result import ResultEvent, Status
+
+_ACTION: ContextVar[tuple[str, str | None] | None] = ContextVar("intent_action", default=None)
+
+# Names an intent-backed tool may not take as parameters: they are the application's to set.
+RESERVED_PARAMETERS = ("tenant", "action_id", "call_id", "reply_to")
+
+
+class MissingActionId(LookupError):
+    """A tool was called outside :func:`action_scope` and without an ``action_id`` callable.
+    The client never invents an action id: a fresh id per call is how duplicates happen."""
+
+
+@contextlib.contextmanager
+def action_scope(action_id: str, call_id: str | None = None) -> Iterator[None]:
+    """Sets the action id (and optionally the model call id) for the tool calls made inside,
+    e.g. around one model turn::
+
+        with action_scope(f"refund-{order.id}", call_id=tool_call.id):
+            answer = await refund(**tool_call.arguments)
+    """
+    token = _ACTION.set((action_id, call_id))
+    try:
+        yield
+    finally:
+        _ACTION.reset(token)
+
+
+def action_from_scope(tool: str, arguments: Mapping[str, Any]) -> str:
+    """The default action id source: the innermost :func:`action_scope`."""
+    current = _ACTION.get()
+    if current is None:
+        raise MissingActionId(
+            f"tool {tool!r} called without an action id: wrap the call in action_scope(...) or "
+            "pass action_id=<callable> to intent_tool"
+        )
+    return current[0]
+
+
+UNKNOWN_OUTCOME = (
+    "OUTCOME UNKNOWN. The request for {tool} (action {action_id}) was recorded but its result "
+    "is not known yet; it may still complete. Do NOT retry or resubmit it, and do not tell the "
+    "user it failed. Its status can be checked later."
+)
+
+
+@dataclass(frozen=True)
+class ToolAnswer:
+    """What an intent-backed tool returns. ``str(answer)`` is the text for the model;
+    ``status`` is ``None`` when nothing was heard before the timeout (treated as pending)."""
+
+    status: Status | None
+    text: str
+    event: ResultEvent | None
+
+    @property
+    def outcome_unknown(self) -> bool:
+        return self.status is None or self.status is Status.PENDING
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def answer_for(event: ResultEvent | None, tool: str, action_id: str) -> ToolAnswer:
+    """Words an answer for the model."""
+    if event is None or event.status is Status.PENDING:
+        text = UNKNOWN_OUTCOME.format(tool=tool, action_id=action_id)
+        if event is not None:
+            text += f" Worker says: {event.message}"
+        return ToolAnswer(None if event is None else event.status, text, event)
+    if event.status is Status.SUCCEEDED:
+        receipt = json.dumps(event.receipt, ensure_ascii=False, sort_keys=True)
+        text = f"SUCCEEDED. {event.message} Receipt: {receipt}"
+    elif event.status is Status.FAILED:
+        text = f"FAILED (it was not applied and will not be). {event.message}"
+    else:
+        reason = event.reason.value if event.reason else "rejected"
+        text = f"REJECTED ({reason}; nothing was done). {event.message}"
+    return ToolAnswer(event.status, text, event)
+
+
+ActionIdSource = Callable[[str, Mapping[str, Any]], str]
+ClientSource = IntentClient | Callable[[], IntentClient]
+
+
+def intent_tool(
+    client: ClientSource,
+    *,
+    tenant: str | Callable[[], str],
+    action_id: ActionIdSource = action_from_scope,
+    name: str | None = None,
+    timeout: float = 30.0,
+) -> Callable[[Callable[..., Any]], Callable[..., Awaitable[ToolAnswer]]]:
+    """Decorates a function whose signature (names, annotations, defaults, docstring)
+    describes a tool. Calling the result publishes an intent (tool = ``name`` or the function's
+    name, arguments = the bound parameters) and returns the worker's answer as a
+    :class:`ToolAnswer`; the function's body is never run: the worker performs the action.
+
+    ``action_id(tool, arguments)`` supplies the action id (default: :func:`action_scope`); the
+    tool's parameters may not include ``tenant``, ``action_id``, ``call_id`` or ``reply_to``.
+    Invalid arguments raise :class:`~intent_worker_client.InvalidIntent`, an unconfirmed
+    publish raises :class:`~intent_worker_client.PublishError`; both before any answer."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Awaitable[ToolAnswer]]:
+        signature = inspect.signature(fn)
+        for parameter in signature.parameters.values():
+            if parameter.name in RESERVED_PARAMETERS:
+                raise TypeError(
+                    f"{fn.__name__}: parameter {parameter.name!r} is set by the application, "
+                    "never by the model; remove it from the tool's signature"
+                )
+            if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+                raise TypeError(f"{fn.__name__}: *args/**kwargs cannot become named arguments")
+        tool = name or fn.__name__
+
+        @functools.wraps(fn)
+        async def call(*args: Any, **kwargs: Any) -> ToolAnswer:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+            key = action_id(tool, arguments)
+            scope = _ACTION.get()
+            call_id = scope[1] if scope is not None and scope[0] == key else None
+            agent = client if isinstance(client, IntentClient) else client()
+            intent = Intent(
+                tenant=tenant if isinstance(tenant, str) else tenant(),
+                action_id=key,
+                tool=tool,
+                arguments=arguments,
+                call_id=call_id,
+            )
+            sent = await agent.publish(intent)
+            try:
+                event: ResultEvent | None = await agent.wait_for(
+                    sent.tenant, sent.action_id, timeout, fingerprint=sent.fingerprint()
+                )
+            except NoAnswer:
+                event = None
+            return answer_for(event, tool, key)
+
+        call.__signature__ = signature.replace(return_annotation=ToolAnswer)  # type: ignore[attr-defined]
+        call.tool_schema = parameters_schema(fn)  # type: ignore[attr-defined]
+        return call
+
+    return decorate
+
+
+_JSON_TYPES: dict[Any, str] = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    dict: "object",
+}
+
+
+def _json_type(annotation: Any) -> dict[str, Any]:
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(options) == 1:
+            return _json_type(options[0])
+        return {}
+    if origin is typing.Literal:
+        return {"enum": list(typing.get_args(annotation))}
+    kind = _JSON_TYPES.get(origin or annotation)
+    return {"type": kind} if kind else {}
+
+
+def parameters_schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    """A JSON Schema of the function's parameters, for frameworks that describe tools to the
+    model that way (OpenAI-style function calling). Unknown annotations become ``{}``."""
+    hints = typing.get_type_hints(fn)
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for parameter in inspect.signature(fn).parameters.values():
+        properties[parameter.name] = _json_type(hints.get(parameter.name, Any))
+        if parameter.default is inspect.Parameter.empty:
+            required.append(parameter.name)
+        else:
+            properties[parameter.name]["default"] = parameter.default
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+    if fn.__doc__:
+        schema["description"] = inspect.cleandoc(fn.__doc__)
+    return schema

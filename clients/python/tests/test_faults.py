@@ -1,0 +1,137 @@
+"""The client when things go wrong around it: its broker link is cut mid-wait, and the worker
+runs with tenant proof (``[auth] mode = "user_id"``) against a second RabbitMQ user."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from conftest import AMQP_URL, FaultProxy, World, WorldFactory
+
+from intent_worker_client import Intent, IntentClient, NoAnswer, PublishError, Status
+
+
+def refund(tenant: str, action_id: str) -> Intent:
+    return Intent(
+        tenant, action_id, "refund", {"order": "o-1", "amount_cents": 100, "currency": "USD"}
+    )
+
+
+async def test_broker_link_cut_mid_wait_still_yields_the_answer(world: World) -> None:
+    host = urllib.parse.urlsplit(AMQP_URL)
+    proxy = await FaultProxy(host.hostname or "127.0.0.1", host.port or 5672).start()
+    unique = uuid.uuid4().hex[:8]
+    try:
+        client = await IntentClient.connect(
+            proxy.amqp_url(),
+            intents_exchange=world.intents_exchange,
+            results_exchange=world.results_exchange,
+            status_url=world.admin_url,
+            status_token=world.tenant_token,
+            bind_tenant=True,
+        )
+        try:
+            sent = await client.publish(refund(world.tenant, f"cut-{unique}"))
+            # The link dies right after the confirm: the exclusive results queue dies with it,
+            # so the event is lost; the status API must still give the answer.
+            proxy.cut()
+            answer = await client.wait_for(
+                world.tenant, sent.action_id, timeout=15, fingerprint=sent.fingerprint()
+            )
+            assert answer.status is Status.SUCCEEDED
+
+            # While the link is down, a publish fails clearly instead of hanging.
+            started = time.monotonic()
+            with pytest.raises(PublishError):
+                await client.publish(refund(world.tenant, f"during-{unique}"), timeout=3)
+            assert time.monotonic() - started < 10
+
+            # Back up: the robust connection re-declares the queue and its bindings, and the
+            # next answer arrives through the queue.
+            proxy.restore()
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    again = await client.publish(refund(world.tenant, f"after-{unique}"), timeout=3)
+                    break
+                except PublishError:
+                    assert time.monotonic() < deadline, "client did not reconnect"
+                    await asyncio.sleep(0.5)
+            answer = await client.wait_for(
+                world.tenant,
+                again.action_id,
+                timeout=30,
+                fingerprint=again.fingerprint(),
+                poll_interval=60,
+            )
+            assert answer.status is Status.SUCCEEDED
+            # It came through the re-declared queue (status API answers are not recorded there).
+            heard = client._heard((world.tenant, again.action_id), again.fingerprint())
+            assert heard is not None and heard.status is Status.SUCCEEDED
+        finally:
+            await client.close()
+    finally:
+        await proxy.close()
+    for action in (f"cut-{unique}", f"after-{unique}"):
+        assert world.mutations(f"{world.tenant}:{action}") == 1
+    # The intent published while the link was down either never arrived or arrived once.
+    assert world.mutations(f"{world.tenant}:during-{unique}") <= 1
+
+
+def _rabbitmqctl(*args: str) -> None:
+    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def second_user() -> Iterator[tuple[str, str]]:
+    """A RabbitMQ user of its own (unique name), deleted afterwards."""
+    host = urllib.parse.urlsplit(AMQP_URL).hostname
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        pytest.skip(f"TEST_AMQP_URL is remote ({host}); rabbitmqctl cannot add a user there")
+    if shutil.which("rabbitmqctl") is None:
+        pytest.fail("rabbitmqctl not found; it is needed to add a second RabbitMQ user")
+    name, password = f"py-agent-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    _rabbitmqctl("add_user", name, password)
+    try:
+        _rabbitmqctl("set_permissions", "-p", "/", name, ".*", ".*", ".*")
+        yield name, password
+    finally:
+        _rabbitmqctl("delete_user", name)
+
+
+async def test_user_id_tenant_proof_with_a_second_broker_user(
+    make_world: WorldFactory, second_user: tuple[str, str]
+) -> None:
+    user, password = second_user
+    world = await make_world(
+        f'\n[auth]\nmode = "user_id"\nusers = {{ "{user}" = ["north-shop"] }}\n'
+    )
+    parts = urllib.parse.urlsplit(AMQP_URL)
+    url = parts._replace(
+        netloc=f"{urllib.parse.quote(user)}:{password}@{parts.hostname}:{parts.port or 5672}"
+    ).geturl()
+    unique = uuid.uuid4().hex[:8]
+    common = {
+        "intents_exchange": world.intents_exchange,
+        "results_exchange": world.results_exchange,
+        "bind_tenant": True,
+    }
+    async with await IntentClient.connect(url, **common) as client:
+        answer = await client.send_and_wait(refund("north-shop", f"own-{unique}"), timeout=20)
+        assert answer.status is Status.SUCCEEDED
+        # Another tenant's name: dead-lettered as tenant_mismatch, no result for it, no write.
+        with pytest.raises(NoAnswer):
+            await client.send_and_wait(refund("south-shop", f"foreign-{unique}"), timeout=3)
+    # Without user_id the worker cannot prove the tenant either.
+    async with await IntentClient.connect(url, user_id=False, **common) as client:
+        with pytest.raises(NoAnswer):
+            await client.send_and_wait(refund("north-shop", f"anonymous-{unique}"), timeout=3)
+    assert world.mutations(f"north-shop:own-{unique}") == 1
+    assert world.mutations(f"south-shop:foreign-{unique}") == 0
+    assert world.mutations(f"north-shop:anonymous-{unique}") == 0
