@@ -12,7 +12,7 @@ async fn short_seeded_soak_keeps_every_invariant() {
         intents: 150,
         seconds: 20,
         workers: 2,
-        settle_secs: 20,
+        settle_secs: 30,
     };
     let report = run(&cfg).await.expect("the soak could not run");
     println!("{report}");
