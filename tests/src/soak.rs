@@ -107,6 +107,8 @@ pub struct SoakReport {
     pub per_capability: BTreeMap<Capability, CapabilityFigures>,
     /// Extra mutations beyond the first, over every key.
     pub duplicate_mutations: i64,
+    /// Keys of `lookup`/`none` tools written again after an attempt that may have applied.
+    pub unsafe_resends: usize,
     pub false_success: usize,
     pub false_failure: usize,
     pub false_rejection: usize,
@@ -198,6 +200,7 @@ impl fmt::Display for SoakReport {
             "duplicate mutations:        {}",
             self.duplicate_mutations
         )?;
+        writeln!(f, "unsafe resends (no replay): {}", self.unsafe_resends)?;
         writeln!(f, "lost intents:               {}", self.lost)?;
         writeln!(f, "lost final answers:         {}", self.lost_answers)?;
         writeln!(f, "false success:              {}", self.false_success)?;
@@ -838,6 +841,8 @@ struct DownstreamKey {
     first_receipt: Option<Value>,
     writes: i64,
     lookups: i64,
+    /// HTTP status of each write request in arrival order (`None`: dropped on purpose).
+    write_statuses: Vec<Option<i32>>,
 }
 
 /// The invariants and measures, from the downstream's tables, the ledger and the events.
@@ -863,11 +868,14 @@ async fn check(
              FROM downstream.mutations WHERE idem_key IS NOT NULL GROUP BY idem_key),
          r AS (
              SELECT idem_key, count(*) FILTER (WHERE kind = 'write') AS writes,
+                    coalesce(array_agg(status ORDER BY id) FILTER (WHERE kind = 'write'),
+                             '{}') AS write_statuses,
                     count(*) FILTER (WHERE kind = 'lookup') AS lookups
              FROM downstream.requests WHERE idem_key IS NOT NULL GROUP BY idem_key)
          SELECT coalesce(m.idem_key, r.idem_key) AS idem_key,
                 coalesce(m.mutations, 0) AS mutations, m.first_receipt,
-                coalesce(r.writes, 0) AS writes, coalesce(r.lookups, 0) AS lookups
+                coalesce(r.writes, 0) AS writes, coalesce(r.lookups, 0) AS lookups,
+                coalesce(r.write_statuses, '{}') AS write_statuses
          FROM m FULL JOIN r ON m.idem_key = r.idem_key",
     )
     .fetch_all(&env.pool)
@@ -900,6 +908,24 @@ async fn check(
         verification += ds.map_or(0, |d| d.lookups);
         if a.cap == Capability::Replay {
             verification += ds.map_or(0, |d| (d.writes - 1).max(0));
+        }
+        // Without replay, a write may follow another only if that one was proven not applied
+        // (here: 429, the tools' only `not_applied_statuses`); after anything else (a dropped
+        // reply, a 5xx, an answer the worker no longer waited for) a second send is unsafe even
+        // when it happened not to duplicate.
+        if a.cap != Capability::Replay {
+            let statuses = ds.map_or(&[][..], |d| &d.write_statuses[..]);
+            let unsafe_resend = statuses
+                .split_last()
+                .is_some_and(|(_, before)| before.iter().any(|s| *s != Some(429)));
+            if unsafe_resend {
+                report.unsafe_resends += 1;
+                report.violations.push(format!(
+                    "unsafe resend: {key} ({}) was written again after an attempt not proven unapplied; statuses in order: {:?}",
+                    a.cap.as_str(),
+                    statuses
+                ));
+            }
         }
         if mutations > 1 {
             figures.duplicate_keys += 1;
