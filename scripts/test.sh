@@ -236,6 +236,7 @@ step "cargo fmt --check" cargo fmt --all -- --check
 step "cargo clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
 step "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
 step "promtool test rules" promtool test rules deploy/prometheus/alerts_test.yml
+step "kubernetes manifests (offline)" scripts/validate-k8s.sh
 step "compose file" check_compose
 # The end-to-end suites run the built binaries (worker with fault points, reference-downstream).
 step "cargo build" cargo build --workspace --locked

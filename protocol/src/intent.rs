@@ -147,6 +147,19 @@ pub fn salvage_key(body: &[u8]) -> Option<(String, String)> {
     Some((tenant.to_owned(), action_id.to_owned()))
 }
 
+/// Best effort, like [`salvage_key`], for the `reply_to` of a body that failed strict
+/// decoding, so the rejection reaches the agent that sent it: the sole `reply_to` string
+/// when it passes its rule, otherwise `None` (the answer then goes to the tenant-wide key).
+pub fn salvage_reply_to(body: &[u8]) -> Option<String> {
+    if body.len() > MAX_INTENT_BYTES {
+        return None;
+    }
+    let entries = top_level::parse(body).ok()?;
+    let reply_to = sole_string(&entries, "reply_to")?;
+    rules::check(&[(&REPLY_TO, reply_to)]).ok()?;
+    Some(reply_to.to_owned())
+}
+
 /// The known fields of a body without duplicates, taken out one by one.
 struct RawFields(Entries);
 

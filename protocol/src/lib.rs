@@ -19,7 +19,11 @@ pub mod result;
 
 pub use error::DecodeError;
 pub use fingerprint::{canonical_json, fingerprint};
-pub use intent::{decode_intent, salvage_key, Intent, MAX_INTENT_BYTES, MAX_KEY_LEN, MAX_TOOL_LEN};
+pub use intent::{
+    decode_intent, salvage_key, salvage_reply_to, Intent, MAX_INTENT_BYTES, MAX_KEY_LEN,
+    MAX_TOOL_LEN,
+};
 pub use result::{
-    result_routing_key, tenant_binding_keys, RejectReason, ResultEvent, Status, REPLY_WORD,
+    result_routing_key, tenant_binding_keys, RejectReason, ResultEvent, Status,
+    MAX_ROUTING_KEY_BYTES, REPLY_WORD,
 };

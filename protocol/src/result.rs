@@ -118,12 +118,23 @@ pub const REPLY_WORD: &str = "@";
 /// The routing key of a result event on the results topic exchange: `<tenant>` for an intent
 /// without `reply_to`, `<tenant>.@.<reply_to>` for one with it. One agent binds
 /// `<tenant>.@.<its reply_to>`; a tenant-wide observer binds `<tenant>` and `<tenant>.@.#`.
+///
+/// An AMQP routing key is at most [`MAX_ROUTING_KEY_BYTES`] bytes, while `tenant` and
+/// `reply_to` may each be 200 characters: when the combined key would not fit, the event is
+/// routed `<tenant>` (tenant-wide), and an agent binding with this same function binds that.
 pub fn result_routing_key(tenant: &str, reply_to: Option<&str>) -> String {
     match reply_to {
-        Some(reply_to) => format!("{tenant}.{REPLY_WORD}.{reply_to}"),
-        None => tenant.to_string(),
+        Some(reply_to)
+            if tenant.len() + REPLY_WORD.len() + reply_to.len() + 2 <= MAX_ROUTING_KEY_BYTES =>
+        {
+            format!("{tenant}.{REPLY_WORD}.{reply_to}")
+        }
+        _ => tenant.to_string(),
     }
 }
+
+/// The longest AMQP routing key (a short string), in bytes.
+pub const MAX_ROUTING_KEY_BYTES: usize = 255;
 
 /// The binding keys that receive every result event of `tenant`, whatever its `reply_to`.
 pub fn tenant_binding_keys(tenant: &str) -> [String; 2] {
@@ -144,5 +155,14 @@ mod routing_tests {
         // Tenant "a"'s wide binding "a.@.#" needs "@" as the second word; tenant "a.b" has "b".
         assert_eq!(result_routing_key("a.b", Some("c")), "a.b.@.c");
         assert_eq!(tenant_binding_keys("a")[1], "a.@.#");
+    }
+
+    #[test]
+    fn a_key_that_would_not_fit_an_amqp_short_string_falls_back_to_the_tenant() {
+        let tenant = "t".repeat(200);
+        let fits = "r".repeat(52);
+        assert_eq!(result_routing_key(&tenant, Some(&fits)).len(), 255);
+        let too_long = "r".repeat(53);
+        assert_eq!(result_routing_key(&tenant, Some(&too_long)), tenant);
     }
 }

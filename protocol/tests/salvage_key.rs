@@ -62,3 +62,24 @@ fn refuses_non_objects_non_json_and_oversized_bodies() {
     let body = format!(r#"{{"tenant":"north-shop","action_id":"a"}}{padding}"#);
     assert_eq!(salvage_key(body.as_bytes()), None);
 }
+
+#[test]
+fn salvage_reply_to_takes_only_a_sole_valid_reply_to() {
+    use protocol::salvage_reply_to;
+    assert_eq!(
+        salvage_reply_to(br#"{"tenant":"t","action_id":"a","arguments":5,"reply_to":"agent-7"}"#),
+        Some("agent-7".to_string())
+    );
+    assert_eq!(salvage_reply_to(br#"{"tenant":"t","arguments":5}"#), None);
+    assert_eq!(
+        salvage_reply_to(br#"{"reply_to":"a.*"}"#),
+        None,
+        "no wildcards"
+    );
+    assert_eq!(
+        salvage_reply_to(br#"{"reply_to":"a","reply_to":"b"}"#),
+        None
+    );
+    assert_eq!(salvage_reply_to(br#"{"reply_to":7}"#), None);
+    assert_eq!(salvage_reply_to(b"not json"), None);
+}

@@ -25,8 +25,8 @@ pub struct Follower {
 
 impl Follower {
     /// Connects, declares `results_exchange` (durable topic, no arguments: the same
-    /// declaration as the worker's, so it is idempotent) and a queue bound to it with
-    /// routing key `tenant`, and starts consuming.
+    /// declaration as the worker's, so it is idempotent) and a queue bound to it with the
+    /// tenant-wide keys `<tenant>` and `<tenant>.@.#`, and starts consuming.
     ///
     /// `queue = Some(name)`: a durable, non-exclusive queue that keeps results while no
     /// follower runs. `None`: a server-named exclusive auto-delete queue, which only

@@ -62,8 +62,8 @@ pub fn is_not_found(error: &lapin::Error) -> bool {
     )
 }
 
-/// Declares the follower's results queue and binds it to `exchange` with routing key
-/// `tenant`. Returns the queue name (server-generated when `queue` is `None`).
+/// Declares the follower's results queue and binds it to `exchange` with the tenant-wide keys
+/// `<tenant>` and `<tenant>.@.#` ([`protocol::tenant_binding_keys`]). Returns the queue name (server-generated when `queue` is `None`).
 ///
 /// - `Some(name)`: durable, non-exclusive, not auto-deleted: results wait there while
 ///   no follower runs, and several followers may share it.
@@ -95,14 +95,17 @@ pub async fn declare_results_queue(
         .queue_declare(name.into(), options, FieldTable::default())
         .await?;
     let name = declared.name().as_str().to_owned();
-    channel
-        .queue_bind(
-            name.as_str().into(),
-            exchange.into(),
-            tenant.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    // Tenant-wide: events without `reply_to` (`<tenant>`) and with any (`<tenant>.@.#`).
+    for key in protocol::tenant_binding_keys(tenant) {
+        channel
+            .queue_bind(
+                name.as_str().into(),
+                exchange.into(),
+                key.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+    }
     Ok(name)
 }

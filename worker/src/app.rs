@@ -41,7 +41,11 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let handle =
         m::install().map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
     let ledger = connect_ledger(&settings).await?;
-    ledger.migrate().await.context("applying migrations")?;
+    if settings.migrate {
+        ledger.migrate().await.context("applying migrations")?;
+    } else {
+        wait_for_migrations(&ledger).await?;
+    }
 
     let connection = connect_amqp(&settings).await?;
     amqp::topology::declare(&connection, &settings.topology).await?;
@@ -213,6 +217,32 @@ fn warn_about_risky_settings(_settings: &Settings, tools: &Tools) {
                  receipt; declare the echo fields the downstream returns"
             );
         }
+    }
+}
+
+/// With `WORKER_MIGRATE=false` the schema belongs to someone else (a `worker migrate` Job):
+/// wait for it to be current rather than run against tables this build does not know.
+async fn wait_for_migrations(ledger: &Ledger) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let missing = ledger
+            .missing_migrations()
+            .await
+            .context("checking applied migrations (WORKER_MIGRATE=false)")?;
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "WORKER_MIGRATE=false but migrations {missing:?} are not applied (or differ from this build's); \
+                 run `worker migrate` with this version first"
+            );
+        }
+        tracing::warn!(
+            ?missing,
+            "WORKER_MIGRATE=false: waiting for `worker migrate` to apply migrations"
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
     }
 }
 

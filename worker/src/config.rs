@@ -92,6 +92,9 @@ pub struct Settings {
     pub tombstone_retention: Duration,
     /// Database pool size.
     pub db_pool_size: u32,
+    /// `worker run` applies migrations at start (false: another process, e.g. a Kubernetes
+    /// Job running `worker migrate`, owns them and `run` only checks they are applied).
+    pub migrate: bool,
     /// Log format: "text" or "json".
     pub log_json: bool,
 }
@@ -111,6 +114,21 @@ where
             value: v,
             reason: e.to_string(),
         }),
+    }
+}
+
+fn parse_bool(name: &'static str, default: bool) -> Result<bool, ConfigError> {
+    match var(name) {
+        None => Ok(default),
+        Some(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" => Ok(true),
+            "false" | "0" | "no" => Ok(false),
+            _ => Err(ConfigError::Invalid {
+                name,
+                value: v,
+                reason: "expected true or false".into(),
+            }),
+        },
     }
 }
 
@@ -255,6 +273,7 @@ impl Settings {
                 365 * 86_400u64,
             )?),
             db_pool_size: parse("WORKER_DB_POOL_SIZE", 10u32)?.max(2),
+            migrate: parse_bool("WORKER_MIGRATE", true)?,
             log_json: log_format == "json",
         })
     }
@@ -909,6 +928,7 @@ budget = { ratio = 0.2 }
             retention: Duration::from_secs(86_400),
             tombstone_retention: Duration::from_secs(tombstone_secs),
             db_pool_size: 2,
+            migrate: true,
             log_json: false,
         }
     }

@@ -1,19 +1,28 @@
-//! The consumer step for one batch of deliveries, independent of the broker: decode and
-//! validate, admit into the ledger (the inbox), claim new operations for dispatch, and answer
-//! duplicates, conflicts and bad messages through the result outbox. The AMQP layer dead-letters
-//! what this step says, acks only after it returns, and starts the dispatches.
+//! The consumer step for one batch of deliveries, independent of the broker. It runs in
+//! stages, each rule in one place:
+//!
+//! 1. **decode** ([`decode`]): the intent, or the error plus whatever key could be salvaged;
+//! 2. **prove the tenant** ([`triage`]): a message whose tenant the transport did not prove
+//!    is dead-lettered and answers nobody, whatever else is wrong with it;
+//! 3. **look up the inbox**: admissible intents are admitted (inserted or matched to their
+//!    row); refused messages' keys are looked up, read-only, in one query;
+//! 4. **answer or claim** ([`refusal_answer`], [`Answers`]): new rows are claimed for
+//!    dispatch; everything else is answered — from the key's row whenever it has one.
+//!
+//! Answers to a delivery are routed to that delivery's `reply_to`. The AMQP layer
+//! dead-letters what this step says, acks only after it returns, and starts the dispatches.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use metrics::counter;
-use protocol::{RejectReason, Status};
+use protocol::{DecodeError, Intent, RejectReason, Status};
 
 use crate::config::TenantAuth;
 use crate::context::Context;
 use crate::fault;
 use crate::ledger::outbox::{self, NewEvent};
-use crate::ledger::{LedgerError, NewOperation, Operation, State};
+use crate::ledger::{Admitted, LedgerError, NewOperation, Operation, State};
 use crate::telemetry::metrics as m;
 
 /// One delivery as the intake step needs it.
@@ -47,10 +56,266 @@ pub struct StepOutcome {
     pub answered: usize,
 }
 
-/// An intent that passed validation, with where it came from.
-struct Valid {
-    redelivered: bool,
-    new: NewOperation,
+/// Stage 1: what a body says.
+#[derive(Debug)]
+pub enum Decoded {
+    Intent(Box<Intent>),
+    /// Not an intent. `key` is the tenant and action id when they could be salvaged, and
+    /// `reply_to` likewise; without a key nobody can be answered.
+    Bad {
+        error: DecodeError,
+        key: Option<(String, String)>,
+        reply_to: Option<String>,
+    },
+}
+
+/// Stage 1.
+pub fn decode(body: &[u8]) -> Decoded {
+    match protocol::decode_intent(body) {
+        Ok(intent) => Decoded::Intent(Box::new(intent)),
+        Err(error) => Decoded::Bad {
+            error,
+            key: protocol::salvage_key(body),
+            reply_to: protocol::salvage_reply_to(body),
+        },
+    }
+}
+
+/// Stages 1 and 2 for one delivery.
+#[derive(Debug)]
+pub enum Triage {
+    /// Nobody may be answered (no key, or a tenant the transport did not prove): only
+    /// dead-lettered.
+    Drop(DeadLetter),
+    /// A proven key whose message is not admitted: answered (from the key's row when it has
+    /// one) and dead-lettered.
+    Refuse(Refusal),
+    /// A proven intent for a configured tool.
+    Admit(Valid),
+}
+
+/// A message refused before admission, for a key whose tenant is proven.
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    pub index: usize,
+    pub tenant: String,
+    pub action_id: String,
+    /// The delivery's own `reply_to`: where its answer goes.
+    pub reply_to: Option<String>,
+    pub kind: RefusalKind,
+}
+
+#[derive(Debug, Clone)]
+pub enum RefusalKind {
+    /// The body broke the contract; its fingerprint is unknowable.
+    Invalid { code: &'static str, error: String },
+    /// A well-formed intent naming a tool this pool does not have.
+    UnknownTool { tool: String, fingerprint: String },
+}
+
+/// An intent that passed stages 1 and 2, with where it came from.
+#[derive(Debug, Clone)]
+pub struct Valid {
+    pub redelivered: bool,
+    pub new: NewOperation,
+}
+
+/// Stages 1 and 2: decode, then prove the tenant the message names before anything about it
+/// is answered — for decode failures and unknown tools too, since an answer is routed to
+/// that tenant. `has_tool` says whether the pool has an adapter for a tool.
+pub fn triage(
+    index: usize,
+    incoming: &Incoming,
+    auth: &TenantAuth,
+    has_tool: impl Fn(&str) -> bool,
+) -> Triage {
+    let user = incoming.user_id.as_deref();
+    match decode(&incoming.body) {
+        Decoded::Bad {
+            error, key: None, ..
+        } => Triage::Drop(DeadLetter {
+            index,
+            reason: "invalid_message",
+            detail: format!("{}: {error}", error.code()),
+        }),
+        Decoded::Bad {
+            error,
+            key: Some((tenant, action_id)),
+            reply_to,
+        } => {
+            if !auth.allows(user, &tenant) {
+                return Triage::Drop(tenant_mismatch(
+                    index,
+                    user,
+                    &tenant,
+                    &format!("undecodable body ({})", error.code()),
+                ));
+            }
+            Triage::Refuse(Refusal {
+                index,
+                tenant,
+                action_id,
+                reply_to,
+                kind: RefusalKind::Invalid {
+                    code: error.code(),
+                    error: error.to_string(),
+                },
+            })
+        }
+        Decoded::Intent(intent) => {
+            fault::point("crash_on_intake", &intent.action_id);
+            if !auth.allows(user, &intent.tenant) {
+                return Triage::Drop(tenant_mismatch(
+                    index,
+                    user,
+                    &intent.tenant,
+                    &format!("intent for tool {:?}", intent.tool),
+                ));
+            }
+            let fingerprint = intent.fingerprint();
+            if !has_tool(&intent.tool) {
+                return Triage::Refuse(Refusal {
+                    index,
+                    tenant: intent.tenant,
+                    action_id: intent.action_id,
+                    reply_to: intent.reply_to,
+                    kind: RefusalKind::UnknownTool {
+                        tool: intent.tool,
+                        fingerprint,
+                    },
+                });
+            }
+            let intent = *intent;
+            Triage::Admit(Valid {
+                redelivered: incoming.redelivered,
+                new: NewOperation {
+                    arguments: intent.canonical_arguments(),
+                    tenant: intent.tenant,
+                    action_id: intent.action_id,
+                    tool: intent.tool,
+                    fingerprint,
+                    call_id: intent.call_id,
+                    reply_to: intent.reply_to,
+                },
+            })
+        }
+    }
+}
+
+/// The claimed tenant is not proven: no result goes to it (that would let one tenant address
+/// another, or deny another's action); the message is kept in the dead-letter queue.
+fn tenant_mismatch(index: usize, user: Option<&str>, tenant: &str, what: &str) -> DeadLetter {
+    DeadLetter {
+        index,
+        reason: "tenant_mismatch",
+        detail: format!(
+            "publisher user {:?} may not act for tenant {tenant:?} ({what}); nothing was answered",
+            user.unwrap_or("")
+        ),
+    }
+}
+
+impl Refusal {
+    /// The dead-letter entry; its reason does not depend on what the key's row says.
+    pub fn dead_letter(&self) -> DeadLetter {
+        match &self.kind {
+            RefusalKind::Invalid { code, error } => DeadLetter {
+                index: self.index,
+                reason: "invalid_message",
+                detail: format!("{code}: {error}"),
+            },
+            RefusalKind::UnknownTool { tool, .. } => DeadLetter {
+                index: self.index,
+                reason: "unknown_tool",
+                detail: format!("unknown tool {tool:?}"),
+            },
+        }
+    }
+
+    fn key(&self) -> (String, String) {
+        (self.tenant.clone(), self.action_id.clone())
+    }
+}
+
+/// Stage 4 for a refused message: the answer comes from the key's row when it has one — the
+/// stored answer when this is the same intent, otherwise `intent_conflict` saying the key is
+/// taken (an undecodable body's fingerprint is unknowable, so it always differs). Only a key
+/// without a row reads "nothing was done". Returns the event and its metrics reason.
+pub fn refusal_answer(r: &Refusal, row: Option<&Operation>) -> (NewEvent, &'static str) {
+    let (event, label) = match (row, &r.kind) {
+        (None, RefusalKind::Invalid { code, error }) => (
+            outbox::rejected_event(
+                &r.tenant,
+                &r.action_id,
+                "",
+                RejectReason::InvalidMessage,
+                Some(code.to_string()),
+                format!("The intent was rejected before any action: {error}; nothing was done."),
+                None,
+            ),
+            "invalid_message",
+        ),
+        (None, RefusalKind::UnknownTool { tool, fingerprint }) => (
+            outbox::rejected_event(
+                &r.tenant,
+                &r.action_id,
+                tool,
+                RejectReason::UnknownTool,
+                None,
+                format!(
+                    "The tool {tool:?} is not configured on this worker pool; nothing was done."
+                ),
+                Some(fingerprint.clone()),
+            ),
+            "unknown_tool",
+        ),
+        (Some(op), RefusalKind::UnknownTool { fingerprint, .. })
+            if *fingerprint == op.fingerprint =>
+        {
+            (outbox::stored_result(op), "stored")
+        }
+        (Some(op), kind) => {
+            let (tool, fingerprint, why) = match kind {
+                RefusalKind::Invalid { code, .. } => {
+                    ("", None, format!("could not be decoded ({code})"))
+                }
+                RefusalKind::UnknownTool { tool, fingerprint } => (
+                    tool.as_str(),
+                    Some(fingerprint.clone()),
+                    format!("names the tool {tool:?}, which is not configured on this worker pool"),
+                ),
+            };
+            (
+                key_taken_event(&r.tenant, &r.action_id, tool, fingerprint, op, &why),
+                "intent_conflict",
+            )
+        }
+    };
+    (event.answering(r.reply_to.as_deref()), label)
+}
+
+/// `intent_conflict` for a message that reuses a key that already has an operation.
+fn key_taken_event(
+    tenant: &str,
+    action_id: &str,
+    tool: &str,
+    fingerprint: Option<String>,
+    op: &Operation,
+    why: &str,
+) -> NewEvent {
+    outbox::rejected_event(
+        tenant,
+        action_id,
+        tool,
+        RejectReason::IntentConflict,
+        None,
+        format!(
+            "action_id {action_id:?} already has an operation ({} {}); this message {why} and was not run, and the stored operation is unchanged. The key must not be reused for a new action: a new action needs a new action_id chosen by the application.",
+            op.tool,
+            op.state()
+        ),
+        fingerprint,
+    )
 }
 
 /// Processes one batch. On a ledger error nothing was acked and the caller retries the same
@@ -62,98 +327,24 @@ pub async fn step(
     batch: &[Incoming],
 ) -> Result<StepOutcome, LedgerError> {
     let mut out = StepOutcome::default();
-    let mut events: Vec<NewEvent> = Vec::new();
+    let mut refusals: Vec<Refusal> = Vec::new();
     let mut valid: Vec<Valid> = Vec::new();
 
+    // Stages 1 and 2.
     for (index, incoming) in batch.iter().enumerate() {
-        let intent = match protocol::decode_intent(&incoming.body) {
-            Ok(intent) => intent,
-            Err(e) => {
-                if let Some((tenant, action_id)) = protocol::salvage_key(&incoming.body) {
-                    events.push(outbox::rejected_event(
-                        &tenant,
-                        &action_id,
-                        "",
-                        RejectReason::InvalidMessage,
-                        Some(e.code().to_string()),
-                        format!("The intent was rejected before any action: {e}."),
-                        None,
-                    ));
-                    counter!(m::REJECTED, "reason" => "invalid_message").increment(1);
-                }
-                out.dead_letters.push(DeadLetter {
-                    index,
-                    reason: "invalid_message",
-                    detail: format!("{}: {e}", e.code()),
-                });
-                continue;
+        match triage(index, incoming, auth, |tool| ctx.tools.get(tool).is_some()) {
+            Triage::Drop(dl) => out.dead_letters.push(dl),
+            Triage::Refuse(r) => {
+                out.dead_letters.push(r.dead_letter());
+                refusals.push(r);
             }
-        };
-        fault::point("crash_on_intake", &intent.action_id);
-        if !auth.allows(incoming.user_id.as_deref(), &intent.tenant) {
-            // The claimed tenant is not proven: no result goes to it (that would let one tenant
-            // address another); the message is kept in the dead-letter queue.
-            out.dead_letters.push(DeadLetter {
-                index,
-                reason: "tenant_mismatch",
-                detail: format!(
-                    "publisher user {:?} may not act for tenant {:?}",
-                    incoming.user_id.as_deref().unwrap_or(""),
-                    intent.tenant
-                ),
-            });
-            continue;
+            Triage::Admit(v) => valid.push(v),
         }
-        let fingerprint = intent.fingerprint();
-        if ctx.tools.get(&intent.tool).is_none() {
-            events.push(outbox::rejected_event(
-                &intent.tenant,
-                &intent.action_id,
-                &intent.tool,
-                RejectReason::UnknownTool,
-                None,
-                format!(
-                    "The tool {:?} is not configured on this worker pool; nothing was done.",
-                    intent.tool
-                ),
-                Some(fingerprint),
-            ));
-            counter!(m::REJECTED, "reason" => "unknown_tool").increment(1);
-            out.dead_letters.push(DeadLetter {
-                index,
-                reason: "unknown_tool",
-                detail: format!("unknown tool {:?}", intent.tool),
-            });
-            continue;
-        }
-        valid.push(Valid {
-            redelivered: incoming.redelivered,
-            new: NewOperation {
-                arguments: intent.canonical_arguments(),
-                tenant: intent.tenant,
-                action_id: intent.action_id,
-                tool: intent.tool,
-                fingerprint,
-                call_id: intent.call_id,
-                reply_to: intent.reply_to,
-            },
-        });
     }
 
-    // Fold duplicates inside the batch: the first of a key is admitted, the rest answer after.
-    let mut first_of: HashMap<(String, String), usize> = HashMap::new();
-    let mut unique: Vec<&Valid> = Vec::new();
-    let mut later: Vec<(&Valid, usize)> = Vec::new();
-    for v in &valid {
-        let key = (v.new.tenant.clone(), v.new.action_id.clone());
-        match first_of.get(&key) {
-            Some(&u) => later.push((v, u)),
-            None => {
-                first_of.insert(key, unique.len());
-                unique.push(v);
-            }
-        }
-    }
+    // Stage 3: admit, then look up the refused keys (after admitting, so a key first
+    // recorded in this very batch is seen too).
+    let (unique, later) = fold_duplicates(&valid);
     let admitted = ctx
         .ledger
         .admit(
@@ -165,56 +356,39 @@ pub async fn step(
     if let Some(a) = admitted.iter().find(|a| a.inserted) {
         fault::point("after_prepared", &a.operation.action_id);
     }
+    let rows = if refusals.is_empty() {
+        Vec::new()
+    } else {
+        let mut keys: Vec<(String, String)> = refusals.iter().map(Refusal::key).collect();
+        keys.sort();
+        keys.dedup();
+        ctx.ledger.find_keys(&keys).await?
+    };
 
-    let mut to_claim = Vec::new();
-    // Per unique intent: Some(op) when it must be answered from the stored row.
-    let mut answer_from: Vec<Option<&Operation>> = vec![None; unique.len()];
-    for (u, (v, a)) in unique.iter().zip(&admitted).enumerate() {
-        let op = &a.operation;
-        if op.fingerprint != v.new.fingerprint {
-            events.push(conflict_event(&v.new, op));
-            duplicate("conflict");
-        } else if op.state() == State::Prepared {
-            to_claim.push(op.id);
-        } else {
-            duplicate(reason(v.redelivered, op));
-            answer_from[u] = Some(op);
+    // Stage 4.
+    let mut events: Vec<NewEvent> = Vec::new();
+    for r in &refusals {
+        let row = rows
+            .iter()
+            .find(|o| o.tenant == r.tenant && o.action_id == r.action_id);
+        let (event, label) = refusal_answer(r, row);
+        match (label, row) {
+            ("stored", Some(op)) => duplicate(reason(batch[r.index].redelivered, op)),
+            _ => counter!(m::REJECTED, "reason" => label).increment(1),
         }
+        events.push(event);
     }
+    let answers = Answers::new(&unique, &admitted);
+    events.extend(answers.before_claim());
     let (claimed, answered) = ctx
         .ledger
         .claim_and_answer(
-            &to_claim,
+            &answers.to_claim,
             &ctx.worker_id,
             ctx.lease,
             &ctx.windows,
             |claimed| {
-                let claimed_ids: Vec<i64> = claimed.iter().map(|o| o.id).collect();
-                for (u, a) in admitted.iter().enumerate() {
-                    let op = &a.operation;
-                    if to_claim.contains(&op.id) && !claimed_ids.contains(&op.id) {
-                        // A prepared row someone else claimed first: it is in flight.
-                        duplicate(reason(unique[u].redelivered, op));
-                        events.push(outbox::operation_event(
-                            op,
-                            Status::Pending,
-                            outbox::pending_message(op),
-                        ));
-                    } else if let Some(op) = answer_from[u] {
-                        events.push(outbox::stored_result(op));
-                    }
-                }
-                for (v, u) in later {
-                    let first = &admitted[u].operation;
-                    if first.fingerprint != v.new.fingerprint {
-                        events.push(conflict_event(&v.new, first));
-                        duplicate("conflict");
-                    } else {
-                        let current = claimed.iter().find(|c| c.id == first.id).unwrap_or(first);
-                        duplicate(reason(v.redelivered, current));
-                        events.push(outbox::stored_result(current));
-                    }
-                }
+                events.extend(answers.after_claim(claimed, &later));
                 events
             },
         )
@@ -225,6 +399,97 @@ pub async fn step(
     }
     out.claimed = claimed;
     Ok(out)
+}
+
+/// Folds duplicates inside the batch: the first of a key is admitted, each later one is
+/// answered after, with the index of its first in the unique list.
+fn fold_duplicates(valid: &[Valid]) -> (Vec<&Valid>, Vec<(&Valid, usize)>) {
+    let mut first_of: HashMap<(&str, &str), usize> = HashMap::new();
+    let mut unique: Vec<&Valid> = Vec::new();
+    let mut later: Vec<(&Valid, usize)> = Vec::new();
+    for v in valid {
+        let key = (v.new.tenant.as_str(), v.new.action_id.as_str());
+        match first_of.get(&key) {
+            Some(&u) => later.push((v, u)),
+            None => {
+                first_of.insert(key, unique.len());
+                unique.push(v);
+            }
+        }
+    }
+    (unique, later)
+}
+
+/// Stage 4 for admitted intents: which rows to claim, and the answers to deliveries whose
+/// key was already recorded — each routed to that delivery's `reply_to`.
+struct Answers<'a> {
+    unique: &'a [&'a Valid],
+    admitted: &'a [Admitted],
+    to_claim: Vec<i64>,
+    /// Per unique intent: the stored row it must be answered from.
+    answer_from: Vec<Option<&'a Operation>>,
+    conflicts: Vec<NewEvent>,
+}
+
+impl<'a> Answers<'a> {
+    fn new(unique: &'a [&'a Valid], admitted: &'a [Admitted]) -> Answers<'a> {
+        let mut a = Answers {
+            unique,
+            admitted,
+            to_claim: Vec::new(),
+            answer_from: vec![None; unique.len()],
+            conflicts: Vec::new(),
+        };
+        for (u, (v, adm)) in unique.iter().zip(admitted).enumerate() {
+            let op = &adm.operation;
+            if op.fingerprint != v.new.fingerprint {
+                a.conflicts.push(conflict_event(&v.new, op));
+                duplicate("conflict");
+            } else if op.state() == State::Prepared {
+                a.to_claim.push(op.id);
+            } else {
+                duplicate(reason(v.redelivered, op));
+                a.answer_from[u] = Some(op);
+            }
+        }
+        a
+    }
+
+    /// Answers known before claiming (conflicts with stored rows).
+    fn before_claim(&self) -> Vec<NewEvent> {
+        self.conflicts.clone()
+    }
+
+    /// Answers written in the claim's commit, once it is known which rows this worker won.
+    fn after_claim(&self, claimed: &[Operation], later: &[(&Valid, usize)]) -> Vec<NewEvent> {
+        let mut events = Vec::new();
+        for (u, a) in self.admitted.iter().enumerate() {
+            let op = &a.operation;
+            let delivery = &self.unique[u].new;
+            if self.to_claim.contains(&op.id) && !claimed.iter().any(|c| c.id == op.id) {
+                // A prepared row someone else claimed first: it is in flight.
+                duplicate(reason(self.unique[u].redelivered, op));
+                events.push(
+                    outbox::operation_event(op, Status::Pending, outbox::pending_message(op))
+                        .answering(delivery.reply_to.as_deref()),
+                );
+            } else if let Some(op) = self.answer_from[u] {
+                events.push(outbox::stored_result(op).answering(delivery.reply_to.as_deref()));
+            }
+        }
+        for (v, u) in later {
+            let first = &self.admitted[*u].operation;
+            if first.fingerprint != v.new.fingerprint {
+                events.push(conflict_event(&v.new, first));
+                duplicate("conflict");
+            } else {
+                let current = claimed.iter().find(|c| c.id == first.id).unwrap_or(first);
+                duplicate(reason(v.redelivered, current));
+                events.push(outbox::stored_result(current).answering(v.new.reply_to.as_deref()));
+            }
+        }
+        events
+    }
 }
 
 fn duplicate(reason: &'static str) {
@@ -243,7 +508,7 @@ fn reason(redelivered: bool, op: &Operation) -> &'static str {
 }
 
 /// Same key, other intent: rejected before any network activity; the stored result is never
-/// returned for it.
+/// returned for it. Routed to the delivery that reused the key.
 fn conflict_event(new: &NewOperation, _stored: &Operation) -> NewEvent {
     counter!(m::REJECTED, "reason" => "intent_conflict").increment(1);
     outbox::rejected_event(
@@ -258,4 +523,266 @@ fn conflict_event(new: &NewOperation, _stored: &Operation) -> NewEvent {
         ),
         Some(new.fingerprint.clone()),
     )
+    .answering(new.reply_to.as_deref())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use chrono::Utc;
+    use serde_json::json;
+
+    use super::*;
+    use crate::ledger::StateColumn;
+
+    fn alice_for_a() -> TenantAuth {
+        TenantAuth::UserId {
+            users: BTreeMap::from([("alice".to_string(), vec!["tenant-a".to_string()])]),
+        }
+    }
+
+    fn incoming(body: &str, user: Option<&str>) -> Incoming {
+        Incoming {
+            body: body.as_bytes().to_vec(),
+            redelivered: false,
+            user_id: user.map(str::to_string),
+        }
+    }
+
+    fn refund(tenant: &str, action_id: &str, reply_to: Option<&str>) -> String {
+        let mut v = json!({"tenant": tenant, "action_id": action_id, "tool": "refund",
+                           "arguments": {"order": "o-1"}});
+        if let Some(r) = reply_to {
+            v["reply_to"] = json!(r);
+        }
+        v.to_string()
+    }
+
+    fn op(state: State, fingerprint: &str, reply_to: Option<&str>) -> Operation {
+        let now = Utc::now();
+        Operation {
+            id: 7,
+            tenant: "tenant-a".into(),
+            action_id: "k-1".into(),
+            tool: "refund".into(),
+            fingerprint: fingerprint.into(),
+            arguments: Some("{}".into()),
+            call_id: None,
+            reply_to: reply_to.map(str::to_string),
+            state: StateColumn(state),
+            fence: 1,
+            lease_owner: None,
+            lease_until: None,
+            attempts: 1,
+            recovery_attempts: 0,
+            next_attempt_at: None,
+            first_dispatch_at: Some(now),
+            replay_deadline: None,
+            receipt: Some(json!({"receipt_id": "r-1"})),
+            receipt_id: Some("r-1".into()),
+            evidence: None,
+            last_reported: None,
+            created_at: now,
+            updated_at: now,
+            state_since: now,
+            swept_at: None,
+        }
+    }
+
+    fn refused(t: Triage) -> Refusal {
+        match t {
+            Triage::Refuse(r) => r,
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_unproven_tenant_is_dropped_whatever_else_is_wrong() {
+        let auth = alice_for_a();
+        let bodies = [
+            r#"{"tenant":"tenant-b","action_id":"b-1","tool":"refund","arguments":5}"#.to_string(),
+            refund("tenant-b", "b-1", None).replace("refund", "teleport"),
+            refund("tenant-b", "b-1", None),
+        ];
+        for body in &bodies {
+            match triage(3, &incoming(body, Some("alice")), &auth, |t| t == "refund") {
+                Triage::Drop(dl) => {
+                    assert_eq!(dl.index, 3);
+                    assert_eq!(dl.reason, "tenant_mismatch");
+                    assert!(dl.detail.contains("alice") && dl.detail.contains("tenant-b"));
+                }
+                other => panic!("{body}: expected a drop, got {other:?}"),
+            }
+        }
+        // No user at all proves nothing either.
+        let t = triage(0, &incoming(&bodies[0], None), &auth, |_| true);
+        assert!(matches!(
+            t,
+            Triage::Drop(DeadLetter {
+                reason: "tenant_mismatch",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn proven_tenants_are_refused_or_admitted_and_unsalvageable_bodies_dropped() {
+        let auth = alice_for_a();
+        let bad = r#"{"tenant":"tenant-a","action_id":"k-1","tool":"refund","arguments":5,"reply_to":"ag-1"}"#;
+        let r = refused(triage(0, &incoming(bad, Some("alice")), &auth, |_| true));
+        assert_eq!(r.reply_to.as_deref(), Some("ag-1"));
+        assert!(matches!(
+            r.kind,
+            RefusalKind::Invalid {
+                code: "wrong_type",
+                ..
+            }
+        ));
+        assert_eq!(r.dead_letter().reason, "invalid_message");
+
+        let unknown = refund("tenant-a", "k-1", None);
+        let r = refused(triage(0, &incoming(&unknown, Some("alice")), &auth, |_| {
+            false
+        }));
+        assert_eq!(r.dead_letter().reason, "unknown_tool");
+
+        let t = triage(0, &incoming(&unknown, Some("alice")), &auth, |_| true);
+        assert!(matches!(t, Triage::Admit(_)));
+
+        let t = triage(0, &incoming("not json", Some("alice")), &auth, |_| true);
+        assert!(matches!(
+            t,
+            Triage::Drop(DeadLetter {
+                reason: "invalid_message",
+                ..
+            })
+        ));
+        // Trusted mode proves every tenant.
+        let t = triage(0, &incoming(&unknown, None), &TenantAuth::Trusted, |_| true);
+        assert!(matches!(t, Triage::Admit(_)));
+    }
+
+    #[test]
+    fn a_key_with_a_row_is_answered_from_the_row() {
+        let auth = TenantAuth::Trusted;
+        let body = refund("tenant-a", "k-1", Some("agent-2"));
+        let r = refused(triage(0, &incoming(&body, None), &auth, |_| false));
+        let RefusalKind::UnknownTool { fingerprint, .. } = &r.kind else {
+            unreachable!()
+        };
+
+        // No row: "nothing was done".
+        let (ev, label) = refusal_answer(&r, None);
+        assert_eq!(label, "unknown_tool");
+        assert!(ev.event.message.contains("nothing was done"));
+        assert_eq!(ev.routing_key(), "tenant-a.@.agent-2");
+
+        // Same intent, row succeeded: the stored answer, to this delivery's reply_to.
+        let row = op(State::Succeeded, fingerprint, Some("agent-1"));
+        let (ev, label) = refusal_answer(&r, Some(&row));
+        assert_eq!(label, "stored");
+        assert_eq!(ev.event.status, Status::Succeeded);
+        assert_eq!(ev.event.receipt, row.receipt);
+        assert_eq!(ev.routing_key(), "tenant-a.@.agent-2");
+
+        // Another intent under the key: intent_conflict naming the row's state.
+        let row = op(State::Unknown, "other", None);
+        let (ev, label) = refusal_answer(&r, Some(&row));
+        assert_eq!(label, "intent_conflict");
+        assert_eq!(ev.event.reason, Some(RejectReason::IntentConflict));
+        assert!(!ev.event.message.contains("nothing was done"));
+        assert!(ev
+            .event
+            .message
+            .contains("already has an operation (refund unknown)"));
+
+        // An undecodable body's fingerprint is unknowable: always a conflict, never stored.
+        let bad = r#"{"tenant":"tenant-a","action_id":"k-1","tool":"refund","arguments":5}"#;
+        let r = refused(triage(0, &incoming(bad, None), &auth, |_| true));
+        let row = op(State::Succeeded, fingerprint, Some("agent-1"));
+        let (ev, label) = refusal_answer(&r, Some(&row));
+        assert_eq!(label, "intent_conflict");
+        assert_eq!(ev.event.fingerprint, None);
+        assert_eq!(
+            ev.routing_key(),
+            "tenant-a",
+            "no reply_to: the tenant-wide key"
+        );
+        let (ev, _) = refusal_answer(&r, None);
+        assert_eq!(ev.event.reason, Some(RejectReason::InvalidMessage));
+        assert_eq!(ev.event.detail.as_deref(), Some("wrong_type"));
+    }
+
+    fn valid(action_id: &str, fingerprint: &str, reply_to: Option<&str>) -> Valid {
+        Valid {
+            redelivered: false,
+            new: NewOperation {
+                tenant: "tenant-a".into(),
+                action_id: action_id.into(),
+                tool: "refund".into(),
+                fingerprint: fingerprint.into(),
+                arguments: "{}".into(),
+                call_id: None,
+                reply_to: reply_to.map(str::to_string),
+            },
+        }
+    }
+
+    #[test]
+    fn answers_to_deliveries_go_to_their_own_reply_to_not_the_rows() {
+        // The row was recorded by agent-1; agent-2 repeats the intent, agent-3 reuses the key.
+        let row = op(State::Succeeded, "f", Some("agent-1"));
+        let batch = [
+            valid("k-1", "f", Some("agent-2")),
+            valid("k-1", "other", Some("agent-3")),
+            valid("k-1", "f", None),
+        ];
+        let (unique, later) = fold_duplicates(&batch);
+        let admitted = [Admitted {
+            operation: row.clone(),
+            inserted: false,
+        }];
+        let answers = Answers::new(&unique, &admitted);
+        assert!(answers.to_claim.is_empty());
+        assert!(answers.before_claim().is_empty());
+        let events = answers.after_claim(&[], &later);
+        let keys: Vec<(String, Status)> = events
+            .iter()
+            .map(|e| (e.routing_key(), e.event.status))
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                ("tenant-a.@.agent-2".to_string(), Status::Succeeded),
+                ("tenant-a.@.agent-3".to_string(), Status::Rejected),
+                ("tenant-a".to_string(), Status::Succeeded),
+            ]
+        );
+        // Events about the operation itself keep the row's reply_to.
+        assert_eq!(
+            outbox::stored_result(&row).routing_key(),
+            "tenant-a.@.agent-1"
+        );
+    }
+
+    #[test]
+    fn in_batch_duplicates_fold_onto_the_first_of_their_key() {
+        let v = |id: &str| Valid {
+            redelivered: false,
+            new: NewOperation {
+                tenant: "t".into(),
+                action_id: id.into(),
+                tool: "refund".into(),
+                fingerprint: "f".into(),
+                arguments: "{}".into(),
+                call_id: None,
+                reply_to: None,
+            },
+        };
+        let batch = [v("a"), v("b"), v("a"), v("a")];
+        let (unique, later) = fold_duplicates(&batch);
+        assert_eq!(unique.len(), 2);
+        assert_eq!(later.iter().map(|(_, u)| *u).collect::<Vec<_>>(), [0, 0]);
+    }
 }

@@ -7,7 +7,8 @@
 //! - [`ledger`]: the only writer of the operations table: admit (inbox), claim, complete,
 //!   result outbox, queries. Every transition is one conditional statement.
 //! - [`adapter`]: the `ToolAdapter` trait, outcome classification, the HTTP adapter.
-//! - [`intake`]: one consumer step — decode, admit, claim, answer duplicates — for a batch.
+//! - [`intake`]: one consumer step for a batch, in stages — decode, prove the tenant, look up
+//!   the inbox, answer or claim.
 //! - [`dispatch`]: sending a claimed operation and recording what happened.
 //! - [`recovery`]: the pure recovery decision and the scheduler that runs it.
 //! - [`retry`]: retry delays and the shared retry budget.

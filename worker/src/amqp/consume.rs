@@ -255,9 +255,13 @@ async fn dead_letter(
         "x-original-routing-key".into(),
         AMQPValue::LongString(LongString::from(d.routing_key.as_str())),
     );
-    let props = d
-        .properties
-        .clone()
+    if let Some(user) = d.properties.user_id() {
+        headers.insert(
+            "x-intent-worker-user-id".into(),
+            AMQPValue::LongString(LongString::from(user.as_str())),
+        );
+    }
+    let props = copy_without_user_id(&d.properties)
         .with_headers(headers)
         .with_delivery_mode(2);
     let confirm = dlx
@@ -280,6 +284,23 @@ async fn dead_letter(
     }
     counter!(m::DEAD_LETTERED, "reason" => dl.reason).increment(1);
     Ok(())
+}
+
+/// The delivery's properties minus `user_id`: the broker refuses a `user_id` other than the
+/// worker's own connection user, so the publisher's stays in a header instead.
+fn copy_without_user_id(p: &lapin::BasicProperties) -> lapin::BasicProperties {
+    let mut out = lapin::BasicProperties::default();
+    macro_rules! copy {
+        ($($get:ident => $set:ident),*) => {
+            $(if let Some(v) = p.$get() { out = out.$set(v.clone()); })*
+        };
+    }
+    copy!(content_type => with_content_type, content_encoding => with_content_encoding,
+          priority => with_priority, correlation_id => with_correlation_id,
+          reply_to => with_reply_to, expiration => with_expiration,
+          message_id => with_message_id, timestamp => with_timestamp, kind => with_type,
+          app_id => with_app_id, cluster_id => with_cluster_id);
+    out
 }
 
 /// Lower-case hex.

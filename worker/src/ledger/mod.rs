@@ -139,4 +139,31 @@ impl Ledger {
         MIGRATOR.run(&self.pool).await?;
         Ok(())
     }
+
+    /// Versions of this build's migrations that the database has not applied successfully
+    /// with the same checksum (all of them if the migrations table does not exist yet). Used
+    /// by workers started with `WORKER_MIGRATE=false`, which must not run against an older
+    /// schema than they were built for.
+    pub async fn missing_migrations(&self) -> Result<Vec<i64>, LedgerError> {
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+            .fetch_one(&self.pool)
+            .await?;
+        let applied: Vec<(i64, Vec<u8>)> = if exists {
+            sqlx::query_as("SELECT version, checksum FROM _sqlx_migrations WHERE success")
+                .fetch_all(&self.pool)
+                .await?
+        } else {
+            Vec::new()
+        };
+        Ok(MIGRATOR
+            .iter()
+            .filter(|m| !m.migration_type.is_down_migration())
+            .filter(|m| {
+                !applied
+                    .iter()
+                    .any(|(v, c)| *v == m.version && c.as_slice() == &*m.checksum)
+            })
+            .map(|m| m.version)
+            .collect())
+    }
 }

@@ -11,11 +11,28 @@ use std::time::Duration;
 use super::{Ledger, LedgerError, Operation, State};
 
 /// An event to insert, with the operation it is about (None for rejections of messages that
-/// never became an operation).
+/// never became an operation) and the `reply_to` it is addressed to.
 #[derive(Debug, Clone)]
 pub struct NewEvent {
     pub operation_id: Option<i64>,
     pub event: ResultEvent,
+    /// Selects the routing key ([`NewEvent::routing_key`]): the operation's stored `reply_to`
+    /// for events about its progress, the delivery's own for answers to a delivery.
+    pub reply_to: Option<String>,
+}
+
+impl NewEvent {
+    /// Addresses this event to the delivery it answers (its `reply_to`, or the tenant-wide
+    /// key when it had none), not to whoever sent the operation's first intent.
+    pub fn answering(mut self, reply_to: Option<&str>) -> NewEvent {
+        self.reply_to = reply_to.map(str::to_string);
+        self
+    }
+
+    /// The routing key on the results topic exchange: `<tenant>` or `<tenant>.@.<reply_to>`.
+    pub fn routing_key(&self) -> String {
+        protocol::result_routing_key(&self.event.tenant, self.reply_to.as_deref())
+    }
 }
 
 /// An outbox row claimed by a relay.
@@ -54,11 +71,12 @@ pub fn operation_event(op: &Operation, status: Status, message: String) -> NewEv
             event_id: uuid::Uuid::new_v4().to_string(),
             occurred_at: now_rfc3339(),
         },
+        reply_to: op.reply_to.clone(),
     }
 }
 
 /// Builds a `rejected` event for a message that did not become (or could not touch) an
-/// operation.
+/// operation, routed to the tenant-wide key until [`NewEvent::answering`] addresses it.
 pub fn rejected_event(
     tenant: &str,
     action_id: &str,
@@ -85,6 +103,7 @@ pub fn rejected_event(
             event_id: uuid::Uuid::new_v4().to_string(),
             occurred_at: now_rfc3339(),
         },
+        reply_to: None,
     }
 }
 
@@ -123,6 +142,7 @@ pub fn stored_result(op: &Operation) -> NewEvent {
             Some(op.fingerprint.clone()),
         );
         event.operation_id = Some(op.id);
+        event.reply_to = op.reply_to.clone();
         event.event.attempts = op.attempts.max(0) as u32;
         return event;
     }
@@ -166,7 +186,7 @@ pub async fn insert_events(
     for e in events {
         ids.push(uuid::Uuid::parse_str(&e.event.event_id).unwrap_or_else(|_| uuid::Uuid::new_v4()));
         op_ids.push(e.operation_id);
-        keys.push(e.event.tenant.clone());
+        keys.push(e.routing_key());
         statuses.push(e.event.status.as_str().to_string());
         payloads.push(serde_json::to_value(&e.event).expect("result events serialize"));
     }

@@ -42,6 +42,28 @@ impl Ledger {
         .await?)
     }
 
+    /// The rows of these keys that exist, in one read-only statement (the intake's lookup
+    /// for messages that must not be admitted but may name a key that has a row).
+    pub async fn find_keys(
+        &self,
+        keys: &[(String, String)],
+    ) -> Result<Vec<Operation>, LedgerError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (tenants, action_ids): (Vec<&str>, Vec<&str>) =
+            keys.iter().map(|(t, a)| (t.as_str(), a.as_str())).unzip();
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT {cols} FROM operations o
+             JOIN unnest($1::text[], $2::text[]) AS k(tenant, action_id) USING (tenant, action_id)",
+            cols = super::admit::prefixed("o", OPERATION_COLUMNS)
+        )))
+        .bind(&tenants)
+        .bind(&action_ids)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     pub async fn get(&self, id: i64) -> Result<Option<Operation>, LedgerError> {
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "SELECT {OPERATION_COLUMNS} FROM operations WHERE id = $1"
