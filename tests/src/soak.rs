@@ -124,6 +124,8 @@ pub struct SoakReport {
     /// `tenant:action_id (tool) state: evidence` of every unresolved key.
     pub unresolved_keys: Vec<String>,
     pub settled: bool,
+    /// From the end of the faults to settled (or to the settle cap).
+    pub settle_time: Duration,
     pub elapsed: Duration,
     /// Every broken invariant, one line each.
     pub violations: Vec<String>,
@@ -146,13 +148,14 @@ impl fmt::Display for SoakReport {
         writeln!(f, "soak: {}", self.config_line)?;
         writeln!(
             f,
-            "published {} intents ({} distinct keys + {} repeats), {} result events received, {:.1} s, settled: {}",
+            "published {} intents ({} distinct keys + {} repeats), {} result events received, {:.1} s, settled: {} (after {:.1} s)",
             self.published + self.republished,
             self.published,
             self.republished,
             self.events,
             self.elapsed.as_secs_f64(),
-            self.settled
+            self.settled,
+            self.settle_time.as_secs_f64()
         )?;
         let faults: Vec<String> = self
             .downstream_faults
@@ -636,7 +639,9 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         .send()
         .await;
 
+    let settle_started = Instant::now();
     report.settled = settle(&env, &actions, &events, cfg.settle_secs).await;
+    report.settle_time = settle_started.elapsed();
     stop_supervising.store(true, Ordering::SeqCst);
     let _ = supervisor.await;
     stop_following.store(true, Ordering::SeqCst);
