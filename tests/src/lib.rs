@@ -8,12 +8,14 @@
 //! - [`procs`]: worker and downstream child processes.
 //! - [`agent`]: publishing intents and reading result events as an agent would.
 //! - [`proxy`]: a TCP fault proxy that cuts or black-holes one link (broker, Postgres).
+//! - [`soak`]: the seeded chaos soak (the `soak` binary and `tests/soak_short.rs`).
 //! - [`wait`]: polling with deadlines.
 
 pub mod agent;
 pub mod env;
 pub mod procs;
 pub mod proxy;
+pub mod soak;
 pub mod wait;
 
 pub use agent::{cleanup, intent, Agent};

@@ -239,6 +239,11 @@ impl Worker {
         self.child.id()
     }
 
+    /// How the process ended, or `None` while it runs.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// SIGKILL: no cleanup, no goodbye, like a crash.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -351,9 +356,11 @@ impl Drop for Worker {
 }
 
 fn signal(pid: u32, sig: &str) {
+    // Quiet: the process may already be gone (a SIGCONT on drop after SIGKILL).
     let _ = Command::new("kill")
         .arg(format!("-{sig}"))
         .arg(pid.to_string())
+        .stderr(Stdio::null())
         .status();
 }
 
