@@ -12,7 +12,7 @@ RUN apt-get update \
 # The code uses no compile-time-checked sqlx queries, so no database is needed to build.
 ENV CARGO_TERM_COLOR=never
 COPY . .
-# The release set: never the `fault-points` feature (DESIGN.md section 9). With resolver 2, only
+# The release set: never the `fault-points` feature (docs/design.md section 9). With resolver 2, only
 # the e2e test crate enables it, and that crate is not selected; the guard below proves it.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \

@@ -1,5 +1,5 @@
 //! `reference-downstream`: a small but real business service for the intent
-//! worker to call, with the three recovery capabilities of DESIGN.md §5 and
+//! worker to call, with the three recovery capabilities of docs/design.md §5 and
 //! injectable faults (§9).
 //!
 //! URL modes: `POST /replay/{resource}` (durable idempotency keys with receipt

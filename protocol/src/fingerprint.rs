@@ -1,4 +1,4 @@
-//! The intent fingerprint (DESIGN.md section 3): SHA-256 over the RFC 8785 (JCS)
+//! The intent fingerprint (docs/design.md section 3): SHA-256 over the RFC 8785 (JCS)
 //! canonical JSON of `{"arguments": …, "tool": …}`. Canonical form makes the fingerprint
 //! a property of the request rather than of the agent's serializer: key order and
 //! whitespace cannot change it, so a changed fingerprint under the same key really

@@ -1,4 +1,4 @@
-//! The intent an agent publishes (DESIGN.md section 7) and its strict decoder. The
+//! The intent an agent publishes (docs/design.md section 7) and its strict decoder. The
 //! worker records an intent in the ledger before any network call, so anything
 //! ambiguous (repeated or unknown fields, keys that would collide once joined into the
 //! idempotency key) is refused here, before it can reach the ledger.

@@ -1,4 +1,4 @@
-//! The wire contract of the intent worker (DESIGN.md sections 3 and 7): the intent an
+//! The wire contract of the intent worker (docs/design.md sections 3 and 7): the intent an
 //! agent publishes, the strict decoder that guards the worker from malformed or
 //! ambiguous bodies, the intent fingerprint that detects a key reused for a different
 //! request, and the result event the worker sends back. Everything here is pure and

@@ -1,4 +1,4 @@
-//! The result event the worker sends back to the agent (DESIGN.md section 7): one per
+//! The result event the worker sends back to the agent (docs/design.md section 7): one per
 //! state the agent must know, re-emitted when a later resolution changes it. Decoding is
 //! lenient (unknown fields are ignored) so the contract can grow without breaking
 //! agents that read older events.

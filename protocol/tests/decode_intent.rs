@@ -1,4 +1,4 @@
-//! Strict decoding of intent bodies: the DESIGN.md example decodes, and every rule of the
+//! Strict decoding of intent bodies: the docs/design.md example decodes, and every rule of the
 //! wire contract rejects a realistic bad body with its own `DecodeError` variant.
 
 use protocol::{decode_intent, DecodeError, Intent, MAX_INTENT_BYTES, MAX_KEY_LEN, MAX_TOOL_LEN};

@@ -28,7 +28,7 @@ fn equals_sha256_of_the_canonical_wrapper_object() {
         canonical,
         r#"{"arguments":{"a":{"c":true,"d":null},"b":[1,2.5,"x"]},"tool":"refund"}"#
     );
-    // Same digest as the DESIGN.md example when fed the same canonical text.
+    // Same digest as the docs/design.md example when fed the same canonical text.
     let example = json!({"tool": "refund",
         "arguments": {"order": "order-731", "amount_cents": 4850, "currency": "USD"}});
     assert_eq!(

@@ -1,4 +1,4 @@
-//! The result event's JSON shape (DESIGN.md section 7): round trips, `receipt` always
+//! The result event's JSON shape (docs/design.md section 7): round trips, `receipt` always
 //! present (as `null` when absent), `reason`/`detail` only on rejections, and lenient
 //! decoding so the contract can grow.
 

@@ -282,7 +282,7 @@ impl Settings {
     }
 }
 
-/// How an unknown outcome of a tool may be recovered (DESIGN.md section 5).
+/// How an unknown outcome of a tool may be recovered (docs/design.md section 5).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Capability {
     /// Durable idempotency with receipt replay for `window` after the first dispatch; replay
@@ -304,7 +304,7 @@ impl Capability {
     }
 }
 
-/// Retry policy of one tool: the ledger scheduler is the only retry layer (DESIGN.md section 6).
+/// Retry policy of one tool: the ledger scheduler is the only retry layer (docs/design.md section 6).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetryPolicy {

@@ -73,7 +73,7 @@ pub async fn timed(
 pub async fn run(ctx: Arc<Context>, op: Operation) {
     let _in_flight = InFlight::enter();
     let Some(tool) = ctx.tools.get(&op.tool).cloned() else {
-        // Committed `dispatching` counts as possibly sent (DESIGN.md section 4).
+        // Committed `dispatching` counts as possibly sent (docs/design.md section 4).
         let evidence = format!(
             "tool {} is not configured on worker {}; outcome unknown",
             op.tool, ctx.worker_id

@@ -1,4 +1,4 @@
-//! Named stop points for crash tests (DESIGN.md section 9), compiled only with the
+//! Named stop points for crash tests (docs/design.md section 9), compiled only with the
 //! `fault-points` feature; in any other build [`point`] is an empty inline function.
 //!
 //! `WORKER_FAULT_POINT=<name>` (optionally `WORKER_FAULT_ACTION=<action_id>`) makes the worker

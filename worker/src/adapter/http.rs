@@ -49,7 +49,7 @@ impl HttpAdapter {
             .timeout(config.timeout)
             .connect_timeout(config.connect_timeout)
             .redirect(reqwest::redirect::Policy::none())
-            // The ledger scheduler is the only retry layer (DESIGN.md section 6).
+            // The ledger scheduler is the only retry layer (docs/design.md section 6).
             .retry(reqwest::retry::never())
             .build()
             .map_err(|e| bad(format!("cannot build HTTP client: {e}")))?;

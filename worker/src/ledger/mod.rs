@@ -4,7 +4,7 @@
 //! one conditional UPDATE whose predicate (state, fence) the database checks, so two workers, a
 //! stale owner or an operator can never both win; history rows are appended by a trigger. The
 //! API takes batches: many deliveries are admitted, claimed and completed per commit while each
-//! keeps its own row, fence and predicate (DESIGN.md section 10).
+//! keeps its own row, fence and predicate (docs/design.md section 10).
 
 mod admit;
 mod claim;
@@ -90,7 +90,7 @@ impl Operation {
     }
 
     /// The downstream idempotency key: derived from the stable key, the same on every
-    /// attempt, replay and recovery (DESIGN.md section 3).
+    /// attempt, replay and recovery (docs/design.md section 3).
     pub fn idempotency_key(&self) -> String {
         idempotency_key(&self.tenant, &self.action_id)
     }

@@ -1,4 +1,4 @@
-//! Operation states (DESIGN.md section 4) and the moves between them that the ledger allows.
+//! Operation states (docs/design.md section 4) and the moves between them that the ledger allows.
 
 use std::fmt;
 

@@ -1,5 +1,5 @@
 //! The recovery decision for an operation whose outcome is unknown, as a pure function of
-//! facts (DESIGN.md section 5). Order: a stored receipt, then lookup, then replay, then hold.
+//! facts (docs/design.md section 5). Order: a stored receipt, then lookup, then replay, then hold.
 //! It never authorises a fresh write; the caller makes the network call.
 
 use std::time::Duration;
