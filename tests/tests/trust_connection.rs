@@ -634,3 +634,45 @@ async fn sigterm_with_ledger_down_never_acks_an_unrecorded_delivery() {
     }
     cleanup(env).await;
 }
+
+/// A write whose answer arrives while the ledger link is down is recorded once the link is
+/// back (within its lease) instead of being dropped: a `none` tool's write ends `succeeded`
+/// with its receipt. On main the outcome was dropped ("cannot record outcome"), the lease ran
+/// out and the row ended `held` although the downstream had answered with a receipt.
+#[tokio::test]
+async fn an_answer_that_arrives_during_a_ledger_outage_is_recorded_after_it() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let pg = FaultProxy::start(&host_port(&env.db_url)).await;
+    let opts = base_opts(roomy_tools(&env, ds.port)).database_url(&via(&env.db_url, pg.addr()));
+    let w = Worker::start(&env, "w", &opts).await;
+    let agent = Agent::new(&env, &["north-shop"]).await;
+    let id = "late-record-1";
+    let key = format!("north-shop:{id}");
+    ds.fault(json!({"kind": "slow_after_commit", "delay_ms": 2500, "key": key}))
+        .await;
+    agent
+        .request("north-shop", id, "deploy", json!({"order": id}))
+        .await;
+    wait_for("the write to reach the downstream", T, || async {
+        (env.writes(&key).await == 1).then_some(())
+    })
+    .await;
+    // The downstream has committed and answers in ~2.5 s: the answer lands in the outage.
+    pg.cut();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    pg.restore();
+    let state = wait_for("the operation to be final or held", T, || async {
+        let state = env.state("north-shop", id).await;
+        matches!(state.as_str(), "succeeded" | "held" | "failed").then_some(state)
+    })
+    .await;
+    assert_eq!(
+        state, "succeeded",
+        "the receipt that arrived in the outage was recorded"
+    );
+    assert_eq!(env.mutations(&key).await, 1);
+    assert_eq!(env.writes(&key).await, 1, "never sent twice");
+    drop(w);
+    cleanup(env).await;
+}

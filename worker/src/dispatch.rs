@@ -12,10 +12,10 @@ use chrono::{DateTime, Utc};
 use metrics::{counter, gauge, histogram};
 
 use crate::adapter::{Outcome, Request, Tool};
-use crate::config::{Capability, ToolConfig};
+use crate::config::{Capability, RetryPolicy, ToolConfig};
 use crate::context::Context;
 use crate::fault;
-use crate::ledger::{Applied, Completion, Operation, Phase, State, Transition};
+use crate::ledger::{Applied, Completion, LedgerError, Operation, Phase, State, Transition};
 use crate::retry::{budget_delta, retry_delay, with_retry_after, WriteKind};
 use crate::telemetry::metrics as m;
 
@@ -292,6 +292,56 @@ fn recovery_unproven(op: &Operation, tool: &ToolConfig, other: Outcome) -> Trans
     }
 }
 
+/// Records a completion, trying again while the ledger cannot be reached (a cut link, a
+/// failover) for up to one lease, so an answer that arrived during a short outage is kept
+/// rather than turned into a needless unknown. Safe to repeat: every completion is fenced and
+/// conditional, so a late try lands only where it still applies (or as a late receipt).
+async fn record(ctx: &Context, completion: Completion) -> Result<Applied, LedgerError> {
+    let give_up = tokio::time::Instant::now() + ctx.lease;
+    let mut attempt = 0;
+    loop {
+        match ctx.complete(completion.clone()).await {
+            Err(LedgerError::Db(e)) if unreachable(&e) && tokio::time::Instant::now() < give_up => {
+                attempt += 1;
+                counter!(m::LEDGER_ERRORS, "operation" => "complete").increment(1);
+                let delay = retry_delay(&record_retry(), attempt)
+                    .min(give_up.saturating_duration_since(tokio::time::Instant::now()));
+                tracing::warn!(
+                    operation_id = completion.operation_id, attempt, error = %e,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "cannot record the outcome yet; trying again"
+                );
+                tokio::time::sleep(delay).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Errors that say the ledger could not be reached or went away mid-statement (worth another
+/// try), as opposed to a statement the database refused (not worth one).
+fn unreachable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Protocol(_) => true,
+        // Class 08: connection exception; 57P01-03: the server is shutting down or restarting.
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+        _ => false,
+    }
+}
+
+/// Back-off between tries of [`record`]: 100 ms doubling to 2 s, ±50 %.
+fn record_retry() -> RetryPolicy {
+    RetryPolicy {
+        initial_delay_ms: 100,
+        multiplier: 2.0,
+        max_delay_ms: 2_000,
+        jitter: 0.5,
+        ..RetryPolicy::default()
+    }
+}
+
 /// Records a transition and reacts to what the ledger did.
 pub async fn finish(
     ctx: &Context,
@@ -300,14 +350,16 @@ pub async fn finish(
     transition: Transition,
 ) -> Option<Operation> {
     let was_receipt = matches!(transition, Transition::Succeeded { .. });
-    let applied = ctx
-        .complete(Completion {
+    let applied = record(
+        ctx,
+        Completion {
             operation_id: op.id,
             fence: op.fence,
             phase,
             transition: transition.clone(),
-        })
-        .await;
+        },
+    )
+    .await;
     match applied {
         Ok(Applied::Done(new)) => {
             counter!(m::TRANSITIONS, "state" => new.state().as_str()).increment(1);
