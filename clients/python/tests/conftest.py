@@ -246,7 +246,8 @@ async def make_world(tmp_path: Path) -> AsyncIterator[WorldFactory]:
                 "AMQP_URL": AMQP_URL,
                 "WORKER_TOOLS": str(tools),
                 "WORKER_ID": f"py-worker-{wid}",
-                "WORKER_LEASE_SECS": "3",  # above every tool's timeout_ms (the worker refuses otherwise)
+                # Above every tool's timeout_ms: the worker refuses a lease it does not exceed.
+                "WORKER_LEASE_SECS": "3",
                 "WORKER_RECOVERY_INTERVAL_MS": "200",
                 "WORKER_INTENTS_EXCHANGE": w.intents_exchange,
                 "WORKER_INTENTS_QUEUE": w.intents_queue,
