@@ -211,7 +211,7 @@ async fn a_downstream_that_does_not_replay_fails_the_replay_probe() {
         .contains("this downstream does not replay; declare `lookup` or `none`"));
     assert!(run
         .stdout
-        .contains("the downstream contradicts the declared capability"));
+        .contains("a probe FAILed: do not rely on recovery = \"replay\" for this downstream"));
     // The probe really did apply twice: that is what it caught.
     assert!(mutations(&env, &run_id(&run), "first-write").await >= 2);
 
@@ -280,5 +280,42 @@ async fn a_lookup_that_answers_200_for_unknown_keys_fails() {
         line(&run, "lookup-never-written").contains("a lookup miss would become a false success")
     );
     assert_eq!(mutations(&env, &run_id(&run), "never-written").await, 0);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn no_accepted_receipt_on_the_first_write_fails_and_skips_the_capability_probes() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    // The downstream commits but answers with someone else's receipt: the worker's own receipt
+    // check refuses it, and so does the checker.
+    ds.fault(serde_json::json!({"kind": "wrong_receipt"})).await;
+    let path = tools(&env, &ds, "/replay/refunds", REPLAY);
+    let run = check(&path, &["t", "--confirm-writes"]).await;
+    assert_eq!(run.code, Some(1));
+    assert_eq!(verdict(&run, "first-write"), "FAIL");
+    assert!(line(&run, "first-write").contains("no receipt that receipt_id and receipt_match"));
+    assert!(
+        run.stdout.contains("is for another operation"),
+        "the evidence says why"
+    );
+    assert_eq!(verdict(&run, "capability"), "INFO");
+    assert!(!run.stdout.contains("replay-same-request"));
+
+    // Nothing listening: still a FAIL with exit 1, not a crash.
+    let port = e2e::free_port();
+    let path = env.write_tools(&format!(
+        "[tools.t]\nurl = \"http://127.0.0.1:{port}/replay/refunds\"\nreceipt_id = \"/receipt_id\"\n\
+         receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n{REPLAY}\n"
+    ));
+    let run = check(&path, &["t", "--confirm-writes"]).await;
+    assert_eq!(run.code, Some(1));
+    assert!(line(&run, "first-write").starts_with("FAIL"));
+    assert!(run.stdout.contains("not_sent"), "{}", run.stdout);
+
+    // A --body that is not a JSON object is refused before anything is sent.
+    let run = check(&path, &["t", "--confirm-writes", "--body", "[1,2]"]).await;
+    assert_eq!(run.code, Some(2));
+    assert!(run.stderr.contains("--body must be a JSON object"));
     cleanup(env).await;
 }

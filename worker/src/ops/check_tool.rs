@@ -91,13 +91,16 @@ impl Report {
             }
         }
         let count = |v| self.probes.iter().filter(|p| p.verdict == v).count();
+        let verdict = if self.ok {
+            "no probe contradicts the declared capability".to_owned()
+        } else {
+            format!(
+                "a probe FAILed: do not rely on recovery = \"{}\" for this downstream",
+                self.capability
+            )
+        };
         out.push_str(&format!(
-            "{}: {} PASS, {} FAIL, {} INFO\n",
-            if self.ok {
-                "no probe contradicts the declared capability"
-            } else {
-                "the downstream contradicts the declared capability"
-            },
+            "{verdict}: {} PASS, {} FAIL, {} INFO\n",
             count(Verdict::Pass),
             count(Verdict::Fail),
             count(Verdict::Info)
