@@ -139,6 +139,9 @@ async fn honest_replay_passes_and_writes_once_per_key() {
     assert_eq!(verdict(&run, "problem-json"), "INFO");
     assert!(line(&run, "problem-json").contains("do not all carry application/problem+json"));
     assert!(run.stdout.contains("0 FAIL"));
+    // Retention cannot be probed; the report says so instead of passing it.
+    assert_eq!(verdict(&run, "replay-window"), "INFO");
+    assert!(line(&run, "replay-window").contains("replay_window_secs = 3600"));
     let id = run_id(&run);
     assert_eq!(mutations(&env, &id, "first-write").await, 1);
     assert_eq!(mutations(&env, &id, "concurrent").await, 1);
@@ -195,6 +198,18 @@ async fn honest_lookup_and_none_pass_and_json_is_machine_readable() {
     assert_eq!(verdict(&run, "first-write"), "PASS");
     // The none endpoint accepts a keyless write: worth knowing, not a contradiction.
     assert!(line(&run, "no-idempotency-key").contains("accepted"));
+    assert!(!run.stdout.contains("receipt-match"));
+
+    // The warned opt-out `receipt_match = {}` is named in the report.
+    let path = env.write_tools(&format!(
+        "[tools.t]\nurl = \"http://127.0.0.1:{}/none/deploys\"\nreceipt_id = \"/receipt_id\"\n\
+         receipt_match = {{}}\nrecovery = \"none\"\n",
+        ds.port
+    ));
+    let run = check(&path, &["t", "--confirm-writes"]).await;
+    assert_eq!(run.code, Some(0));
+    assert_eq!(verdict(&run, "receipt-match"), "INFO");
+    assert!(line(&run, "receipt-match").contains("another operation would be accepted"));
     cleanup(env).await;
 }
 

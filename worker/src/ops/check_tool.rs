@@ -130,7 +130,8 @@ pub async fn run(config: &ToolConfig, body: Option<&str>) -> Result<Report, Chec
         variant: serde_json::Value::Object(variant).to_string(),
         seen_4xx: Vec::new(),
     };
-    let probes = checker.probes(&config.capability).await;
+    let mut probes = checker.probes(&config.capability).await;
+    probes.extend(declaration_notes(config));
     Ok(Report {
         tool: config.name.clone(),
         capability: config.capability.name(),
@@ -140,6 +141,41 @@ pub async fn run(config: &ToolConfig, body: Option<&str>) -> Result<Report, Chec
         ok: probes.iter().all(|p| p.verdict != Verdict::Fail),
         probes,
     })
+}
+
+/// What the declaration itself asks for that no probe can check from outside.
+fn declaration_notes(config: &ToolConfig) -> Vec<Probe> {
+    let mut notes = Vec::new();
+    if let Capability::Replay { window, .. } = config.capability {
+        notes.push(Probe {
+            name: "replay-window",
+            verdict: Verdict::Info,
+            message: format!(
+                "the downstream must remember each key for at least replay_window_secs = {}; \
+                 that cannot be checked from outside: confirm it in its documentation",
+                window.as_secs()
+            ),
+            evidence: String::new(),
+        });
+    }
+    if config.receipt_match.is_empty() {
+        notes.push(Probe {
+            name: "receipt-match",
+            verdict: Verdict::Info,
+            message: "receipt_match = {} checks only that a receipt has an id: a receipt for \
+                      another operation would be accepted, here and by the worker"
+                .into(),
+            evidence: String::new(),
+        });
+    }
+    notes
+}
+
+/// Whether a Content-Type names `application/problem+json` (RFC 9457), parameters ignored.
+fn is_problem_json(content_type: Option<&str>) -> bool {
+    content_type
+        .and_then(|c| c.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/problem+json"))
 }
 
 struct Checker {
@@ -461,16 +497,13 @@ impl Checker {
             .map(|(p, s, ct)| format!("{p}: {s} {}", ct.as_deref().unwrap_or("(no content type)")))
             .collect::<Vec<_>>()
             .join("; ");
-        let is_problem = |ct: &Option<String>| {
-            ct.as_deref().is_some_and(|c| {
-                c.split(';')
-                    .next()
-                    .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/problem+json"))
-            })
-        };
         let message = if self.seen_4xx.is_empty() {
             "no 4xx answer was seen, so problem+json could not be checked".to_owned()
-        } else if self.seen_4xx.iter().all(|(_, _, ct)| is_problem(ct)) {
+        } else if self
+            .seen_4xx
+            .iter()
+            .all(|(_, _, ct)| is_problem_json(ct.as_deref()))
+        {
             "every 4xx answer carried application/problem+json (RFC 9457)".to_owned()
         } else {
             "4xx answers do not all carry application/problem+json (RFC 9457); the worker \
@@ -564,5 +597,56 @@ pub async fn main(args: CheckToolArgs) -> u8 {
         0
     } else {
         EXIT_FAIL
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problem_json_is_recognised_with_parameters_and_any_case() {
+        assert!(is_problem_json(Some("application/problem+json")));
+        assert!(is_problem_json(Some(
+            "Application/Problem+JSON; charset=utf-8"
+        )));
+        assert!(!is_problem_json(Some("application/json")));
+        assert!(!is_problem_json(Some(
+            "text/plain; application/problem+json"
+        )));
+        assert!(!is_problem_json(None));
+    }
+
+    #[test]
+    fn report_text_has_one_line_per_probe_and_a_summary() {
+        let report = Report {
+            tool: "refund".into(),
+            capability: "replay",
+            url: "http://x/replay/refunds".into(),
+            tenant: PROBE_TENANT,
+            run: "r".into(),
+            probes: vec![
+                Probe {
+                    name: "first-write",
+                    verdict: Verdict::Pass,
+                    message: "ok".into(),
+                    evidence: "receipt {}".into(),
+                },
+                Probe {
+                    name: "replay-same-request",
+                    verdict: Verdict::Fail,
+                    message: "no".into(),
+                    evidence: String::new(),
+                },
+            ],
+            ok: false,
+        };
+        let text = report.text();
+        assert!(text.contains("\nPASS first-write: ok\n     answer: receipt {}\n"));
+        assert!(text.contains("\nFAIL replay-same-request: no\n"));
+        assert!(text.ends_with("for this downstream: 1 PASS, 1 FAIL, 0 INFO\n"));
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["probes"][1]["verdict"], "FAIL");
+        assert_eq!(json["ok"], false);
     }
 }
