@@ -48,6 +48,20 @@ pub fn wrong(n: u64, mode: &str, resource: &str, arguments: &Value) -> Value {
     })
 }
 
+/// A made-up receipt for a key that was never written, echoing the key: what a lookup that
+/// "answers 200 for anything" returns. It passes a receipt check that compares the key, which
+/// is why `lookup-phantom` mode turns a lookup miss into a false success.
+pub fn phantom(n: u64, mode: &str, resource: &str, key: &str) -> Value {
+    json!({
+        "receipt_id": format!("rcpt-phantom-{n}"),
+        "idempotency_key": key,
+        "mode": mode,
+        "resource": resource,
+        "arguments": {},
+        "created_at": Utc::now().to_rfc3339(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

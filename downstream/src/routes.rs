@@ -53,12 +53,23 @@ pub enum Reply {
     Drop,
 }
 
-/// The three downstream capabilities, as spelled in the URL.
+/// The three downstream capabilities, as spelled in the URL, and four deliberately broken
+/// variants that each break one property a declared capability relies on (`worker check-tool`
+/// must catch every one of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Replay,
     Lookup,
     None,
+    /// Requires a key like `replay` but never replays: every write is a new mutation.
+    ReplayNewReceipt,
+    /// Replays a same-body repeat, but a known key with another body makes a new mutation.
+    ReplayIgnoresBody,
+    /// Replays sequential repeats, but checks then inserts with no lock or unique key, so
+    /// concurrent same-key requests each make a mutation.
+    ReplayRacy,
+    /// Lookup answers 200 for any key, with a made-up receipt echoing the key.
+    LookupPhantom,
 }
 
 impl Mode {
@@ -67,6 +78,10 @@ impl Mode {
             "replay" => Some(Mode::Replay),
             "lookup" => Some(Mode::Lookup),
             "none" => Some(Mode::None),
+            "replay-new-receipt" => Some(Mode::ReplayNewReceipt),
+            "replay-ignores-body" => Some(Mode::ReplayIgnoresBody),
+            "replay-racy" => Some(Mode::ReplayRacy),
+            "lookup-phantom" => Some(Mode::LookupPhantom),
             _ => None,
         }
     }
@@ -76,7 +91,19 @@ impl Mode {
             Mode::Replay => "replay",
             Mode::Lookup => "lookup",
             Mode::None => "none",
+            Mode::ReplayNewReceipt => "replay-new-receipt",
+            Mode::ReplayIgnoresBody => "replay-ignores-body",
+            Mode::ReplayRacy => "replay-racy",
+            Mode::LookupPhantom => "lookup-phantom",
         }
+    }
+
+    /// Modes that, like `replay`, refuse a write without an idempotency key.
+    fn requires_key(self) -> bool {
+        matches!(
+            self,
+            Mode::Replay | Mode::ReplayNewReceipt | Mode::ReplayIgnoresBody | Mode::ReplayRacy
+        )
     }
 }
 
@@ -250,7 +277,7 @@ fn validate_write(
         Ok(v @ Value::Object(_)) => v,
         _ => return Err(Response::error(400, "body_must_be_json_object")),
     };
-    if mode == Mode::Replay && key.is_none() {
+    if mode.requires_key() && key.is_none() {
         return Err(Response::error(400, "idempotency_key_required"));
     }
     Ok(Op::Write {
@@ -282,6 +309,29 @@ async fn run(app: &App, op: &Op) -> Response {
                 })
         }
         Op::Write {
+            mode: mode @ (Mode::ReplayIgnoresBody | Mode::ReplayRacy),
+            resource,
+            key,
+            body,
+        } => {
+            let key = key
+                .as_deref()
+                .expect("validated: replay writes carry a key");
+            app.store
+                .broken_replay_write(
+                    mode.as_str(),
+                    resource,
+                    key,
+                    body,
+                    *mode == Mode::ReplayRacy,
+                )
+                .await
+                .map(|outcome| match outcome {
+                    Replay::Created(r) | Replay::Replayed(r) => Response::json(201, r),
+                    Replay::KeyReused => Response::error(422, "idempotency_key_reused"),
+                })
+        }
+        Op::Write {
             mode,
             resource,
             key,
@@ -291,15 +341,22 @@ async fn run(app: &App, op: &Op) -> Response {
             .plain_write(mode.as_str(), resource, key.as_deref(), body)
             .await
             .map(|r| Response::json(201, r)),
-        Op::Lookup { resource, key, .. } => {
-            app.store
-                .find_receipt(resource, key)
-                .await
-                .map(|found| match found {
-                    Some(r) => Response::json(200, r),
-                    None => Response::error(404, "not_found"),
-                })
-        }
+        Op::Lookup {
+            mode,
+            resource,
+            key,
+        } => app
+            .store
+            .find_receipt(resource, key)
+            .await
+            .map(|found| match found {
+                Some(r) => Response::json(200, r),
+                None if *mode == Mode::LookupPhantom => {
+                    let n = app.wrong_receipts.fetch_add(1, Ordering::Relaxed) + 1;
+                    Response::json(200, receipt::phantom(n, mode.as_str(), resource, key))
+                }
+                None => Response::error(404, "not_found"),
+            }),
     };
     result.unwrap_or_else(|err| {
         tracing::error!(error = %err, "request failed");

@@ -214,6 +214,41 @@ impl Store {
         }
     }
 
+    /// The broken replay modes. Looks the key up among this resource's mutations, with no
+    /// lock and no unique key: a same-body repeat replays the first receipt; another body is
+    /// a new mutation (`racy` = false, "key ignored when the body differs") or 422 (`racy`
+    /// = true). With `racy`, the gap between the check and the insert is widened so two
+    /// concurrent requests under one new key both miss the check and both write.
+    pub async fn broken_replay_write(
+        &self,
+        mode: &str,
+        resource: &str,
+        idem_key: &str,
+        body: &Value,
+        racy: bool,
+    ) -> Result<Replay> {
+        let found: Option<(Value, bool)> = sqlx::query_as(self.sql(
+            "SELECT receipt, arguments = $3 FROM {s}.mutations
+             WHERE idem_key = $1 AND resource = $2
+             ORDER BY id LIMIT 1",
+        ))
+        .bind(idem_key)
+        .bind(resource)
+        .bind(body)
+        .fetch_optional(&self.pool)
+        .await?;
+        match found {
+            Some((receipt, true)) => return Ok(Replay::Replayed(receipt)),
+            Some((_, false)) if racy => return Ok(Replay::KeyReused),
+            Some((_, false)) => {}
+            None if racy => tokio::time::sleep(Duration::from_millis(300)).await,
+            None => {}
+        }
+        self.plain_write(mode, resource, Some(idem_key), body)
+            .await
+            .map(Replay::Created)
+    }
+
     /// Lookup and none modes: every write is a new mutation, no dedupe.
     pub async fn plain_write(
         &self,

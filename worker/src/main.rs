@@ -30,6 +30,10 @@ enum Command {
         #[arg(long, default_value_t = 3000)]
         timeout_ms: u64,
     },
+    /// Probe a tool's downstream (sandbox or staging: it WRITES) against the capability the
+    /// tools file declares. Exit 0: nothing contradicts it; 1: a probe FAILed; 2: refused or
+    /// not started. Needs only the tools file (`WORKER_TOOLS`).
+    CheckTool(worker::ops::check_tool::CheckToolArgs),
 }
 
 #[tokio::main]
@@ -45,6 +49,9 @@ async fn main() -> ExitCode {
             }
         };
     }
+    if let Some(Command::CheckTool(args)) = cli.command {
+        return ExitCode::from(worker::ops::check_tool::main(args).await);
+    }
     let settings = match worker::config::Settings::from_env() {
         Ok(s) => s,
         Err(e) => {
@@ -57,7 +64,9 @@ async fn main() -> ExitCode {
         Command::Run => worker::app::run(settings).await,
         Command::Migrate => worker::app::migrate(&settings).await,
         Command::Ops(cmd) => worker::ops::cli::run(&settings, cmd).await,
-        Command::Probe { .. } => unreachable!("handled before the settings are read"),
+        Command::Probe { .. } | Command::CheckTool(_) => {
+            unreachable!("handled before the settings are read")
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -81,17 +81,36 @@ impl HttpAdapter {
     }
 
     async fn send_write(&self, request: &Request) -> Outcome {
+        self.write(request, true).await.outcome
+    }
+
+    /// Sends the write exactly as [`ToolAdapter::execute`] does, and also returns the status
+    /// and content type. `with_key = false` leaves the idempotency header out: only
+    /// `worker check-tool` does that, to see how the downstream treats a keyless request.
+    pub async fn probe_write(&self, request: &Request, with_key: bool) -> Answer {
+        self.write(request, with_key).await
+    }
+
+    /// Looks up exactly as [`ToolAdapter::lookup`] does, and also returns the status and
+    /// content type (for `worker check-tool`).
+    pub async fn probe_lookup(&self, request: &Request) -> Answer {
+        self.lookup_answer(request).await
+    }
+
+    async fn write(&self, request: &Request, with_key: bool) -> Answer {
         if let Err(evidence) = self.request_ref(request) {
-            return Outcome::Rejected {
+            return Answer::bare(Outcome::Rejected {
                 status: 0,
                 evidence,
-            };
+            });
         }
         let mut headers = self.headers.clone();
-        headers.insert(
-            self.idempotency_header.clone(),
-            HeaderValue::from_str(&request.idempotency_key).expect("checked above"),
-        );
+        if with_key {
+            headers.insert(
+                self.idempotency_header.clone(),
+                HeaderValue::from_str(&request.idempotency_key).expect("checked above"),
+            );
+        }
         let sent = self
             .client
             .request(self.method.clone(), &self.config.url)
@@ -101,19 +120,25 @@ impl HttpAdapter {
             .await;
         let response = match sent {
             Ok(r) => r,
-            Err(e) => return classify_error(&e),
+            Err(e) => return Answer::bare(classify_error(&e)),
         };
         let status = response.status();
+        let content_type = content_type(&response);
         let retry_after = parse_retry_after(response.headers().get(RETRY_AFTER), SystemTime::now());
         let body = read_body(response).await;
+        let answer = |outcome| Answer {
+            outcome,
+            status: Some(status.as_u16()),
+            content_type: content_type.clone(),
+        };
         if status.is_success() {
-            return match body {
+            return answer(match body {
                 Ok(bytes) => self.receipt_outcome(request, &bytes, status),
                 Err(e) => Outcome::Unknown {
                     evidence: format!("HTTP {status} but the body could not be read: {e}"),
                     retry_after: None,
                 },
-            };
+            });
         }
         let excerpt = body.as_deref().map(excerpt).unwrap_or_default();
         let evidence = format!("HTTP {}: {excerpt}", status.as_u16());
@@ -123,12 +148,12 @@ impl HttpAdapter {
             .not_applied_statuses
             .contains(&status.as_u16())
         {
-            return Outcome::NotApplied {
+            return answer(Outcome::NotApplied {
                 evidence,
                 retry_after,
-            };
+            });
         }
-        classify_status(status, evidence, retry_after)
+        answer(classify_status(status, evidence, retry_after))
     }
 
     fn receipt_outcome(&self, request: &Request, bytes: &[u8], status: StatusCode) -> Outcome {
@@ -157,10 +182,14 @@ impl HttpAdapter {
     }
 
     async fn send_lookup(&self, request: &Request) -> Outcome {
+        self.lookup_answer(request).await.outcome
+    }
+
+    async fn lookup_answer(&self, request: &Request) -> Answer {
         let Capability::Lookup { url_template } = &self.config.capability else {
-            return Outcome::LookupMiss {
+            return Answer::bare(Outcome::LookupMiss {
                 evidence: format!("tool {} has no lookup", self.config.name),
-            };
+            });
         };
         let url = receipt::fill(url_template, request, true);
         let mut headers = self.headers.clone();
@@ -168,16 +197,17 @@ impl HttpAdapter {
         let response = match self.client.get(&url).headers(headers).send().await {
             Ok(r) => r,
             Err(e) => {
-                return Outcome::Unknown {
+                return Answer::bare(Outcome::Unknown {
                     evidence: format!("lookup failed: {}", error_chain(&e)),
                     retry_after: None,
-                }
+                })
             }
         };
         let status = response.status();
+        let content_type = content_type(&response);
         let retry_after = parse_retry_after(response.headers().get(RETRY_AFTER), SystemTime::now());
         let body = read_body(response).await;
-        match (status, body) {
+        let outcome = match (status, body) {
             (StatusCode::OK, Ok(bytes)) => self.receipt_outcome(request, &bytes, status),
             (StatusCode::NOT_FOUND, body) => Outcome::LookupMiss {
                 evidence: format!(
@@ -193,8 +223,40 @@ impl HttpAdapter {
                 ),
                 retry_after,
             },
+        };
+        Answer {
+            outcome,
+            status: Some(status.as_u16()),
+            content_type,
         }
     }
+}
+
+/// One answer as the worker classifies it, with the HTTP details a probe reports.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub outcome: Outcome,
+    /// `None` when no HTTP answer arrived.
+    pub status: Option<u16>,
+    pub content_type: Option<String>,
+}
+
+impl Answer {
+    fn bare(outcome: Outcome) -> Answer {
+        Answer {
+            outcome,
+            status: None,
+            content_type: None,
+        }
+    }
+}
+
+fn content_type(response: &reqwest::Response) -> Option<String> {
+    response
+        .headers()
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
 }
 
 impl ToolAdapter for HttpAdapter {

@@ -1,0 +1,652 @@
+//! `worker check-tool NAME`: probes a (sandbox or staging) downstream from outside to see
+//! whether it really has the recovery capability the tools file declares for it.
+//!
+//! Every probe goes through the tool's own [`HttpAdapter`] (same client, headers, timeouts,
+//! outcome classification and receipt check as the worker), so a receipt the checker accepts
+//! is one the worker would accept. The probes perform real writes under the tenant
+//! [`PROBE_TENANT`] with action ids `probe-<run>-<probe>`, so they are easy to find and undo.
+
+use std::collections::BTreeSet;
+
+use serde::Serialize;
+
+use crate::adapter::http::{Answer, HttpAdapter};
+use crate::adapter::{Outcome, Request};
+use crate::config::{Capability, ToolConfig};
+use crate::ledger::idempotency_key;
+
+/// The tenant every probe writes as: it says it is a probe.
+pub const PROBE_TENANT: &str = "intent-worker-probe";
+/// Field added to the body of the "same key, another body" probe.
+const VARIANT_FIELD: &str = "intent_worker_probe_variant";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error("--body must be a JSON object: {0}")]
+    Body(String),
+    #[error(transparent)]
+    Build(#[from] crate::adapter::http::BuildError),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Verdict {
+    /// The downstream behaved as the declared capability needs.
+    Pass,
+    /// The downstream contradicts the declared capability (or gave no usable receipt).
+    Fail,
+    /// Worth knowing, proves nothing either way.
+    Info,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Pass => "PASS",
+            Verdict::Fail => "FAIL",
+            Verdict::Info => "INFO",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Probe {
+    pub name: &'static str,
+    pub verdict: Verdict,
+    /// One line on what the answer means.
+    pub message: String,
+    /// What the downstream answered, as the worker's adapter classified it.
+    pub evidence: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub tool: String,
+    pub capability: &'static str,
+    pub url: String,
+    pub tenant: &'static str,
+    /// The run id inside every probe action id.
+    pub run: String,
+    pub probes: Vec<Probe>,
+    /// False when any probe is a FAIL.
+    pub ok: bool,
+}
+
+impl Report {
+    /// Human-readable lines: one per probe, then a summary.
+    pub fn text(&self) -> String {
+        let mut out = format!(
+            "check-tool {} (recovery = \"{}\", {}), probes as tenant {} run {}\n",
+            self.tool, self.capability, self.url, self.tenant, self.run
+        );
+        for p in &self.probes {
+            out.push_str(&format!(
+                "{} {}: {}\n",
+                p.verdict.as_str(),
+                p.name,
+                p.message
+            ));
+            if !p.evidence.is_empty() {
+                out.push_str(&format!("     answer: {}\n", p.evidence));
+            }
+        }
+        let count = |v| self.probes.iter().filter(|p| p.verdict == v).count();
+        let verdict = if self.ok {
+            "no probe contradicts the declared capability".to_owned()
+        } else {
+            format!(
+                "a probe FAILed: do not rely on recovery = \"{}\" for this downstream",
+                self.capability
+            )
+        };
+        out.push_str(&format!(
+            "{verdict}: {} PASS, {} FAIL, {} INFO\n",
+            count(Verdict::Pass),
+            count(Verdict::Fail),
+            count(Verdict::Info)
+        ));
+        out
+    }
+}
+
+/// Runs every probe the tool's capability calls for. `body` is the JSON object sent as the
+/// write's arguments (a probe marker by default).
+pub async fn run(config: &ToolConfig, body: Option<&str>) -> Result<Report, CheckError> {
+    let run = uuid::Uuid::new_v4().to_string();
+    let body: serde_json::Value = match body {
+        Some(text) => serde_json::from_str(text).map_err(|e| CheckError::Body(e.to_string()))?,
+        None => serde_json::json!({"intent_worker_probe": true, "probe_run": run}),
+    };
+    let serde_json::Value::Object(mut variant) = body.clone() else {
+        return Err(CheckError::Body("not an object".into()));
+    };
+    variant.insert(VARIANT_FIELD.into(), "another-body".into());
+    let adapter = HttpAdapter::new(config.clone())?;
+    let checker = Checker {
+        adapter,
+        tool: config.name.clone(),
+        run: run.clone(),
+        body: body.to_string(),
+        variant: serde_json::Value::Object(variant).to_string(),
+        seen_4xx: Vec::new(),
+    };
+    let mut probes = checker.probes(&config.capability).await;
+    probes.extend(declaration_notes(config));
+    Ok(Report {
+        tool: config.name.clone(),
+        capability: config.capability.name(),
+        url: config.url.clone(),
+        tenant: PROBE_TENANT,
+        run,
+        ok: probes.iter().all(|p| p.verdict != Verdict::Fail),
+        probes,
+    })
+}
+
+/// What the declaration itself asks for that no probe can check from outside.
+fn declaration_notes(config: &ToolConfig) -> Vec<Probe> {
+    let mut notes = Vec::new();
+    if let Capability::Replay { window, .. } = config.capability {
+        notes.push(Probe {
+            name: "replay-window",
+            verdict: Verdict::Info,
+            message: format!(
+                "the downstream must remember each key for at least replay_window_secs = {}; \
+                 that cannot be checked from outside: confirm it in its documentation",
+                window.as_secs()
+            ),
+            evidence: String::new(),
+        });
+    }
+    if config.receipt_match.is_empty() {
+        notes.push(Probe {
+            name: "receipt-match",
+            verdict: Verdict::Info,
+            message: "receipt_match = {} checks only that a receipt has an id: a receipt for \
+                      another operation would be accepted, here and by the worker"
+                .into(),
+            evidence: String::new(),
+        });
+    }
+    notes
+}
+
+/// Whether a Content-Type names `application/problem+json` (RFC 9457), parameters ignored.
+fn is_problem_json(content_type: Option<&str>) -> bool {
+    content_type
+        .and_then(|c| c.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/problem+json"))
+}
+
+struct Checker {
+    adapter: HttpAdapter,
+    tool: String,
+    run: String,
+    body: String,
+    variant: String,
+    /// (probe, status, content type) of every 4xx seen, for the problem+json probe.
+    seen_4xx: Vec<(&'static str, u16, Option<String>)>,
+}
+
+fn probe(
+    name: &'static str,
+    verdict: Verdict,
+    message: impl Into<String>,
+    answer: &Answer,
+) -> Probe {
+    Probe {
+        name,
+        verdict,
+        message: message.into(),
+        evidence: evidence(answer),
+    }
+}
+
+fn evidence(answer: &Answer) -> String {
+    match &answer.outcome {
+        Outcome::Succeeded { receipt, .. } => format!("receipt {receipt}"),
+        other => format!("{}: {}", other.label(), other.evidence()),
+    }
+}
+
+fn receipt_id(answer: &Answer) -> Option<&str> {
+    match &answer.outcome {
+        Outcome::Succeeded { receipt_id, .. } => Some(receipt_id),
+        _ => None,
+    }
+}
+
+impl Checker {
+    fn request(&self, probe: &str, body: &str) -> Request {
+        let action_id = format!("probe-{}-{probe}", self.run);
+        Request {
+            idempotency_key: idempotency_key(PROBE_TENANT, &action_id),
+            tenant: PROBE_TENANT.into(),
+            action_id,
+            tool: self.tool.clone(),
+            body: body.into(),
+        }
+    }
+
+    fn note(&mut self, name: &'static str, answer: &Answer) {
+        if let Some(status @ 400..=499) = answer.status {
+            self.seen_4xx
+                .push((name, status, answer.content_type.clone()));
+        }
+    }
+
+    async fn write(&mut self, name: &'static str, request: &Request, with_key: bool) -> Answer {
+        let answer = self.adapter.probe_write(request, with_key).await;
+        self.note(name, &answer);
+        answer
+    }
+
+    async fn probes(mut self, capability: &Capability) -> Vec<Probe> {
+        let mut out = Vec::new();
+        let first = self.request("first-write", &self.body.clone());
+        let answer = self.write("first-write", &first, true).await;
+        let first_id = receipt_id(&answer).map(str::to_owned);
+        out.push(match &first_id {
+            Some(id) => probe(
+                "first-write",
+                Verdict::Pass,
+                format!("receipt {id} is accepted by the tool's receipt_id and receipt_match"),
+                &answer,
+            ),
+            None => probe(
+                "first-write",
+                Verdict::Fail,
+                "no receipt that receipt_id and receipt_match accept: the worker could never \
+                 report this tool's writes as succeeded",
+                &answer,
+            ),
+        });
+        match (capability, &first_id) {
+            (Capability::Replay { .. }, Some(id)) => {
+                out.push(self.replay_same(&first, id).await);
+                out.push(self.replay_other_body(&first, id).await);
+                out.push(self.replay_concurrent().await);
+            }
+            (Capability::Lookup { .. }, Some(id)) => {
+                out.push(self.lookup_written(&first, id).await);
+                out.push(self.lookup_never_written().await);
+            }
+            (Capability::None, _) => {}
+            (_, None) => out.push(Probe {
+                name: "capability",
+                verdict: Verdict::Info,
+                message: format!(
+                    "the {} probes need the first write's receipt and were not run",
+                    capability.name()
+                ),
+                evidence: String::new(),
+            }),
+        }
+        out.push(self.no_key().await);
+        out.push(self.problem_json());
+        out
+    }
+
+    async fn replay_same(&mut self, first: &Request, first_id: &str) -> Probe {
+        const NAME: &str = "replay-same-request";
+        let answer = self.write(NAME, first, true).await;
+        match receipt_id(&answer) {
+            Some(id) if id == first_id => probe(
+                NAME,
+                Verdict::Pass,
+                "the same request under the same key returned the original receipt: a \
+                 recovery replay cannot apply twice",
+                &answer,
+            ),
+            Some(id) => probe(
+                NAME,
+                Verdict::Fail,
+                format!(
+                    "a new receipt id ({id}, first was {first_id}): this downstream does not \
+                     replay; declare `lookup` or `none`"
+                ),
+                &answer,
+            ),
+            None => probe(
+                NAME,
+                Verdict::Fail,
+                "the same request under the same key did not return the original receipt: \
+                 a `replay` tool must answer a repeat with it (2xx)",
+                &answer,
+            ),
+        }
+    }
+
+    async fn replay_other_body(&mut self, first: &Request, first_id: &str) -> Probe {
+        const NAME: &str = "replay-different-body";
+        let mut request = first.clone();
+        request.body = self.variant.clone();
+        let answer = self.write(NAME, &request, true).await;
+        match (receipt_id(&answer), answer.status) {
+            (Some(id), _) if id != first_id => probe(
+                NAME,
+                Verdict::Fail,
+                format!(
+                    "the same key with another body created a new receipt ({id}, first was \
+                     {first_id}): the key is ignored when the body differs; expected 409 or 422"
+                ),
+                &answer,
+            ),
+            (Some(_), _) => probe(
+                NAME,
+                Verdict::Info,
+                "the same key with another body returned the original receipt: nothing new \
+                 was applied, but the mismatch went unnoticed (the draft expects 422)",
+                &answer,
+            ),
+            (None, Some(status @ (409 | 422))) => probe(
+                NAME,
+                Verdict::Pass,
+                format!("the same key with another body was refused with {status}, as expected"),
+                &answer,
+            ),
+            (None, _) => probe(
+                NAME,
+                Verdict::Info,
+                "the same key with another body got no receipt, but not the expected 409 or 422",
+                &answer,
+            ),
+        }
+    }
+
+    async fn replay_concurrent(&mut self) -> Probe {
+        const NAME: &str = "replay-concurrent";
+        let request = self.request("concurrent", &self.body.clone());
+        let (a, b) = tokio::join!(
+            self.adapter.probe_write(&request, true),
+            self.adapter.probe_write(&request, true)
+        );
+        self.note(NAME, &a);
+        self.note(NAME, &b);
+        let ids: BTreeSet<&str> = [&a, &b].into_iter().filter_map(receipt_id).collect();
+        let evidence = format!("1st: {}; 2nd: {}", evidence(&a), evidence(&b));
+        let (verdict, message) = match ids.len() {
+            0 => (
+                Verdict::Info,
+                "neither of two concurrent requests under one new key got a receipt".to_owned(),
+            ),
+            1 => (
+                Verdict::Pass,
+                "two concurrent requests under one new key got at most one receipt: a replay \
+                 racing the original write cannot apply twice"
+                    .to_owned(),
+            ),
+            _ => (
+                Verdict::Fail,
+                format!(
+                    "two concurrent requests under one new key created {} receipts ({}): \
+                     same-key requests are not serialised (expected one receipt, or 409 for \
+                     the second); declare `lookup` or `none`",
+                    ids.len(),
+                    ids.into_iter().collect::<Vec<_>>().join(", ")
+                ),
+            ),
+        };
+        Probe {
+            name: NAME,
+            verdict,
+            message,
+            evidence,
+        }
+    }
+
+    async fn lookup_written(&mut self, first: &Request, first_id: &str) -> Probe {
+        const NAME: &str = "lookup-written";
+        // A completed write must become visible; allow an eventually consistent read a
+        // moment before calling it a miss.
+        let mut answer = self.adapter.probe_lookup(first).await;
+        for _ in 0..4 {
+            if !matches!(answer.outcome, Outcome::LookupMiss { .. }) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            answer = self.adapter.probe_lookup(first).await;
+        }
+        self.note(NAME, &answer);
+        match receipt_id(&answer) {
+            Some(id) if id == first_id => probe(
+                NAME,
+                Verdict::Pass,
+                "the lookup of the written key returned the original receipt, and it matches",
+                &answer,
+            ),
+            Some(id) => probe(
+                NAME,
+                Verdict::Fail,
+                format!(
+                    "the lookup of the written key returned another receipt ({id}, the write \
+                     returned {first_id})"
+                ),
+                &answer,
+            ),
+            None => probe(
+                NAME,
+                Verdict::Fail,
+                "the lookup of the written key did not return its matching receipt (200): \
+                 recovery by lookup would never find it; check lookup_url or declare `none`",
+                &answer,
+            ),
+        }
+    }
+
+    async fn lookup_never_written(&mut self) -> Probe {
+        const NAME: &str = "lookup-never-written";
+        let request = self.request("never-written", &self.body.clone());
+        let answer = self.adapter.probe_lookup(&request).await;
+        self.note(NAME, &answer);
+        match (&answer.outcome, answer.status) {
+            (Outcome::LookupMiss { .. }, _) => probe(
+                NAME,
+                Verdict::Pass,
+                "a key never written answered 404: a miss is told apart from a success",
+                &answer,
+            ),
+            (Outcome::Succeeded { .. }, _) => probe(
+                NAME,
+                Verdict::Fail,
+                "a key never written answered 200 with a receipt the tool accepts: a lookup \
+                 miss would become a false success; declare `none`",
+                &answer,
+            ),
+            (_, Some(200)) => probe(
+                NAME,
+                Verdict::Fail,
+                "a key never written answered 200 (its body failed the receipt check): the \
+                 endpoint does not answer 404 for unknown keys; declare `none`",
+                &answer,
+            ),
+            _ => probe(
+                NAME,
+                Verdict::Info,
+                "a key never written did not answer 404: the worker keeps such rows unknown",
+                &answer,
+            ),
+        }
+    }
+
+    async fn no_key(&mut self) -> Probe {
+        const NAME: &str = "no-idempotency-key";
+        let request = self.request("no-key", &self.body.clone());
+        let answer = self.write(NAME, &request, false).await;
+        let message = match answer.status {
+            Some(400) => "a write without the idempotency header was refused with 400, as the \
+                          draft expects"
+                .to_owned(),
+            Some(s) if (200..300).contains(&s) => format!(
+                "a write without the idempotency header was accepted ({s}; the draft expects \
+                 400): the worker always sends the key, but other clients get no protection"
+            ),
+            Some(s) => format!(
+                "a write without the idempotency header answered {s} (the draft expects 400)"
+            ),
+            None => "a write without the idempotency header got no HTTP answer".to_owned(),
+        };
+        probe(NAME, Verdict::Info, message, &answer)
+    }
+
+    fn problem_json(&self) -> Probe {
+        const NAME: &str = "problem-json";
+        let evidence = self
+            .seen_4xx
+            .iter()
+            .map(|(p, s, ct)| format!("{p}: {s} {}", ct.as_deref().unwrap_or("(no content type)")))
+            .collect::<Vec<_>>()
+            .join("; ");
+        let message = if self.seen_4xx.is_empty() {
+            "no 4xx answer was seen, so problem+json could not be checked".to_owned()
+        } else if self
+            .seen_4xx
+            .iter()
+            .all(|(_, _, ct)| is_problem_json(ct.as_deref()))
+        {
+            "every 4xx answer carried application/problem+json (RFC 9457)".to_owned()
+        } else {
+            "4xx answers do not all carry application/problem+json (RFC 9457); the worker \
+             keeps their body excerpt as evidence either way"
+                .to_owned()
+        };
+        Probe {
+            name: NAME,
+            verdict: Verdict::Info,
+            message,
+            evidence,
+        }
+    }
+}
+
+/// Command-line arguments of `worker check-tool`.
+#[derive(Debug, clap::Args)]
+pub struct CheckToolArgs {
+    /// The tool to probe, as named in the tools file (`[tools.NAME]`).
+    pub name: String,
+    /// Required: the probes perform real writes against the tool's URL (a sandbox or staging
+    /// downstream), as tenant `intent-worker-probe`.
+    #[arg(long)]
+    pub confirm_writes: bool,
+    /// Print the report as one JSON object (for CI).
+    #[arg(long)]
+    pub json: bool,
+    /// JSON object sent as the write's body (default: a probe marker). Use one the downstream
+    /// accepts if it validates its input.
+    #[arg(long)]
+    pub body: Option<String>,
+    /// Tools file (default: `WORKER_TOOLS`, else `tools.toml`).
+    #[arg(long)]
+    pub tools: Option<std::path::PathBuf>,
+}
+
+/// Exit status when a probe contradicts the declared capability.
+pub const EXIT_FAIL: u8 = 1;
+/// Exit status when the checker refused or could not start (no confirmation, bad tools file,
+/// unknown tool, bad `--body`).
+pub const EXIT_USAGE: u8 = 2;
+
+/// Runs `worker check-tool` and returns the process exit status. Needs only the tools file.
+pub async fn main(args: CheckToolArgs) -> u8 {
+    if !args.confirm_writes {
+        eprintln!(
+            "worker check-tool: refusing to run without --confirm-writes: the probes perform \
+             real writes against the tool's downstream (run it against a sandbox or staging \
+             service; writes are made as tenant {PROBE_TENANT})"
+        );
+        return EXIT_USAGE;
+    }
+    let path = args.tools.unwrap_or_else(|| {
+        std::env::var_os("WORKER_TOOLS")
+            .filter(|v| !v.is_empty())
+            .map(Into::into)
+            .unwrap_or_else(|| "tools.toml".into())
+    });
+    let tools = match crate::config::Tools::load(&path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("worker check-tool: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let Some(config) = tools.tools.get(&args.name) else {
+        eprintln!(
+            "worker check-tool: no tool {:?} in {} (tools: {})",
+            args.name,
+            path.display(),
+            tools.tools.keys().cloned().collect::<Vec<_>>().join(", ")
+        );
+        return EXIT_USAGE;
+    };
+    let report = match run(config, args.body.as_deref()).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("worker check-tool: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).expect("a report always serialises")
+        );
+    } else {
+        print!("{}", report.text());
+    }
+    if report.ok {
+        0
+    } else {
+        EXIT_FAIL
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problem_json_is_recognised_with_parameters_and_any_case() {
+        assert!(is_problem_json(Some("application/problem+json")));
+        assert!(is_problem_json(Some(
+            "Application/Problem+JSON; charset=utf-8"
+        )));
+        assert!(!is_problem_json(Some("application/json")));
+        assert!(!is_problem_json(Some(
+            "text/plain; application/problem+json"
+        )));
+        assert!(!is_problem_json(None));
+    }
+
+    #[test]
+    fn report_text_has_one_line_per_probe_and_a_summary() {
+        let report = Report {
+            tool: "refund".into(),
+            capability: "replay",
+            url: "http://x/replay/refunds".into(),
+            tenant: PROBE_TENANT,
+            run: "r".into(),
+            probes: vec![
+                Probe {
+                    name: "first-write",
+                    verdict: Verdict::Pass,
+                    message: "ok".into(),
+                    evidence: "receipt {}".into(),
+                },
+                Probe {
+                    name: "replay-same-request",
+                    verdict: Verdict::Fail,
+                    message: "no".into(),
+                    evidence: String::new(),
+                },
+            ],
+            ok: false,
+        };
+        let text = report.text();
+        assert!(text.contains("\nPASS first-write: ok\n     answer: receipt {}\n"));
+        assert!(text.contains("\nFAIL replay-same-request: no\n"));
+        assert!(text.ends_with("for this downstream: 1 PASS, 1 FAIL, 0 INFO\n"));
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["probes"][1]["verdict"], "FAIL");
+        assert_eq!(json["ok"], false);
+    }
+}
