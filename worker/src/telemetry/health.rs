@@ -4,6 +4,8 @@
 //! - `GET /livez`: 200 while the process serves HTTP at all.
 //! - `GET /readyz`: 200 only while both broker links (consumer, relay) are up and the ledger
 //!   answers `SELECT 1` within [`LEDGER_TIMEOUT`]; otherwise 503 with a JSON body naming why.
+//!   Each check also sets the `intent_worker_ready` gauge (1/0), which `/metrics` refreshes on
+//!   every scrape, so a worker that stays unready can be alerted on.
 
 use std::time::Duration;
 
@@ -38,6 +40,7 @@ pub async fn readyz(links: &LinkState, ledger: &Ledger) -> (StatusCode, Json<Val
             LEDGER_TIMEOUT.as_millis()
         )),
     }
+    metrics::gauge!(super::metrics::READY).set(if reasons.is_empty() { 1.0 } else { 0.0 });
     if reasons.is_empty() {
         (StatusCode::OK, Json(json!({ "status": "ready" })))
     } else {

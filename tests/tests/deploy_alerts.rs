@@ -1,0 +1,218 @@
+//! Issue 9, items 5 and 9 on the real binary: a fresh worker's `/metrics` already exports every
+//! counter an alert reads at 0 (so the first increment is an `increase()` the alert sees), and
+//! start-up errors read once: each cause printed once, a refused login reported as refused
+//! credentials (and not retried as "not reachable").
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use e2e::{cleanup, Downstream, Env, Worker, WorkerOptions};
+
+const T: Duration = Duration::from_secs(30);
+
+/// The value of the one series `name{filters}` (all filters must match), or `None` when the
+/// exposition has no such series. Unlike `metric_value`, absence is not 0.
+fn series(text: &str, name: &str, filters: &[(&str, &str)]) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .find(|l| {
+            filters
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+}
+
+#[tokio::test]
+async fn fresh_worker_exports_alert_counters_at_zero() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, "")).with_metrics();
+    let w = Worker::start(&env, "w", &opts).await;
+    let text = w.metrics().await;
+
+    let mut expected: Vec<(&str, Vec<(&str, &str)>)> = vec![
+        (
+            "intent_worker_late_receipts_total",
+            vec![("outcome", "conflict")],
+        ),
+        (
+            "intent_worker_late_receipts_total",
+            vec![("outcome", "matches")],
+        ),
+        ("intent_worker_stale_writes_total", vec![]),
+        ("intent_worker_results_unroutable_total", vec![]),
+        (
+            "intent_worker_broker_reconnects_total",
+            vec![("link", "consumer")],
+        ),
+        (
+            "intent_worker_broker_reconnects_total",
+            vec![("link", "relay")],
+        ),
+    ];
+    for op in [
+        "intake",
+        "send_fence",
+        "complete",
+        "schedule",
+        "budget",
+        "retention",
+    ] {
+        expected.push(("intent_worker_ledger_errors_total", vec![("operation", op)]));
+    }
+    for reason in [
+        "delivery_limit",
+        "invalid_message",
+        "tenant_mismatch",
+        "unknown_tool",
+    ] {
+        expected.push((
+            "intent_worker_dead_letter_refused_total",
+            vec![("reason", reason)],
+        ));
+        expected.push((
+            "intent_worker_dead_lettered_total",
+            vec![("reason", reason)],
+        ));
+    }
+    for tool in ["refund", "ticket", "deploy"] {
+        expected.push((
+            "intent_worker_retry_budget_deferrals_total",
+            vec![("tool", tool)],
+        ));
+        for kind in ["first", "retry", "replay"] {
+            expected.push((
+                "intent_worker_stale_sends_abandoned_total",
+                vec![("tool", tool), ("kind", kind)],
+            ));
+        }
+        for action in ["lookup", "replay", "hold", "stored_receipt"] {
+            expected.push((
+                "intent_worker_recovery_actions_total",
+                vec![("tool", tool), ("action", action)],
+            ));
+        }
+    }
+    let missing: Vec<String> = expected
+        .iter()
+        .filter(|(name, labels)| series(&text, name, labels) != Some(0.0))
+        .map(|(name, labels)| format!("{name}{labels:?}"))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "series not exported at 0 on a fresh worker: {missing:#?}\n{text}"
+    );
+    // Ready: both links up and the ledger answers.
+    assert_eq!(
+        series(&text, "intent_worker_ready", &[]),
+        Some(1.0),
+        "{text}"
+    );
+    drop(w);
+    cleanup(env).await;
+}
+
+/// Runs the worker until it exits (or `T`), returning its exit code and output.
+async fn run_until_exit(env: &Env, opts: &WorkerOptions) -> (Option<i32>, String) {
+    let mut w = Worker::spawn(env, "w", opts);
+    let deadline = tokio::time::Instant::now() + T;
+    let code = loop {
+        if let Some(status) = w.exit_status() {
+            break status.code();
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!(
+                "worker still running after {T:?}; output:\n{}",
+                w.output.text()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    (code, w.output.text())
+}
+
+/// The final `worker: ...` line the binary prints on a fatal error.
+fn fatal_line(output: &str) -> String {
+    output
+        .lines()
+        .rev()
+        .find_map(|l| l.split_once("worker: ").map(|(_, m)| m.to_string()))
+        .unwrap_or_else(|| panic!("no fatal error line in:\n{output}"))
+}
+
+#[tokio::test]
+async fn missing_tools_file_names_the_cause_once() {
+    let env = Env::new().await;
+    let opts = WorkerOptions::new(PathBuf::from("/nonexistent/tools.toml"));
+    let (code, output) = run_until_exit(&env, &opts).await;
+    assert_eq!(code, Some(1), "{output}");
+    let line = fatal_line(&output);
+    assert!(
+        line.starts_with("cannot read tools file /nonexistent/tools.toml: "),
+        "{line}"
+    );
+    assert_eq!(
+        line.matches("No such file or directory").count(),
+        1,
+        "{line}"
+    );
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn wrong_rabbitmq_password_is_refused_credentials_not_unreachable() {
+    let env = Env::new().await;
+    let url = env.amqp_url.clone();
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let host = rest.rsplit_once('@').map_or(rest, |(_, h)| h);
+    let wrong = format!("{scheme}://guest:not-the-password@{host}");
+    let opts = WorkerOptions::new(env.standard_tools(1, "")).amqp_url(&wrong);
+    let (code, output) = run_until_exit(&env, &opts).await;
+    assert_eq!(code, Some(1), "{output}");
+    let line = fatal_line(&output);
+    assert!(
+        line.contains("refused the credentials of user \"guest\""),
+        "{line}"
+    );
+    assert_eq!(
+        line.matches("ACCESS_REFUSED - Login was refused").count(),
+        1,
+        "{line}"
+    );
+    assert!(
+        !line.contains("not-the-password"),
+        "password leaked: {line}"
+    );
+    assert!(!output.contains("not reachable"), "{output}");
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn wrong_postgres_user_is_refused_credentials_not_unreachable() {
+    let env = Env::new().await;
+    let db = env
+        .db_url
+        .replacen("postgres://postgres@", "postgres://no_such_role_e2e@", 1);
+    assert_ne!(
+        db, env.db_url,
+        "unexpected test database URL {}",
+        env.db_url
+    );
+    let opts = WorkerOptions::new(env.standard_tools(1, "")).database_url(&db);
+    let (code, output) = run_until_exit(&env, &opts).await;
+    assert_eq!(code, Some(1), "{output}");
+    let line = fatal_line(&output);
+    assert!(
+        line.contains("Postgres refused the credentials of user \"no_such_role_e2e\""),
+        "{line}"
+    );
+    assert_eq!(
+        line.matches("no_such_role_e2e\" does not exist").count(),
+        1,
+        "{line}"
+    );
+    assert!(!output.contains("not reachable"), "{output}");
+    cleanup(env).await;
+}
