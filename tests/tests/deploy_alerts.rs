@@ -216,3 +216,78 @@ async fn wrong_postgres_user_is_refused_credentials_not_unreachable() {
     assert!(!output.contains("not reachable"), "{output}");
     cleanup(env).await;
 }
+
+fn repo_file(path: &str) -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("read {path}: {e}"))
+}
+
+/// Every alert links to a runbook section that exists (`## AlertName` in deploy/RUNBOOK.md).
+#[test]
+fn every_alert_has_a_runbook_url_into_the_runbook() {
+    let alerts = repo_file("deploy/prometheus/alerts.yml");
+    let runbook = repo_file("deploy/RUNBOOK.md");
+    let anchors: Vec<String> = runbook
+        .lines()
+        .filter_map(|l| l.strip_prefix("## "))
+        .map(|h| h.trim().to_lowercase())
+        .collect();
+    let rules = alerts.matches("- alert: ").count();
+    let urls: Vec<&str> = alerts
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("runbook_url: "))
+        .collect();
+    assert!(rules > 0);
+    assert_eq!(urls.len(), rules, "an alert without runbook_url");
+    for url in urls {
+        let anchor = url
+            .trim_matches('"')
+            .strip_prefix("deploy/RUNBOOK.md#")
+            .unwrap_or_else(|| panic!("runbook_url {url} does not point into deploy/RUNBOOK.md"));
+        assert!(
+            anchors.iter().any(|a| a == anchor),
+            "deploy/RUNBOOK.md has no section for #{anchor}"
+        );
+    }
+}
+
+/// The dashboard is portable: a datasource variable used by every panel, and job, instance and
+/// tool variables; the panels for what an alert reads exist.
+#[test]
+fn dashboard_has_variables_and_the_alert_panels() {
+    let d: serde_json::Value = serde_json::from_str(&repo_file("deploy/grafana/dashboard.json"))
+        .expect("dashboard.json is JSON");
+    let vars: Vec<&str> = d["templating"]["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(vars, ["datasource", "job", "instance", "tool"]);
+    let panels = d["panels"].as_array().unwrap();
+    let mut exprs = String::new();
+    for p in panels.iter().filter(|p| p["type"] != "row") {
+        assert_eq!(
+            p["datasource"]["uid"], "${datasource}",
+            "panel {} does not use the datasource variable",
+            p["title"]
+        );
+        for t in p["targets"].as_array().unwrap() {
+            exprs.push_str(t["expr"].as_str().unwrap());
+            exprs.push('\n');
+        }
+    }
+    for metric in [
+        "intent_worker_ledger_errors_total",
+        "intent_worker_late_receipts_total",
+        "intent_worker_stale_writes_total",
+        "intent_worker_stale_sends_abandoned_total",
+        "intent_worker_recovery_actions_total",
+        "intent_worker_results_unroutable_total",
+        "intent_worker_ready",
+        "rabbitmq_detailed_queue_messages",
+        "rabbitmq_detailed_queue_consumers",
+    ] {
+        assert!(exprs.contains(metric), "no panel reads {metric}");
+    }
+}
