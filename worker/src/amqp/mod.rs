@@ -169,3 +169,41 @@ pub fn redact(url: &str) -> String {
         _ => url.to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+
+    fn protocol_error(kind: AMQPSoftError, message: &str) -> lapin::Error {
+        lapin::ErrorKind::ProtocolError(AMQPError::new(AMQPErrorKind::Soft(kind), message.into()))
+            .into()
+    }
+
+    #[test]
+    fn a_broker_error_prints_its_protocol_error_once() {
+        let e = AmqpError::broker("declaring queue \"intents\"")(protocol_error(
+            AMQPSoftError::PRECONDITIONFAILED,
+            "PRECONDITION_FAILED - inequivalent arg 'x-queue-type'",
+        ));
+        let text = crate::telemetry::chain(&e);
+        assert_eq!(text.matches("protocol error").count(), 1, "{text}");
+        assert_eq!(text.matches("inequivalent arg").count(), 1, "{text}");
+    }
+
+    #[test]
+    fn only_access_refused_is_a_refused_login() {
+        let refused = protocol_error(
+            AMQPSoftError::ACCESSREFUSED,
+            "ACCESS_REFUSED - Login was refused",
+        );
+        assert_eq!(
+            login_refusal(&refused).as_deref(),
+            Some("ACCESS_REFUSED - Login was refused")
+        );
+        let other = protocol_error(AMQPSoftError::NOTFOUND, "NOT_FOUND - no queue");
+        assert_eq!(login_refusal(&other), None);
+        let io: lapin::Error = std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
+        assert_eq!(login_refusal(&io), None);
+    }
+}
