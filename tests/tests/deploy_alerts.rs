@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use e2e::{cleanup, Downstream, Env, Worker, WorkerOptions};
+use e2e::{cleanup, wait_for, Downstream, Env, FaultProxy, Worker, WorkerOptions};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -110,6 +110,48 @@ async fn fresh_worker_exports_alert_counters_at_zero() {
         Some(1.0),
         "{text}"
     );
+    drop(w);
+    cleanup(env).await;
+}
+
+/// `intent_worker_ready` (what IntentWorkerNotReady reads) follows readiness on every scrape:
+/// 0 while the broker link is cut, 1 again once it is back.
+#[tokio::test]
+async fn ready_gauge_follows_a_cut_broker_link() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let broker = env
+        .amqp_url
+        .rsplit_once('@')
+        .map_or(env.amqp_url.as_str(), |(_, r)| r)
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let proxy = FaultProxy::start(&broker).await;
+    let url = env.amqp_url.replacen(&broker, &proxy.addr().to_string(), 1);
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
+        .with_metrics()
+        .amqp_url(&url);
+    let w = Worker::start(&env, "w", &opts).await;
+    let ready = |want: f64| {
+        let w = &w;
+        async move {
+            let text = w.metrics().await;
+            (series(&text, "intent_worker_ready", &[]) == Some(want)).then_some(())
+        }
+    };
+    wait_for("intent_worker_ready 1", T, || ready(1.0)).await;
+    proxy.cut();
+    wait_for("intent_worker_ready 0 while the broker is cut", T, || {
+        ready(0.0)
+    })
+    .await;
+    proxy.restore();
+    wait_for("intent_worker_ready 1 once the broker is back", T, || {
+        ready(1.0)
+    })
+    .await;
     drop(w);
     cleanup(env).await;
 }
