@@ -54,8 +54,8 @@ pub async fn readyz(links: &LinkState, ledger: &Ledger) -> (StatusCode, Json<Val
 /// Errors of `worker probe`.
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
-    #[error("cannot reach {url}: {source}")]
-    Request { url: String, source: reqwest::Error },
+    #[error("cannot reach {url}: {error}")]
+    Request { url: String, error: reqwest::Error },
     #[error("{url} answered {status}: {body}")]
     NotOk {
         url: String,
@@ -67,9 +67,9 @@ pub enum ProbeError {
 /// `worker probe URL`: GETs `url` (e.g. `http://127.0.0.1:9464/readyz`) and succeeds only on a
 /// 2xx answer within `timeout`.
 pub async fn probe(url: &str, timeout: Duration) -> Result<(), ProbeError> {
-    let request = |source| ProbeError::Request {
+    let request = |error| ProbeError::Request {
         url: url.to_string(),
-        source,
+        error,
     };
     let client = reqwest::Client::builder()
         .timeout(timeout)
