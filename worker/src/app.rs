@@ -17,13 +17,28 @@ use crate::recovery::scheduler;
 use crate::shutdown;
 use crate::telemetry::metrics as m;
 
-/// Connects to the ledger, retrying while it starts (compose, k8s).
+/// Connects to the ledger, retrying while it starts (compose, k8s). A login Postgres refuses
+/// (SQLSTATE class 28: unknown role, wrong password, no `pg_hba.conf` entry) is not retried:
+/// the server answered, and waiting cannot fix the credentials.
 pub async fn connect_ledger(settings: &Settings) -> anyhow::Result<Ledger> {
     let mut delay = Duration::from_millis(250);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         match Ledger::connect(&settings.database_url, settings.db_pool_size).await {
             Ok(l) => return Ok(l),
+            Err(crate::ledger::LedgerError::Db(sqlx::Error::Database(db)))
+                if db.code().is_some_and(|c| c.starts_with("28")) =>
+            {
+                let user = settings
+                    .database_url
+                    .parse::<sqlx::postgres::PgConnectOptions>()
+                    .map(|o| o.get_username().to_string())
+                    .unwrap_or_default();
+                anyhow::bail!(
+                    "Postgres refused the credentials of user {user:?} (DATABASE_URL): {}; not retrying",
+                    db.message()
+                );
+            }
             Err(e) if tokio::time::Instant::now() < deadline => {
                 tracing::warn!(error = %e, "Postgres not reachable yet; retrying");
                 tokio::time::sleep(delay).await;
@@ -40,8 +55,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let tools = ToolSet::from_config(&tools_file)?;
     crate::config::check_proof(&settings, &tools_file)?;
     warn_about_risky_settings(&settings, &tools_file);
-    let handle =
-        m::install().map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
+    let names: Vec<String> = tools.iter().map(|(n, _)| n.clone()).collect();
+    let handle = m::install(&names)
+        .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
     let ledger = connect_ledger(&settings).await?;
     if settings.migrate {
         ledger.migrate().await.context("applying migrations")?;
@@ -124,14 +140,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     // On a signal the consumer is told to stop and then awaited, so a batch it is in the middle
     // of is recorded, acked and dispatched rather than abandoned half-way (which would turn its
     // claims into false unknowns). It also stops while the broker is unreachable.
-    tokio::select! {
-        () = &mut consumer => {}
+    let consumed = tokio::select! {
+        r = &mut consumer => r,
         _ = shutdown::signal() => {
             tracing::info!("shutdown requested");
             trigger.fire();
-            (&mut consumer).await;
+            (&mut consumer).await
         }
-    }
+    };
     trigger.fire();
     drain(&ctx, settings.shutdown_grace, settings.max_in_flight).await;
     let _ = sched.await;
@@ -144,6 +160,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         tracing::warn!("relay did not finish in time; unpublished results stay in the outbox");
     }
     tracing::info!("worker stopped");
+    consumed.context("the consumer could not start")?;
     Ok(())
 }
 
@@ -166,27 +183,40 @@ async fn pause(attempt: u32, stop: &shutdown::CancelToken) -> bool {
     }
 }
 
-/// Connects (named `name`), giving up only when `stop` fires.
+/// Connects (named `name`), giving up only when `stop` fires, or with the error when the broker
+/// refuses the login and `refusal_is_fatal` (the consumer's first connection at start-up: a
+/// wrong password should stop the process, not look like an unreachable broker forever).
+/// A refusal later on (credentials revoked while running) is logged as such and retried, so
+/// the worker keeps draining and recording what it holds while someone fixes the user.
 async fn connect_until_stopped(
     settings: &Settings,
     name: &str,
     link: Link,
+    refusal_is_fatal: bool,
     stop: &shutdown::CancelToken,
-) -> Option<lapin::Connection> {
+) -> Result<Option<lapin::Connection>, amqp::AmqpError> {
     let mut attempt = 0;
     loop {
         let connected = tokio::select! {
             biased;
-            _ = stop.cancelled() => return None,
+            _ = stop.cancelled() => return Ok(None),
             c = amqp::connect_with_heartbeat(&settings.amqp_url, name, settings.amqp_heartbeat_secs) => c,
         };
         match connected {
-            Ok(c) => return Some(c),
+            Ok(c) => return Ok(Some(c)),
+            Err(e @ amqp::AmqpError::Refused { .. }) if refusal_is_fatal => return Err(e),
+            Err(e @ amqp::AmqpError::Refused { .. }) => {
+                attempt += 1;
+                tracing::error!(?link, attempt, error = %e, "RabbitMQ refused the credentials; retrying until they are fixed");
+                if !pause(attempt, stop).await {
+                    return Ok(None);
+                }
+            }
             Err(e) => {
                 attempt += 1;
                 tracing::warn!(?link, attempt, error = %e, "RabbitMQ not reachable; retrying");
                 if !pause(attempt, stop).await {
-                    return None;
+                    return Ok(None);
                 }
             }
         }
@@ -194,21 +224,30 @@ async fn connect_until_stopped(
 }
 
 /// The consumer's broker link: connect, declare the topology, consume; when the link breaks,
-/// reconnect with back-off and start again. Returns only once `stop` fired.
+/// reconnect with back-off and start again. Returns once `stop` fired, or with the error when
+/// the broker refused the login before the link was ever up.
 async fn consumer_link(
     settings: &Settings,
     ctx: Arc<Context>,
     config: ConsumerConfig,
     links: LinkState,
     stop: shutdown::CancelToken,
-) {
+) -> Result<(), amqp::AmqpError> {
     let mut attempt = 0;
+    let mut ever_up = false;
     loop {
-        let Some(connection) =
-            connect_until_stopped(settings, &settings.worker_id, Link::Consumer, &stop).await
+        let Some(connection) = connect_until_stopped(
+            settings,
+            &settings.worker_id,
+            Link::Consumer,
+            !ever_up,
+            &stop,
+        )
+        .await?
         else {
-            return;
+            return Ok(());
         };
+        ever_up = true;
         let result = match amqp::topology::declare(&connection, &settings.topology).await {
             Ok(()) => {
                 links.set(Link::Consumer, true);
@@ -220,13 +259,13 @@ async fn consumer_link(
         links.set(Link::Consumer, false);
         close_quietly(&connection).await;
         match result {
-            Ok(()) => return,
+            Ok(()) => return Ok(()),
             Err(e) => {
                 attempt += 1;
                 counter!(m::BROKER_RECONNECTS, "link" => "consumer").increment(1);
                 tracing::error!(error = %e, attempt, "consumer lost its broker link; reconnecting (unacked deliveries return to the queue)");
                 if !pause(attempt, &stop).await {
-                    return;
+                    return Ok(());
                 }
             }
         }
@@ -244,7 +283,9 @@ async fn relay_link(
     let name = format!("{}-relay", settings.worker_id);
     let mut attempt = 0;
     loop {
-        let Some(connection) = connect_until_stopped(&settings, &name, Link::Relay, &stop).await
+        // The consumer link decides about a refused login at start-up (same URL).
+        let Ok(Some(connection)) =
+            connect_until_stopped(&settings, &name, Link::Relay, false, &stop).await
         else {
             return;
         };

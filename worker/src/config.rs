@@ -21,10 +21,12 @@ pub enum ConfigError {
         value: String,
         reason: String,
     },
-    #[error("cannot read tools file {path}: {source}")]
+    // The io error is part of this message and deliberately not a `source`: a chain printer
+    // (`{:#}`) would otherwise print it twice.
+    #[error("cannot read tools file {path}: {error}")]
     ToolsRead {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("tools file {path} is invalid: {reason}")]
     ToolsInvalid { path: PathBuf, reason: String },
@@ -488,9 +490,9 @@ fn invalid(path: &Path, reason: impl Into<String>) -> ConfigError {
 
 impl Tools {
     pub fn load(path: &Path) -> Result<Tools, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ToolsRead {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::ToolsRead {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         Tools::parse(path, &text)
     }

@@ -71,7 +71,7 @@ async fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("worker: {e:#}");
+            eprintln!("worker: {}", worker::telemetry::chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }

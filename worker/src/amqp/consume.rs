@@ -103,7 +103,7 @@ pub async fn run(
             Some(Err(e)) => {
                 return Err(AmqpError::Broker {
                     what: "consuming".into(),
-                    source: e,
+                    error: e,
                 })
             }
             None => {
@@ -132,7 +132,7 @@ pub async fn run(
                     Some(Some(Err(e))) => {
                         return Err(AmqpError::Broker {
                             what: "consuming".into(),
-                            source: e,
+                            error: e,
                         })
                     }
                     Some(None) => {

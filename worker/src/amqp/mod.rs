@@ -19,11 +19,23 @@ use crate::config::RetryPolicy;
 
 /// Errors at the broker boundary.
 #[derive(Debug, thiserror::Error)]
+///
+/// A lapin error is part of the message and deliberately not a `source`: lapin's own error
+/// already prints its cause ("protocol error: AMQP soft error: ..."), so a chain printer
+/// (`{:#}`) would repeat it.
 pub enum AmqpError {
-    #[error("cannot connect to RabbitMQ at {url}: {source}")]
-    Connect { url: String, source: lapin::Error },
-    #[error("RabbitMQ {what} failed: {source}")]
-    Broker { what: String, source: lapin::Error },
+    #[error("cannot connect to RabbitMQ at {url}: {error}")]
+    Connect { url: String, error: lapin::Error },
+    /// The broker answered and refused the login (wrong user, password or vhost permission).
+    /// Retrying cannot help until someone fixes the credentials or the broker's users.
+    #[error("RabbitMQ at {url} refused the credentials of user {user:?}: {reason}")]
+    Refused {
+        url: String,
+        user: String,
+        reason: String,
+    },
+    #[error("RabbitMQ {what} failed: {error}")]
+    Broker { what: String, error: lapin::Error },
     #[error("invalid AMQP_URL {url}: {reason}")]
     BadUrl { url: String, reason: String },
     #[error("{0}")]
@@ -35,7 +47,7 @@ pub enum AmqpError {
 impl AmqpError {
     pub fn broker(what: impl Into<String>) -> impl FnOnce(lapin::Error) -> AmqpError {
         let what = what.into();
-        move |source| AmqpError::Broker { what, source }
+        move |error| AmqpError::Broker { what, error }
     }
 }
 
@@ -64,13 +76,36 @@ pub async fn connect_with_heartbeat(
     if uri.query.connection_timeout.is_none() {
         uri.query.connection_timeout = Some(10_000);
     }
+    let user = uri.authority.userinfo.username.clone();
     let props = ConnectionProperties::default().with_connection_name(name.to_string().into());
     Connection::connect_uri(uri, props)
         .await
-        .map_err(|source| AmqpError::Connect {
-            url: redact(url),
-            source,
+        .map_err(|error| match login_refusal(&error) {
+            Some(reason) => AmqpError::Refused {
+                url: redact(url),
+                user,
+                reason,
+            },
+            None => AmqpError::Connect {
+                url: redact(url),
+                error,
+            },
         })
+}
+
+/// The broker's reason when `error` is a refused login (ACCESS_REFUSED while opening the
+/// connection, or a failing authentication provider), else `None`.
+fn login_refusal(error: &lapin::Error) -> Option<String> {
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(e)
+            if matches!(e.kind(), AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)) =>
+        {
+            Some(e.get_message().to_string())
+        }
+        lapin::ErrorKind::AuthProviderError(reason) => Some(reason.clone()),
+        _ => None,
+    }
 }
 
 /// Delay before reconnect attempt `attempt` (1-based): from 250 ms doubling to a 10 s cap,
@@ -132,5 +167,43 @@ pub fn redact(url: &str) -> String {
             format!("{}{}:***{}", &url[..s + 3], user, &url[at..])
         }
         _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+
+    fn protocol_error(kind: AMQPSoftError, message: &str) -> lapin::Error {
+        lapin::ErrorKind::ProtocolError(AMQPError::new(AMQPErrorKind::Soft(kind), message.into()))
+            .into()
+    }
+
+    #[test]
+    fn a_broker_error_prints_its_protocol_error_once() {
+        let e = AmqpError::broker("declaring queue \"intents\"")(protocol_error(
+            AMQPSoftError::PRECONDITIONFAILED,
+            "PRECONDITION_FAILED - inequivalent arg 'x-queue-type'",
+        ));
+        let text = crate::telemetry::chain(&e);
+        assert_eq!(text.matches("protocol error").count(), 1, "{text}");
+        assert_eq!(text.matches("inequivalent arg").count(), 1, "{text}");
+    }
+
+    #[test]
+    fn only_access_refused_is_a_refused_login() {
+        let refused = protocol_error(
+            AMQPSoftError::ACCESSREFUSED,
+            "ACCESS_REFUSED - Login was refused",
+        );
+        assert_eq!(
+            login_refusal(&refused).as_deref(),
+            Some("ACCESS_REFUSED - Login was refused")
+        );
+        let other = protocol_error(AMQPSoftError::NOTFOUND, "NOT_FOUND - no queue");
+        assert_eq!(login_refusal(&other), None);
+        let io: lapin::Error = std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
+        assert_eq!(login_refusal(&io), None);
     }
 }

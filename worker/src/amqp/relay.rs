@@ -133,7 +133,7 @@ impl Relay {
         if let Some(e) = broken {
             return Err(AmqpError::Broker {
                 what: "publishing results".into(),
-                source: e,
+                error: e,
             });
         }
         Ok(published.len())

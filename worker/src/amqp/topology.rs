@@ -89,7 +89,7 @@ async fn exchange(
         }
         Err(e) => Err(AmqpError::Broker {
             what: format!("declaring {what} {name:?}"),
-            source: e,
+            error: e,
         }),
     }
 }
@@ -127,7 +127,7 @@ async fn queue(
         }
         Err(e) => Err(AmqpError::Broker {
             what: format!("declaring {what} {name:?}"),
-            source: e,
+            error: e,
         }),
     }
 }

@@ -29,14 +29,28 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 /// Errors from the ledger.
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
+    // The cause is part of the message and deliberately not a `source` (hence the manual
+    // `From` impls below): a chain printer would print it twice.
     #[error("database error: {0}")]
-    Db(#[from] sqlx::Error),
+    Db(sqlx::Error),
     #[error("migration failed: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
+    Migrate(sqlx::migrate::MigrateError),
     #[error("operation {0} not found")]
     NotFound(String),
     #[error("{0}")]
     Refused(String),
+}
+
+impl From<sqlx::Error> for LedgerError {
+    fn from(e: sqlx::Error) -> Self {
+        LedgerError::Db(e)
+    }
+}
+
+impl From<sqlx::migrate::MigrateError> for LedgerError {
+    fn from(e: sqlx::migrate::MigrateError) -> Self {
+        LedgerError::Migrate(e)
+    }
 }
 
 /// One row of `operations`, as the worker reads it.

@@ -4,6 +4,8 @@
 //! - `GET /livez`: 200 while the process serves HTTP at all.
 //! - `GET /readyz`: 200 only while both broker links (consumer, relay) are up and the ledger
 //!   answers `SELECT 1` within [`LEDGER_TIMEOUT`]; otherwise 503 with a JSON body naming why.
+//!   Each check also sets the `intent_worker_ready` gauge (1/0), which `/metrics` refreshes on
+//!   every scrape, so a worker that stays unready can be alerted on.
 
 use std::time::Duration;
 
@@ -38,6 +40,7 @@ pub async fn readyz(links: &LinkState, ledger: &Ledger) -> (StatusCode, Json<Val
             LEDGER_TIMEOUT.as_millis()
         )),
     }
+    metrics::gauge!(super::metrics::READY).set(if reasons.is_empty() { 1.0 } else { 0.0 });
     if reasons.is_empty() {
         (StatusCode::OK, Json(json!({ "status": "ready" })))
     } else {
@@ -51,8 +54,8 @@ pub async fn readyz(links: &LinkState, ledger: &Ledger) -> (StatusCode, Json<Val
 /// Errors of `worker probe`.
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
-    #[error("cannot reach {url}: {source}")]
-    Request { url: String, source: reqwest::Error },
+    #[error("cannot reach {url}: {error}")]
+    Request { url: String, error: reqwest::Error },
     #[error("{url} answered {status}: {body}")]
     NotOk {
         url: String,
@@ -64,9 +67,9 @@ pub enum ProbeError {
 /// `worker probe URL`: GETs `url` (e.g. `http://127.0.0.1:9464/readyz`) and succeeds only on a
 /// 2xx answer within `timeout`.
 pub async fn probe(url: &str, timeout: Duration) -> Result<(), ProbeError> {
-    let request = |source| ProbeError::Request {
+    let request = |error| ProbeError::Request {
         url: url.to_string(),
-        source,
+        error,
     };
     let client = reqwest::Client::builder()
         .timeout(timeout)

@@ -40,6 +40,28 @@ pub const RETRIES_SCHEDULED: &str = "intent_worker_retries_scheduled_total";
 pub const BUDGET_DEFERRALS: &str = "intent_worker_retry_budget_deferrals_total";
 pub const BUDGET_AVAILABLE: &str = "intent_worker_retry_budget_available";
 pub const SWEPT: &str = "intent_worker_retention_swept_total";
+pub const READY: &str = "intent_worker_ready";
+
+/// Label values the worker emits, so every series an alert reads exists at 0 from start-up.
+/// A counter born at 1 has no `increase()` over its first sample: the first late-receipt
+/// conflict after a start would never page. Keep these lists in step with the call sites.
+pub const LEDGER_OPERATIONS: &[&str] = &[
+    "intake",
+    "send_fence",
+    "complete",
+    "schedule",
+    "budget",
+    "retention",
+];
+pub const DEAD_LETTER_REASONS: &[&str] = &[
+    "delivery_limit",
+    "invalid_message",
+    "tenant_mismatch",
+    "unknown_tool",
+];
+pub const SEND_KINDS: &[&str] = &["first", "retry", "replay"];
+pub const RECOVERY_ACTIONS: &[&str] = &["lookup", "replay", "hold", "stored_receipt"];
+pub const LATE_RECEIPT_OUTCOMES: &[&str] = &["matches", "conflict"];
 
 /// Explicit histogram buckets (seconds) for downstream latency.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -131,14 +153,20 @@ fn describe() {
         BUDGET_AVAILABLE,
         "Retries the tool's shared token bucket allows right now (whole tokens above half its capacity)."
     );
+    describe_gauge!(
+        READY,
+        "1 while this worker is ready (both broker links up and the ledger answers, as GET /readyz), else 0; refreshed on every scrape."
+    );
     describe_counter!(
         SWEPT,
         "Rows touched by the retention sweeper, by kind (private_data, tombstone, outbox, redelivery, retry_spend)."
     );
 }
 
-/// Installs the global recorder. Returns the handle that renders the exposition text.
-pub fn install() -> Result<PrometheusHandle, String> {
+/// Installs the global recorder and exports every counter an alert or dashboard reads at 0 for
+/// its known label values (`tools`: the tool names of the tools file). Returns the handle that
+/// renders the exposition text.
+pub fn install(tools: &[String]) -> Result<PrometheusHandle, String> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full(DOWNSTREAM_DURATION.to_string()),
@@ -157,6 +185,30 @@ pub fn install() -> Result<PrometheusHandle, String> {
     for link in ["consumer", "relay"] {
         counter!(BROKER_RECONNECTS, "link" => link).absolute(0);
     }
+    for outcome in LATE_RECEIPT_OUTCOMES {
+        counter!(LATE_RECEIPTS, "outcome" => *outcome).absolute(0);
+    }
+    for operation in LEDGER_OPERATIONS {
+        counter!(LEDGER_ERRORS, "operation" => *operation).absolute(0);
+    }
+    for reason in DEAD_LETTER_REASONS {
+        counter!(DEAD_LETTERED, "reason" => *reason).absolute(0);
+        counter!(DEAD_LETTER_REFUSED, "reason" => *reason).absolute(0);
+    }
+    counter!(STALE_WRITES).absolute(0);
+    counter!(RESULTS_UNROUTABLE).absolute(0);
+    for tool in tools {
+        counter!(BUDGET_DEFERRALS, "tool" => tool.clone()).absolute(0);
+        counter!(RETRIES_SCHEDULED, "tool" => tool.clone()).absolute(0);
+        for kind in SEND_KINDS {
+            counter!(STALE_SENDS_ABANDONED, "tool" => tool.clone(), "kind" => *kind).absolute(0);
+        }
+        for action in RECOVERY_ACTIONS {
+            counter!(RECOVERIES, "tool" => tool.clone(), "action" => *action).absolute(0);
+        }
+    }
+    // Not ready until the first scrape or probe proves otherwise.
+    gauge!(READY).set(0.0);
     Ok(handle)
 }
 
@@ -225,6 +277,7 @@ pub async fn serve(
         }
     });
     let ready_ledger = ledger.clone();
+    let links_for_metrics = links.clone();
     let app = axum::Router::new()
         .route("/livez", get(super::health::livez))
         .route(
@@ -240,7 +293,10 @@ pub async fn serve(
                 let handle = handle.clone();
                 let ledger = ledger.clone();
                 let tools = tools.clone();
+                let links = links_for_metrics.clone();
                 async move {
+                    // Sets the `intent_worker_ready` gauge.
+                    let _ = super::health::readyz(&links, &ledger).await;
                     refresh_ledger_gauges(&ledger, tools.into_iter()).await;
                     (
                         [(
