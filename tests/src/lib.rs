@@ -4,6 +4,7 @@
 //! pause and restart. Counts come from the downstream's tables, never from logs.
 //!
 //! # Layout
+//! - [`broker_user`]: second RabbitMQ users for tenant-proof tests, publishing as them.
 //! - [`env`]: the per-test database, broker names and tools file.
 //! - [`procs`]: worker and downstream child processes.
 //! - [`agent`]: publishing intents and reading result events as an agent would.
@@ -12,6 +13,7 @@
 //! - [`wait`]: polling with deadlines.
 
 pub mod agent;
+pub mod broker_user;
 pub mod env;
 pub mod procs;
 pub mod proxy;
@@ -19,6 +21,7 @@ pub mod soak;
 pub mod wait;
 
 pub use agent::{cleanup, intent, Agent};
+pub use broker_user::{publish_as, rabbitmqctl, BrokerUser};
 pub use env::{Env, Topology};
 pub use procs::{free_port, metric_value, Downstream, Worker, WorkerOptions};
 pub use proxy::FaultProxy;

@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use e2e::{cleanup, intent, metric_value, Agent, Downstream, Env, Worker, WorkerOptions};
+use e2e::{
+    cleanup, intent, metric_value, Agent, BrokerUser, Downstream, Env, Worker, WorkerOptions,
+};
 use lapin::options::BasicGetOptions;
 use protocol::Status;
 use publisher::relay::StepReport;
@@ -995,43 +997,11 @@ async fn cli_send_wait_and_wait_exit_with_the_answer_status() {
 // Item 3: tenant proof from our own publisher
 // ---------------------------------------------------------------------------------------------
 
-fn rabbitmqctl(args: &[&str]) {
-    let out = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("rabbitmqctl (run the tests as a user that may use it)");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A broker user that exists for one test.
-struct BrokerUser(String);
-
-impl BrokerUser {
-    fn create(name: &str, password: &str) -> BrokerUser {
-        rabbitmqctl(&["add_user", name, password]);
-        let user = BrokerUser(name.to_string());
-        rabbitmqctl(&["set_permissions", "-p", "/", name, ".*", ".*", ".*"]);
-        user
-    }
-}
-
-impl Drop for BrokerUser {
-    fn drop(&mut self) {
-        let _ = Command::new("rabbitmqctl")
-            .args(["delete_user", &self.0])
-            .output();
-    }
-}
-
 #[tokio::test]
 async fn publisher_proves_its_tenant_with_the_connection_user() {
     let env = Env::new().await;
-    let user = format!("agent-{}", env.id);
-    let _broker_user = BrokerUser::create(&user, "s3cret-pw");
+    let broker_user = BrokerUser::create("agent");
+    let user = broker_user.name.clone();
     let (env, _ds, _w) = {
         let ds = Downstream::start(&env).await;
         let tools = env.standard_tools(ds.port, "");
@@ -1043,10 +1013,7 @@ async fn publisher_proves_its_tenant_with_the_connection_user() {
         let w = Worker::start(&env, "w1", &WorkerOptions::new(tools)).await;
         (env, ds, w)
     };
-    let url = env
-        .amqp_url
-        .replacen("guest:guest", &format!("{user}:s3cret-pw"), 1);
-    assert_ne!(url, env.amqp_url, "AMQP URL with guest:guest expected");
+    let url = broker_user.url(&env);
 
     let agent = Publisher::connect(&url, &env.topology.intents_exchange)
         .await

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use e2e::{cleanup, intent, metric_value, Agent, Downstream, Env, Worker, WorkerOptions};
+use e2e::{
+    cleanup, intent, metric_value, publish_as, Agent, Downstream, Env, Worker, WorkerOptions,
+};
 use protocol::{RejectReason, Status};
 use serde_json::json;
 
@@ -322,37 +324,6 @@ async fn response_dropped_after_commit_is_pending_with_one_mutation_and_no_secon
     cleanup(env).await;
 }
 
-/// Publishes with the broker-validated AMQP `user_id` property (RabbitMQ refuses a `user_id`
-/// other than the connection's user, so the worker can trust it).
-async fn publish_as(env: &Env, user_id: Option<&str>, body: &[u8]) {
-    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-    let conn = lapin::Connection::connect(&env.amqp_url, Default::default())
-        .await
-        .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    let mut props = lapin::BasicProperties::default().with_content_type("application/json".into());
-    if let Some(u) = user_id {
-        props = props.with_user_id(u.into());
-    }
-    let confirm = ch
-        .basic_publish(
-            env.topology.intents_exchange.as_str().into(),
-            "x".into(),
-            BasicPublishOptions::default(),
-            body,
-            props,
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack());
-    let _ = conn.close(200, "".into()).await;
-}
-
 #[tokio::test]
 async fn tenant_must_be_proven_by_the_broker_validated_user_id() {
     let env = Env::new().await;
@@ -366,9 +337,30 @@ async fn tenant_must_be_proven_by_the_broker_validated_user_id() {
     let body = |tenant: &str, id: &str| {
         serde_json::to_vec(&intent(tenant, id, "refund", json!({"order": id}))).unwrap()
     };
-    publish_as(&env, Some("guest"), &body("north-shop", "r-ok")).await;
-    publish_as(&env, Some("guest"), &body("south-shop", "r-spoof")).await;
-    publish_as(&env, None, &body("north-shop", "r-anon")).await;
+    publish_as(
+        &env,
+        &env.amqp_url,
+        Some("guest"),
+        "x",
+        &[&body("north-shop", "r-ok")],
+    )
+    .await;
+    publish_as(
+        &env,
+        &env.amqp_url,
+        Some("guest"),
+        "x",
+        &[&body("south-shop", "r-spoof")],
+    )
+    .await;
+    publish_as(
+        &env,
+        &env.amqp_url,
+        None,
+        "x",
+        &[&body("north-shop", "r-anon")],
+    )
+    .await;
     agent
         .until("north-shop", "r-ok", Status::Succeeded, T)
         .await;

@@ -2,11 +2,12 @@
 //! with real worker processes whose broker or ledger link runs through a [`FaultProxy`].
 //! Counts come from the downstream's tables and the ledger, never from logs.
 
-use std::process::Command;
 use std::time::Duration;
 
-use e2e::{cleanup, intent, wait_for, Agent, Downstream, Env, FaultProxy, Worker, WorkerOptions};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use e2e::{
+    cleanup, intent, publish_as, rabbitmqctl, wait_for, Agent, BrokerUser, Downstream, Env,
+    FaultProxy, Worker, WorkerOptions,
+};
 use lapin::types::AMQPValue;
 use serde_json::json;
 
@@ -26,82 +27,6 @@ fn host_port(url: &str) -> String {
 /// `url` with its host:port replaced by `addr`.
 fn via(url: &str, addr: std::net::SocketAddr) -> String {
     url.replacen(&host_port(url), &addr.to_string(), 1)
-}
-
-/// A RabbitMQ user that exists for one test (deleted on drop).
-struct BrokerUser {
-    name: String,
-    password: String,
-}
-
-fn rabbitmqctl(args: &[&str]) {
-    let out = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("rabbitmqctl");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-impl BrokerUser {
-    fn create(env: &Env, prefix: &str) -> BrokerUser {
-        let name = format!("{prefix}-{}", env.id);
-        let password = format!("pw-{}", env.id);
-        rabbitmqctl(&["add_user", &name, &password]);
-        rabbitmqctl(&["set_permissions", "-p", "/", &name, ".*", ".*", ".*"]);
-        BrokerUser { name, password }
-    }
-
-    fn url(&self, env: &Env) -> String {
-        format!(
-            "amqp://{}:{}@{}/%2f",
-            self.name,
-            self.password,
-            broker_addr(env)
-        )
-    }
-}
-
-impl Drop for BrokerUser {
-    fn drop(&mut self) {
-        let _ = Command::new("rabbitmqctl")
-            .args(["delete_user", &self.name])
-            .output();
-    }
-}
-
-/// Publishes bodies on one confirmed connection to `url` (as that URL's user), with the AMQP
-/// `user_id` property set to `user_id`.
-async fn publish_as(env: &Env, url: &str, user_id: &str, bodies: &[Vec<u8>]) {
-    let conn = lapin::Connection::connect(url, Default::default())
-        .await
-        .unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    for body in bodies {
-        let props = lapin::BasicProperties::default()
-            .with_content_type("application/json".into())
-            .with_user_id(user_id.into());
-        let confirm = ch
-            .basic_publish(
-                env.topology.intents_exchange.as_str().into(),
-                "tenant-a".into(),
-                BasicPublishOptions::default(),
-                body,
-                props,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        assert!(confirm.is_ack());
-    }
-    let _ = conn.close(200, "".into()).await;
 }
 
 fn header(m: &lapin::message::BasicGetMessage, key: &str) -> Option<String> {
@@ -176,7 +101,7 @@ fn base_opts(tools: std::path::PathBuf) -> WorkerOptions {
 async fn malformed_intent_from_a_second_broker_user_is_dead_lettered_not_fatal() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    let alice = BrokerUser::create(&env, "alice");
+    let alice = BrokerUser::create("alice");
     let tools = roomy_tools(&env, ds.port);
     let mut text = std::fs::read_to_string(&tools).unwrap();
     text.push_str(&format!(
@@ -197,7 +122,15 @@ async fn malformed_intent_from_a_second_broker_user_is_dead_lettered_not_fatal()
         .collect();
     let bad = br#"{"tenant":"tenant-a","action_id":"bad-5","tool":"refund","arguments":5}"#;
     bodies.insert(5, bad.to_vec());
-    publish_as(&env, &alice.url(&env), &alice.name, &bodies).await;
+    let bodies: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
+    publish_as(
+        &env,
+        &alice.url(&env),
+        Some(&alice.name),
+        "tenant-a",
+        &bodies,
+    )
+    .await;
 
     let mut w = Worker::start(&env, "w", &opts).await;
     all_succeed(&env, "tenant-a", &good, T).await;
@@ -237,7 +170,14 @@ async fn malformed_intent_from_a_second_broker_user_is_dead_lettered_not_fatal()
     // Still consuming: a later intent from alice succeeds.
     let later = vec!["later-1".to_string()];
     let body = serde_json::to_vec(&intent("tenant-a", "later-1", "refund", json!({}))).unwrap();
-    publish_as(&env, &alice.url(&env), &alice.name, &[body]).await;
+    publish_as(
+        &env,
+        &alice.url(&env),
+        Some(&alice.name),
+        "tenant-a",
+        &[&body],
+    )
+    .await;
     all_succeed(&env, "tenant-a", &later, T).await;
     assert!(w.is_running());
     drop(w);
@@ -253,7 +193,7 @@ async fn malformed_intent_from_a_second_broker_user_is_dead_lettered_not_fatal()
 async fn refused_dead_letter_copy_falls_back_to_the_queues_own_dead_lettering() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    let bob = BrokerUser::create(&env, "bob");
+    let bob = BrokerUser::create("bob");
     let dlx = env.topology.dead_letter_exchange.replace('.', "\\.");
     rabbitmqctl(&[
         "set_permissions",

@@ -3,14 +3,10 @@
 //! row; each agent of a tenant receives only the answers addressed to its `reply_to`. Real
 //! worker processes, RabbitMQ (with a second broker user) and Postgres.
 
-use std::process::Command;
 use std::time::Duration;
 
-use e2e::{cleanup, intent, Agent, Downstream, Env, Worker, WorkerOptions};
-use lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
-    QueueDeclareOptions,
-};
+use e2e::{cleanup, intent, publish_as, Agent, BrokerUser, Downstream, Env, Worker, WorkerOptions};
+use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use protocol::{
     result_routing_key, tenant_binding_keys, Intent, RejectReason, ResultEvent, Status,
@@ -19,86 +15,6 @@ use serde_json::json;
 
 /// Generous: other suites share the machine, and a slow first answer is recovered by replay.
 const T: Duration = Duration::from_secs(45);
-
-/// A second RabbitMQ user with a unique name, deleted on drop.
-struct BrokerUser {
-    name: String,
-    password: String,
-}
-
-impl BrokerUser {
-    fn create(prefix: &str) -> BrokerUser {
-        let name = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
-        let password = uuid::Uuid::new_v4().simple().to_string();
-        rabbitmqctl(&["add_user", &name, &password]);
-        rabbitmqctl(&["set_permissions", "-p", "/", &name, ".*", ".*", ".*"]);
-        BrokerUser { name, password }
-    }
-
-    /// The test broker URL with this user's credentials.
-    fn url(&self, env: &Env) -> String {
-        let url = env.amqp_url.replacen(
-            "guest:guest",
-            &format!("{}:{}", self.name, self.password),
-            1,
-        );
-        assert_ne!(
-            url, env.amqp_url,
-            "the test broker URL must use guest:guest"
-        );
-        url
-    }
-}
-
-impl Drop for BrokerUser {
-    fn drop(&mut self) {
-        let _ = Command::new("rabbitmqctl")
-            .args(["delete_user", &self.name])
-            .output();
-    }
-}
-
-fn rabbitmqctl(args: &[&str]) {
-    let out = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("run rabbitmqctl");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Publishes `body` to the intents exchange over a connection to `url`, with the
-/// broker-validated `user_id` property when given.
-async fn publish_as(env: &Env, url: &str, user_id: Option<&str>, body: &[u8]) {
-    let conn = lapin::Connection::connect(url, Default::default())
-        .await
-        .expect("connect as publisher");
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    let mut props = lapin::BasicProperties::default().with_content_type("application/json".into());
-    if let Some(u) = user_id {
-        props = props.with_user_id(u.into());
-    }
-    let confirm = ch
-        .basic_publish(
-            env.topology.intents_exchange.as_str().into(),
-            "x".into(),
-            BasicPublishOptions::default(),
-            body,
-            props,
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack());
-    let _ = conn.close(200, "".into()).await;
-}
 
 fn encode(i: &Intent) -> Vec<u8> {
     serde_json::to_vec(i).unwrap()
@@ -283,7 +199,7 @@ async fn an_unproven_tenant_gets_no_answer_for_malformed_bodies_or_unknown_tools
 
     // tenant-b's own action b-1, proven by guest.
     let b1 = intent("tenant-b", "b-1", "refund", json!({"order": "o-b1"}));
-    publish_as(&env, &env.amqp_url, Some("guest"), &encode(&b1)).await;
+    publish_as(&env, &env.amqp_url, Some("guest"), "x", &[&encode(&b1)]).await;
     to_b.wait("b-1", Status::Succeeded).await;
     let before = to_b.seen.len();
 
@@ -295,10 +211,10 @@ async fn an_unproven_tenant_gets_no_answer_for_malformed_bodies_or_unknown_tools
         encode(&intent("tenant-b", "b-8", "teleport", json!({}))),
     ];
     for body in &spoofs {
-        publish_as(&env, &alice_url, Some(&alice.name), body).await;
+        publish_as(&env, &alice_url, Some(&alice.name), "x", &[body]).await;
     }
     let a1 = intent("tenant-a", "a-1", "refund", json!({"order": "o-a1"}));
-    publish_as(&env, &alice_url, Some(&alice.name), &encode(&a1)).await;
+    publish_as(&env, &alice_url, Some(&alice.name), "x", &[&encode(&a1)]).await;
     to_a.wait("a-1", Status::Succeeded).await;
 
     let copies = dead_letters(&env, &agent, spoofs.len()).await;
