@@ -637,3 +637,68 @@ async fn fail_refuses_an_unknown_row_under_a_live_recovery_lease() {
     drop(api);
     db.drop_db().await;
 }
+
+/// Requests that violate docs/openapi.yaml are refused with 400 (never 200 or 500), and the
+/// limits the spec states are the ones the code applies (schemathesis found each of these).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_outside_the_spec_are_refused_with_400() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let api = start_api(ctx.clone()).await;
+    let op = held(&ctx, "north", "refund-77", "refund").await;
+
+    // The spec says older_than_secs ≤ 3153600000 and limit ≤ 500.
+    for query in [
+        "older_than_secs=232487493472",
+        "older_than_secs=18446744073709551615",
+        "limit=501",
+        "limit=0",
+        "state=held,",
+        "state=,held",
+        "state=held,%20unknown",
+        "state=",
+    ] {
+        let r = api
+            .get(&format!("/v1/operations?{query}"), Some(ADMIN_TOKEN))
+            .await;
+        assert_eq!(r.status, 400, "{query}: {}", r.body);
+        assert_eq!(r.body["error"], "bad_request", "{query}");
+    }
+    let r = api
+        .get(
+            "/v1/operations?older_than_secs=3153600000",
+            Some(ADMIN_TOKEN),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // maxLength counts the characters sent, whitespace included.
+    let path = format!("{}/fail", op_path("north", "refund-77"));
+    let padded = format!("{}{}", " ".repeat(60), "a".repeat(100));
+    let body = json!({
+        "evidence": "PSP support confirmed it was never created",
+        "operator": padded, "request_id": "op-fail-pad",
+    });
+    let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let long_evidence = format!("PSP says no{}", " ".repeat(4000));
+    let body = json!({
+        "evidence": long_evidence, "operator": "alice", "request_id": "op-fail-long",
+    });
+    let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    // A receipt that is not an object.
+    let path = format!("{}/resolve", op_path("north", "refund-77"));
+    let body = json!({
+        "receipt": ["r-1"], "operator": "alice", "reason": "x", "request_id": "op-res-arr",
+    });
+    let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        db.ledger.get(op.id).await.unwrap().unwrap().state(),
+        State::Held
+    );
+
+    drop(api);
+    db.drop_db().await;
+}

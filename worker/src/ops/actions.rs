@@ -21,6 +21,8 @@ use crate::recovery::scheduler;
 pub const DEFAULT_LIMIT: i64 = 50;
 /// Largest page size of the listing.
 pub const MAX_LIMIT: i64 = 500;
+/// The largest `older_than_secs` a listing accepts (100 years).
+pub const MAX_OLDER_THAN_SECS: u64 = 3_153_600_000;
 /// Shortest evidence accepted for marking an operation failed.
 pub const MIN_EVIDENCE_CHARS: usize = 10;
 const MAX_NAME_CHARS: usize = 100;
@@ -187,14 +189,16 @@ fn bad(msg: impl Into<String>) -> OpsError {
 }
 
 fn required_text(field: &str, value: Option<String>, max: usize) -> Result<String, OpsError> {
-    let value = value.map(|v| v.trim().to_string()).unwrap_or_default();
-    if value.is_empty() {
-        return Err(bad(format!("{field} is required")));
-    }
+    let value = value.unwrap_or_default();
+    // The spec's maxLength counts every character sent, surrounding whitespace included.
     if value.chars().count() > max {
         return Err(bad(format!("{field} is longer than {max} characters")));
     }
-    Ok(value)
+    let value = value.trim();
+    if value.is_empty() {
+        return Err(bad(format!("{field} is required")));
+    }
+    Ok(value.to_string())
 }
 
 fn name(field: &str, value: Option<String>, max: usize) -> Result<String, OpsError> {
@@ -207,10 +211,11 @@ fn name(field: &str, value: Option<String>, max: usize) -> Result<String, OpsErr
 
 fn parse_states(raw: Option<&str>) -> Result<Vec<State>, OpsError> {
     let mut states = Vec::new();
-    for part in raw.unwrap_or("").split(',').map(str::trim) {
-        if part.is_empty() {
-            continue;
-        }
+    let Some(raw) = raw else {
+        return Ok(states);
+    };
+    // Exactly the spec's pattern: state names joined by commas, no blanks or empty parts.
+    for part in raw.split(',') {
         match State::parse(part).filter(|s| State::UNRESOLVED.contains(s)) {
             Some(s) if !states.contains(&s) => states.push(s),
             Some(_) => {}
@@ -228,10 +233,18 @@ fn parse_states(raw: Option<&str>) -> Result<Vec<State>, OpsError> {
 pub async fn list(ledger: &Ledger, params: ListParams) -> Result<ListPage, OpsError> {
     let states = parse_states(params.state.as_deref())?;
     let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
-    if limit < 1 {
+    if !(1..=MAX_LIMIT).contains(&limit) {
         return Err(bad(format!("limit must be between 1 and {MAX_LIMIT}")));
     }
-    let limit = limit.min(MAX_LIMIT);
+    // Postgres cannot subtract more than about 290,000 years from now(): bound it well before.
+    if params
+        .older_than_secs
+        .is_some_and(|s| s > MAX_OLDER_THAN_SECS)
+    {
+        return Err(bad(format!(
+            "older_than_secs must be at most {MAX_OLDER_THAN_SECS} (100 years)"
+        )));
+    }
     if params.after.is_some_and(|a| a < 0) {
         return Err(bad("after must be an operation id (0 or more)"));
     }
@@ -380,7 +393,8 @@ pub async fn resolve(
     let reason = required_text("reason", input.reason, MAX_TEXT_CHARS)?;
     let receipt = match input.receipt {
         None | Some(serde_json::Value::Null) => return Err(bad("receipt is required")),
-        Some(r) => r,
+        Some(r @ serde_json::Value::Object(_)) => r,
+        Some(_) => return Err(bad("receipt must be a JSON object")),
     };
     let op = find(&ctx.ledger, tenant, action_id).await?;
     let tool = ctx

@@ -121,7 +121,9 @@ pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
         .context("cannot connect to Postgres (DATABASE_URL)")?;
     match cmd {
         OpsCommand::List(args) => {
-            let states = args.state.join(",");
+            // The API takes exactly `a,b`; on the command line `--state "held, unknown"` is fine.
+            let states: Vec<&str> = args.state.iter().map(|s| s.trim()).collect();
+            let states = states.join(",");
             let page = actions::list(
                 &ledger,
                 ListParams {
