@@ -674,6 +674,7 @@ async fn requests_outside_the_spec_are_refused_with_400() {
 
     // maxLength counts the characters sent, whitespace included.
     let path = format!("{}/fail", op_path("north", "refund-77"));
+    let path_fail = path.clone();
     let padded = format!("{}{}", " ".repeat(60), "a".repeat(100));
     let body = json!({
         "evidence": "PSP support confirmed it was never created",
@@ -691,6 +692,34 @@ async fn requests_outside_the_spec_are_refused_with_400() {
     let path = format!("{}/resolve", op_path("north", "refund-77"));
     let body = json!({
         "receipt": ["r-1"], "operator": "alice", "reason": "x", "request_id": "op-res-arr",
+    });
+    let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    // NUL cannot be stored by Postgres: refused (or no such operation), never a 500.
+    let r = api
+        .get("/v1/operations?tool=re%00fund", Some(ADMIN_TOKEN))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = api
+        .get("/v1/operations/north%00/refund-77", Some(ADMIN_TOKEN))
+        .await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = api
+        .post(
+            "/v1/operations/%00/0/fail",
+            Some(ADMIN_TOKEN),
+            &json!({"evidence": "0000000000", "operator": "0", "request_id": "0"}),
+        )
+        .await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    let body = json!({
+        "evidence": "PSP says no\u{0}, never created", "operator": "alice", "request_id": "op-nul-1",
+    });
+    let r = api.post(&path_fail, Some(ADMIN_TOKEN), &body).await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let body = json!({
+        "receipt": {"receipt_id": "r\u{0}1"}, "operator": "alice", "reason": "x",
+        "request_id": "op-nul-2",
     });
     let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
     assert_eq!(r.status, 400, "{}", r.body);

@@ -198,7 +198,23 @@ fn required_text(field: &str, value: Option<String>, max: usize) -> Result<Strin
     if value.is_empty() {
         return Err(bad(format!("{field} is required")));
     }
+    // Postgres text cannot store NUL.
+    if value.contains('\0') {
+        return Err(bad(format!("{field} must not contain NUL characters")));
+    }
     Ok(value.to_string())
+}
+
+/// True when a string or key anywhere in `value` contains NUL (jsonb cannot store it).
+fn json_has_nul(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::String(s) => s.contains('\0'),
+        serde_json::Value::Array(items) => items.iter().any(json_has_nul),
+        serde_json::Value::Object(map) => {
+            map.iter().any(|(k, v)| k.contains('\0') || json_has_nul(v))
+        }
+        _ => false,
+    }
 }
 
 fn name(field: &str, value: Option<String>, max: usize) -> Result<String, OpsError> {
@@ -250,7 +266,10 @@ pub async fn list(ledger: &Ledger, params: ListParams) -> Result<ListPage, OpsEr
     }
     let filter = UnresolvedFilter {
         states,
-        tool: params.tool.filter(|t| !t.trim().is_empty()),
+        tool: match params.tool.filter(|t| !t.trim().is_empty()) {
+            Some(t) if t.contains('\0') => return Err(bad("tool must not contain NUL characters")),
+            t => t,
+        },
         older_than_secs: params.older_than_secs.map(|s| s as f64),
         after: params.after,
         limit,
@@ -272,6 +291,13 @@ pub async fn list(ledger: &Ledger, params: ListParams) -> Result<ListPage, OpsEr
 }
 
 async fn find(ledger: &Ledger, tenant: &str, action_id: &str) -> Result<Operation, OpsError> {
+    // Postgres text cannot hold NUL, so no such operation exists (and asking would fail).
+    if tenant.contains('\0') || action_id.contains('\0') {
+        return Err(OpsError::NotFound {
+            tenant: tenant.to_string(),
+            action_id: action_id.to_string(),
+        });
+    }
     ledger
         .find(tenant, action_id)
         .await?
@@ -393,6 +419,9 @@ pub async fn resolve(
     let reason = required_text("reason", input.reason, MAX_TEXT_CHARS)?;
     let receipt = match input.receipt {
         None | Some(serde_json::Value::Null) => return Err(bad("receipt is required")),
+        Some(r @ serde_json::Value::Object(_)) if json_has_nul(&r) => {
+            return Err(bad("receipt must not contain NUL characters"))
+        }
         Some(r @ serde_json::Value::Object(_)) => r,
         Some(_) => return Err(bad("receipt must be a JSON object")),
     };
