@@ -5,7 +5,8 @@
 #
 # Steps: services (Postgres, RabbitMQ) -> tools (promtool, cargo-nextest) -> fmt -> clippy ->
 # alert rules (check + unit tests) -> compose file -> cargo build -> Python client (virtualenv,
-# ruff, mypy, pytest against the built worker) -> cargo nextest (whole workspace).
+# ruff, mypy, pytest against the built worker) -> API schema (schemathesis against a built
+# worker) -> cargo nextest (whole workspace).
 #
 # Environment:
 #   TEST_DATABASE_URL  Postgres the tests use   (default postgres://postgres@127.0.0.1:5432/postgres)
@@ -230,6 +231,24 @@ python_client_tests() {
     return "$rc"
 }
 
+# ---- (h) API schema --------------------------------------------------------------------------
+# schemathesis (PyPI, pinned) in a virtualenv of its own under the cargo target dir, run against a
+# real worker's admin API (scripts/api_schema_check.py builds and removes the world), bounded and
+# seeded. hypothesis is pinned because schemathesis 3.39 breaks with newer releases.
+SCHEMATHESIS_PINS=(schemathesis==3.39.16 hypothesis==6.120.0 'psycopg[binary]>=3.1,<4' 'aio-pika>=9.4,<11')
+api_schema_tests() {
+    local venv
+    mkdir -p "${CARGO_TARGET_DIR:-target}"
+    venv="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/schemathesis-venv"
+    if ! "$venv/bin/python" -c 'import sys' 2>/dev/null; then
+        rm -rf "$venv"
+        python3 -m venv "$venv" || return 2
+    fi
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "${SCHEMATHESIS_PINS[@]}" || return 2
+    say "schemathesis: $("$venv/bin/schemathesis" --version 2>&1 | head -n 1)"
+    "$venv/bin/python" scripts/api_schema_check.py "$venv/bin/schemathesis"
+}
+
 step "services (PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ $MQ_HOST:$MQ_PORT)" check_services
 step "tools" check_tools
 step "cargo fmt --check" cargo fmt --all -- --check
@@ -241,5 +260,6 @@ step "compose file" check_compose
 # The end-to-end suites run the built binaries (worker with fault points, reference-downstream).
 step "cargo build" cargo build --workspace --locked
 step "python client (virtualenv, ruff, mypy, pytest)" python_client_tests
+step "API schema (schemathesis against docs/openapi.yaml)" api_schema_tests
 step "cargo nextest" cargo nextest run --workspace --locked --no-fail-fast "$@"
 say "all steps passed ($((SECONDS - started_all))s)"
