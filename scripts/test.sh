@@ -11,6 +11,7 @@
 # Environment:
 #   TEST_DATABASE_URL  Postgres the tests use   (default postgres://postgres@127.0.0.1:5432/postgres)
 #   TEST_AMQP_URL      RabbitMQ the tests use   (default amqp://guest:guest@127.0.0.1:5672/%2f)
+#   SCHEMATHESIS_SEED, SCHEMATHESIS_MAX_EXAMPLES  the API schema step's seed and examples per operation
 # Both are exported for the tests. Exit 2 means a service could not be reached or a tool is missing.
 set -euo pipefail
 
