@@ -70,14 +70,14 @@ async def delete_broker_objects(prefix: str) -> None:
             channel = await connection.channel()
             try:
                 await channel.queue_delete(queue)
-            except Exception:
-                pass
+            except aio_pika.exceptions.AMQPError as e:
+                print(f"cleanup: queue {queue}: {e}")
         for exchange in (f"{prefix}.intents", f"{prefix}.results", f"{prefix}.dlx"):
             channel = await connection.channel()
             try:
                 await channel.exchange_delete(exchange)
-            except Exception:
-                pass
+            except aio_pika.exceptions.AMQPError as e:
+                print(f"cleanup: exchange {exchange}: {e}")
     finally:
         await connection.close()
 
