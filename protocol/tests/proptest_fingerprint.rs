@@ -89,13 +89,15 @@ fn same(a: &Value, b: &Value) -> bool {
                 (Some(x), Some(y)) => x == y,
                 _ => {
                     // At most one is an exact integer here; compare as the doubles RFC 8785
-                    // would, but only when both are floats or the integer is exact.
+                    // would when both are floats, the integer is exact, or one side is a float
+                    // (its canonical digits, e.g. `8252941518996742000` for 8.252941518996742e18,
+                    // parse back as an integer past 2^53 that denotes the same double).
                     let exact = |n: &Number| {
                         n.is_f64()
                             || n.as_i64().is_some_and(|i| i.abs() <= EXACT)
                             || n.as_u64().is_some_and(|u| u <= EXACT as u64)
                     };
-                    exact(x) && exact(y) && x.as_f64() == y.as_f64()
+                    (x.is_f64() || y.is_f64() || (exact(x) && exact(y))) && x.as_f64() == y.as_f64()
                 }
             },
         },
@@ -236,4 +238,16 @@ proptest! {
         let b = fingerprint(&format!("{tool}x"), &json!({"x": s}));
         prop_assert_ne!(a, b);
     }
+}
+
+/// Found by `canonical_form_parses_back_to_the_same_value`: an integral double past 2^53 is
+/// written as its shortest digits and parses back as an integer that denotes the same double.
+#[test]
+fn an_integral_float_past_2_pow_53_parses_back_as_the_same_double() {
+    let v = serde_json::json!({ "": 8.252941518996742e18 });
+    let c = canonical_json(&v);
+    assert_eq!(c, r#"{"":8252941518996742000}"#);
+    let back: Value = serde_json::from_str(&c).unwrap();
+    assert!(same(&back, &v), "{v} -> {c}");
+    assert_eq!(canonical_json(&back), c);
 }
