@@ -140,6 +140,29 @@ async fn worker_runs_on_imported_definitions_without_declaring() {
         "the worker declared nothing"
     );
 
+    // The topic permission keeps the tenant's user to its own routing key: a publish addressed
+    // to another tenant is refused by the broker itself.
+    let conn = lapin::Connection::connect(&env.amqp_url, Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    let refused = async {
+        ch.basic_publish(
+            "intents".into(),
+            "north-shop".into(),
+            Default::default(),
+            b"{}",
+            lapin::BasicProperties::default(),
+        )
+        .await?
+        .await
+    }
+    .await;
+    let text = format!("{refused:?}");
+    assert!(text.contains("ACCESS_REFUSED"), "refused: {text}");
+    let _ = conn.close(200, "".into()).await;
+
     drop(agent);
     assert_eq!(w.terminate_async(Duration::from_secs(15)).await, Some(0));
     env.amqp_url = admin_url;
