@@ -101,6 +101,22 @@ async fn worker_runs_on_imported_definitions_without_declaring() {
     let worker_user = format!("intent-worker-{suffix}");
     let tenant_user = format!("demo-shop-{suffix}");
 
+    // Delivery limit, dead-lettering and the dead-letter queue's bounds come from policies.
+    let out = Command::new("rabbitmqctl")
+        .args(["list_queues", "-q", "-p", &vhost, "name", "type", "policy"])
+        .output()
+        .unwrap();
+    let queues = String::from_utf8_lossy(&out.stdout);
+    for expected in [
+        "intents\tquorum\tintents",
+        "intents.dead\tquorum\tintents-dead",
+    ] {
+        assert!(
+            queues.lines().any(|l| l.trim() == expected),
+            "{expected:?} in:\n{queues}"
+        );
+    }
+
     let ds = Downstream::start(&env).await;
     let tools = env.standard_tools(ds.port, "");
     let mut toml = std::fs::read_to_string(&tools).unwrap();
