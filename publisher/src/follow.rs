@@ -51,7 +51,7 @@ impl Follower {
     ) -> Result<Follower, PublishError> {
         let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
-        topology::declare_topic_exchange(&channel, results_exchange).await?;
+        topology::ensure_topic_exchange(&connection, results_exchange).await?;
         let queue =
             topology::declare_results_queue(&channel, results_exchange, binding_keys, queue)
                 .await?;

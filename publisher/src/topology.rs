@@ -30,6 +30,27 @@ pub async fn declare_topic_exchange(channel: &Channel, name: &str) -> Result<(),
         .await
 }
 
+/// Declares the results exchange only when it is missing: a passive check on a throw-away
+/// channel first, so an agent user without `configure` permission on it (a broker managed as
+/// code, `deploy/rabbitmq/definitions.json`) can still follow its results.
+pub async fn ensure_topic_exchange(
+    connection: &lapin::Connection,
+    name: &str,
+) -> Result<(), lapin::Error> {
+    let probe = connection.create_channel().await?;
+    let exists = exchange_exists(&probe, name).await?;
+    if probe.status().connected() {
+        let _ = probe.close(200, "checked".into()).await;
+    }
+    if exists {
+        return Ok(());
+    }
+    let channel = connection.create_channel().await?;
+    declare_topic_exchange(&channel, name).await?;
+    let _ = channel.close(200, "declared".into()).await;
+    Ok(())
+}
+
 /// Checks that exchange `name` exists without creating it (passive declare).
 ///
 /// A missing exchange makes the broker close the channel, so pass a channel that may

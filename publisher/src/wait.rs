@@ -251,7 +251,7 @@ impl Publisher {
             return Err(WaitError::KeyTooLong(key));
         }
         let mut consumer = async {
-            topology::declare_topic_exchange(&channel, exchange).await?;
+            topology::ensure_topic_exchange(&self.connection, exchange).await?;
             let queue = topology::declare_results_queue(&channel, exchange, &[key], None).await?;
             channel.basic_qos(64, BasicQosOptions::default()).await?;
             channel

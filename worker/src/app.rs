@@ -235,6 +235,7 @@ async fn consumer_link(
 ) -> Result<(), amqp::AmqpError> {
     let mut attempt = 0;
     let mut ever_up = false;
+    let mut ever_checked = false;
     loop {
         let Some(connection) = connect_until_stopped(
             settings,
@@ -248,8 +249,20 @@ async fn consumer_link(
             return Ok(());
         };
         ever_up = true;
-        let result = match amqp::topology::declare(&connection, &settings.topology).await {
+        let ready = if settings.declare_topology {
+            amqp::topology::declare(&connection, &settings.topology).await
+        } else {
+            amqp::topology::check(&connection, &settings.topology).await
+        };
+        let result = match ready {
+            // Missing objects at start-up are a deployment error, not an outage: stop with
+            // their name. Later (deleted while running) the link retries like any broker error.
+            Err(e @ amqp::AmqpError::Missing { .. }) if !ever_checked => {
+                close_quietly(&connection).await;
+                return Err(e);
+            }
             Ok(()) => {
+                ever_checked = true;
                 links.set(Link::Consumer, true);
                 attempt = 0;
                 amqp::consume::run(&connection, ctx.clone(), &config, stop.clone()).await

@@ -101,6 +101,10 @@ pub struct Settings {
     pub log_json: bool,
     /// AMQP heartbeat asked of the broker, seconds (0 = off): how soon a silent link is lost.
     pub amqp_heartbeat_secs: u16,
+    /// Declare the broker topology at start-up (`WORKER_DECLARE_TOPOLOGY`, default true); with
+    /// false the broker is managed as code and the worker only checks, passively, that the
+    /// exchanges and queues it uses exist.
+    pub declare_topology: bool,
 }
 
 fn var(name: &'static str) -> Option<String> {
@@ -280,6 +284,7 @@ impl Settings {
             migrate: parse_bool("WORKER_MIGRATE", true)?,
             log_json: log_format == "json",
             amqp_heartbeat_secs: parse("WORKER_AMQP_HEARTBEAT_SECS", 10u16)?,
+            declare_topology: parse_bool("WORKER_DECLARE_TOPOLOGY", true)?,
         })
     }
 }
@@ -935,6 +940,7 @@ budget = { ratio = 0.2 }
             db_pool_size: 2,
             migrate: true,
             amqp_heartbeat_secs: 10,
+            declare_topology: true,
             log_json: false,
         }
     }

@@ -40,6 +40,12 @@ pub enum AmqpError {
     BadUrl { url: String, reason: String },
     #[error("{0}")]
     Topology(String),
+    /// `WORKER_DECLARE_TOPOLOGY=false` and the broker lacks an object the worker uses.
+    #[error(
+        "RabbitMQ has no {what} {name:?} (WORKER_DECLARE_TOPOLOGY=false: the worker declares \
+         nothing; create it first, e.g. from deploy/rabbitmq/definitions.json)"
+    )]
+    Missing { what: &'static str, name: String },
     #[error("publish to {exchange} was not confirmed: {reason}")]
     NotConfirmed { exchange: String, reason: String },
 }

@@ -2,7 +2,9 @@
 //! `intents` (with `x-delivery-limit` and a dead-letter exchange), the dead-letter exchange and
 //! queue, and the durable topic exchange `results`. Declarations are idempotent, so every
 //! worker declares them at start-up; an object that already exists with other arguments is
-//! used as it is, with a warning.
+//! used as it is, with a warning. With `WORKER_DECLARE_TOPOLOGY=false` (broker managed as code,
+//! e.g. `deploy/rabbitmq/definitions.json`) [`check`] only verifies, passively, that the objects
+//! the worker uses exist.
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
@@ -199,4 +201,68 @@ pub async fn declare(connection: &Connection, t: &Topology) -> Result<(), AmqpEr
     bind(&channel, &t.intents_queue, &t.intents_exchange).await?;
     let _ = channel.close(200, "topology declared".into()).await;
     Ok(())
+}
+
+/// Passively checks that the exchanges and the queue the worker uses exist, declaring nothing
+/// (`WORKER_DECLARE_TOPOLOGY=false`). A missing one is [`AmqpError::Missing`], naming it; each
+/// check runs on its own channel because a failed passive declaration closes the channel.
+pub async fn check(connection: &Connection, t: &Topology) -> Result<(), AmqpError> {
+    // The queue first: it is what the worker consumes, the most telling name to report.
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(AmqpError::broker("opening a channel"))?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(
+            t.intents_queue.as_str().into(),
+            passive,
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| missing_or(e, "intents queue", &t.intents_queue))?;
+    let _ = channel.close(200, "checked".into()).await;
+    let exchanges = [
+        (t.intents_exchange.as_str(), "intents exchange"),
+        (t.results_exchange.as_str(), "results exchange"),
+        (t.dead_letter_exchange.as_str(), "dead-letter exchange"),
+    ];
+    for (name, what) in exchanges {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(AmqpError::broker("opening a channel"))?;
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        channel
+            .exchange_declare(
+                name.into(),
+                ExchangeKind::Topic,
+                passive,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| missing_or(e, what, name))?;
+        let _ = channel.close(200, "checked".into()).await;
+    }
+    Ok(())
+}
+
+fn missing_or(e: lapin::Error, what: &'static str, name: &str) -> AmqpError {
+    if e.to_string().contains("NOT_FOUND") {
+        AmqpError::Missing {
+            what,
+            name: name.to_string(),
+        }
+    } else {
+        AmqpError::Broker {
+            what: format!("checking {what} {name:?}"),
+            error: e,
+        }
+    }
 }
