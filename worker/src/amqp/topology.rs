@@ -73,17 +73,7 @@ async fn exchange(
                 .create_channel()
                 .await
                 .map_err(AmqpError::broker("reopening a channel"))?;
-            let passive = ExchangeDeclareOptions {
-                passive: true,
-                ..Default::default()
-            };
-            channel
-                .exchange_declare(
-                    name.into(),
-                    ExchangeKind::Topic,
-                    passive,
-                    FieldTable::default(),
-                )
+            check_exchange(channel, name)
                 .await
                 .map_err(AmqpError::broker(format!("checking {what} {name:?}")))?;
             tracing::warn!(exchange = name, error = %e, "{what} exists with other settings; using it as it is");
@@ -235,22 +225,29 @@ pub async fn check(connection: &Connection, t: &Topology) -> Result<(), AmqpErro
             .create_channel()
             .await
             .map_err(AmqpError::broker("opening a channel"))?;
-        let passive = ExchangeDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        channel
-            .exchange_declare(
-                name.into(),
-                ExchangeKind::Topic,
-                passive,
-                FieldTable::default(),
-            )
+        check_exchange(&channel, name)
             .await
             .map_err(|e| missing_or(e, what, name))?;
         let _ = channel.close(200, "checked".into()).await;
     }
     Ok(())
+}
+
+/// A passive declare: succeeds only when the exchange exists (the broker closes the channel
+/// otherwise).
+async fn check_exchange(channel: &Channel, name: &str) -> Result<(), lapin::Error> {
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    channel
+        .exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            passive,
+            FieldTable::default(),
+        )
+        .await
 }
 
 fn missing_or(e: lapin::Error, what: &'static str, name: &str) -> AmqpError {
