@@ -8,6 +8,7 @@
 //! - [`env`]: the per-test database, broker names and tools file.
 //! - [`procs`]: worker and downstream child processes.
 //! - [`agent`]: publishing intents and reading result events as an agent would.
+//! - [`flags`]: command-line flags of the e2e binaries.
 //! - [`proxy`]: a TCP fault proxy that cuts or black-holes one link (broker, Postgres).
 //! - [`soak`]: the seeded chaos soak (the `soak` binary and `tests/soak_short.rs`).
 //! - [`wait`]: polling with deadlines.
@@ -15,6 +16,7 @@
 pub mod agent;
 pub mod broker_user;
 pub mod env;
+pub mod flags;
 pub mod procs;
 pub mod proxy;
 pub mod soak;

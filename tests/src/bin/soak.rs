@@ -10,7 +10,7 @@
 //! Exit code 0 when every invariant holds, 1 when one is broken, 2 when the soak could not run.
 //! Needs Postgres and RabbitMQ as the e2e suites do (`TEST_DATABASE_URL`, `TEST_AMQP_URL`).
 
-use anyhow::{anyhow, bail, Context as _, Result};
+use anyhow::{bail, Context as _, Result};
 use e2e::soak::{run, SoakConfig};
 
 const USAGE: &str = "usage: soak [--seed S (time-based)] [--intents N (300)] [--seconds T (60)] \
@@ -29,22 +29,7 @@ fn parse_args() -> Result<SoakConfig> {
         workers: 2,
         settle_secs: 60,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) => (f.to_string(), Some(v.to_string())),
-            None => (arg.clone(), None),
-        };
-        if flag == "--help" || flag == "-h" {
-            println!("{USAGE}");
-            std::process::exit(0);
-        }
-        let value = match inline {
-            Some(v) => v,
-            None => it
-                .next()
-                .ok_or_else(|| anyhow!("{flag} needs a value\n{USAGE}"))?,
-        };
+    for (flag, value) in e2e::flags::pairs(USAGE)? {
         match flag.as_str() {
             "--seed" => cfg.seed = value.parse().context("--seed")?,
             "--intents" => cfg.intents = value.parse().context("--intents")?,

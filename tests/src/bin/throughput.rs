@@ -77,22 +77,7 @@ fn parse_args() -> Result<Args> {
         prefetch: 64,
         phase_timeout: Duration::from_secs(60),
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) => (f.to_string(), Some(v.to_string())),
-            None => (arg.clone(), None),
-        };
-        if flag == "--help" || flag == "-h" {
-            println!("{USAGE}");
-            std::process::exit(0);
-        }
-        let value = match inline {
-            Some(v) => v,
-            None => it
-                .next()
-                .ok_or_else(|| anyhow!("{flag} needs a value\n{USAGE}"))?,
-        };
+    for (flag, value) in e2e::flags::pairs(USAGE)? {
         match flag.as_str() {
             "--intents" => args.intents = value.parse().context("--intents")?,
             "--prefetch" => args.prefetch = value.parse().context("--prefetch")?,
