@@ -174,9 +174,9 @@ impl Worker {
                 opts.recovery_interval_ms.to_string(),
             )
             .env("WORKER_DELIVERY_LIMIT", opts.delivery_limit.to_string())
-            .env("WORKER_INTENTS_EXCHANGE", &t.intents_exchange)
+            .env("INTENTS_EXCHANGE", &t.intents_exchange)
             .env("WORKER_INTENTS_QUEUE", &t.intents_queue)
-            .env("WORKER_RESULTS_EXCHANGE", &t.results_exchange)
+            .env("RESULTS_EXCHANGE", &t.results_exchange)
             .env("WORKER_DEAD_LETTER_EXCHANGE", &t.dead_letter_exchange)
             .env("WORKER_DEAD_LETTER_QUEUE", &t.dead_letter_queue)
             .env("WORKER_SHUTDOWN_GRACE_SECS", "5")

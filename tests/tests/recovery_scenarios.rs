@@ -68,7 +68,9 @@ async fn workers_racing_on_prepared_operations_dispatch_each_once() {
     let ds = Downstream::start(&env).await;
     let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
     // Rows left `prepared` (as by a crash before the claim), due at once.
-    let ledger = Ledger::connect(&env.db_url, 2).await.unwrap();
+    let ledger = Ledger::connect(&env.db_url, 2, std::time::Duration::from_secs(10))
+        .await
+        .unwrap();
     ledger.migrate().await.unwrap();
     let mut new = Vec::new();
     for tool in ["refund", "ticket", "deploy"] {

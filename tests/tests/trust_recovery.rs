@@ -165,9 +165,9 @@ fn run_worker(env: &Env, tools: &std::path::Path, extra: &[(&str, &str)]) -> Opt
         .env("METRICS_ADDR", "off")
         .env("WORKER_ADMIN_ADDR", "off")
         .env("WORKER_LEASE_SECS", "3")
-        .env("WORKER_INTENTS_EXCHANGE", &env.topology.intents_exchange)
+        .env("INTENTS_EXCHANGE", &env.topology.intents_exchange)
         .env("WORKER_INTENTS_QUEUE", &env.topology.intents_queue)
-        .env("WORKER_RESULTS_EXCHANGE", &env.topology.results_exchange)
+        .env("RESULTS_EXCHANGE", &env.topology.results_exchange)
         .env(
             "WORKER_DEAD_LETTER_EXCHANGE",
             &env.topology.dead_letter_exchange,

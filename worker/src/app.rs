@@ -24,7 +24,13 @@ pub async fn connect_ledger(settings: &Settings) -> anyhow::Result<Ledger> {
     let mut delay = Duration::from_millis(250);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
-        match Ledger::connect(&settings.database_url, settings.db_pool_size).await {
+        match Ledger::connect(
+            &settings.database_url,
+            settings.db_pool_size,
+            settings.db_acquire_timeout,
+        )
+        .await
+        {
             Ok(l) => return Ok(l),
             Err(crate::ledger::LedgerError::Db(sqlx::Error::Database(db)))
                 if db.code().is_some_and(|c| c.starts_with("28")) =>

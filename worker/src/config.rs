@@ -1,4 +1,6 @@
-//! Configuration: the worker's settings from the environment and the per-tool TOML file.
+//! Configuration: the worker's settings from the environment (clap, so `worker run --help`
+//! lists every variable with its default) and the per-tool TOML file, whose `url`,
+//! `lookup_url` and `headers` values may reference `${VAR}`.
 //!
 //! Every setting has a documented default (README, "Configuration"); a bad value is a start-up
 //! error naming the variable, never a silent fallback.
@@ -13,8 +15,9 @@ use serde::Deserialize;
 /// Errors found while reading configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{name} is required but not set")]
-    Missing { name: &'static str },
+    /// A value clap refused (its message names the variable).
+    #[error("{0}")]
+    Usage(String),
     #[error("{name}={value:?} is invalid: {reason}")]
     Invalid {
         name: &'static str,
@@ -27,6 +30,13 @@ pub enum ConfigError {
     ToolsRead {
         path: PathBuf,
         error: std::io::Error,
+    },
+    #[error("{name}={value:?} and its deprecated alias {alias}={alias_value:?} are both set and differ; keep {name} only")]
+    Conflict {
+        name: &'static str,
+        value: String,
+        alias: &'static str,
+        alias_value: String,
     },
     #[error("tools file {path} is invalid: {reason}")]
     ToolsInvalid { path: PathBuf, reason: String },
@@ -68,6 +78,8 @@ pub struct Settings {
     pub database_url: String,
     pub amqp_url: String,
     pub tools_path: PathBuf,
+    /// Extra PEM CA bundle trusted in addition to the system roots (`WORKER_CA_FILE`).
+    pub ca_file: Option<PathBuf>,
     /// Broker prefetch: unacknowledged deliveries per consumer, and the largest intake batch.
     pub prefetch: u16,
     /// Prometheus listener; None disables it.
@@ -94,6 +106,8 @@ pub struct Settings {
     pub tombstone_retention: Duration,
     /// Database pool size.
     pub db_pool_size: u32,
+    /// How long a task waits for a free pool connection.
+    pub db_acquire_timeout: Duration,
     /// `worker run` applies migrations at start (false: another process, e.g. a Kubernetes
     /// Job running `worker migrate`, owns them and `run` only checks they are applied).
     pub migrate: bool,
@@ -105,70 +119,283 @@ pub struct Settings {
     /// false the broker is managed as code and the worker only checks, passively, that the
     /// exchanges and queues it uses exist.
     pub declare_topology: bool,
+    /// Deprecation notices found while reading the settings, logged once logging is set up.
+    pub warnings: Vec<String>,
 }
 
-fn var(name: &'static str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+/// The worker's settings as the command line and the environment give them: every option is
+/// also read from the variable shown in `worker run --help`, which is how containers, the tests
+/// and the Python client configure it. Validation that needs more than one value, or must not
+/// echo a secret, happens in [`Settings::from_args`].
+#[derive(Debug, Clone, clap::Args)]
+#[command(
+    next_help_heading = "Settings (each is also read from the environment variable shown; empty values count as unset)"
+)]
+pub struct EnvArgs {
+    /// Postgres URL of the ledger (required). `sslmode` and `sslrootcert` go in the URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        value_name = "DATABASE_URL",
+        hide_env_values = true
+    )]
+    pub database_url: String,
+    /// RabbitMQ URL (`amqp://` or `amqps://`; `?heartbeat=` overrides WORKER_AMQP_HEARTBEAT_SECS).
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        value_name = "AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        hide_env_values = true
+    )]
+    pub amqp_url: String,
+    /// Path of the tools file (relative to the working directory).
+    #[arg(
+        long,
+        env = "WORKER_TOOLS",
+        value_name = "WORKER_TOOLS",
+        default_value = "tools.toml"
+    )]
+    pub tools: PathBuf,
+    /// Extra PEM CA bundle trusted for AMQP, Postgres and HTTPS tools, in addition to the
+    /// system roots.
+    #[arg(long, env = "WORKER_CA_FILE", value_name = "WORKER_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+    /// Broker prefetch per consumer and the largest intake batch (at least 1).
+    #[arg(long, env = "WORKER_PREFETCH", value_name = "WORKER_PREFETCH", default_value_t = 64,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: u16,
+    /// Deliveries the worker starts processing before it dead-letters the message itself (its
+    /// own count in Postgres; at least 1).
+    #[arg(long, env = "WORKER_DELIVERY_LIMIT", value_name = "WORKER_DELIVERY_LIMIT",
+          default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub delivery_limit: u32,
+    /// The intents queue's x-delivery-limit, the broker's looser backstop [default: max(4 x
+    /// WORKER_DELIVERY_LIMIT, 20)].
+    #[arg(
+        long,
+        env = "WORKER_QUEUE_DELIVERY_LIMIT",
+        value_name = "WORKER_QUEUE_DELIVERY_LIMIT"
+    )]
+    pub queue_delivery_limit: Option<u32>,
+    /// Seconds a claim owns a dispatch or recovery round before other workers treat its owner
+    /// as crashed (at least 1).
+    #[arg(long, env = "WORKER_LEASE_SECS", value_name = "WORKER_LEASE_SECS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub lease_secs: u64,
+    /// Recovery scheduler tick in milliseconds (minimum 10).
+    #[arg(
+        long,
+        env = "WORKER_RECOVERY_INTERVAL_MS",
+        value_name = "WORKER_RECOVERY_INTERVAL_MS",
+        default_value_t = 1000
+    )]
+    pub recovery_interval_ms: u64,
+    /// Dispatches and recovery rounds running at once in this process (minimum 1).
+    #[arg(
+        long,
+        env = "WORKER_MAX_IN_FLIGHT",
+        value_name = "WORKER_MAX_IN_FLIGHT",
+        default_value_t = 256
+    )]
+    pub max_in_flight: usize,
+    /// Identity in leases, history and the AMQP connection name; must differ per process
+    /// [default: $HOSTNAME-<pid>].
+    #[arg(long, env = "WORKER_ID", value_name = "WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Seconds in-flight work gets to record its outcome after SIGTERM (at least 1; see
+    /// "Graceful shutdown" in the README for the whole budget).
+    #[arg(long, env = "WORKER_SHUTDOWN_GRACE_SECS", value_name = "WORKER_SHUTDOWN_GRACE_SECS",
+          default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub shutdown_grace_secs: u64,
+    /// Seconds private data (arguments, receipts) of finished operations is kept (30 days).
+    #[arg(long, env = "WORKER_RETENTION_SECS", value_name = "WORKER_RETENTION_SECS",
+          default_value_t = 30 * 86_400)]
+    pub retention_secs: u64,
+    /// Seconds tombstones (key, fingerprint, final state) are kept (365 days); must not be
+    /// shorter than any tool's replay_window_secs.
+    #[arg(long, env = "WORKER_TOMBSTONE_RETENTION_SECS",
+          value_name = "WORKER_TOMBSTONE_RETENTION_SECS", default_value_t = 365 * 86_400)]
+    pub tombstone_retention_secs: u64,
+    /// Postgres pool size (minimum 2). Replicas x this (+ admin connections) must stay under
+    /// the server's max_connections.
+    #[arg(
+        long,
+        env = "WORKER_DB_POOL_SIZE",
+        value_name = "WORKER_DB_POOL_SIZE",
+        default_value_t = 10
+    )]
+    pub db_pool_size: u32,
+    /// Seconds a task waits for a free pool connection before the call fails (at least 1).
+    #[arg(long, env = "WORKER_DB_ACQUIRE_TIMEOUT_SECS",
+          value_name = "WORKER_DB_ACQUIRE_TIMEOUT_SECS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub db_acquire_timeout_secs: u64,
+    /// `worker run` applies the migrations at start (true/false, 1/0, yes/no); false only
+    /// checks they are applied (a separate `worker migrate` owns them).
+    #[arg(long, env = "WORKER_MIGRATE", value_name = "WORKER_MIGRATE", default_value = "true",
+          action = clap::ArgAction::Set, value_parser = parse_bool)]
+    pub migrate: bool,
+    /// AMQP heartbeat in seconds asked for on both broker connections (0 = the broker's).
+    #[arg(
+        long,
+        env = "WORKER_AMQP_HEARTBEAT_SECS",
+        value_name = "WORKER_AMQP_HEARTBEAT_SECS",
+        default_value_t = 10
+    )]
+    pub amqp_heartbeat_secs: u16,
+    /// Prometheus listener (`/metrics`, `/livez`, `/readyz`); `off` or `none` disables it.
+    #[arg(long, env = "METRICS_ADDR", value_name = "METRICS_ADDR", default_value = "127.0.0.1:9464",
+          value_parser = parse_listen)]
+    pub metrics_addr: Listen,
+    /// Admin/status API listener; `off` or `none` disables it. It only starts with
+    /// WORKER_ADMIN_TOKEN or WORKER_TENANT_TOKENS.
+    #[arg(long, env = "WORKER_ADMIN_ADDR", value_name = "WORKER_ADMIN_ADDR",
+          default_value = "127.0.0.1:8080", value_parser = parse_listen)]
+    pub admin_addr: Listen,
+    /// Bearer token for every admin API route (at least 16 characters).
+    #[arg(
+        long,
+        env = "WORKER_ADMIN_TOKEN",
+        value_name = "WORKER_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
+    pub admin_token: Option<String>,
+    /// `tenant=token,tenant2=token2` (tokens of 8+ characters): read-only status of that
+    /// tenant's operations.
+    #[arg(
+        long,
+        env = "WORKER_TENANT_TOKENS",
+        value_name = "WORKER_TENANT_TOKENS",
+        hide_env_values = true
+    )]
+    pub tenant_tokens: Option<String>,
+    /// Topic exchange agents publish intents to (the publisher reads the same variable)
+    /// [default: intents].
+    #[arg(long, env = "INTENTS_EXCHANGE", value_name = "INTENTS_EXCHANGE")]
+    pub intents_exchange: Option<String>,
+    /// Deprecated alias of INTENTS_EXCHANGE (a warning is logged; both set differently is an
+    /// error).
+    #[arg(
+        long,
+        env = "WORKER_INTENTS_EXCHANGE",
+        value_name = "WORKER_INTENTS_EXCHANGE"
+    )]
+    pub worker_intents_exchange: Option<String>,
+    /// Quorum queue the workers consume.
+    #[arg(
+        long,
+        env = "WORKER_INTENTS_QUEUE",
+        value_name = "WORKER_INTENTS_QUEUE",
+        default_value = "intents"
+    )]
+    pub intents_queue: String,
+    /// Topic exchange result events go to (the publisher reads the same variable)
+    /// [default: results].
+    #[arg(long, env = "RESULTS_EXCHANGE", value_name = "RESULTS_EXCHANGE")]
+    pub results_exchange: Option<String>,
+    /// Deprecated alias of RESULTS_EXCHANGE (a warning is logged; both set differently is an
+    /// error).
+    #[arg(
+        long,
+        env = "WORKER_RESULTS_EXCHANGE",
+        value_name = "WORKER_RESULTS_EXCHANGE"
+    )]
+    pub worker_results_exchange: Option<String>,
+    /// Dead-letter exchange (topic).
+    #[arg(
+        long,
+        env = "WORKER_DEAD_LETTER_EXCHANGE",
+        value_name = "WORKER_DEAD_LETTER_EXCHANGE",
+        default_value = "intents.dlx"
+    )]
+    pub dead_letter_exchange: String,
+    /// Quorum queue bound `#` to the dead-letter exchange.
+    #[arg(
+        long,
+        env = "WORKER_DEAD_LETTER_QUEUE",
+        value_name = "WORKER_DEAD_LETTER_QUEUE",
+        default_value = "intents.dead"
+    )]
+    pub dead_letter_queue: String,
+    /// Declare the exchanges and queues at start (true/false, 1/0, yes/no); false only checks
+    /// them passively (broker managed as code).
+    #[arg(long, env = "WORKER_DECLARE_TOPOLOGY", value_name = "WORKER_DECLARE_TOPOLOGY",
+          default_value = "true", action = clap::ArgAction::Set, value_parser = parse_bool)]
+    pub declare_topology: bool,
+    /// Log format on stderr (the filter is RUST_LOG, default info,lapin=warn,sqlx=warn).
+    #[arg(long, env = "WORKER_LOG_FORMAT", value_name = "WORKER_LOG_FORMAT", default_value = "text",
+          value_parser = ["text", "json"])]
+    pub log_format: String,
 }
 
-fn parse<T: std::str::FromStr>(name: &'static str, default: T) -> Result<T, ConfigError>
-where
-    T::Err: std::fmt::Display,
-{
-    match var(name) {
-        None => Ok(default),
-        Some(v) => v.trim().parse().map_err(|e: T::Err| ConfigError::Invalid {
+/// A listener address, or none (`off`, `none`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Listen(pub Option<SocketAddr>);
+
+fn parse_listen(raw: &str) -> Result<Listen, String> {
+    match raw.trim() {
+        "off" | "none" => Ok(Listen(None)),
+        v => v
+            .parse()
+            .map(|a| Listen(Some(a)))
+            .map_err(|e: std::net::AddrParseError| {
+                format!("{e} (expected host:port, off or none)")
+            }),
+    }
+}
+
+fn parse_bool(raw: &str) -> Result<bool, String> {
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" => Ok(false),
+        _ => Err("expected true or false (also 1/0, yes/no)".into()),
+    }
+}
+
+/// Makes an environment variable that is set but blank count as unset for every argument of
+/// `cmd` and its subcommands, as the documentation promises (compose files and Helm values
+/// often render `FOO=`). clap itself would hand the empty string to the value parser.
+pub fn blank_env_is_unset(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|arg| {
+        let blank = arg
+            .get_env()
+            .and_then(std::env::var_os)
+            .is_some_and(|v| v.to_string_lossy().trim().is_empty());
+        if blank {
+            arg.env(None::<&'static str>)
+        } else {
+            arg
+        }
+    })
+    .mut_subcommands(blank_env_is_unset)
+}
+
+/// Resolves a shared name and its deprecated worker-only alias.
+fn aliased(
+    name: &'static str,
+    value: Option<String>,
+    alias: &'static str,
+    alias_value: Option<String>,
+    default: &str,
+    warnings: &mut Vec<String>,
+) -> Result<String, ConfigError> {
+    match (value, alias_value) {
+        (Some(v), Some(a)) if v != a => Err(ConfigError::Conflict {
             name,
             value: v,
-            reason: e.to_string(),
+            alias,
+            alias_value: a,
         }),
-    }
-}
-
-fn parse_bool(name: &'static str, default: bool) -> Result<bool, ConfigError> {
-    match var(name) {
-        None => Ok(default),
-        Some(v) => match v.trim().to_ascii_lowercase().as_str() {
-            "true" | "1" | "yes" => Ok(true),
-            "false" | "0" | "no" => Ok(false),
-            _ => Err(ConfigError::Invalid {
-                name,
-                value: v,
-                reason: "expected true or false".into(),
-            }),
-        },
-    }
-}
-
-fn parse_addr(
-    name: &'static str,
-    default: Option<&str>,
-) -> Result<Option<SocketAddr>, ConfigError> {
-    let raw = var(name).or_else(|| default.map(str::to_string));
-    match raw.as_deref() {
-        None | Some("off") | Some("none") => Ok(None),
-        Some(v) => {
-            v.parse()
-                .map(Some)
-                .map_err(|e: std::net::AddrParseError| ConfigError::Invalid {
-                    name,
-                    value: v.to_string(),
-                    reason: e.to_string(),
-                })
+        (v, Some(a)) => {
+            warnings.push(format!(
+                "{alias} is deprecated; set {name} (read by the worker and the publisher) instead"
+            ));
+            Ok(v.unwrap_or(a))
         }
+        (Some(v), None) => Ok(v),
+        (None, None) => Ok(default.to_string()),
     }
-}
-
-fn positive_secs(name: &'static str, default: u64) -> Result<Duration, ConfigError> {
-    let secs: u64 = parse(name, default)?;
-    if secs == 0 {
-        return Err(ConfigError::Invalid {
-            name,
-            value: "0".into(),
-            reason: "must be at least 1".into(),
-        });
-    }
-    Ok(Duration::from_secs(secs))
 }
 
 /// Parses `tenant=token,tenant2=token2`.
@@ -196,32 +423,30 @@ fn parse_tenant_tokens(raw: Option<String>) -> Result<BTreeMap<String, String>, 
     Ok(map)
 }
 
+/// `EnvArgs` alone as a command, for [`Settings::from_env`].
+#[derive(clap::Parser)]
+#[command(name = "worker")]
+struct EnvOnly {
+    #[command(flatten)]
+    env: EnvArgs,
+}
+
 impl Settings {
-    /// Reads the settings from the process environment.
+    /// Reads the settings from the process environment alone (no flags), as `worker run` does
+    /// when it is given none.
     pub fn from_env() -> Result<Settings, ConfigError> {
-        let database_url = var("DATABASE_URL").ok_or(ConfigError::Missing {
-            name: "DATABASE_URL",
-        })?;
-        let amqp_url =
-            var("AMQP_URL").unwrap_or_else(|| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-        let tools_path = PathBuf::from(var("WORKER_TOOLS").unwrap_or_else(|| "tools.toml".into()));
-        let prefetch: u16 = parse("WORKER_PREFETCH", 64)?;
-        if prefetch == 0 {
-            return Err(ConfigError::Invalid {
-                name: "WORKER_PREFETCH",
-                value: "0".into(),
-                reason: "must be at least 1 (0 would mean unlimited)".into(),
-            });
-        }
-        let delivery_limit: u32 = parse("WORKER_DELIVERY_LIMIT", 5)?;
-        if delivery_limit == 0 {
-            return Err(ConfigError::Invalid {
-                name: "WORKER_DELIVERY_LIMIT",
-                value: "0".into(),
-                reason: "must be at least 1".into(),
-            });
-        }
-        let admin_token = var("WORKER_ADMIN_TOKEN");
+        use clap::{CommandFactory as _, FromArgMatches as _};
+        let usage = |e: clap::Error| ConfigError::Usage(e.to_string());
+        let matches = blank_env_is_unset(EnvOnly::command())
+            .try_get_matches_from(["worker"])
+            .map_err(usage)?;
+        Settings::from_args(EnvOnly::from_arg_matches(&matches).map_err(usage)?.env)
+    }
+
+    /// Builds the settings from parsed arguments, checking what clap cannot: secrets (whose
+    /// values must not be echoed in an error) and the exchange aliases.
+    pub fn from_args(a: EnvArgs) -> Result<Settings, ConfigError> {
+        let admin_token = a.admin_token.filter(|t| !t.trim().is_empty());
         if let Some(t) = &admin_token {
             if t.len() < 16 {
                 return Err(ConfigError::Invalid {
@@ -231,60 +456,65 @@ impl Settings {
                 });
             }
         }
-        let recovery_ms: u64 = parse("WORKER_RECOVERY_INTERVAL_MS", 1000)?;
-        let default_id = format!(
-            "{}-{}",
-            var("HOSTNAME").unwrap_or_else(|| "worker".into()),
-            std::process::id()
-        );
-        let log_format = var("WORKER_LOG_FORMAT").unwrap_or_else(|| "text".into());
-        if log_format != "text" && log_format != "json" {
-            return Err(ConfigError::Invalid {
-                name: "WORKER_LOG_FORMAT",
-                value: log_format,
-                reason: "expected text or json".into(),
-            });
-        }
+        let mut warnings = Vec::new();
+        let intents_exchange = aliased(
+            "INTENTS_EXCHANGE",
+            a.intents_exchange,
+            "WORKER_INTENTS_EXCHANGE",
+            a.worker_intents_exchange,
+            "intents",
+            &mut warnings,
+        )?;
+        let results_exchange = aliased(
+            "RESULTS_EXCHANGE",
+            a.results_exchange,
+            "WORKER_RESULTS_EXCHANGE",
+            a.worker_results_exchange,
+            "results",
+            &mut warnings,
+        )?;
+        let worker_id = a.worker_id.unwrap_or_else(|| {
+            let host = std::env::var("HOSTNAME")
+                .ok()
+                .filter(|h| !h.trim().is_empty())
+                .unwrap_or_else(|| "worker".into());
+            format!("{host}-{}", std::process::id())
+        });
         Ok(Settings {
-            database_url,
-            amqp_url,
-            tools_path,
-            prefetch,
-            metrics_addr: parse_addr("METRICS_ADDR", Some("127.0.0.1:9464"))?,
-            admin_addr: parse_addr("WORKER_ADMIN_ADDR", Some("127.0.0.1:8080"))?,
+            database_url: a.database_url,
+            amqp_url: a.amqp_url,
+            tools_path: a.tools,
+            ca_file: a.ca_file,
+            prefetch: a.prefetch,
+            metrics_addr: a.metrics_addr.0,
+            admin_addr: a.admin_addr.0,
             admin_token,
-            tenant_tokens: parse_tenant_tokens(var("WORKER_TENANT_TOKENS"))?,
+            tenant_tokens: parse_tenant_tokens(a.tenant_tokens)?,
             topology: Topology {
-                intents_exchange: var("WORKER_INTENTS_EXCHANGE")
-                    .unwrap_or_else(|| "intents".into()),
-                intents_queue: var("WORKER_INTENTS_QUEUE").unwrap_or_else(|| "intents".into()),
-                results_exchange: var("WORKER_RESULTS_EXCHANGE")
-                    .unwrap_or_else(|| "results".into()),
-                dead_letter_exchange: var("WORKER_DEAD_LETTER_EXCHANGE")
-                    .unwrap_or_else(|| "intents.dlx".into()),
-                dead_letter_queue: var("WORKER_DEAD_LETTER_QUEUE")
-                    .unwrap_or_else(|| "intents.dead".into()),
-                delivery_limit,
-                queue_delivery_limit: parse(
-                    "WORKER_QUEUE_DELIVERY_LIMIT",
-                    Topology::default_queue_delivery_limit(delivery_limit),
-                )?,
+                intents_exchange,
+                intents_queue: a.intents_queue,
+                results_exchange,
+                dead_letter_exchange: a.dead_letter_exchange,
+                dead_letter_queue: a.dead_letter_queue,
+                delivery_limit: a.delivery_limit,
+                queue_delivery_limit: a
+                    .queue_delivery_limit
+                    .unwrap_or_else(|| Topology::default_queue_delivery_limit(a.delivery_limit)),
             },
-            lease: positive_secs("WORKER_LEASE_SECS", 30)?,
-            recovery_interval: Duration::from_millis(recovery_ms.max(10)),
-            max_in_flight: parse("WORKER_MAX_IN_FLIGHT", 256usize)?.max(1),
-            worker_id: var("WORKER_ID").unwrap_or(default_id),
-            shutdown_grace: positive_secs("WORKER_SHUTDOWN_GRACE_SECS", 30)?,
-            retention: Duration::from_secs(parse("WORKER_RETENTION_SECS", 30 * 86_400u64)?),
-            tombstone_retention: Duration::from_secs(parse(
-                "WORKER_TOMBSTONE_RETENTION_SECS",
-                365 * 86_400u64,
-            )?),
-            db_pool_size: parse("WORKER_DB_POOL_SIZE", 10u32)?.max(2),
-            migrate: parse_bool("WORKER_MIGRATE", true)?,
-            log_json: log_format == "json",
-            amqp_heartbeat_secs: parse("WORKER_AMQP_HEARTBEAT_SECS", 10u16)?,
-            declare_topology: parse_bool("WORKER_DECLARE_TOPOLOGY", true)?,
+            lease: Duration::from_secs(a.lease_secs),
+            recovery_interval: Duration::from_millis(a.recovery_interval_ms.max(10)),
+            max_in_flight: a.max_in_flight.max(1),
+            worker_id,
+            shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
+            retention: Duration::from_secs(a.retention_secs),
+            tombstone_retention: Duration::from_secs(a.tombstone_retention_secs),
+            db_pool_size: a.db_pool_size.max(2),
+            db_acquire_timeout: Duration::from_secs(a.db_acquire_timeout_secs),
+            migrate: a.migrate,
+            log_json: a.log_format == "json",
+            amqp_heartbeat_secs: a.amqp_heartbeat_secs,
+            declare_topology: a.declare_topology,
+            warnings,
         })
     }
 }
@@ -502,13 +732,35 @@ impl Tools {
         Tools::parse(path, &text)
     }
 
+    /// Parses a tools file, interpolating `${VAR}` from the process environment.
     pub fn parse(path: &Path, text: &str) -> Result<Tools, ConfigError> {
+        Tools::parse_with(path, text, &|name| std::env::var(name).ok())
+    }
+
+    /// Parses a tools file, interpolating `${VAR}` with `env` (see [`interpolate`]).
+    pub fn parse_with(
+        path: &Path,
+        text: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Tools, ConfigError> {
         let raw: RawToolsFile = toml::from_str(text).map_err(|e| invalid(path, e.to_string()))?;
         if raw.tools.is_empty() {
             return Err(invalid(path, "no [tools.<name>] entries"));
         }
         let mut tools = BTreeMap::new();
-        for (name, t) in raw.tools {
+        for (name, mut t) in raw.tools {
+            let expand = |key: &str, value: &mut String| {
+                *value = interpolate(value, env)
+                    .map_err(|reason| invalid(path, format!("tools.{name}.{key}: {reason}")))?;
+                Ok::<_, ConfigError>(())
+            };
+            expand("url", &mut t.url)?;
+            if let Some(url) = t.lookup_url.as_mut() {
+                expand("lookup_url", url)?;
+            }
+            for (header, value) in t.headers.iter_mut() {
+                expand(&format!("headers.{header}"), value)?;
+            }
             let tool = validate_tool(path, &name, t)?;
             tools.insert(name, tool);
         }
@@ -525,6 +777,58 @@ impl Tools {
         };
         Ok(Tools { tools, auth })
     }
+}
+
+/// Expands `${VAR}` and `${VAR:-default}` in one string value of the tools file (values, not
+/// the file text, so a variable cannot inject TOML). `$$` is a literal `$` (write `$${` for a
+/// literal `${`); any other `$` stays as it is. A variable that is unset or empty takes the
+/// default; without one it is an error naming the variable, so a missing secret stops
+/// start-up instead of sending an empty API key.
+pub fn interpolate(value: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+    let mut out = String::with_capacity(value.len());
+    let mut rest = value;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        if let Some(tail) = after.strip_prefix('$') {
+            out.push('$');
+            rest = tail;
+        } else if let Some(body) = after.strip_prefix('{') {
+            let end = body.find('}').ok_or_else(|| {
+                format!("unterminated ${{ in {value:?} (write $${{ for a literal ${{)")
+            })?;
+            let (name, default) = match body[..end].split_once(":-") {
+                Some((n, d)) => (n, Some(d)),
+                None => (&body[..end], None),
+            };
+            let valid = !name.is_empty()
+                && !name.starts_with(|c: char| c.is_ascii_digit())
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(format!(
+                    "${{{}}} is not a variable reference (names use letters, digits and _; \
+                     write $${{ for a literal ${{)",
+                    &body[..end]
+                ));
+            }
+            match (env(name).filter(|v| !v.is_empty()), default) {
+                (Some(v), _) => out.push_str(&v),
+                (None, Some(d)) => out.push_str(d),
+                (None, None) => {
+                    return Err(format!(
+                        "environment variable {name} is not set (or empty) and ${{{name}}} has \
+                         no default (write ${{{name}:-default}} for one)"
+                    ))
+                }
+            }
+            rest = &body[end + 1..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
 }
 
 fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, ConfigError> {
@@ -811,6 +1115,151 @@ budget = { ratio = 0.2 }
     }
 
     #[test]
+    fn interpolation_expands_defaults_and_escapes() {
+        let env = |name: &str| match name {
+            "KEY" => Some("s3cret".to_string()),
+            "EMPTY" => Some(String::new()),
+            _ => None,
+        };
+        let ok = |v: &str| interpolate(v, &env).unwrap();
+        assert_eq!(ok("Bearer ${KEY}"), "Bearer s3cret");
+        assert_eq!(ok("${KEY}${KEY}"), "s3crets3cret");
+        assert_eq!(ok("${MISSING:-http://a:1}/x"), "http://a:1/x");
+        assert_eq!(ok("${EMPTY:-fallback}"), "fallback");
+        assert_eq!(ok("${KEY:-unused}"), "s3cret");
+        assert_eq!(ok("${MISSING:-}"), "");
+        assert_eq!(ok("$${KEY} costs $5 or $$5"), "${KEY} costs $5 or $5");
+        assert_eq!(ok("{tenant}:{action_id}"), "{tenant}:{action_id}");
+        let err = interpolate("Bearer ${MISSING}", &env).unwrap_err();
+        assert!(err.contains("MISSING is not set"), "{err}");
+        let err = interpolate("${EMPTY}", &env).unwrap_err();
+        assert!(err.contains("EMPTY is not set (or empty)"), "{err}");
+        assert!(interpolate("${KEY", &env)
+            .unwrap_err()
+            .contains("unterminated"));
+        assert!(interpolate("${1X}", &env)
+            .unwrap_err()
+            .contains("not a variable"));
+        // A value cannot inject TOML or another reference: it is inserted as text.
+        let env2 = |_: &str| Some("\"\nurl = \"x\" ${KEY}".to_string());
+        assert_eq!(
+            interpolate("${A}", &env2).unwrap(),
+            "\"\nurl = \"x\" ${KEY}"
+        );
+    }
+
+    #[test]
+    fn the_tools_file_interpolates_url_lookup_url_and_headers_naming_tool_and_key() {
+        let text = format!(
+            "[tools.pay]\nurl='${{PAY_URL:-http://127.0.0.1:9}}/pay'\nreceipt_id='/id'\n{MATCH}\n\
+             recovery='lookup'\nlookup_url='${{PAY_URL:-http://127.0.0.1:9}}/by-key/{{key}}'\n\
+             headers = {{ Authorization = 'Bearer ${{PAY_KEY}}' }}\n"
+        );
+        let env = |n: &str| (n == "PAY_KEY").then(|| "k-123".to_string());
+        let tools = Tools::parse_with(Path::new("t.toml"), &text, &env).unwrap();
+        let pay = &tools.tools["pay"];
+        assert_eq!(pay.url, "http://127.0.0.1:9/pay");
+        assert_eq!(pay.headers["Authorization"], "Bearer k-123");
+        assert_eq!(
+            pay.capability,
+            Capability::Lookup {
+                url_template: "http://127.0.0.1:9/by-key/{key}".into()
+            }
+        );
+        let err = Tools::parse_with(Path::new("t.toml"), &text, &|_| None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tools.pay.headers.Authorization") && err.contains("PAY_KEY is not set"),
+            "{err}"
+        );
+    }
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        env: EnvArgs,
+    }
+
+    fn from_flags(flags: &[&str]) -> Result<Settings, String> {
+        use clap::Parser as _;
+        let args = std::iter::once("worker").chain(flags.iter().copied());
+        let cli = Cli::try_parse_from(args).map_err(|e| e.to_string())?;
+        Settings::from_args(cli.env).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults_match_the_documented_ones() {
+        let s = from_flags(&["--database-url", "postgres://x"]).unwrap();
+        assert_eq!(s.prefetch, 64);
+        assert_eq!(s.topology.intents_exchange, "intents");
+        assert_eq!(s.topology.results_exchange, "results");
+        assert_eq!(s.topology.queue_delivery_limit, 20);
+        assert_eq!(s.lease, Duration::from_secs(30));
+        assert_eq!(s.shutdown_grace, Duration::from_secs(30));
+        assert_eq!(s.db_pool_size, 10);
+        assert_eq!(s.db_acquire_timeout, Duration::from_secs(10));
+        assert_eq!(s.metrics_addr, Some("127.0.0.1:9464".parse().unwrap()));
+        assert!(s.migrate && s.declare_topology && !s.log_json);
+        assert!(s.warnings.is_empty());
+        let s = from_flags(&[
+            "--database-url=x",
+            "--migrate=no",
+            "--declare-topology=1",
+            "--metrics-addr=off",
+        ])
+        .unwrap();
+        assert!(!s.migrate && s.declare_topology && s.metrics_addr.is_none());
+    }
+
+    #[test]
+    fn bad_values_are_refused_naming_the_variable() {
+        for (flag, var) in [
+            ("--prefetch=0", "WORKER_PREFETCH"),
+            ("--lease-secs=0", "WORKER_LEASE_SECS"),
+            ("--migrate=sometimes", "WORKER_MIGRATE"),
+            ("--admin-addr=nowhere", "WORKER_ADMIN_ADDR"),
+            ("--log-format=xml", "WORKER_LOG_FORMAT"),
+            ("--admin-token=short", "WORKER_ADMIN_TOKEN"),
+            ("--tenant-tokens=north", "WORKER_TENANT_TOKENS"),
+        ] {
+            let err = from_flags(&["--database-url=x", flag]).unwrap_err();
+            assert!(err.contains(var), "{flag}: {err}");
+        }
+        let err = from_flags(&["--admin-token=short-secret"]).unwrap_err();
+        assert!(err.contains("DATABASE_URL"), "{err}");
+        let err = from_flags(&["--database-url=x", "--admin-token=short-secret"]).unwrap_err();
+        assert!(
+            !err.contains("short-secret"),
+            "a secret is never echoed: {err}"
+        );
+    }
+
+    #[test]
+    fn the_old_exchange_names_are_deprecated_aliases() {
+        let s = from_flags(&["--database-url=x", "--worker-intents-exchange=a"]).unwrap();
+        assert_eq!(s.topology.intents_exchange, "a");
+        assert!(s.warnings[0].contains("WORKER_INTENTS_EXCHANGE is deprecated"));
+        let s = from_flags(&[
+            "--database-url=x",
+            "--results-exchange=r",
+            "--worker-results-exchange=r",
+        ])
+        .unwrap();
+        assert_eq!(s.topology.results_exchange, "r");
+        let err = from_flags(&[
+            "--database-url=x",
+            "--intents-exchange=a",
+            "--worker-intents-exchange=b",
+        ])
+        .unwrap_err();
+        assert!(
+            err.contains("INTENTS_EXCHANGE=\"a\"") && err.contains("WORKER_INTENTS_EXCHANGE=\"b\""),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn user_id_auth_maps_users_to_tenants() {
         let auth = TenantAuth::UserId {
             users: BTreeMap::from([("agent-n".to_string(), vec!["north".to_string()])]),
@@ -938,6 +1387,9 @@ budget = { ratio = 0.2 }
             retention: Duration::from_secs(86_400),
             tombstone_retention: Duration::from_secs(tombstone_secs),
             db_pool_size: 2,
+            db_acquire_timeout: Duration::from_secs(10),
+            ca_file: None,
+            warnings: Vec::new(),
             migrate: true,
             amqp_heartbeat_secs: 10,
             declare_topology: true,

@@ -2,7 +2,8 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use worker::config::EnvArgs;
 
 /// The intent worker: records agent intents in a Postgres ledger, dispatches each logical
 /// action at most once, and tells agents the truth (succeeded, pending, failed, rejected).
@@ -15,13 +16,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the worker (the default). Configured from the environment; see the README.
-    Run,
-    /// Apply database migrations and exit.
-    Migrate,
-    /// Operator actions on held and unresolved operations.
-    #[command(subcommand)]
-    Ops(worker::ops::cli::OpsCommand),
+    /// Run the worker (the default without a subcommand). Every setting is an environment
+    /// variable (listed below with its default) and also a flag; a bad value stops start-up
+    /// naming the variable, with exit code 2.
+    Run(EnvArgs),
+    /// Apply database migrations and exit (same settings as `run`; it needs DATABASE_URL).
+    Migrate(EnvArgs),
+    /// Operator actions on held and unresolved operations (same settings as `run`; they need
+    /// DATABASE_URL and, for receipt checks and rechecks, WORKER_TOOLS).
+    Ops {
+        #[command(flatten)]
+        settings: EnvArgs,
+        #[command(subcommand)]
+        command: worker::ops::cli::OpsCommand,
+    },
     /// Health check for containers: GET the URL (e.g. http://127.0.0.1:9464/readyz); exit 0
     /// on a 2xx answer, 1 otherwise. Needs no other configuration.
     Probe {
@@ -36,9 +44,22 @@ enum Command {
     CheckTool(worker::ops::check_tool::CheckToolArgs),
 }
 
+/// What runs once the settings are read.
+enum Job {
+    Run,
+    Migrate,
+    Ops(worker::ops::cli::OpsCommand),
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // No subcommand means `run`, configured from the environment alone (containers, tests).
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.len() == 1 {
+        args.push("run".into());
+    }
+    let matches = worker::config::blank_env_is_unset(Cli::command()).get_matches_from(args);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let Some(Command::Probe { url, timeout_ms }) = &cli.command {
         let timeout = std::time::Duration::from_millis(*timeout_ms);
         return match worker::telemetry::health::probe(url, timeout).await {
@@ -49,10 +70,16 @@ async fn main() -> ExitCode {
             }
         };
     }
-    if let Some(Command::CheckTool(args)) = cli.command {
-        return ExitCode::from(worker::ops::check_tool::main(args).await);
-    }
-    let settings = match worker::config::Settings::from_env() {
+    let (env_args, job) = match cli.command {
+        Some(Command::CheckTool(args)) => {
+            return ExitCode::from(worker::ops::check_tool::main(args).await)
+        }
+        Some(Command::Run(a)) => (a, Job::Run),
+        Some(Command::Migrate(a)) => (a, Job::Migrate),
+        Some(Command::Ops { settings, command }) => (settings, Job::Ops(command)),
+        Some(Command::Probe { .. }) | None => unreachable!("probe returned; `run` is the default"),
+    };
+    let settings = match worker::config::Settings::from_args(env_args) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("worker: configuration error: {e}");
@@ -60,13 +87,13 @@ async fn main() -> ExitCode {
         }
     };
     worker::telemetry::init_logs(settings.log_json);
-    let result = match cli.command.unwrap_or(Command::Run) {
-        Command::Run => worker::app::run(settings).await,
-        Command::Migrate => worker::app::migrate(&settings).await,
-        Command::Ops(cmd) => worker::ops::cli::run(&settings, cmd).await,
-        Command::Probe { .. } | Command::CheckTool(_) => {
-            unreachable!("handled before the settings are read")
-        }
+    for warning in &settings.warnings {
+        tracing::warn!("{warning}");
+    }
+    let result = match job {
+        Job::Run => worker::app::run(settings).await,
+        Job::Migrate => worker::app::migrate(&settings).await,
+        Job::Ops(cmd) => worker::ops::cli::run(&settings, cmd).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

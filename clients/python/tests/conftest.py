@@ -249,9 +249,9 @@ async def make_world(tmp_path: Path) -> AsyncIterator[WorldFactory]:
                 # Above every tool's timeout_ms: the worker refuses a lease it does not exceed.
                 "WORKER_LEASE_SECS": "3",
                 "WORKER_RECOVERY_INTERVAL_MS": "200",
-                "WORKER_INTENTS_EXCHANGE": w.intents_exchange,
+                "INTENTS_EXCHANGE": w.intents_exchange,
                 "WORKER_INTENTS_QUEUE": w.intents_queue,
-                "WORKER_RESULTS_EXCHANGE": w.results_exchange,
+                "RESULTS_EXCHANGE": w.results_exchange,
                 "WORKER_DEAD_LETTER_EXCHANGE": w.dead_letter_exchange,
                 "WORKER_DEAD_LETTER_QUEUE": w.dead_letter_queue,
                 "WORKER_SHUTDOWN_GRACE_SECS": "5",

@@ -130,10 +130,16 @@ pub struct Ledger {
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
 impl Ledger {
-    pub async fn connect(url: &str, pool_size: u32) -> Result<Ledger, LedgerError> {
+    /// A pool of at most `pool_size` connections; a task waits up to `acquire_timeout` for a
+    /// free one before its call fails (and is handled like any ledger error).
+    pub async fn connect(
+        url: &str,
+        pool_size: u32,
+        acquire_timeout: std::time::Duration,
+    ) -> Result<Ledger, LedgerError> {
         let pool = PgPoolOptions::new()
             .max_connections(pool_size)
-            .acquire_timeout(std::time::Duration::from_secs(10))
+            .acquire_timeout(acquire_timeout)
             .connect(url)
             .await?;
         Ok(Ledger { pool })

@@ -535,9 +535,14 @@ pub struct CheckToolArgs {
     /// accepts if it validates its input.
     #[arg(long)]
     pub body: Option<String>,
-    /// Tools file (default: `WORKER_TOOLS`, else `tools.toml`).
-    #[arg(long)]
-    pub tools: Option<std::path::PathBuf>,
+    /// Tools file.
+    #[arg(
+        long,
+        env = "WORKER_TOOLS",
+        value_name = "WORKER_TOOLS",
+        default_value = "tools.toml"
+    )]
+    pub tools: std::path::PathBuf,
 }
 
 /// Exit status when a probe contradicts the declared capability.
@@ -556,12 +561,7 @@ pub async fn main(args: CheckToolArgs) -> u8 {
         );
         return EXIT_USAGE;
     }
-    let path = args.tools.unwrap_or_else(|| {
-        std::env::var_os("WORKER_TOOLS")
-            .filter(|v| !v.is_empty())
-            .map(Into::into)
-            .unwrap_or_else(|| "tools.toml".into())
-    });
+    let path = args.tools;
     let tools = match crate::config::Tools::load(&path) {
         Ok(t) => t,
         Err(e) => {

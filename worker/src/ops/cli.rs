@@ -116,7 +116,7 @@ pub struct RecheckArgs {
 
 /// Runs one `worker ops` command.
 pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
-    let ledger = Ledger::connect(&settings.database_url, 2)
+    let ledger = Ledger::connect(&settings.database_url, 2, settings.db_acquire_timeout)
         .await
         .context("cannot connect to Postgres (DATABASE_URL)")?;
     match cmd {
