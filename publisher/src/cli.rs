@@ -29,6 +29,24 @@ pub mod exit {
 #[error("{0}")]
 pub struct UsageError(pub String);
 
+/// The error and its causes on one line, each cause once: a cause whose text the message
+/// already contains (sqlx and lapin repeat their source in their own message) is skipped, so
+/// `{:#}` would print it twice.
+pub fn error_chain(error: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if text.is_empty() || line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
 /// The exit code for an error returned by [`run`].
 pub fn exit_code(error: &anyhow::Error) -> i32 {
     if error.downcast_ref::<UsageError>().is_some() {

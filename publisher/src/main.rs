@@ -19,7 +19,7 @@ async fn main() {
     match publisher::cli::run(cli).await {
         Ok(code) => std::process::exit(code),
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", publisher::cli::error_chain(&error));
             std::process::exit(publisher::cli::exit_code(&error));
         }
     }

@@ -269,3 +269,25 @@ async fn a_header_value_from_the_environment_reaches_the_downstream() {
     drop(w);
     cleanup(env).await;
 }
+
+/// Issue 9 item 9 for the publisher: a failing command prints each cause once.
+#[test]
+fn publisher_errors_print_each_cause_once() {
+    let out = Command::new(bin_dir().join("publisher"))
+        .arg("migrate")
+        .env_clear()
+        .env(
+            "PUBLISHER_DATABASE_URL",
+            e2e::env::pg_admin_url().replace("postgres@", "no_such_role_for_e2e@"),
+        )
+        .output()
+        .expect("run publisher");
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("PUBLISHER_DATABASE_URL"), "{err}");
+    assert_eq!(
+        err.matches("no_such_role_for_e2e").count(),
+        1,
+        "each cause once: {err}"
+    );
+}
