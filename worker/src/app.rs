@@ -17,6 +17,10 @@ use crate::recovery::scheduler;
 use crate::shutdown;
 use crate::telemetry::metrics as m;
 
+/// How long the relay's last round (publishing committed results) and its connection close
+/// may take after the grace period: the second term of the shutdown budget.
+pub const RELAY_FLUSH: Duration = Duration::from_secs(10);
+
 /// Connects to the ledger, retrying while it starts (compose, k8s). A login Postgres refuses
 /// (SQLSTATE class 28: unknown role, wrong password, no `pg_hba.conf` entry) is not retried:
 /// the server answered, and waiting cannot fix the credentials.
@@ -146,23 +150,43 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     // On a signal the consumer is told to stop and then awaited, so a batch it is in the middle
     // of is recorded, acked and dispatched rather than abandoned half-way (which would turn its
     // claims into false unknowns). It also stops while the broker is unreachable.
-    let consumed = tokio::select! {
-        r = &mut consumer => r,
+    //
+    // Every phase after the signal is bounded (README "Graceful shutdown"): the consumer's last
+    // batch, in-flight work and the scheduler's last pass share one deadline, the signal plus
+    // WORKER_SHUTDOWN_GRACE_SECS (a batch hung on a black-holed ledger or broker is given up
+    // there: its deliveries are unacked and return, its claims are covered by their leases);
+    // then the relay gets RELAY_FLUSH for its last round and the connection close.
+    let (consumed, deadline) = tokio::select! {
+        r = &mut consumer => (r, tokio::time::Instant::now() + settings.shutdown_grace),
         _ = shutdown::signal() => {
-            tracing::info!("shutdown requested");
+            let deadline = tokio::time::Instant::now() + settings.shutdown_grace;
+            tracing::info!(grace_secs = settings.shutdown_grace.as_secs(), "shutdown requested");
             trigger.fire();
-            (&mut consumer).await
+            match tokio::time::timeout_at(deadline, &mut consumer).await {
+                Ok(r) => (r, deadline),
+                Err(_) => {
+                    tracing::warn!("the consumer did not stop within the grace period; its unacked deliveries return to the queue");
+                    (Ok(()), deadline)
+                }
+            }
         }
     };
     trigger.fire();
-    drain(&ctx, settings.shutdown_grace, settings.max_in_flight).await;
-    let _ = sched.await;
-    let _ = sweeper.await;
+    drain(&ctx, deadline, settings.max_in_flight).await;
+    for (name, mut task) in [
+        ("recovery scheduler", sched),
+        ("retention sweeper", sweeper),
+    ] {
+        // A pass caught on a hung ledger is cut off: its leases cover what it had claimed.
+        if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+            tracing::warn!(task = name, "still running after the grace period; stopped");
+            task.abort();
+        }
+    }
     relay_trigger.fire();
-    if tokio::time::timeout(Duration::from_secs(10), relay)
-        .await
-        .is_err()
-    {
+    let mut relay = relay;
+    if tokio::time::timeout(RELAY_FLUSH, &mut relay).await.is_err() {
+        relay.abort();
         tracing::warn!("relay did not finish in time; unpublished results stay in the outbox");
     }
     tracing::info!("worker stopped");
@@ -337,13 +361,13 @@ async fn relay_link(
     }
 }
 
-/// Waits for in-flight dispatches to record their outcomes, up to `grace`.
-async fn drain(ctx: &Arc<Context>, grace: Duration, max_in_flight: usize) {
+/// Waits for in-flight dispatches to record their outcomes, until `deadline`.
+async fn drain(ctx: &Arc<Context>, deadline: tokio::time::Instant, max_in_flight: usize) {
     let all = ctx
         .in_flight
         .clone()
         .acquire_many_owned(max_in_flight as u32);
-    match tokio::time::timeout(grace, all).await {
+    match tokio::time::timeout_at(deadline, all).await {
         Ok(_) => tracing::info!("in-flight work finished"),
         Err(_) => tracing::warn!(
             "in-flight work still running after the grace period; its leases will expire into unknown and be recovered"
