@@ -187,6 +187,10 @@ check_tools() {
     if ! command -v docker-compose >/dev/null 2>&1; then
         apt_install docker-compose || say "docker-compose not installable here; the compose file will not be validated"
     fi
+    # tests/tests/pgbouncer.rs runs a PgBouncer of its own; optional (the test says SKIPPED).
+    if [ ! -x /usr/sbin/pgbouncer ] && ! command -v pgbouncer >/dev/null 2>&1; then
+        apt_install pgbouncer || say "pgbouncer not installable here; the PgBouncer test will skip"
+    fi
 }
 
 # ---- (f) compose file ---------------------------------------------------------------------------

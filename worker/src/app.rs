@@ -69,11 +69,16 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let handle = m::install(&names)
         .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
     let ledger = connect_ledger(&settings).await?;
-    if settings.migrate {
-        ledger.migrate().await.context("applying migrations")?;
+    let started = if settings.migrate {
+        ledger
+            .migrate()
+            .await
+            .context("applying migrations")
+            .map_err(pooler_hint)
     } else {
-        wait_for_migrations(&ledger).await?;
-    }
+        wait_for_migrations(&ledger).await.map_err(pooler_hint)
+    };
+    started?;
 
     let ctx = Context::new(
         ledger.clone(),
@@ -392,6 +397,23 @@ fn warn_about_risky_settings(_settings: &Settings, tools: &Tools) {
                  receipt; declare the echo fields the downstream returns"
             );
         }
+    }
+}
+
+/// The first queries of a worker behind PgBouncer in transaction mode without
+/// `max_prepared_statements` (PgBouncer < 1.21, or the setting left at 0) fail on sqlx's named
+/// prepared statements: say what to change instead of leaving a bare SQL error.
+fn pooler_hint(e: anyhow::Error) -> anyhow::Error {
+    let text = format!("{e:#}");
+    if text.contains("prepared statement \"sqlx_s_") {
+        e.context(
+            "DATABASE_URL looks like a connection pooler in transaction mode that does not keep \
+             prepared statements (PgBouncer < 1.21 or max_prepared_statements = 0); use \
+             PgBouncer >= 1.21 with max_prepared_statements > 0, session pooling, or Postgres \
+             directly (README, \"Postgres connections and PgBouncer\")",
+        )
+    } else {
+        e
     }
 }
 
