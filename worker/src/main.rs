@@ -10,8 +10,9 @@ use worker::config::EnvArgs;
 #[derive(Parser)]
 #[command(version, about)]
 struct Cli {
+    /// Always present: without arguments `main` supplies `run`.
     #[command(subcommand)]
-    command: Option<Command>,
+    command: Command,
 }
 
 #[derive(Subcommand)]
@@ -60,7 +61,7 @@ async fn main() -> ExitCode {
     }
     let matches = worker::config::blank_env_is_unset(Cli::command()).get_matches_from(args);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    if let Some(Command::Probe { url, timeout_ms }) = &cli.command {
+    if let Command::Probe { url, timeout_ms } = &cli.command {
         let timeout = std::time::Duration::from_millis(*timeout_ms);
         return match worker::telemetry::health::probe(url, timeout).await {
             Ok(()) => ExitCode::SUCCESS,
@@ -71,13 +72,13 @@ async fn main() -> ExitCode {
         };
     }
     let (env_args, job) = match cli.command {
-        Some(Command::CheckTool(args)) => {
+        Command::CheckTool(args) => {
             return ExitCode::from(worker::ops::check_tool::main(args).await)
         }
-        Some(Command::Run(a)) => (a, Job::Run),
-        Some(Command::Migrate(a)) => (a, Job::Migrate),
-        Some(Command::Ops { settings, command }) => (settings, Job::Ops(command)),
-        Some(Command::Probe { .. }) | None => unreachable!("probe returned; `run` is the default"),
+        Command::Run(a) => (a, Job::Run),
+        Command::Migrate(a) => (a, Job::Migrate),
+        Command::Ops { settings, command } => (settings, Job::Ops(command)),
+        Command::Probe { .. } => unreachable!("probe returned above"),
     };
     let settings = match worker::config::Settings::from_args(env_args) {
         Ok(s) => s,
