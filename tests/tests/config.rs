@@ -291,3 +291,32 @@ fn publisher_errors_print_each_cause_once() {
         "each cause once: {err}"
     );
 }
+
+/// The old worker-only names still work (a deprecated alias, said in the log), so existing
+/// deployments keep running after the rename.
+#[tokio::test]
+async fn the_old_exchange_variables_still_work_with_a_warning() {
+    let env = Env::new().await;
+    let ds = e2e::Downstream::start(&env).await;
+    // Blank counts as unset: only the old names carry the test's exchanges.
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
+        .env("INTENTS_EXCHANGE", "")
+        .env("RESULTS_EXCHANGE", "")
+        .env("WORKER_INTENTS_EXCHANGE", &env.topology.intents_exchange)
+        .env("WORKER_RESULTS_EXCHANGE", &env.topology.results_exchange);
+    let w = Worker::start(&env, "w", &opts).await;
+    assert!(
+        w.output
+            .contains("WORKER_INTENTS_EXCHANGE is deprecated; set INTENTS_EXCHANGE"),
+        "{}",
+        w.output.text()
+    );
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    agent
+        .request("north-shop", "alias-1", "refund", json!({"order": 1}))
+        .await;
+    agent.succeeded("north-shop", "alias-1").await;
+    assert_eq!(env.mutations("north-shop:alias-1").await, 1);
+    drop(w);
+    cleanup(env).await;
+}
