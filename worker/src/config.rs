@@ -105,6 +105,9 @@ pub struct Settings {
     /// false the broker is managed as code and the worker only checks, passively, that the
     /// exchanges and queues it uses exist.
     pub declare_topology: bool,
+    /// Extra PEM bundle trusted besides the system roots by every TLS client of the worker
+    /// (`WORKER_CA_FILE`: RabbitMQ, Postgres, HTTPS tools); see `crate::tls`.
+    pub ca_file: Option<PathBuf>,
 }
 
 fn var(name: &'static str) -> Option<String> {
@@ -285,6 +288,7 @@ impl Settings {
             log_json: log_format == "json",
             amqp_heartbeat_secs: parse("WORKER_AMQP_HEARTBEAT_SECS", 10u16)?,
             declare_topology: parse_bool("WORKER_DECLARE_TOPOLOGY", true)?,
+            ca_file: var("WORKER_CA_FILE").map(PathBuf::from),
         })
     }
 }
@@ -938,6 +942,7 @@ budget = { ratio = 0.2 }
             retention: Duration::from_secs(86_400),
             tombstone_retention: Duration::from_secs(tombstone_secs),
             db_pool_size: 2,
+            ca_file: None,
             migrate: true,
             amqp_heartbeat_secs: 10,
             declare_topology: true,

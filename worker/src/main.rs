@@ -39,6 +39,8 @@ enum Command {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // One crypto provider (ring) for every TLS client of the process.
+    worker::tls::install_default_provider();
     if let Some(Command::Probe { url, timeout_ms }) = &cli.command {
         let timeout = std::time::Duration::from_millis(*timeout_ms);
         return match worker::telemetry::health::probe(url, timeout).await {

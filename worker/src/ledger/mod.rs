@@ -130,11 +130,20 @@ pub struct Ledger {
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
 impl Ledger {
+    /// Connects with the URL alone (TLS trusts the system roots and the URL's `sslrootcert`).
     pub async fn connect(url: &str, pool_size: u32) -> Result<Ledger, LedgerError> {
+        Ledger::connect_with(url.parse()?, pool_size).await
+    }
+
+    /// Connects with prepared options (the worker's: `crate::tls::postgres` adds the CA file).
+    pub async fn connect_with(
+        options: sqlx::postgres::PgConnectOptions,
+        pool_size: u32,
+    ) -> Result<Ledger, LedgerError> {
         let pool = PgPoolOptions::new()
             .max_connections(pool_size)
             .acquire_timeout(std::time::Duration::from_secs(10))
-            .connect(url)
+            .connect_with(options)
             .await?;
         Ok(Ledger { pool })
     }
