@@ -6,7 +6,7 @@
 //! once naming the connection and the reason, or, for a tool, be recorded as not sent.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use e2e::tls::{amqps_url, broker_addr, exit_within, PgCluster, TestCa, TlsForwarder};
@@ -18,10 +18,11 @@ const T: Duration = Duration::from_secs(30);
 /// A certificate error is not an outage: the worker must stop well before any retry budget.
 const FAST_EXIT: Duration = Duration::from_secs(15);
 
-/// Runs `publisher send --wait` with `envs`; (exit code, stderr).
-fn publisher_send(env: &Env, action_id: &str, envs: &[(&str, &str)]) -> (i32, String) {
+/// Runs `publisher send --wait` with `envs`; (exit code, stderr). Async: the TLS forwarder
+/// runs on this test's runtime and must keep forwarding meanwhile.
+async fn publisher_send(env: &Env, action_id: &str, envs: &[(&str, &str)]) -> (i32, String) {
     let bin = e2e::procs::bin_dir().join("publisher");
-    let mut cmd = Command::new(bin);
+    let mut cmd = tokio::process::Command::new(bin);
     cmd.args([
         "send",
         "--tenant",
@@ -45,7 +46,10 @@ fn publisher_send(env: &Env, action_id: &str, envs: &[(&str, &str)]) -> (i32, St
     for (k, v) in envs {
         cmd.env(k, v);
     }
-    let out = cmd.output().expect("run publisher");
+    let out = tokio::time::timeout(T * 2, cmd.output())
+        .await
+        .expect("publisher send finished")
+        .expect("run publisher");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -76,13 +80,14 @@ async fn worker_and_publisher_speak_amqps_with_the_extra_ca() {
             ("AMQP_URL", url.as_str()),
             ("PUBLISHER_CA_FILE", path_str(&ca_file)),
         ],
-    );
+    )
+    .await;
     assert_eq!(code, 0, "publisher send over amqps: {stderr}");
     assert_eq!(env.mutations("north-shop:refund-tls-1").await, 1);
     assert_eq!(env.state("north-shop", "refund-tls-1").await, "succeeded");
 
     // Without the CA the publisher is refused, naming RabbitMQ and the reason, and sends nothing.
-    let (code, stderr) = publisher_send(&env, "refund-tls-2", &[("AMQP_URL", url.as_str())]);
+    let (code, stderr) = publisher_send(&env, "refund-tls-2", &[("AMQP_URL", url.as_str())]).await;
     assert_eq!(code, 1, "{stderr}");
     assert!(
         stderr.contains("RabbitMQ") && stderr.contains("unknown issuer"),
@@ -98,7 +103,8 @@ async fn worker_and_publisher_speak_amqps_with_the_extra_ca() {
             ("AMQP_URL", url.as_str()),
             ("PUBLISHER_CA_FILE", path_str(&bad)),
         ],
-    );
+    )
+    .await;
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("PUBLISHER_CA_FILE="), "{stderr}");
     assert!(env.operation("north-shop", "refund-tls-2").await.is_none());
