@@ -347,7 +347,7 @@ async fn connect_db(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool> {
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(options)
         .await
-        .map_err(|e| match crate::tls::handshake_failure(&e) {
+        .map_err(|e| match crate::tls::postgres_failure(&e) {
             Some(reason) => anyhow::anyhow!(
                 "cannot connect to the agent database (PUBLISHER_DATABASE_URL): TLS handshake failed: {reason}"
             ),

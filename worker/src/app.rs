@@ -40,13 +40,13 @@ pub async fn connect_ledger(settings: &Settings, trust: &Trust) -> anyhow::Resul
                 );
             }
             Err(crate::ledger::LedgerError::Db(e))
-                if crate::tls::handshake_failure(&e).is_some() =>
+                if crate::tls::postgres_failure(&e).is_some() =>
             {
                 anyhow::bail!(
                     "Postgres ledger (DATABASE_URL) at {}:{}: TLS handshake failed: {}; not retrying",
                     options.get_host(),
                     options.get_port(),
-                    crate::tls::handshake_failure(&e).unwrap_or_default()
+                    crate::tls::postgres_failure(&e).unwrap_or_default()
                 );
             }
             Err(e) if tokio::time::Instant::now() < deadline => {
