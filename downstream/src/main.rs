@@ -30,7 +30,8 @@
 //!
 //! # Layout
 //!
-//! `config` (env), `server` (accept loop, start-up line, signals), `http`
+//! `probe` (`reference-downstream probe URL`, the container health check), `config` (env),
+//! `server` (accept loop, start-up line, signals), `http`
 //! (one request, one response), `routes` (the life of a business request),
 //! `control` (fault API), `faults` (the in-memory fault book), `store` (SQL),
 //! `receipt` (receipt JSON).
@@ -39,6 +40,7 @@ mod config;
 mod control;
 mod faults;
 mod http;
+mod probe;
 mod receipt;
 mod routes;
 mod server;
@@ -51,6 +53,17 @@ use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // `reference-downstream probe URL`: exit 0 on a 2xx answer, 1 otherwise (health checks).
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [cmd, url] = args.as_slice() {
+        if cmd == "probe" {
+            if let Err(e) = probe::probe(url, std::time::Duration::from_secs(3)).await {
+                eprintln!("reference-downstream probe: {e:#}");
+                std::process::exit(1);
+            }
+            return Ok(());
+        }
+    }
     // stdout is reserved for the single start-up line; logs go to stderr.
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)

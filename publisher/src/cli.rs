@@ -121,6 +121,11 @@ pub struct Cli {
     )]
     pub set_user_id: bool,
 
+    /// Extra PEM bundle trusted besides the system roots for amqps://, Postgres TLS and
+    /// https:// (the status API).
+    #[arg(long, global = true, env = "PUBLISHER_CA_FILE", value_name = "PATH")]
+    pub ca_file: Option<std::path::PathBuf>,
+
     #[command(subcommand)]
     pub command: Command,
 }
@@ -320,6 +325,9 @@ pub struct DemoArgs {
 /// `main` and exits with [`exit_code`].
 pub async fn run(cli: Cli) -> anyhow::Result<i32> {
     let set_user_id = cli.set_user_id;
+    let trust = crate::tls::Trust::load(crate::tls::CA_FILE_VAR, cli.ca_file.as_deref())
+        .map_err(|e| UsageError(e.to_string()))?;
+    crate::tls::set_trust(trust);
     match cli.command {
         Command::Send(args) => send(&cli.amqp_url, set_user_id, args).await,
         Command::Wait(args) => wait(args).await,
@@ -350,12 +358,20 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
 }
 
 async fn connect_db(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool> {
+    let options = crate::tls::postgres(url)
+        .map_err(|e| UsageError(format!("invalid PUBLISHER_DATABASE_URL: {e}")))?;
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(Duration::from_secs(10))
-        .connect(url)
+        .connect_with(options)
         .await
-        .context("cannot connect to the agent database (PUBLISHER_DATABASE_URL)")
+        .map_err(|e| match crate::tls::postgres_failure(&e) {
+            Some(reason) => anyhow::anyhow!(
+                "cannot connect to the agent database (PUBLISHER_DATABASE_URL): TLS handshake failed: {reason}"
+            ),
+            None => anyhow::Error::new(e)
+                .context("cannot connect to the agent database (PUBLISHER_DATABASE_URL)"),
+        })
 }
 
 async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Result<()> {

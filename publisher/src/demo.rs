@@ -66,7 +66,7 @@ pub async fn run(config: DemoConfig) -> anyhow::Result<()> {
         Some(url) => {
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(2)
-                .connect(url)
+                .connect_with(crate::tls::postgres(url)?)
                 .await
                 .context("cannot connect to the agent database")?;
             Outbox::migrate(&pool).await?;

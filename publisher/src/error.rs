@@ -33,6 +33,11 @@ pub enum PublishError {
     #[error("the broker sent no publisher confirm; delivery is not proven")]
     NotConfirmed,
 
+    /// The TLS handshake with `peer` failed: its certificate was refused (unknown issuer,
+    /// name mismatch, expired...) or it does not speak TLS on that port.
+    #[error("{peer}: TLS handshake failed: {reason}")]
+    Tls { peer: &'static str, reason: String },
+
     /// The AMQP URL cannot be parsed.
     #[error("invalid AMQP URL: {0}")]
     BadUrl(String),

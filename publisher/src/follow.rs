@@ -49,7 +49,8 @@ impl Follower {
         binding_keys: &[String],
         queue: Option<&str>,
     ) -> Result<Follower, PublishError> {
-        let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+        let connection =
+            crate::tls::amqp_connect(amqp_url, ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
         topology::ensure_topic_exchange(&connection, results_exchange).await?;
         let queue =

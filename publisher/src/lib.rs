@@ -23,6 +23,8 @@
 //!   keys), `next` with a timeout.
 //! - `topology.rs` ([`topology`]): the only declarations this side makes (results
 //!   exchange and queue; the intents exchange for tests and the demo).
+//! - `tls.rs` ([`tls`]): the process's TLS trust (system roots + `PUBLISHER_CA_FILE`) and
+//!   the connect helpers every broker, database and HTTP client here goes through.
 //! - `error.rs` ([`error`]): [`PublishError`].
 //! - `cli.rs` ([`cli`]): the `publisher` command line (`send [--wait]`, `wait`, `follow`,
 //!   `migrate`, `relay`, `demo`) and its exit codes; `main.rs` only sets up logging, parses
@@ -37,6 +39,7 @@ pub mod metrics;
 pub mod outbox;
 pub mod publish;
 pub mod relay;
+pub mod tls;
 pub mod topology;
 pub mod wait;
 

@@ -8,6 +8,8 @@ use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() {
+    // One crypto provider (ring) for every TLS client of the process.
+    publisher::tls::install_default_provider();
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=off")),

@@ -66,7 +66,8 @@ impl Publisher {
     /// connection's user as `user_id` (see [`Publisher::with_user_id`]).
     pub async fn connect(amqp_url: &str, exchange: &str) -> Result<Publisher, PublishError> {
         let user_id = url_user(amqp_url)?;
-        let connection = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+        let connection =
+            crate::tls::amqp_connect(amqp_url, ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())

@@ -88,7 +88,7 @@ impl StatusApi {
         if base.cannot_be_a_base() {
             return Err(WaitError::Status(format!("bad status URL {base}")));
         }
-        let client = reqwest::Client::builder()
+        let client = crate::tls::http_client()
             .timeout(Duration::from_secs(10))
             .build()
             .map_err(|e| WaitError::Status(e.to_string()))?;

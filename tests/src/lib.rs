@@ -12,6 +12,8 @@
 //! - [`proxy`]: a TCP fault proxy that cuts or black-holes one link (broker, Postgres).
 //! - [`soak`]: the seeded chaos soak (the `soak` binary and `tests/soak_short.rs`).
 //! - [`wait`]: polling with deadlines.
+//! - [`tls`]: a test CA, server certificates, a TLS-terminating forwarder, a Postgres cluster
+//!   with TLS (tests/tls.rs).
 
 pub mod agent;
 pub mod broker_user;
@@ -20,6 +22,7 @@ pub mod flags;
 pub mod procs;
 pub mod proxy;
 pub mod soak;
+pub mod tls;
 pub mod wait;
 
 pub use agent::{cleanup, intent, Agent};
@@ -28,3 +31,15 @@ pub use env::{Env, Topology};
 pub use procs::{free_port, metric_value, Downstream, Worker, WorkerOptions};
 pub use proxy::FaultProxy;
 pub use wait::wait_for;
+
+/// An HTTP client builder for the tests. reqwest is built with TLS but without a crypto
+/// provider of its own (worker/src/tls.rs), so the process's default (ring) is installed first.
+pub fn http_builder() -> reqwest::ClientBuilder {
+    worker::tls::install_default_provider();
+    reqwest::Client::builder()
+}
+
+/// A default HTTP client for the tests (see [`http_builder`]).
+pub fn http() -> reqwest::Client {
+    http_builder().build().expect("HTTP client")
+}

@@ -300,7 +300,7 @@ impl Worker {
     /// when nothing answered.
     pub async fn get(&self, path: &str) -> (u16, String) {
         let port = self.metrics_port.expect("worker started without metrics");
-        let client = reqwest::Client::builder()
+        let client = crate::http_builder()
             .timeout(Duration::from_secs(5))
             .build()
             .unwrap();
@@ -317,7 +317,9 @@ impl Worker {
     /// Scrapes `/metrics` (needs `with_metrics()`).
     pub async fn metrics(&self) -> String {
         let port = self.metrics_port.expect("worker started without metrics");
-        reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        crate::http()
+            .get(format!("http://127.0.0.1:{port}/metrics"))
+            .send()
             .await
             .expect("scrape metrics")
             .text()
@@ -438,7 +440,7 @@ impl Downstream {
 
     /// Adds a fault (see downstream/README.md): e.g. `{"kind":"drop_after_commit"}`.
     pub async fn fault(&self, fault: serde_json::Value) {
-        let r = reqwest::Client::new()
+        let r = crate::http()
             .post(format!("http://127.0.0.1:{}/_control/faults", self.port))
             .header("content-type", "application/json")
             .body(fault.to_string())

@@ -631,7 +631,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         s.amqp.restore();
         s.pg.restore();
     }
-    let _ = reqwest::Client::new()
+    let _ = crate::http()
         .delete(format!(
             "http://127.0.0.1:{}/_control/faults",
             downstream.port
@@ -699,7 +699,7 @@ async fn chaos(
     report: &mut SoakReport,
 ) {
     let end = t0 + Duration::from_secs(cfg.seconds);
-    let http = reqwest::Client::new();
+    let http = crate::http();
     let faults_url = format!("http://127.0.0.1:{}/_control/faults", downstream.port);
     let secs = |rng: &mut fastrand::Rng, lo: f64, hi: f64| {
         Duration::from_secs_f64(lo + rng.f64() * (hi - lo))

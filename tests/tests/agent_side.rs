@@ -397,7 +397,11 @@ async fn unroutable_row_stays_unsent_with_backoff_and_is_counted() {
     let proc = RelayProc::spawn(&env, "relay", &[("PUBLISHER_METRICS_ADDR", addr.as_str())]);
     let deadline = Instant::now() + T;
     let text = loop {
-        let text = match reqwest::get(format!("http://{addr}/metrics")).await {
+        let text = match e2e::http()
+            .get(format!("http://{addr}/metrics"))
+            .send()
+            .await
+        {
             Ok(r) => r.text().await.unwrap_or_default(),
             Err(_) => String::new(),
         };

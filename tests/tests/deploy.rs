@@ -94,7 +94,8 @@ fn the_k8s_tools_configmap_passes_the_workers_start_up_checks() {
     let tools = worker::config::Tools::parse(std::path::Path::new("tools.toml"), &toml)
         .unwrap_or_else(|e| panic!("{e}\n{toml}"));
     assert!(!tools.tools.is_empty());
-    worker::adapter::ToolSet::from_config(&tools).expect("adapters build");
+    worker::adapter::ToolSet::from_config(&tools, &worker::tls::Trust::system())
+        .expect("adapters build");
     // nextest runs each test in its own process, so setting the environment here is contained.
     std::env::set_var("DATABASE_URL", "postgres://unused@127.0.0.1/unused");
     let settings = worker::config::Settings::from_env().expect("settings");

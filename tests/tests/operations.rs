@@ -34,7 +34,7 @@ async fn metrics_admin_api_and_held_operation_resolution() {
         );
     let w = Worker::start(&env, "w", &opts).await;
     let api = format!("http://127.0.0.1:{}/v1/operations", w.admin_port.unwrap());
-    let http = reqwest::Client::new();
+    let http = e2e::http();
     let mut agent = Agent::new(&env, &[TENANT]).await;
 
     // A success and a duplicate of it.

@@ -410,7 +410,7 @@ async fn negative_control_a_fresh_key_retry_duplicates_the_write() {
     let ds = Downstream::start(&env).await;
     ds.fault(json!({"kind": "drop_after_commit", "key": "conventional-1"}))
         .await;
-    let client = reqwest::Client::new();
+    let client = e2e::http();
     let url = format!("http://127.0.0.1:{}/replay/refunds", ds.port);
     let body = r#"{"order":"order-731","amount_cents":4850}"#;
     let first = client

@@ -342,7 +342,7 @@ async fn shared_budget_bounds_retries_and_deferred_retries_proceed_after_recover
     );
     assert!(deferred > 0.0, "the budget deferred retries");
     // The downstream recovers: every deferred retry proceeds and every operation ends definite.
-    reqwest::Client::new()
+    e2e::http()
         .delete(format!("http://127.0.0.1:{}/_control/faults", ds.port))
         .send()
         .await

@@ -247,7 +247,7 @@ async fn retries_against_a_half_shedding_downstream_stay_within_the_budget() {
         c.retries
     );
     // The downstream stops shedding: every deferred retry proceeds and all end succeeded.
-    reqwest::Client::new()
+    e2e::http()
         .delete(format!("http://127.0.0.1:{}/_control/faults", ds.port))
         .send()
         .await

@@ -16,6 +16,7 @@ use crate::ledger::Ledger;
 use crate::recovery::scheduler;
 use crate::shutdown;
 use crate::telemetry::metrics as m;
+use crate::tls::Trust;
 
 /// How long the relay's last round (publishing committed results) and its connection close
 /// may take after the grace period: the second term of the shutdown budget.
@@ -23,13 +24,16 @@ pub const RELAY_FLUSH: Duration = Duration::from_secs(10);
 
 /// Connects to the ledger, retrying while it starts (compose, k8s). A login Postgres refuses
 /// (SQLSTATE class 28: unknown role, wrong password, no `pg_hba.conf` entry) is not retried:
-/// the server answered, and waiting cannot fix the credentials.
-pub async fn connect_ledger(settings: &Settings) -> anyhow::Result<Ledger> {
+/// the server answered, and waiting cannot fix the credentials. Nor is a failed TLS handshake
+/// (certificate refused under `sslmode=verify-ca|verify-full`, or a server without TLS).
+pub async fn connect_ledger(settings: &Settings, trust: &Trust) -> anyhow::Result<Ledger> {
+    let options =
+        crate::tls::postgres(&settings.database_url, trust).context("invalid DATABASE_URL")?;
     let mut delay = Duration::from_millis(250);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
-        match Ledger::connect(
-            &settings.database_url,
+        match Ledger::connect_with(
+            options.clone(),
             settings.db_pool_size,
             settings.db_acquire_timeout,
         )
@@ -39,14 +43,20 @@ pub async fn connect_ledger(settings: &Settings) -> anyhow::Result<Ledger> {
             Err(crate::ledger::LedgerError::Db(sqlx::Error::Database(db)))
                 if db.code().is_some_and(|c| c.starts_with("28")) =>
             {
-                let user = settings
-                    .database_url
-                    .parse::<sqlx::postgres::PgConnectOptions>()
-                    .map(|o| o.get_username().to_string())
-                    .unwrap_or_default();
                 anyhow::bail!(
-                    "Postgres refused the credentials of user {user:?} (DATABASE_URL): {}; not retrying",
+                    "Postgres refused the credentials of user {:?} (DATABASE_URL): {}; not retrying",
+                    options.get_username(),
                     db.message()
+                );
+            }
+            Err(crate::ledger::LedgerError::Db(e))
+                if crate::tls::postgres_failure(&e).is_some() =>
+            {
+                anyhow::bail!(
+                    "Postgres ledger (DATABASE_URL) at {}:{}: TLS handshake failed: {}; not retrying",
+                    options.get_host(),
+                    options.get_port(),
+                    crate::tls::postgres_failure(&e).unwrap_or_default()
                 );
             }
             Err(e) if tokio::time::Instant::now() < deadline => {
@@ -61,14 +71,15 @@ pub async fn connect_ledger(settings: &Settings) -> anyhow::Result<Ledger> {
 
 /// Runs the worker until SIGTERM/Ctrl-C. Losing the broker is not fatal: each link reconnects.
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
+    let trust = crate::tls::load(settings.ca_file.as_deref())?;
     let tools_file = Tools::load(&settings.tools_path)?;
-    let tools = ToolSet::from_config(&tools_file)?;
+    let tools = ToolSet::from_config(&tools_file, &trust)?;
     crate::config::check_proof(&settings, &tools_file)?;
     warn_about_risky_settings(&settings, &tools_file);
     let names: Vec<String> = tools.iter().map(|(n, _)| n.clone()).collect();
     let handle = m::install(&names)
         .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
-    let ledger = connect_ledger(&settings).await?;
+    let ledger = connect_ledger(&settings, &trust).await?;
     let started = if settings.migrate {
         ledger
             .migrate()
@@ -138,6 +149,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let (relay_trigger, relay_stop) = shutdown::channel();
     let relay = tokio::spawn(relay_link(
         settings.clone(),
+        trust.clone(),
         ctx.clone(),
         links.clone(),
         relay_stop,
@@ -150,7 +162,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         prepared_grace: settings.lease,
     };
     tracing::info!(worker_id = %settings.worker_id, tools = ?tool_names, "worker started");
-    let consumer = consumer_link(&settings, ctx.clone(), consumer_config, links, stop.clone());
+    let consumer = consumer_link(
+        &settings,
+        &trust,
+        ctx.clone(),
+        consumer_config,
+        links,
+        stop.clone(),
+    );
     tokio::pin!(consumer);
     // On a signal the consumer is told to stop and then awaited, so a batch it is in the middle
     // of is recorded, acked and dispatched rather than abandoned half-way (which would turn its
@@ -219,12 +238,14 @@ async fn pause(attempt: u32, stop: &shutdown::CancelToken) -> bool {
 }
 
 /// Connects (named `name`), giving up only when `stop` fires, or with the error when the broker
-/// refuses the login and `refusal_is_fatal` (the consumer's first connection at start-up: a
-/// wrong password should stop the process, not look like an unreachable broker forever).
-/// A refusal later on (credentials revoked while running) is logged as such and retried, so
-/// the worker keeps draining and recording what it holds while someone fixes the user.
+/// refuses the login or the TLS handshake fails and `refusal_is_fatal` (the consumer's first
+/// connection at start-up: a wrong password or an untrusted certificate should stop the
+/// process, not look like an unreachable broker forever). A refusal later on (credentials
+/// revoked, certificate rotated while running) is logged as such and retried, so the worker
+/// keeps draining and recording what it holds while someone fixes it.
 async fn connect_until_stopped(
     settings: &Settings,
+    trust: &Trust,
     name: &str,
     link: Link,
     refusal_is_fatal: bool,
@@ -235,11 +256,22 @@ async fn connect_until_stopped(
         let connected = tokio::select! {
             biased;
             _ = stop.cancelled() => return Ok(None),
-            c = amqp::connect_with_heartbeat(&settings.amqp_url, name, settings.amqp_heartbeat_secs) => c,
+            c = amqp::connect_with_heartbeat(&settings.amqp_url, name, settings.amqp_heartbeat_secs, trust) => c,
         };
         match connected {
             Ok(c) => return Ok(Some(c)),
-            Err(e @ amqp::AmqpError::Refused { .. }) if refusal_is_fatal => return Err(e),
+            Err(e @ (amqp::AmqpError::Refused { .. } | amqp::AmqpError::Tls { .. }))
+                if refusal_is_fatal =>
+            {
+                return Err(e)
+            }
+            Err(e @ amqp::AmqpError::Tls { .. }) => {
+                attempt += 1;
+                tracing::error!(?link, attempt, error = %e, "RabbitMQ TLS handshake failed; retrying until the certificate or trust is fixed");
+                if !pause(attempt, stop).await {
+                    return Ok(None);
+                }
+            }
             Err(e @ amqp::AmqpError::Refused { .. }) => {
                 attempt += 1;
                 tracing::error!(?link, attempt, error = %e, "RabbitMQ refused the credentials; retrying until they are fixed");
@@ -263,6 +295,7 @@ async fn connect_until_stopped(
 /// the broker refused the login before the link was ever up.
 async fn consumer_link(
     settings: &Settings,
+    trust: &Trust,
     ctx: Arc<Context>,
     config: ConsumerConfig,
     links: LinkState,
@@ -274,6 +307,7 @@ async fn consumer_link(
     loop {
         let Some(connection) = connect_until_stopped(
             settings,
+            trust,
             &settings.worker_id,
             Link::Consumer,
             !ever_up,
@@ -324,6 +358,7 @@ async fn consumer_link(
 /// last round is done (or the link is down at that moment: results stay in the outbox).
 async fn relay_link(
     settings: Settings,
+    trust: Trust,
     ctx: Arc<Context>,
     links: LinkState,
     stop: shutdown::CancelToken,
@@ -333,7 +368,7 @@ async fn relay_link(
     loop {
         // The consumer link decides about a refused login at start-up (same URL).
         let Ok(Some(connection)) =
-            connect_until_stopped(&settings, &name, Link::Relay, false, &stop).await
+            connect_until_stopped(&settings, &trust, &name, Link::Relay, false, &stop).await
         else {
             return;
         };
@@ -445,7 +480,8 @@ async fn wait_for_migrations(ledger: &Ledger) -> anyhow::Result<()> {
 
 /// `worker migrate`: applies migrations and exits.
 pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
-    let ledger = connect_ledger(settings).await?;
+    let trust = crate::tls::load(settings.ca_file.as_deref())?;
+    let ledger = connect_ledger(settings, &trust).await?;
     ledger.migrate().await.context("applying migrations")?;
     tracing::info!("migrations applied");
     Ok(())

@@ -16,6 +16,7 @@
 //!   state; `app` reconnects each link when it is lost.
 //! - [`ops`]: the operator and agent HTTP API.
 //! - [`telemetry`]: logs, Prometheus metrics, `/livez` and `/readyz`, `worker probe`.
+//! - [`tls`]: the one trust (system roots + `WORKER_CA_FILE`) every TLS client uses.
 //! - [`fault`]: named stop points for crash tests (feature `fault-points`).
 //! - [`app`]: wiring and graceful shutdown.
 
@@ -33,3 +34,4 @@ pub mod recovery;
 pub mod retry;
 pub mod shutdown;
 pub mod telemetry;
+pub mod tls;

@@ -61,6 +61,8 @@ async fn main() -> ExitCode {
     }
     let matches = worker::config::blank_env_is_unset(Cli::command()).get_matches_from(args);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // One crypto provider (ring) for every TLS client of the process.
+    worker::tls::install_default_provider();
     if let Command::Probe { url, timeout_ms } = &cli.command {
         let timeout = std::time::Duration::from_millis(*timeout_ms);
         return match worker::telemetry::health::probe(url, timeout).await {

@@ -30,22 +30,13 @@ pub struct HttpAdapter {
 }
 
 impl HttpAdapter {
-    pub fn new(config: ToolConfig) -> Result<HttpAdapter, BuildError> {
+    /// An adapter for one tool; `https://` URLs are verified against `trust`.
+    pub fn new(config: ToolConfig, trust: &crate::tls::Trust) -> Result<HttpAdapter, BuildError> {
         let bad = |reason: String| BuildError::Invalid {
             tool: config.name.clone(),
             reason,
         };
-        for url in std::iter::once(&config.url).chain(match &config.capability {
-            crate::config::Capability::Lookup { url_template } => Some(url_template),
-            _ => None,
-        }) {
-            if url.starts_with("https://") && !cfg!(feature = "https") {
-                return Err(bad(format!(
-                    "{url} needs HTTPS, but this worker was built without the `https` feature"
-                )));
-            }
-        }
-        let client = reqwest::Client::builder()
+        let client = crate::tls::http_client(trust)
             .timeout(config.timeout)
             .connect_timeout(config.connect_timeout)
             .redirect(reqwest::redirect::Policy::none())
@@ -120,7 +111,7 @@ impl HttpAdapter {
             .await;
         let response = match sent {
             Ok(r) => r,
-            Err(e) => return Answer::bare(classify_error(&e)),
+            Err(e) => return Answer::bare(classify_error(&e, &self.config)),
         };
         let status = response.status();
         let content_type = content_type(&response);
@@ -197,10 +188,17 @@ impl HttpAdapter {
         let response = match self.client.get(&url).headers(headers).send().await {
             Ok(r) => r,
             Err(e) => {
+                let why = match crate::tls::handshake_failure(&e) {
+                    Some(reason) => format!(
+                        "TLS handshake with tool {} at {url} failed: {reason}",
+                        self.config.name
+                    ),
+                    None => error_chain(&e),
+                };
                 return Answer::bare(Outcome::Unknown {
-                    evidence: format!("lookup failed: {}", error_chain(&e)),
+                    evidence: format!("lookup failed: {why}"),
                     retry_after: None,
-                })
+                });
             }
         };
         let status = response.status();
@@ -286,13 +284,21 @@ impl ToolAdapter for HttpAdapter {
     }
 }
 
-/// Transport errors: only a failure to connect proves the request was never written.
-fn classify_error(e: &reqwest::Error) -> Outcome {
+/// Transport errors: only a failure to connect proves the request was never written. A failed
+/// TLS handshake is one (the request is written only after the handshake; no early data is
+/// enabled), and its evidence says which tool and why (unknown issuer, name mismatch...).
+fn classify_error(e: &reqwest::Error, config: &ToolConfig) -> Outcome {
     let chain = error_chain(e);
     if e.is_connect() {
-        Outcome::NotSent {
-            evidence: format!("not sent: {chain}"),
-        }
+        let evidence = match crate::tls::handshake_failure(e) {
+            Some(reason) => format!(
+                "not sent: TLS handshake with tool {} at {} failed: {reason}",
+                config.name,
+                e.url().map_or(config.url.as_str(), |u| u.as_str())
+            ),
+            None => format!("not sent: {chain}"),
+        };
+        Outcome::NotSent { evidence }
     } else if e.is_builder() {
         Outcome::Rejected {
             status: 0,

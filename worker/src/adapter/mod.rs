@@ -126,11 +126,14 @@ pub struct ToolSet {
 }
 
 impl ToolSet {
-    /// Builds HTTP adapters for every tool of the file.
-    pub fn from_config(tools: &Tools) -> Result<ToolSet, http::BuildError> {
+    /// Builds HTTP adapters for every tool of the file; `https://` tools trust `trust`.
+    pub fn from_config(
+        tools: &Tools,
+        trust: &crate::tls::Trust,
+    ) -> Result<ToolSet, http::BuildError> {
         let mut set = ToolSet::default();
         for (name, config) in &tools.tools {
-            let adapter = Arc::new(http::HttpAdapter::new(config.clone())?);
+            let adapter = Arc::new(http::HttpAdapter::new(config.clone(), trust)?);
             set.insert(name.clone(), config.clone(), adapter);
         }
         Ok(set)

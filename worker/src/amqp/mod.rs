@@ -34,6 +34,11 @@ pub enum AmqpError {
         user: String,
         reason: String,
     },
+    /// The TLS handshake failed: the broker's certificate was refused (unknown issuer, name
+    /// mismatch, expired...) or the port does not speak TLS. Like a refused login, waiting
+    /// cannot fix it.
+    #[error("RabbitMQ at {url}: TLS handshake failed: {reason}")]
+    Tls { url: String, reason: String },
     #[error("RabbitMQ {what} failed: {error}")]
     Broker { what: String, error: lapin::Error },
     #[error("invalid AMQP_URL {url}: {reason}")]
@@ -58,18 +63,20 @@ impl AmqpError {
 }
 
 /// Opens a connection named after the worker (visible in the management UI), with the heartbeat
-/// the URL asks for (or the broker's).
+/// the URL asks for (or the broker's), trusting the system roots for `amqps://`.
 pub async fn connect(url: &str, name: &str) -> Result<Connection, AmqpError> {
-    connect_with_heartbeat(url, name, 0).await
+    connect_with_heartbeat(url, name, 0, &crate::tls::Trust::system()).await
 }
 
 /// Like [`connect`], for a worker link. `heartbeat_secs`
 /// (0 = off) is asked for unless the URL sets `heartbeat=` itself; the broker and lapin settle
 /// on the lower of both, so a link that stops moving is declared dead after about two beats.
+/// An `amqps://` URL is verified against `trust` (system roots plus `WORKER_CA_FILE`).
 pub async fn connect_with_heartbeat(
     url: &str,
     name: &str,
     heartbeat_secs: u16,
+    trust: &crate::tls::Trust,
 ) -> Result<Connection, AmqpError> {
     let mut uri: AMQPUri = url.parse().map_err(|reason: String| AmqpError::BadUrl {
         url: redact(url),
@@ -84,18 +91,32 @@ pub async fn connect_with_heartbeat(
     }
     let user = uri.authority.userinfo.username.clone();
     let props = ConnectionProperties::default().with_connection_name(name.to_string().into());
-    Connection::connect_uri(uri, props)
+    let runtime = lapin::runtime::default_runtime().map_err(|error| AmqpError::Connect {
+        url: redact(url),
+        error,
+    })?;
+    Connection::connect_uri_with_config(uri, props, crate::tls::amqp(trust), runtime)
         .await
-        .map_err(|error| match login_refusal(&error) {
-            Some(reason) => AmqpError::Refused {
-                url: redact(url),
-                user,
-                reason,
-            },
-            None => AmqpError::Connect {
+        .map_err(|error| {
+            if let Some(reason) = login_refusal(&error) {
+                return AmqpError::Refused {
+                    url: redact(url),
+                    user,
+                    reason,
+                };
+            }
+            if let lapin::ErrorKind::IOError(io) = error.kind() {
+                if let Some(reason) = crate::tls::handshake_failure(io.as_ref()) {
+                    return AmqpError::Tls {
+                        url: redact(url),
+                        reason,
+                    };
+                }
+            }
+            AmqpError::Connect {
                 url: redact(url),
                 error,
-            },
+            }
         })
 }
 

@@ -130,17 +130,27 @@ pub struct Ledger {
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
 impl Ledger {
-    /// A pool of at most `pool_size` connections; a task waits up to `acquire_timeout` for a
-    /// free one before its call fails (and is handled like any ledger error).
+    /// Connects with the URL alone (TLS trusts the system roots and the URL's `sslrootcert`).
     pub async fn connect(
         url: &str,
+        pool_size: u32,
+        acquire_timeout: std::time::Duration,
+    ) -> Result<Ledger, LedgerError> {
+        Ledger::connect_with(url.parse()?, pool_size, acquire_timeout).await
+    }
+
+    /// Connects with prepared options (the worker's: `crate::tls::postgres` adds the CA file).
+    /// A pool of at most `pool_size` connections; a task waits up to `acquire_timeout` for a
+    /// free one before its call fails (and is handled like any ledger error).
+    pub async fn connect_with(
+        options: sqlx::postgres::PgConnectOptions,
         pool_size: u32,
         acquire_timeout: std::time::Duration,
     ) -> Result<Ledger, LedgerError> {
         let pool = PgPoolOptions::new()
             .max_connections(pool_size)
             .acquire_timeout(acquire_timeout)
-            .connect(url)
+            .connect_with(options)
             .await?;
         Ok(Ledger { pool })
     }

@@ -111,7 +111,11 @@ impl Report {
 
 /// Runs every probe the tool's capability calls for. `body` is the JSON object sent as the
 /// write's arguments (a probe marker by default).
-pub async fn run(config: &ToolConfig, body: Option<&str>) -> Result<Report, CheckError> {
+pub async fn run(
+    config: &ToolConfig,
+    trust: &crate::tls::Trust,
+    body: Option<&str>,
+) -> Result<Report, CheckError> {
     let run = uuid::Uuid::new_v4().to_string();
     let body: serde_json::Value = match body {
         Some(text) => serde_json::from_str(text).map_err(|e| CheckError::Body(e.to_string()))?,
@@ -121,7 +125,7 @@ pub async fn run(config: &ToolConfig, body: Option<&str>) -> Result<Report, Chec
         return Err(CheckError::Body("not an object".into()));
     };
     variant.insert(VARIANT_FIELD.into(), "another-body".into());
-    let adapter = HttpAdapter::new(config.clone())?;
+    let adapter = HttpAdapter::new(config.clone(), trust)?;
     let checker = Checker {
         adapter,
         tool: config.name.clone(),
@@ -578,7 +582,18 @@ pub async fn main(args: CheckToolArgs) -> u8 {
         );
         return EXIT_USAGE;
     };
-    let report = match run(config, args.body.as_deref()).await {
+    // The worker's own trust, so a probe sees the downstream as the worker would.
+    let ca_file = std::env::var_os(crate::tls::CA_FILE_VAR)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from);
+    let trust = match crate::tls::load(ca_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("worker check-tool: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let report = match run(config, &trust, args.body.as_deref()).await {
         Ok(r) => r,
         Err(e) => {
             eprintln!("worker check-tool: {e}");

@@ -116,7 +116,10 @@ pub struct RecheckArgs {
 
 /// Runs one `worker ops` command.
 pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
-    let ledger = Ledger::connect(&settings.database_url, 2, settings.db_acquire_timeout)
+    let trust = crate::tls::load(settings.ca_file.as_deref())?;
+    let options =
+        crate::tls::postgres(&settings.database_url, &trust).context("invalid DATABASE_URL")?;
+    let ledger = Ledger::connect_with(options, 2, settings.db_acquire_timeout)
         .await
         .context("cannot connect to Postgres (DATABASE_URL)")?;
     match cmd {
@@ -162,7 +165,7 @@ pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
             let receipt: serde_json::Value =
                 serde_json::from_str(&receipt_text).context("the receipt is not valid JSON")?;
             let request_id = request_id(args.request_id);
-            let ctx = context(settings, ledger, true)?;
+            let ctx = context(settings, &trust, ledger, true)?;
             let r = actions::resolve(
                 &ctx,
                 &args.tenant,
@@ -179,7 +182,7 @@ pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
         }
         OpsCommand::Fail(args) => {
             let request_id = request_id(args.request_id);
-            let ctx = context(settings, ledger, false)?;
+            let ctx = context(settings, &trust, ledger, false)?;
             let r = actions::fail(
                 &ctx,
                 &args.tenant,
@@ -195,7 +198,7 @@ pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
         }
         OpsCommand::Recheck(args) => {
             let request_id = request_id(args.request_id);
-            let ctx = context(settings, ledger, true)?;
+            let ctx = context(settings, &trust, ledger, true)?;
             let r = actions::recheck(
                 &ctx,
                 &args.tenant,
@@ -223,9 +226,14 @@ fn request_id(given: Option<String>) -> String {
 }
 
 /// A context like the worker's, for receipt checks and recovery rounds run from here.
-fn context(settings: &Settings, ledger: Ledger, need_tools: bool) -> anyhow::Result<Arc<Context>> {
+fn context(
+    settings: &Settings,
+    trust: &crate::tls::Trust,
+    ledger: Ledger,
+    need_tools: bool,
+) -> anyhow::Result<Arc<Context>> {
     let tools = match Tools::load(&settings.tools_path) {
-        Ok(file) => ToolSet::from_config(&file)?,
+        Ok(file) => ToolSet::from_config(&file, trust)?,
         Err(e) if need_tools => {
             return Err(
                 anyhow::Error::new(e).context("this command needs the tools file (WORKER_TOOLS)")

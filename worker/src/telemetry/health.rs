@@ -71,7 +71,8 @@ pub async fn probe(url: &str, timeout: Duration) -> Result<(), ProbeError> {
         url: url.to_string(),
         error,
     };
-    let client = reqwest::Client::builder()
+    // System roots only: the probe needs no configuration (an https:// health URL is rare).
+    let client = crate::tls::http_client(&crate::tls::Trust::system())
         .timeout(timeout)
         .build()
         .map_err(request)?;

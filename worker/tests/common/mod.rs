@@ -100,7 +100,7 @@ async fn admin_pool() -> PgPool {
 
 pub fn tool_set() -> ToolSet {
     let tools = Tools::parse(Path::new("tools.toml"), TOOLS).expect("tools parse");
-    ToolSet::from_config(&tools).expect("tool set")
+    ToolSet::from_config(&tools, &worker::tls::Trust::system()).expect("tool set")
 }
 
 pub fn context(db: &TestDb) -> Arc<Context> {
@@ -248,7 +248,10 @@ pub async fn start_api(ctx: Arc<Context>) -> Api {
     let task = tokio::spawn(api.serve_listener(listener, std::future::pending()));
     Api {
         addr,
-        client: reqwest::Client::new(),
+        client: {
+            worker::tls::install_default_provider();
+            reqwest::Client::new()
+        },
         task,
     }
 }

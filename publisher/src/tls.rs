@@ -1,0 +1,86 @@
+//! TLS for the publisher's peers, in every build: RabbitMQ (`amqps://`), the agent database
+//! (`sslmode=...` in `PUBLISHER_DATABASE_URL`) and the status API (`https://`). The trust is
+//! the worker's ([`protocol::tls::Trust`]: system roots plus an optional PEM bundle), set once
+//! per process: the CLI sets it from `PUBLISHER_CA_FILE`; an agent using this library may call
+//! [`set_trust`] before connecting, else the system roots apply. Process-wide rather than a
+//! parameter of every connect entry point (`Publisher::connect`, `Follower::follow`, ...),
+//! because one agent process has one trust.
+
+use std::sync::OnceLock;
+
+use lapin::{Connection, ConnectionProperties};
+use sqlx::postgres::PgConnectOptions;
+
+use crate::PublishError;
+pub use protocol::tls::{handshake_failure, install_default_provider, CaFileError, Trust};
+
+/// The variable naming the publisher CLI's extra CA bundle.
+pub const CA_FILE_VAR: &str = "PUBLISHER_CA_FILE";
+
+static TRUST: OnceLock<Trust> = OnceLock::new();
+
+/// Sets the process's trust; false when it was already set (or already used), in which case
+/// the first one stays.
+pub fn set_trust(trust: Trust) -> bool {
+    TRUST.set(trust).is_ok()
+}
+
+/// The process's trust (the system roots unless [`set_trust`] came first).
+pub fn trust() -> &'static Trust {
+    TRUST.get_or_init(Trust::system)
+}
+
+/// Opens a broker connection; an `amqps://` URL is verified against [`trust`]. A failed TLS
+/// handshake is [`PublishError::Tls`], naming RabbitMQ and the reason.
+pub async fn amqp_connect(
+    url: &str,
+    properties: ConnectionProperties,
+) -> Result<Connection, PublishError> {
+    let config = lapin::tcp::OwnedTLSConfig {
+        identity: None,
+        cert_chain: trust().extra_pem().map(str::to_owned),
+    };
+    let runtime = lapin::runtime::default_runtime()?;
+    Connection::connect_with_config(url, properties, config, runtime)
+        .await
+        .map_err(|error| match error.kind() {
+            lapin::ErrorKind::IOError(io) => match handshake_failure(io.as_ref()) {
+                Some(reason) => PublishError::Tls {
+                    peer: "RabbitMQ",
+                    reason,
+                },
+                None => PublishError::Amqp(error),
+            },
+            _ => PublishError::Amqp(error),
+        })
+}
+
+/// Options for a Postgres URL: the URL's `sslrootcert` (or `PGSSLROOTCERT`) when given, else
+/// the extra bundle, on top of the system roots; `sslmode` decides what is checked.
+pub fn postgres(url: &str) -> Result<PgConnectOptions, sqlx::Error> {
+    let options: PgConnectOptions = url.parse()?;
+    let named = url.split_once('?').is_some_and(|(_, query)| {
+        query.split('&').any(|pair| {
+            let key = pair.split_once('=').map_or(pair, |(k, _)| k);
+            key == "sslrootcert" || key == "ssl-root-cert"
+        })
+    }) || std::env::var_os("PGSSLROOTCERT").is_some_and(|v| !v.is_empty());
+    Ok(match trust().extra_pem() {
+        Some(pem) if !named => options.ssl_root_cert_from_pem(pem.as_bytes().to_vec()),
+        _ => options,
+    })
+}
+
+/// A reqwest client builder trusting [`trust`].
+pub fn http_client() -> reqwest::ClientBuilder {
+    reqwest::Client::builder().tls_backend_preconfigured(trust().client_config())
+}
+
+/// Why a Postgres connection failed TLS, if it did (a refused handshake, or a TLS set-up sqlx
+/// refused before it, such as `sslmode=verify-full` against a server without TLS).
+pub fn postgres_failure(error: &sqlx::Error) -> Option<String> {
+    handshake_failure(error).or_else(|| match error {
+        sqlx::Error::Tls(e) => Some(e.to_string()),
+        _ => None,
+    })
+}
