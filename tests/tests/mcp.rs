@@ -418,6 +418,43 @@ async fn a_task_goes_from_working_to_completed_across_a_gateway_restart() {
     cleanup(w.env).await;
 }
 
+/// The Python examples (`examples/mcp/`: the `mcp` package, and the OpenAI Agents SDK without a
+/// model) against a real gateway. `scripts/test.sh` sets `MCP_PYTHON` to its virtualenv with the
+/// pinned packages (`examples/mcp/requirements.txt`); without it this test only says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_python_examples_run_against_a_real_gateway() {
+    let Some(python) = std::env::var_os("MCP_PYTHON") else {
+        eprintln!("MCP_PYTHON is not set: the Python MCP examples did not run (scripts/test.sh runs them)");
+        return;
+    };
+    let w = world("15s", &[]).await;
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mcp");
+    for (script, key) in [
+        ("mcp_client.py", "north-shop:py-1"),
+        ("agents_sdk.py", "north-shop:case-py:refund:order-731"),
+    ] {
+        let out = tokio::process::Command::new(&python)
+            .arg(examples.join(script))
+            .env("MCP_URL", w.gateway.url())
+            .env("MCP_TOKEN", NORTH)
+            .env("ACTION_ID", "py-1")
+            .env("CASE_ID", "case-py")
+            .output()
+            .await
+            .expect("run python");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{script} failed:\n{said}");
+        assert!(said.contains("ok"), "{script}:\n{said}");
+        assert_eq!(w.env.mutations(key).await, 1, "{script}");
+    }
+    drop(w.gateway);
+    cleanup(w.env).await;
+}
+
 /// Call latency through the gateway (sequential succeeded calls, each a new action), for the
 /// README's measurement note: `cargo nextest run -p e2e --test mcp --run-ignored only`.
 #[tokio::test(flavor = "multi_thread")]
