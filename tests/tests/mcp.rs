@@ -418,6 +418,156 @@ async fn a_task_goes_from_working_to_completed_across_a_gateway_restart() {
     cleanup(w.env).await;
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn outbox_mode_with_the_action_id_as_an_argument() {
+    // The agent's database here is a separate fresh one, as an application's would be.
+    let agent_db = Env::new().await;
+    let w = world(
+        "15s",
+        &[
+            ("PUBLISHER_DATABASE_URL", agent_db.db_url.as_str()),
+            ("PUBLISHER_MCP_ACTION_ID", "argument"),
+        ],
+    )
+    .await;
+    let relay = std::process::Command::new(e2e::procs::bin_dir().join("publisher"))
+        .arg("relay")
+        .env("AMQP_URL", &w.env.amqp_url)
+        .env("INTENTS_EXCHANGE", &w.env.topology.intents_exchange)
+        .env("PUBLISHER_DATABASE_URL", &agent_db.db_url)
+        .env("PUBLISHER_METRICS_ADDR", "off")
+        .env("PUBLISHER_IDLE_POLL", "20ms")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn publisher relay");
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _relay = Kill(relay);
+
+    let c = client(&w.gateway.url(), NORTH, false).await;
+    let tools = c.list_all_tools().await.unwrap();
+    let refund = tools.iter().find(|t| t.name == "refund").unwrap();
+    assert_eq!(
+        refund.input_schema["required"],
+        json!(["order", "amount_cents", "action_id"])
+    );
+
+    let mut args = refund_args("o-9");
+    args["action_id"] = "arg-1".into();
+    let result = c
+        .call_tool(call("refund", None, args.clone()))
+        .await
+        .unwrap();
+    let event = result.structured_content.expect("succeeded");
+    assert_eq!(event["status"], "succeeded", "{event}");
+    // The key is the argument, and the argument is not part of the tool's arguments.
+    assert_eq!(event["receipt"]["idempotency_key"], "north-shop:arg-1");
+    assert!(
+        event["receipt"]["arguments"].get("action_id").is_none(),
+        "{event}"
+    );
+    let sent: Vec<(String, bool)> =
+        sqlx::query_as("SELECT action_id, sent_at IS NOT NULL FROM intent_outbox ORDER BY id")
+            .fetch_all(&agent_db.pool)
+            .await
+            .unwrap();
+    assert_eq!(sent, [("arg-1".to_string(), true)]);
+
+    let again = c.call_tool(call("refund", None, args)).await.unwrap();
+    assert_eq!(
+        again.structured_content.unwrap()["receipt"],
+        event["receipt"]
+    );
+    assert_eq!(w.env.mutations("north-shop:arg-1").await, 1);
+
+    let missing = c
+        .call_tool(call(
+            "refund",
+            Some("meta-is-not-read-here"),
+            refund_args("o-9"),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(missing.is_error, Some(true));
+    assert!(text(&missing).contains("action_id"), "{}", text(&missing));
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM intent_outbox")
+        .fetch_one(&agent_db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 2, "the refused call enqueued nothing");
+    c.cancel().await.ok();
+    drop(w.gateway);
+    cleanup(w.env).await;
+    cleanup(agent_db).await;
+}
+
+/// stdio: one JSON-RPC message per line, the tenant fixed by `PUBLISHER_MCP_TENANT`.
+#[tokio::test(flavor = "multi_thread")]
+async fn stdio_serves_a_fixed_tenant() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let w = world("15s", &[]).await;
+    let mut child = tokio::process::Command::new(e2e::procs::bin_dir().join("publisher"))
+        .args(["mcp", "--transport", "stdio"])
+        .env("AMQP_URL", &w.env.amqp_url)
+        .env("INTENTS_EXCHANGE", &w.env.topology.intents_exchange)
+        .env("RESULTS_EXCHANGE", &w.env.topology.results_exchange)
+        .env("PUBLISHER_MCP_TOOLS", w.env.dir.join("mcp-tools.toml"))
+        .env("PUBLISHER_MCP_TENANT", "south-shop")
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn publisher mcp --transport stdio");
+    let mut stdin = child.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let messages = [
+        json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "e2e", "version": "1"}}}),
+        json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+        json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "refund", "arguments": {"order": "o-s", "amount_cents": 100}, "_meta": {"io.intent-worker/action_id": "stdio-1"}}}),
+    ];
+    let mut answer = None;
+    for message in messages {
+        stdin
+            .write_all(format!("{message}\n").as_bytes())
+            .await
+            .unwrap();
+        stdin.flush().await.unwrap();
+        if message.get("id").is_none() {
+            continue;
+        }
+        let id = message["id"].clone();
+        let reply = loop {
+            let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+                .await
+                .expect("a reply in time")
+                .unwrap()
+                .expect("stdout open");
+            let reply: Value = serde_json::from_str(&line).unwrap();
+            if reply["id"] == id {
+                break reply;
+            }
+        };
+        answer = Some(reply);
+    }
+    let answer = answer.unwrap();
+    let event = &answer["result"]["structuredContent"];
+    assert_eq!(event["status"], "succeeded", "{answer}");
+    assert_eq!(event["tenant"], "south-shop");
+    assert_eq!(w.env.mutations("south-shop:stdio-1").await, 1);
+    drop(stdin);
+    let _ = child.kill().await;
+    drop(w.gateway);
+    cleanup(w.env).await;
+}
+
 /// The Python examples (`examples/mcp/`: the `mcp` package, and the OpenAI Agents SDK without a
 /// model) against a real gateway. `scripts/test.sh` sets `MCP_PYTHON` to its virtualenv with the
 /// pinned packages (`examples/mcp/requirements.txt`); without it this test only says so.
