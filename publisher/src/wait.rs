@@ -51,6 +51,9 @@ pub enum WaitError {
     /// Publishing the intent, or the results queue, failed.
     #[error(transparent)]
     Publish(#[from] PublishError),
+    /// Enqueuing the intent in the outbox failed (`send_and_wait_via` with the outbox).
+    #[error(transparent)]
+    Outbox(#[from] crate::OutboxError),
     /// Neither the queue nor the status API gave any answer before the timeout.
     #[error("no answer for {tenant}:{action_id} within {timeout:?}")]
     NoAnswer {

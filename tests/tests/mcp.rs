@@ -601,6 +601,42 @@ async fn the_python_examples_run_against_a_real_gateway() {
         assert!(said.contains("ok"), "{script}:\n{said}");
         assert_eq!(w.env.mutations(key).await, 1, "{script}");
     }
+
+    // The README's Agents SDK example needs a model to run; everything up to the final
+    // `asyncio.run(main())` runs here (its imports and objects against the pinned SDK), and its
+    // host configuration is JSON.
+    let readme = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"),
+    )
+    .unwrap();
+    let section = readme
+        .split("\n## From an MCP agent\n")
+        .nth(1)
+        .expect("README section From an MCP agent")
+        .split("\n## ")
+        .next()
+        .unwrap();
+    let block = |lang: &str| -> String {
+        let start = section.find(&format!("```{lang}\n")).expect("code block") + lang.len() + 4;
+        let len = section[start..].find("```").unwrap();
+        section[start..start + len].to_string()
+    };
+    let example = block("python");
+    let (definitions, last) = example.trim_end().rsplit_once('\n').unwrap();
+    assert_eq!(last, "asyncio.run(main())");
+    let out = tokio::process::Command::new(&python)
+        .args(["-c", definitions])
+        .env("MCP_TOKEN", NORTH)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "README Agents SDK example: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let host_config: Value = serde_json::from_str(&block("json")).expect("README host JSON");
+    assert!(host_config["mcpServers"]["intent-worker"]["url"].is_string());
     drop(w.gateway);
     cleanup(w.env).await;
 }

@@ -299,15 +299,10 @@ fn not_sent(action_id: &str, error: &WaitError) -> CallToolResult {
 }
 
 async fn enqueue(pool: &sqlx::PgPool, intent: &protocol::Intent) -> Result<(), WaitError> {
-    let as_error = |e: crate::OutboxError| WaitError::Status(format!("outbox: {e}"));
-    let mut tx = pool
-        .begin()
-        .await
-        .map_err(|e| as_error(crate::OutboxError::Db(e)))?;
-    Outbox::enqueue(&mut tx, intent).await.map_err(as_error)?;
-    tx.commit()
-        .await
-        .map_err(|e| as_error(crate::OutboxError::Db(e)))
+    let mut tx = pool.begin().await.map_err(crate::OutboxError::Db)?;
+    Outbox::enqueue(&mut tx, intent).await?;
+    tx.commit().await.map_err(crate::OutboxError::Db)?;
+    Ok(())
 }
 
 fn object(schema: Value) -> Arc<JsonObject> {
