@@ -6,7 +6,7 @@
 # Steps: services (Postgres, RabbitMQ) -> tools (promtool, cargo-nextest) -> fmt -> clippy ->
 # alert rules (check + unit tests) -> compose file -> cargo build -> Python client (virtualenv,
 # ruff, mypy, pytest against the built worker) -> API schema (schemathesis against a built
-# worker) -> cargo nextest (whole workspace).
+# worker) -> MCP examples' virtualenv -> cargo nextest (whole workspace).
 #
 # Environment:
 #   TEST_DATABASE_URL  Postgres the tests use   (default postgres://postgres@127.0.0.1:5432/postgres)
@@ -239,6 +239,26 @@ python_client_tests() {
     return "$rc"
 }
 
+# ---- (g2) MCP examples ---------------------------------------------------------------------------
+# The Python MCP examples (examples/mcp/: the `mcp` package and the OpenAI Agents SDK, pinned in
+# examples/mcp/requirements.txt) get a virtualenv of their own; tests/tests/mcp.rs runs them
+# against a real gateway when MCP_PYTHON names its interpreter (exported for cargo nextest).
+mcp_examples_venv() {
+    local venv
+    mkdir -p "${CARGO_TARGET_DIR:-target}"
+    venv="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/mcp-venv"
+    if ! "$venv/bin/python" -c 'import sys' 2>/dev/null; then
+        rm -rf "$venv"
+        python3 -m venv "$venv" || return 2
+    fi
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -r examples/mcp/requirements.txt || return 2
+    (cd examples/mcp && "$venv/bin/python" -m pip install -q --disable-pip-version-check 'ruff>=0.5' &&
+        "$venv/bin/python" -m ruff format --check --line-length 100 . &&
+        "$venv/bin/python" -m ruff check --line-length 100 --select F,E,W,B,I,UP .) || return 1
+    export MCP_PYTHON="$venv/bin/python"
+    say "MCP examples: $("$MCP_PYTHON" -m pip freeze 2>/dev/null | grep -E '^(mcp|openai-agents)==' | tr '\n' ' ')"
+}
+
 # ---- (h) API schema --------------------------------------------------------------------------
 # schemathesis (PyPI, pinned) in a virtualenv of its own under the cargo target dir, run against a
 # real worker's admin API (scripts/api_schema_check.py builds and removes the world), bounded and
@@ -269,5 +289,6 @@ step "compose file" check_compose
 step "cargo build" cargo build --workspace --locked
 step "python client (virtualenv, ruff, mypy, pytest)" python_client_tests
 step "API schema (schemathesis against docs/openapi.yaml)" api_schema_tests
+step "MCP examples (virtualenv, ruff; exports MCP_PYTHON)" mcp_examples_venv
 step "cargo nextest" cargo nextest run --workspace --locked --no-fail-fast "$@"
 say "all steps passed ($((SECONDS - started_all))s)"

@@ -1,5 +1,5 @@
 //! The `publisher` command line: `send` (optionally `--wait`), `wait`, `follow`, `migrate`,
-//! `relay` and `demo`, and the exit codes scripts rely on.
+//! `relay`, `mcp` and `demo`, and the exit codes scripts rely on.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -143,8 +143,74 @@ pub enum Command {
     Relay(RelayArgs),
     /// Print the tenant's result events, one JSON object per line.
     Follow(FollowArgs),
+    /// MCP gateway: serve the tools of PUBLISHER_MCP_TOOLS to MCP clients, each call an intent.
+    Mcp(McpArgs),
     /// Demo agent: publish a series of intents, re-sending some to show deduplication.
     Demo(DemoArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum McpTransport {
+    Http,
+    Stdio,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ActionIdSource {
+    /// The request `_meta` key `io.intent-worker/action_id`, set by the host application.
+    Meta,
+    /// A required `action_id` argument (weaker: the model writes it).
+    Argument,
+}
+
+#[derive(Debug, Args)]
+pub struct McpArgs {
+    /// The gateway's tools file (TOML: `[tools.<name>]` with `description`, `input_schema`).
+    #[arg(long, env = "PUBLISHER_MCP_TOOLS", default_value = "mcp-tools.toml")]
+    pub tools: std::path::PathBuf,
+    /// `http` (streamable HTTP) or `stdio`.
+    #[arg(
+        long,
+        env = "PUBLISHER_MCP_TRANSPORT",
+        value_enum,
+        default_value = "http"
+    )]
+    pub transport: McpTransport,
+    /// Listen address of the HTTP transport.
+    #[arg(long, env = "PUBLISHER_MCP_ADDR", default_value = "127.0.0.1:9470")]
+    pub listen: SocketAddr,
+    /// URL path of the MCP endpoint.
+    #[arg(long, env = "PUBLISHER_MCP_PATH", default_value = "/mcp")]
+    pub path: String,
+    /// HTTP: bearer tokens, `tenant=token,...`; the token decides the tenant of a call.
+    #[arg(long, env = "PUBLISHER_MCP_TOKENS", hide_env_values = true)]
+    pub tokens: Option<String>,
+    /// stdio: the tenant of every call.
+    #[arg(long, env = "PUBLISHER_MCP_TENANT")]
+    pub tenant: Option<String>,
+    /// HTTP: accepted `Host` headers, comma-separated (default: localhost, 127.0.0.1, ::1).
+    #[arg(long, env = "PUBLISHER_MCP_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+    /// Where the action id comes from: `meta` or the weaker `argument`.
+    #[arg(
+        long,
+        env = "PUBLISHER_MCP_ACTION_ID",
+        value_enum,
+        default_value = "meta"
+    )]
+    pub action_id: ActionIdSource,
+    /// How long a call waits for its answer before it answers "outcome unknown".
+    #[arg(long, env = "PUBLISHER_MCP_WAIT", default_value = "10s", value_parser = parse_duration)]
+    pub wait: Duration,
+    /// Intents exchange.
+    #[arg(long, env = "INTENTS_EXCHANGE", default_value = "intents")]
+    pub exchange: String,
+    /// Enqueue into this agent database's `intent_outbox` (run `publisher relay` beside it)
+    /// instead of publishing directly.
+    #[arg(long, env = "PUBLISHER_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    #[command(flatten)]
+    pub answers: AnswerArgs,
 }
 
 #[derive(Debug, Args)]
@@ -339,6 +405,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Relay(args) => relay(&cli.amqp_url, set_user_id, args).await.map(|()| 0),
+        Command::Mcp(args) => mcp(cli.amqp_url, set_user_id, args).await.map(|()| 0),
         Command::Demo(args) => demo::run(demo::DemoConfig {
             amqp_url: cli.amqp_url,
             exchange: args.exchange,
@@ -437,6 +504,74 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
     }
     while let Some(done) = loops.join_next().await {
         done.context("relay loop panicked")??;
+    }
+    Ok(())
+}
+
+async fn mcp(amqp_url: String, set_user_id: bool, args: McpArgs) -> anyhow::Result<()> {
+    use crate::mcp;
+    let catalog = mcp::ToolCatalog::load(&args.tools).map_err(|e| UsageError(e.to_string()))?;
+    let outbox = match &args.database_url {
+        Some(url) => {
+            let pool = connect_db(url, 8).await?;
+            Outbox::migrate(&pool).await?;
+            Some(pool)
+        }
+        None => None,
+    };
+    let (tokens, fixed_tenant) = match args.transport {
+        McpTransport::Http => {
+            let Some(tokens) = &args.tokens else {
+                return Err(UsageError(
+                    "publisher mcp over HTTP needs PUBLISHER_MCP_TOKENS (tenant=token,...)".into(),
+                )
+                .into());
+            };
+            let tokens = mcp::TokenMap::parse(tokens).map_err(|e| UsageError(e.to_string()))?;
+            (Some(tokens), None)
+        }
+        McpTransport::Stdio => match &args.tenant {
+            Some(tenant) if !tenant.trim().is_empty() => (None, Some(tenant.trim().to_owned())),
+            _ => {
+                return Err(UsageError(
+                    "publisher mcp over stdio needs PUBLISHER_MCP_TENANT".into(),
+                )
+                .into())
+            }
+        },
+    };
+    let gateway = mcp::Gateway::new(mcp::GatewayConfig {
+        catalog,
+        amqp_url: amqp_url.clone(),
+        exchange: args.exchange.clone(),
+        set_user_id,
+        results_exchange: args.answers.results_exchange.clone(),
+        status_api: args.answers.status_api()?,
+        outbox,
+        budget: args.wait,
+        action_id_mode: match args.action_id {
+            ActionIdSource::Meta => mcp::ActionIdMode::Meta,
+            ActionIdSource::Argument => mcp::ActionIdMode::Argument,
+        },
+        fixed_tenant,
+    });
+    gateway
+        .connect()
+        .await
+        .with_context(|| format!("cannot connect to the broker at {}", redact(&amqp_url)))?;
+    match tokens {
+        Some(tokens) => {
+            mcp::serve_http(
+                gateway,
+                tokens,
+                args.listen,
+                &args.path,
+                args.allowed_hosts,
+                shutdown_signal(),
+            )
+            .await?
+        }
+        None => mcp::serve_stdio(gateway).await?,
     }
     Ok(())
 }

@@ -27,14 +27,17 @@
 //!   the connect helpers every broker, database and HTTP client here goes through.
 //! - `error.rs` ([`error`]): [`PublishError`].
 //! - `cli.rs` ([`cli`]): the `publisher` command line (`send [--wait]`, `wait`, `follow`,
-//!   `migrate`, `relay`, `demo`) and its exit codes; `main.rs` only sets up logging, parses
+//!   `migrate`, `relay`, `mcp`, `demo`) and its exit codes; `main.rs` only sets up logging, parses
 //!   arguments and calls [`cli::run`].
 //! - `demo.rs` ([`demo`]): the demo agent for docker compose.
+//! - `mcp/` ([`mcp`]): `publisher mcp`, the MCP gateway (tools file, bearer token → tenant,
+//!   action id from the request `_meta`, answers and tasks from the ledger).
 
 pub mod cli;
 pub mod demo;
 pub mod error;
 pub mod follow;
+pub mod mcp;
 pub mod metrics;
 pub mod outbox;
 pub mod publish;

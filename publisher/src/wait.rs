@@ -51,6 +51,9 @@ pub enum WaitError {
     /// Publishing the intent, or the results queue, failed.
     #[error(transparent)]
     Publish(#[from] PublishError),
+    /// Enqueuing the intent in the outbox failed (`send_and_wait_via` with the outbox).
+    #[error(transparent)]
+    Outbox(#[from] crate::OutboxError),
     /// Neither the queue nor the status API gave any answer before the timeout.
     #[error("no answer for {tenant}:{action_id} within {timeout:?}")]
     NoAnswer {
@@ -232,6 +235,25 @@ impl Publisher {
         intent: &Intent,
         timeout: Duration,
     ) -> Result<Answer, WaitError> {
+        self.send_and_wait_via(intent, timeout, |intent| async move {
+            self.publish(&intent).await.map_err(WaitError::from)
+        })
+        .await
+    }
+
+    /// Like [`Publisher::send_and_wait`], but `send` puts the intent on its way (e.g. into the
+    /// outbox, for `publisher relay` to publish). It is called once, after the results queue
+    /// is bound, with the intent as it must be sent (`reply_to` filled in).
+    pub async fn send_and_wait_via<F, Fut>(
+        &self,
+        intent: &Intent,
+        timeout: Duration,
+        send: F,
+    ) -> Result<Answer, WaitError>
+    where
+        F: FnOnce(Intent) -> Fut,
+        Fut: std::future::Future<Output = Result<(), WaitError>>,
+    {
         let deadline = Instant::now() + timeout;
         let mut intent = intent.clone();
         let reply_to = intent
@@ -270,14 +292,14 @@ impl Publisher {
         .map_err(PublishError::from)?;
 
         let outcome = async {
-            self.publish(&intent).await?;
+            send(intent.clone()).await?;
             let mut latest: Option<ResultEvent> = None;
             loop {
                 let left = deadline.saturating_duration_since(Instant::now());
                 let delivery = match tokio::time::timeout(left, consumer.next()).await {
                     Err(_elapsed) => break,
-                    Ok(None) => return Err(PublishError::ConsumerClosed),
-                    Ok(Some(delivery)) => delivery?,
+                    Ok(None) => return Err(PublishError::ConsumerClosed.into()),
+                    Ok(Some(delivery)) => delivery.map_err(PublishError::from)?,
                 };
                 let Ok(event) = serde_json::from_slice::<ResultEvent>(&delivery.data) else {
                     tracing::warn!(
@@ -293,7 +315,7 @@ impl Publisher {
                 }
                 latest = Some(event);
             }
-            Ok(latest)
+            Ok::<_, WaitError>(latest)
         }
         .await;
         channel.close(200, "OK".into()).await.ok();

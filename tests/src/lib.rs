@@ -9,6 +9,7 @@
 //! - [`procs`]: worker and downstream child processes.
 //! - [`agent`]: publishing intents and reading result events as an agent would.
 //! - [`flags`]: command-line flags of the e2e binaries.
+//! - [`mcp_gateway`]: `publisher mcp` as a child process.
 //! - [`proxy`]: a TCP fault proxy that cuts or black-holes one link (broker, Postgres).
 //! - [`soak`]: the seeded chaos soak (the `soak` binary and `tests/soak_short.rs`).
 //! - [`wait`]: polling with deadlines.
@@ -19,6 +20,7 @@ pub mod agent;
 pub mod broker_user;
 pub mod env;
 pub mod flags;
+pub mod mcp_gateway;
 pub mod procs;
 pub mod proxy;
 pub mod soak;
@@ -28,6 +30,7 @@ pub mod wait;
 pub use agent::{cleanup, intent, Agent};
 pub use broker_user::{publish_as, rabbitmqctl, BrokerUser};
 pub use env::{Env, Topology};
+pub use mcp_gateway::McpGateway;
 pub use procs::{free_port, metric_value, Downstream, Worker, WorkerOptions};
 pub use proxy::FaultProxy;
 pub use wait::wait_for;

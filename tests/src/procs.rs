@@ -50,7 +50,7 @@ pub fn free_port() -> u16 {
 pub struct Output(Arc<Mutex<Vec<String>>>);
 
 impl Output {
-    fn capture(&self, stream: impl std::io::Read + Send + 'static, label: String) {
+    pub(crate) fn capture(&self, stream: impl std::io::Read + Send + 'static, label: String) {
         let lines = self.0.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stream).lines().map_while(Result::ok) {
