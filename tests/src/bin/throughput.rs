@@ -848,9 +848,11 @@ fn peak_rss_kib(pid: u32) -> Option<u64> {
 
 /// Finished operations `--large-ledger` puts in the ledger.
 const LARGE_LEDGER_ROWS: i64 = 5_000_000;
-/// The newest tenth still has its receipt, arguments and published event; the rest are
-/// tombstones (`WORKER_RETENTION_SECS` passed: arguments and receipt removed, published events
-/// deleted). Every row keeps its three history rows (prepared, dispatching, succeeded).
+/// The newest tenth (finished within the last 29 days) still has its receipt, arguments and
+/// published event; the rest (finished 31 to 360 days ago) are tombstones, as the default
+/// retention leaves them (`WORKER_RETENTION_SECS` of 30 days passed: arguments and receipt
+/// removed, published events deleted; tombstones kept for 365 days). Every row keeps its three
+/// history rows (prepared, dispatching, succeeded).
 const LARGE_LEDGER_SQL: [&str; 4] = [
     // Triggers off for the load only (this session): history is written below in bulk, as
     // the trigger would have, with one statement per table.
@@ -864,8 +866,12 @@ const LARGE_LEDGER_SQL: [&str; 4] = [
         'r-old-' || g, 'receipt r-old-' || g || ' from write attempt 1', 'bench-loader',
         'succeeded', t, t, t, t, CASE WHEN NOT recent THEN t END
      FROM generate_series(1, $1::int8) g,
-          LATERAL (SELECT now() - interval '30 days' + g * interval '500 ms',
-                          g > $1 * 9 / 10) x(t, recent)",
+          LATERAL (SELECT g > $1 * 9 / 10) r(recent),
+          -- tombstones finished 360 to 31 days ago, the rest within the default 30-day retention
+          LATERAL (SELECT CASE WHEN recent
+                THEN now() - interval '29 days' * (1 - (g - $1 * 9 / 10)::float8 / ($1 / 10 + 1))
+                ELSE now() - interval '360 days' + interval '329 days' * (g::float8 / ($1 * 9 / 10))
+              END) x(t)",
     "INSERT INTO operation_history (operation_id, at, from_state, to_state, fence, actor,
         evidence, attempts)
      SELECT o.id, o.created_at, s.f, s.t, s.fence, 'bench-loader', NULL, s.attempts
