@@ -15,7 +15,9 @@ use crate::adapter::{Outcome, Request, Tool};
 use crate::config::{Capability, RetryPolicy, ToolConfig};
 use crate::context::Context;
 use crate::fault;
-use crate::ledger::{Applied, Completion, LedgerError, Operation, Phase, State, Transition};
+use crate::ledger::{
+    Applied, Completion, LedgerError, Operation, Phase, SendFence, State, Transition,
+};
 use crate::retry::{budget_delta, retry_delay, with_retry_after, WriteKind};
 use crate::telemetry::metrics as m;
 
@@ -120,17 +122,19 @@ pub async fn run(ctx: Arc<Context>, op: Operation) {
     finish(&ctx, &op, Phase::Dispatch, transition).await;
 }
 
-/// The send fence of a first dispatch or retry (see [`crate::ledger::Ledger::fence_send`]):
+/// The send fence of a first dispatch or retry (see [`crate::ledger::Ledger::fence_send`],
+/// batched by [`Context::fence_send`]):
 /// true when the write may leave now. Time may have passed since the claim (waiting for a
 /// permit, a slow completion, a paused process), so ownership is confirmed on the database
 /// clock right before the request leaves; otherwise nothing is sent and the row is left to
 /// whoever owns it now.
 async fn send_fence(ctx: &Context, op: &Operation, tool: &ToolConfig, kind: WriteKind) -> bool {
-    match ctx
-        .ledger
-        .fence_send(op.id, op.fence, &ctx.worker_id, ctx.lease, tool.timeout)
-        .await
-    {
+    let send = SendFence {
+        id: op.id,
+        fence: op.fence,
+        timeout: tool.timeout,
+    };
+    match ctx.fence_send(send).await {
         Ok(true) => true,
         Ok(false) => {
             abandoned(ctx, op, kind, "the lease was lost before the request left");

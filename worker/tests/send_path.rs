@@ -173,3 +173,119 @@ async fn the_bucket_lets_retries_out_only_above_half_and_failed_ones_stay_spent(
     assert_eq!(l.retry_budget_available("t", &policy).await.unwrap(), 0.0);
     db.drop_db().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_fence_checks_each_row_on_its_own() {
+    use worker::ledger::SendFence;
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let live = dispatching(&ctx, "north", "batch-live", "refund").await;
+    let stale = dispatching(&ctx, "north", "batch-stale", "refund").await;
+    let expired = dispatching(&ctx, "north", "batch-expired", "refund").await;
+    set(
+        &db,
+        expired.id,
+        "lease_until = now() - interval '1 millisecond'",
+    )
+    .await;
+    let sends = [
+        SendFence {
+            id: stale.id,
+            fence: stale.fence + 1,
+            timeout: TIMEOUT,
+        },
+        SendFence {
+            id: live.id,
+            fence: live.fence,
+            timeout: TIMEOUT,
+        },
+        SendFence {
+            id: expired.id,
+            fence: expired.fence,
+            timeout: TIMEOUT,
+        },
+    ];
+    let passed = db
+        .ledger
+        .fence_sends(&sends, WORKER_ID, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(
+        passed,
+        vec![false, true, false],
+        "one answer per send, in order"
+    );
+    let ahead = secs_ahead(&db, live.id, "lease_until").await;
+    assert!(
+        (4.5..=5.0).contains(&ahead),
+        "only the live row renewed: {ahead}"
+    );
+    assert!(secs_ahead(&db, expired.id, "lease_until").await < 0.0);
+    // Through the worker's batcher: the same answer.
+    assert!(ctx
+        .fence_send(SendFence {
+            id: live.id,
+            fence: live.fence,
+            timeout: TIMEOUT,
+        })
+        .await
+        .unwrap());
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_batch_records_each_row_as_if_alone() {
+    use worker::ledger::{Applied, Completion, Phase, Transition};
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let a = dispatching(&ctx, "north", "done-a", "refund").await;
+    let b = dispatching(&ctx, "north", "done-b", "refund").await;
+    let late = succeeded(&ctx, "north", "done-late", "refund").await;
+    let lost = dispatching(&ctx, "north", "done-lost", "refund").await;
+    let receipt = |op: &worker::ledger::Operation, id: &str| Completion {
+        operation_id: op.id,
+        fence: op.fence,
+        phase: Phase::Dispatch,
+        transition: Transition::Succeeded {
+            receipt: receipt_for("north", &op.action_id, id),
+            receipt_id: id.into(),
+            evidence: format!("receipt {id}"),
+        },
+    };
+    let batch = vec![
+        receipt(&a, "r-a"),
+        // A stale owner's timeout: discarded, the row keeps its state.
+        Completion {
+            operation_id: lost.id,
+            fence: lost.fence + 1,
+            phase: Phase::Dispatch,
+            transition: Transition::Unknown {
+                delay: Duration::ZERO,
+                evidence: "timeout".into(),
+            },
+        },
+        receipt(&late, "r-other"),
+        receipt(&b, "r-b"),
+    ];
+    let results = db.ledger.complete(WORKER_ID, &batch).await;
+    assert!(
+        matches!(&results[0], Ok(Applied::Done(op)) if op.id == a.id && op.state() == State::Succeeded)
+    );
+    assert!(
+        matches!(&results[1], Ok(Applied::Stale(Some(op))) if op.state() == State::Dispatching)
+    );
+    assert!(
+        matches!(&results[2], Ok(Applied::LateReceiptConflict(op)) if op.receipt_id.as_deref() == Some("r-auto"))
+    );
+    assert!(
+        matches!(&results[3], Ok(Applied::Done(op)) if op.id == b.id && op.receipt_id.as_deref() == Some("r-b"))
+    );
+    for (op, n) in [(&a, 1), (&b, 1), (&late, 1), (&lost, 0)] {
+        let events = outbox_events(db.pool(), op.id).await;
+        assert_eq!(events.len(), n, "events of {}: {events:?}", op.action_id);
+        if n == 1 {
+            assert_eq!(events[0].0, "succeeded");
+        }
+    }
+    db.drop_db().await;
+}

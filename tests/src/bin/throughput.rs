@@ -58,7 +58,14 @@ const STATS_SETTLE: Duration = Duration::from_millis(1500);
 const CLK_TCK: f64 = 100.0;
 
 const USAGE: &str = "usage: throughput [--intents N (5000)] [--workers K[,K...] (1,2)] \
-[--prefetch P (64)] [--timeout-secs S (60, per phase)]
+[--prefetch P (64)] [--timeout-secs S (60, per phase)] [--latency-secs S (5; 0 = skip)] \
+[--large-ledger] [--statements]
+
+--large-ledger  pre-load 5,000,000 finished operations (with history and outbox rows as
+                retention leaves them) into each run's ledger before measuring.
+--statements    count the statements the workers send to Postgres (one round trip each) from
+                the server log: sets log_min_duration_statement = 0 on the run's own database
+                only; needs the log readable at PG_LOG (/var/log/postgresql/postgresql-15-main.log).
 
 Set INTENT_BIN_DIR to the directory holding the release `worker` binary (default: the
 directory of this executable). Postgres/RabbitMQ: TEST_DATABASE_URL / TEST_AMQP_URL.";
@@ -68,6 +75,9 @@ struct Args {
     workers: Vec<usize>,
     prefetch: u16,
     phase_timeout: Duration,
+    latency_secs: u64,
+    large_ledger: bool,
+    statements: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -76,9 +86,26 @@ fn parse_args() -> Result<Args> {
         workers: vec![1, 2],
         prefetch: 64,
         phase_timeout: Duration::from_secs(60),
+        latency_secs: 5,
+        large_ledger: false,
+        statements: false,
     };
-    for (flag, value) in e2e::flags::pairs(USAGE)? {
+    // Switches without a value, then the `--flag value` pairs.
+    let mut raw: Vec<String> = std::env::args().skip(1).collect();
+    raw.retain(|a| match a.as_str() {
+        "--large-ledger" => {
+            args.large_ledger = true;
+            false
+        }
+        "--statements" => {
+            args.statements = true;
+            false
+        }
+        _ => true,
+    });
+    for (flag, value) in e2e::flags::pairs_from(raw, USAGE)? {
         match flag.as_str() {
+            "--latency-secs" => args.latency_secs = value.parse().context("--latency-secs")?,
             "--intents" => args.intents = value.parse().context("--intents")?,
             "--prefetch" => args.prefetch = value.parse().context("--prefetch")?,
             "--timeout-secs" => {
@@ -141,6 +168,8 @@ struct Phase {
     commits: Option<i64>,
     wal_syncs: Option<i64>,
     cpu: CpuSplit,
+    /// Peak resident set of the largest worker (VmHWM), KiB.
+    rss_kib: Option<u64>,
 }
 
 impl Phase {
@@ -179,6 +208,21 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
         report(&phase, None);
         runs.push(phase);
     }
+    let mut latencies = Vec::new();
+    if args.latency_secs > 0 {
+        // Light load, then half of the one-worker maximum measured above (if K=1 ran).
+        let mut rates = vec![200.0];
+        if let Some(p) = runs.iter().find(|p| p.label == "worker K=1") {
+            rates.push((p.rate() / 2.0).round());
+        }
+        for rate in rates {
+            let l = latency_run(rate, args.latency_secs, &downstream, &args)
+                .await
+                .with_context(|| format!("latency at {rate}/s"))?;
+            println!("{}", l.line());
+            latencies.push(l);
+        }
+    }
     let mut post = baseline(&amqp_url, &messages, args.prefetch, args.phase_timeout)
         .await
         .context("baseline (after)")?;
@@ -193,7 +237,7 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
         args.prefetch
     );
     println!(
-        "{:<18} {:>9} {:>7} {:>8} {:>8} {:>10} {:>10}   cpu cores: {}",
+        "{:<18} {:>9} {:>7} {:>8} {:>8} {:>10} {:>10} {:>8}   cpu cores: {}",
         "phase",
         "per s",
         "ratio",
@@ -201,6 +245,7 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
         "publish",
         "commits/i",
         "fsyncs/i",
+        "rss MiB",
         CpuSplit::HEADER
     );
     for p in phases
@@ -213,8 +258,12 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
     }
     println!(
         "baseline mean {base:.0} msgs/s; commits/i = transactions committed in the run's database \
-         per intent (read-only ones too); fsyncs/i = pg_stat_wal.wal_sync per intent, cluster-wide"
+         per intent (read-only ones too); fsyncs/i = pg_stat_wal.wal_sync per intent, cluster-wide; \
+         rss = peak VmHWM of the largest worker"
     );
+    for l in &latencies {
+        println!("{}", l.line());
+    }
     Ok(())
 }
 
@@ -226,7 +275,7 @@ fn report(p: &Phase, base: Option<f64>) {
         })
     };
     println!(
-        "{:<18} {:>9.0} {:>7} {:>7.2}s {:>7.2}s {:>10} {:>10}   {}",
+        "{:<18} {:>9.0} {:>7} {:>7.2}s {:>7.2}s {:>10} {:>10} {:>8}   {}",
         p.label,
         p.rate(),
         ratio,
@@ -234,6 +283,8 @@ fn report(p: &Phase, base: Option<f64>) {
         p.published.as_secs_f64(),
         per(p.commits),
         per(p.wal_syncs),
+        p.rss_kib
+            .map_or("-".to_string(), |k| format!("{:.1}", k as f64 / 1024.0)),
         p.cpu.cores(p.elapsed)
     );
 }
@@ -451,6 +502,7 @@ async fn baseline_on(
         commits: None,
         wal_syncs: None,
         cpu,
+        rss_kib: None,
     })
 }
 
@@ -492,6 +544,25 @@ async fn worker_run_in(
         // Sequential: each one migrates the ledger at start.
         workers.push(Worker::start(env, &format!("bench-w{i}"), &opts).await);
     }
+    if args.large_ledger {
+        preload_ledger(env, LARGE_LEDGER_ROWS).await?;
+    }
+    // Counting needs the workers' connections to start after the setting: restart them.
+    let mut log = None;
+    if args.statements {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE \"{}\" SET log_min_duration_statement = 0",
+            env.db_name
+        )))
+        .execute(&env.pool)
+        .await
+        .context("log_min_duration_statement on the run's database")?;
+        drop(workers);
+        workers = Vec::with_capacity(k);
+        for i in 0..k {
+            workers.push(Worker::start(env, &format!("bench-w{i}"), &opts).await);
+        }
+    }
     let worker_pids: Vec<u32> = workers.iter().map(Worker::pid).collect();
 
     let mut follower =
@@ -509,6 +580,9 @@ async fn worker_run_in(
     let wal_before = wal_syncs(env).await;
     let writes_before = downstream.requests.load(Ordering::SeqCst);
 
+    if args.statements {
+        log = Some(StatementLog::open()?);
+    }
     let cpu_before = CpuSample::take(&worker_pids);
     let started = Instant::now();
     let deadline = started + args.phase_timeout;
@@ -563,6 +637,7 @@ async fn worker_run_in(
         }
     };
     let cpu = CpuSample::take(&worker_pids).since(&cpu_before);
+    let statements = log.map(|l| l.read());
     let _ = publisher_conn.close(200, "".into()).await;
 
     sleep(STATS_SETTLE).await;
@@ -595,7 +670,11 @@ async fn worker_run_in(
     for w in &mut workers {
         ensure!(w.is_running(), "worker {} exited during the run", w.name);
     }
+    let rss_kib = worker_pids.iter().filter_map(|&p| peak_rss_kib(p)).max();
     drop(workers);
+    if let Some(counts) = statements {
+        print_statements(k, n, &counts?);
+    }
     Ok(Phase {
         label: format!("worker K={k}"),
         elapsed: done - started,
@@ -604,12 +683,316 @@ async fn worker_run_in(
         commits,
         wal_syncs: wal,
         cpu,
+        rss_kib,
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Open-loop latency: one worker, intents published at a steady rate whatever the answers do
+
+struct Latency {
+    rate: f64,
+    prefetch: u16,
+    samples: Vec<Duration>,
+    rss_kib: Option<u64>,
+}
+
+impl Latency {
+    fn line(&self) -> String {
+        let mut v = self.samples.clone();
+        v.sort();
+        let q = |p: usize| v[(v.len() * p / 100).min(v.len() - 1)].as_secs_f64() * 1000.0;
+        format!(
+            "latency K=1 P={} at {:.0}/s open loop, publish -> succeeded result, {} intents: \
+             p50 {:.1} ms  p90 {:.1} ms  p99 {:.1} ms  max {:.1} ms  (worker rss {} MiB)",
+            self.prefetch,
+            self.rate,
+            v.len(),
+            q(50),
+            q(90),
+            q(99),
+            q(100),
+            self.rss_kib
+                .map_or("-".to_string(), |k| format!("{:.1}", k as f64 / 1024.0))
+        )
+    }
+}
+
+async fn latency_run(
+    rate: f64,
+    secs: u64,
+    downstream: &NullDownstream,
+    args: &Args,
+) -> Result<Latency> {
+    let env = Env::new().await;
+    let result = latency_run_in(&env, rate, secs, downstream, args).await;
+    cleanup(env).await;
+    result
+}
+
+async fn latency_run_in(
+    env: &Env,
+    rate: f64,
+    secs: u64,
+    downstream: &NullDownstream,
+    args: &Args,
+) -> Result<Latency> {
+    let n = ((rate * secs as f64) as usize).max(1);
+    let messages = build_messages(n);
+    let tools = env.write_tools(&format!(
+        "[tools.{TOOL}]\nurl = \"http://127.0.0.1:{}/bench\"\nreceipt_id = \"/receipt_id\"\n\
+         receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n\
+         recovery = \"none\"\ntimeout_ms = 5000\n",
+        downstream.port
+    ));
+    let mut opts = WorkerOptions::new(tools);
+    opts.prefetch = args.prefetch;
+    opts.lease_secs = 30;
+    opts.recovery_interval_ms = 1000;
+    let worker = Worker::start(env, "bench-lat", &opts).await;
+    let mut follower =
+        Follower::follow(&env.amqp_url, &env.topology.results_exchange, TENANT, None)
+            .await
+            .context("follow results")?;
+    let publisher_conn = Connection::connect(&env.amqp_url, ConnectionProperties::default())
+        .await
+        .context("connect publisher")?;
+    let pub_ch = confirm_channel(&publisher_conn).await?;
+    let index: HashMap<String, usize> = (0..n).map(|i| (format!("bench-{i:07}"), i)).collect();
+    let sent: Arc<std::sync::Mutex<Vec<Option<Instant>>>> =
+        Arc::new(std::sync::Mutex::new(vec![None; n]));
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(secs) + args.phase_timeout;
+    let sent_r = sent.clone();
+    let reader = tokio::spawn(async move {
+        let mut samples = Vec::with_capacity(n);
+        let mut seen = HashSet::with_capacity(n);
+        while seen.len() < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let event = match follower.next(left).await {
+                Ok(Some(ev)) => ev,
+                Ok(None) => bail!("only {} of {n} results before the deadline", seen.len()),
+                Err(e) => return Err(anyhow!(e).context("reading results")),
+            };
+            let now = Instant::now();
+            ensure!(
+                event.status == Status::Succeeded,
+                "unexpected result {} for {}",
+                event.status.as_str(),
+                event.action_id
+            );
+            let Some(&i) = index.get(&event.action_id) else {
+                continue;
+            };
+            if seen.insert(i) {
+                let at = sent_r.lock().expect("not poisoned")[i];
+                samples.push(now - at.context("a result before its publish")?);
+            }
+        }
+        let _ = follower.close().await;
+        Ok(samples)
+    });
+    // Open loop: message i leaves at started + i/rate, whatever happened to the others;
+    // confirms are checked by another task so the publisher never waits for one.
+    let (confirms, mut confirm_rx) = tokio::sync::mpsc::unbounded_channel::<PublisherConfirm>();
+    let checker = tokio::spawn(async move {
+        while let Some(c) = confirm_rx.recv().await {
+            check_confirm(c, deadline).await?;
+        }
+        Ok::<(), anyhow::Error>(())
+    });
+    for (i, (message_id, body)) in messages.iter().enumerate() {
+        tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate)).await;
+        let properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_message_id(message_id.as_str().into());
+        sent.lock().expect("not poisoned")[i] = Some(Instant::now());
+        let confirm = pub_ch
+            .basic_publish(
+                env.topology.intents_exchange.as_str().into(),
+                TENANT.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                body,
+                properties,
+            )
+            .await
+            .context("basic.publish")?;
+        let _ = confirms.send(confirm);
+    }
+    drop(confirms);
+    checker.await.context("confirm checker")??;
+    let samples = reader.await.context("latency reader")??;
+    let rss_kib = peak_rss_kib(worker.pid());
+    let _ = publisher_conn.close(200, "".into()).await;
+    drop(worker);
+    Ok(Latency {
+        rate,
+        prefetch: args.prefetch,
+        samples,
+        rss_kib,
+    })
+}
+
+/// Peak resident set (VmHWM) of a process, KiB.
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Finished operations `--large-ledger` puts in the ledger.
+const LARGE_LEDGER_ROWS: i64 = 5_000_000;
+/// The newest tenth (finished within the last 29 days) still has its receipt, arguments and
+/// published event; the rest (finished 31 to 360 days ago) are tombstones, as the default
+/// retention leaves them (`WORKER_RETENTION_SECS` of 30 days passed: arguments and receipt
+/// removed, published events deleted; tombstones kept for 365 days). Every row keeps its three
+/// history rows (prepared, dispatching, succeeded).
+const LARGE_LEDGER_SQL: [&str; 4] = [
+    // Triggers off for the load only (this session): history is written below in bulk, as
+    // the trigger would have, with one statement per table.
+    "SET session_replication_role = replica",
+    "INSERT INTO operations (tenant, action_id, tool, fingerprint, arguments, call_id, reply_to,
+        state, fence, attempts, first_dispatch_at, receipt, receipt_id, evidence, changed_by,
+        last_reported, created_at, updated_at, state_since, finished_at, swept_at)
+     SELECT 'bench', 'old-' || g, 'bench', md5(g::text),
+        CASE WHEN recent THEN '{\"order\":\"old\"}' END, NULL, 'bench', 'succeeded', 1, 1, t,
+        CASE WHEN recent THEN jsonb_build_object('receipt_id', 'r-old-' || g) END,
+        'r-old-' || g, 'receipt r-old-' || g || ' from write attempt 1', 'bench-loader',
+        'succeeded', t, t, t, t, CASE WHEN NOT recent THEN t END
+     FROM generate_series(1, $1::int8) g,
+          LATERAL (SELECT g > $1 * 9 / 10) r(recent),
+          -- tombstones finished 360 to 31 days ago, the rest within the default 30-day retention
+          LATERAL (SELECT CASE WHEN recent
+                THEN now() - interval '29 days' * (1 - (g - $1 * 9 / 10)::float8 / ($1 / 10 + 1))
+                ELSE now() - interval '360 days' + interval '329 days' * (g::float8 / ($1 * 9 / 10))
+              END) x(t)",
+    "INSERT INTO operation_history (operation_id, at, from_state, to_state, fence, actor,
+        evidence, attempts)
+     SELECT o.id, o.created_at, s.f, s.t, s.fence, 'bench-loader', NULL, s.attempts
+     FROM operations o,
+          (VALUES (NULL, 'prepared', 0, 0), ('prepared', 'dispatching', 1, 1),
+                  ('dispatching', 'succeeded', 1, 1)) s(f, t, fence, attempts)
+     WHERE o.action_id LIKE 'old-%'",
+    "INSERT INTO result_outbox (operation_id, routing_key, status, payload, created_at,
+        published_at)
+     SELECT id, 'bench', 'succeeded', jsonb_build_object('action_id', action_id,
+        'status', 'succeeded'), created_at, created_at
+     FROM operations WHERE action_id LIKE 'old-%' AND swept_at IS NULL",
+];
+
+/// `--large-ledger`: fills the run's ledger, then analyzes it, before the measured interval.
+async fn preload_ledger(env: &Env, rows: i64) -> Result<()> {
+    let started = Instant::now();
+    let mut conn = env.pool.acquire().await?;
+    for sql in LARGE_LEDGER_SQL {
+        let q = sqlx::query(sqlx::AssertSqlSafe(sql));
+        let q = if sql.contains("$1") { q.bind(rows) } else { q };
+        q.execute(&mut *conn)
+            .await
+            .with_context(|| format!("large ledger: {}", &sql[..40.min(sql.len())]))?;
+    }
+    sqlx::query("RESET session_replication_role")
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query("ANALYZE").execute(&mut *conn).await?;
+    let size: String =
+        sqlx::query_scalar("SELECT pg_size_pretty(pg_database_size(current_database()))")
+            .fetch_one(&mut *conn)
+            .await?;
+    println!(
+        "large ledger: {rows} finished operations, history and outbox loaded in {:.1}s (database {size})",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `--statements`: the server log from a starting offset. Every statement a worker runs is
+/// one round trip (sqlx sends parse/bind/execute/sync together), logged as `execute` (extended
+/// protocol) or `statement` (simple protocol: BEGIN, COMMIT).
+struct StatementLog {
+    path: String,
+    offset: u64,
+}
+
+impl StatementLog {
+    fn open() -> Result<StatementLog> {
+        let path = std::env::var("PG_LOG")
+            .unwrap_or_else(|_| "/var/log/postgresql/postgresql-15-main.log".into());
+        let offset = std::fs::metadata(&path)
+            .with_context(|| format!("--statements needs the Postgres log at {path} (PG_LOG)"))?
+            .len();
+        Ok(StatementLog { path, offset })
+    }
+
+    /// Statements logged since `open`, by kind (the first words of the SQL).
+    fn read(self) -> Result<BTreeMap<String, u64>> {
+        use std::io::{Read, Seek};
+        let mut f = std::fs::File::open(&self.path)?;
+        f.seek(std::io::SeekFrom::Start(self.offset))?;
+        let mut text = String::new();
+        f.read_to_string(&mut text)?;
+        let mut counts = BTreeMap::new();
+        let mut lines = text.lines().peekable();
+        while let Some(line) = lines.next() {
+            let Some(rest) = line.split_once("duration: ").map(|(_, r)| r) else {
+                continue;
+            };
+            let sql = if let Some((_, sql)) = rest.split_once(" statement: ") {
+                sql.to_string()
+            } else if let Some((_, sql)) = rest.split_once(" execute ") {
+                sql.split_once(": ").map_or("", |(_, s)| s).to_string()
+            } else {
+                continue; // parse and bind of the same round trip
+            };
+            // Continuation lines of a multi-line statement start with a tab.
+            let mut full = sql;
+            while let Some(next) = lines.peek() {
+                if !next.starts_with('\t') {
+                    break;
+                }
+                full.push(' ');
+                full.push_str(next.trim());
+                lines.next();
+            }
+            *counts.entry(statement_kind(&full)).or_default() += 1;
+        }
+        Ok(counts)
+    }
+}
+
+/// A short name for a statement: its first words, whitespace collapsed.
+fn statement_kind(sql: &str) -> String {
+    let words: Vec<&str> = sql.split_whitespace().collect();
+    let mut kind = words.join(" ");
+    kind.truncate(kind.char_indices().nth(72).map_or(kind.len(), |(i, _)| i));
+    kind
+}
+
+fn print_statements(k: usize, n: usize, counts: &BTreeMap<String, u64>) {
+    let total: u64 = counts.values().sum();
+    println!(
+        "statements sent by K={k} worker(s) (one round trip each): {total} = {:.2} per intent",
+        total as f64 / n as f64
+    );
+    let mut rows: Vec<_> = counts.iter().collect();
+    rows.sort_by(|a, b| b.1.cmp(a.1));
+    for (kind, c) in rows {
+        println!("  {:>8.3}/i  {c:>7}  {kind}", *c as f64 / n as f64);
+    }
 }
 
 async fn state_counts(env: &Env) -> Result<BTreeMap<String, i64>> {
     let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT state, count(*) FROM operations GROUP BY state")
+        // `--large-ledger` rows (`old-…`) are not the run's.
+        sqlx::query_as(
+            "SELECT state, count(*) FROM operations WHERE action_id NOT LIKE 'old-%' GROUP BY state",
+        )
             .fetch_all(&env.pool)
             .await
             .context("count operations by state")?;

@@ -26,6 +26,15 @@ impl ReplayWindows {
     }
 }
 
+/// One ready send to fence: the row, the fence its claim took, and the tool's timeout (the
+/// renewed lease outlives it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendFence {
+    pub id: i64,
+    pub fence: i64,
+    pub timeout: Duration,
+}
+
 /// What a leased row needs next (decided by its state when the lease was taken).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClaimKind {
@@ -129,20 +138,46 @@ impl Ledger {
         lease: Duration,
         timeout: Duration,
     ) -> Result<bool, LedgerError> {
-        let r = sqlx::query(
-            "UPDATE operations
-             SET lease_until = now() + make_interval(secs => $4 + $5)
-             WHERE id = $1 AND fence = $2 AND state = 'dispatching' AND lease_owner = $3
-               AND lease_until > now()",
+        let passed = self
+            .fence_sends(&[SendFence { id, fence, timeout }], worker_id, lease)
+            .await?;
+        Ok(passed[0])
+    }
+
+    /// [`Ledger::fence_send`] for many ready sends in one statement (the dispatcher's fence
+    /// batcher): each row's own predicate (fence, state, owner, `lease_until > now()`) is
+    /// checked as if alone. Answers one flag per entry, in order.
+    pub async fn fence_sends(
+        &self,
+        sends: &[SendFence],
+        worker_id: &str,
+        lease: Duration,
+    ) -> Result<Vec<bool>, LedgerError> {
+        if sends.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = sends.iter().map(|s| s.id).collect();
+        let fences: Vec<i64> = sends.iter().map(|s| s.fence).collect();
+        let timeouts: Vec<f64> = sends.iter().map(|s| s.timeout.as_secs_f64()).collect();
+        let passed: Vec<(i64, i64)> = sqlx::query_as(
+            "UPDATE operations o
+             SET lease_until = now() + make_interval(secs => i.timeout + $5)
+             FROM unnest($1::int8[], $2::int8[], $3::float8[]) AS i(id, fence, timeout)
+             WHERE o.id = i.id AND o.fence = i.fence AND o.state = 'dispatching'
+               AND o.lease_owner = $4 AND o.lease_until > now()
+             RETURNING o.id, o.fence",
         )
-        .bind(id)
-        .bind(fence)
+        .bind(&ids)
+        .bind(&fences)
+        .bind(&timeouts)
         .bind(worker_id)
-        .bind(timeout.as_secs_f64())
         .bind(lease.as_secs_f64())
-        .execute(&self.pool)
+        .fetch_all(&self.pool)
         .await?;
-        Ok(r.rows_affected() == 1)
+        Ok(sends
+            .iter()
+            .map(|s| passed.contains(&(s.id, s.fence)))
+            .collect())
     }
 
     /// The send fence of a replay of an `unknown` row leased by `fence`, run just before the

@@ -69,10 +69,12 @@ pub enum Applied {
 }
 
 impl Ledger {
-    /// Records many completions in one transaction. If the batch fails (e.g. the database
-    /// refuses one row), each completion is retried alone so one bad row cannot hold up the
-    /// others; a completion that still fails is returned as an error in its slot, and its row
-    /// stays as it was (a `dispatching` lease then expires into `unknown`).
+    /// Records many completions in one transaction: every receipt of the batch in one
+    /// statement (each row still checked against its own predicate), the rare other outcomes
+    /// one statement each, then every result event in one insert. If the batch fails (e.g. the
+    /// database refuses one row), each completion is retried alone so one bad row cannot hold
+    /// up the others; a completion that still fails is returned as an error in its slot, and its
+    /// row stays as it was (a `dispatching` lease then expires into `unknown`).
     pub async fn complete(
         &self,
         worker_id: &str,
@@ -83,10 +85,7 @@ impl Ledger {
         }
         let batch: Result<Vec<Applied>, LedgerError> = async {
             let mut tx = self.pool.begin().await?;
-            let mut out = Vec::with_capacity(completions.len());
-            for c in completions {
-                out.push(apply(&mut tx, worker_id, c).await?);
-            }
+            let out = apply_batch(&mut tx, worker_id, completions).await?;
             tx.commit().await?;
             Ok(out)
         }
@@ -106,17 +105,120 @@ impl Ledger {
 
     async fn complete_one(&self, worker_id: &str, c: &Completion) -> Result<Applied, LedgerError> {
         let mut tx = self.pool.begin().await?;
-        let applied = apply(&mut tx, worker_id, c).await?;
+        let applied = apply_batch(&mut tx, worker_id, std::slice::from_ref(c)).await?;
         tx.commit().await?;
-        Ok(applied)
+        Ok(applied
+            .into_iter()
+            .next()
+            .expect("one result per completion"))
     }
 }
 
+/// The statements of one batch inside the caller's transaction; one `Applied` per completion,
+/// in order.
+async fn apply_batch(
+    conn: &mut PgConnection,
+    worker_id: &str,
+    completions: &[Completion],
+) -> Result<Vec<Applied>, LedgerError> {
+    let mut out: Vec<Option<Applied>> = vec![None; completions.len()];
+    let mut events = Vec::new();
+    // Receipts go together when every row of the batch is named once. A row named twice (a
+    // dispatch and a recovery round answering at once) sends the whole batch down the
+    // one-by-one path, which applies them in arrival order as before.
+    let mut seen = std::collections::HashSet::new();
+    let distinct = completions.iter().all(|c| seen.insert(c.operation_id));
+    let receipts: Vec<usize> = completions
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| matches!(c.transition, Transition::Succeeded { .. }))
+        .map(|(i, _)| i)
+        .collect();
+    if distinct && receipts.len() > 1 {
+        let rows = succeed_many(conn, worker_id, completions, &receipts).await?;
+        for &i in &receipts {
+            let id = completions[i].operation_id;
+            if let Some(row) = rows.iter().find(|r| r.op.id == id) {
+                events.extend(event_for(&row.op, row.prev_reported.as_deref()));
+                out[i] = Some(Applied::Done(row.op.clone()));
+            }
+        }
+    }
+    for (i, c) in completions.iter().enumerate() {
+        if out[i].is_none() {
+            let (applied, event) = apply(conn, worker_id, c).await?;
+            events.extend(event);
+            out[i] = Some(applied);
+        }
+    }
+    outbox::insert_events(conn, &events).await?;
+    Ok(out
+        .into_iter()
+        .map(|a| a.expect("every slot filled"))
+        .collect())
+}
+
+/// Every receipt at `indices` (distinct rows) in one statement: the receipt path, as in
+/// [`apply`]. Rows it did not move (already final, or gone) are absent from the answer and
+/// are then handled one by one.
+async fn succeed_many(
+    conn: &mut PgConnection,
+    worker_id: &str,
+    completions: &[Completion],
+    indices: &[usize],
+) -> Result<Vec<WithPrev>, LedgerError> {
+    let cols = prefixed("o", OPERATION_COLUMNS);
+    let mut ids = Vec::with_capacity(indices.len());
+    let mut evidences = Vec::with_capacity(indices.len());
+    let mut receipts = Vec::with_capacity(indices.len());
+    let mut receipt_ids = Vec::with_capacity(indices.len());
+    for &i in indices {
+        if let Transition::Succeeded {
+            receipt,
+            receipt_id,
+            evidence,
+        } = &completions[i].transition
+        {
+            ids.push(completions[i].operation_id);
+            evidences.push(evidence.as_str());
+            receipts.push(receipt);
+            receipt_ids.push(receipt_id.as_str());
+        }
+    }
+    // `prev` locks the rows in id order (no deadlock between batches of two workers) and keeps
+    // what the agent was told before, which decides the event.
+    let sql = format!(
+        "WITH i AS (
+            SELECT * FROM unnest($1::int8[], $3::text[], $4::jsonb[], $5::text[])
+                AS i(id, evidence, receipt, receipt_id)
+         ), prev AS (
+            SELECT o.id, o.last_reported FROM operations o
+            WHERE o.id = ANY($1) ORDER BY o.id FOR UPDATE
+         )
+         UPDATE operations o SET state = 'succeeded', receipt = i.receipt,
+                receipt_id = i.receipt_id, evidence = i.evidence, changed_by = $2,
+                lease_owner = NULL, lease_until = NULL, next_attempt_at = NULL,
+                last_reported = 'succeeded'
+         FROM prev JOIN i USING (id) WHERE o.id = prev.id
+           AND o.state IN ('dispatching', 'unknown', 'held', 'retry_wait')
+         RETURNING {cols}, prev.last_reported AS prev_reported"
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(&ids)
+        .bind(worker_id)
+        .bind(&evidences)
+        .bind(&receipts)
+        .bind(&receipt_ids)
+        .fetch_all(&mut *conn)
+        .await?)
+}
+
+/// One completion alone; its event (if any) is returned for the batch's insert.
 async fn apply(
     conn: &mut PgConnection,
     worker_id: &str,
     c: &Completion,
-) -> Result<Applied, LedgerError> {
+) -> Result<(Applied, Option<NewEvent>), LedgerError> {
     let cols = prefixed("o", OPERATION_COLUMNS);
     let expected = match c.phase {
         Phase::Dispatch => State::Dispatching,
@@ -199,7 +301,7 @@ async fn apply(
     };
     let Some(row) = row else {
         let current = current(conn, c.operation_id).await?;
-        return Ok(match (&c.transition, current) {
+        let applied = match (&c.transition, current) {
             (Transition::Succeeded { receipt, .. }, Some(op)) if op.state() == State::Succeeded => {
                 if op.receipt.as_ref() == Some(receipt) {
                     Applied::LateReceiptMatches(op)
@@ -211,12 +313,11 @@ async fn apply(
                 Applied::LateReceiptConflict(op)
             }
             (_, current) => Applied::Stale(current),
-        });
+        };
+        return Ok((applied, None));
     };
-    if let Some(event) = event_for(&row.op, row.prev_reported.as_deref()) {
-        outbox::insert_events(conn, &[event]).await?;
-    }
-    Ok(Applied::Done(row.op))
+    let event = event_for(&row.op, row.prev_reported.as_deref());
+    Ok((Applied::Done(row.op), event))
 }
 
 /// A fenced transition: only the owner of `fence` ($4) may make it, from the expected state

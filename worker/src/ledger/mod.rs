@@ -17,7 +17,7 @@ pub mod retention;
 mod states;
 
 pub use admit::{Admitted, NewOperation};
-pub use claim::{ClaimKind, Claimed, ReplayWindows};
+pub use claim::{ClaimKind, Claimed, ReplayWindows, SendFence};
 pub use complete::{Applied, Completion, Phase, Transition};
 pub use operator::{OperatorChange, OperatorOutcome, OperatorRequest, UnresolvedFilter};
 pub use retention::SweepReport;
