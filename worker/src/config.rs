@@ -162,7 +162,7 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_CA_FILE", value_name = "WORKER_CA_FILE")]
     pub ca_file: Option<PathBuf>,
     /// Broker prefetch per consumer and the largest intake batch (at least 1).
-    #[arg(long, env = "WORKER_PREFETCH", value_name = "WORKER_PREFETCH", default_value_t = 64,
+    #[arg(long, env = "WORKER_PREFETCH", value_name = "WORKER_PREFETCH", default_value_t = 256,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: u16,
     /// Deliveries the worker starts processing before it dead-letters the message itself (its
@@ -1191,7 +1191,7 @@ budget = { ratio = 0.2 }
     #[test]
     fn defaults_match_the_documented_ones() {
         let s = from_flags(&["--database-url", "postgres://x"]).unwrap();
-        assert_eq!(s.prefetch, 64);
+        assert_eq!(s.prefetch, 256);
         assert_eq!(s.topology.intents_exchange, "intents");
         assert_eq!(s.topology.results_exchange, "results");
         assert_eq!(s.topology.queue_delivery_limit, 20);
