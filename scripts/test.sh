@@ -87,8 +87,17 @@ postgres_ready() {
     fi
 }
 
+# amqp_answers: the broker answers the AMQP protocol header with a method frame (type 1) in
+# time. An open port is not enough: a wedged node keeps accepting TCP and never answers.
+amqp_answers() {
+    local first
+    first=$(timeout 10 bash -c "exec 3<>/dev/tcp/$MQ_HOST/$MQ_PORT; printf 'AMQP\x00\x00\x09\x01' >&3; head -c 1 <&3 | od -An -tx1" 2>/dev/null)
+    [ "${first// /}" = 01 ]
+}
+
 rabbitmq_ready() {
     tcp_open "$MQ_HOST" "$MQ_PORT" || return 1
+    amqp_answers || return 1
     if is_local "$MQ_HOST" && command -v rabbitmq-diagnostics >/dev/null 2>&1; then
         timeout 20 rabbitmq-diagnostics -q ping >/dev/null 2>&1 || return 1
     fi
@@ -106,6 +115,13 @@ start_postgres() {
 
 start_rabbitmq() {
     is_local "$MQ_HOST" && command -v rabbitmq-server >/dev/null 2>&1 || return 1
+    # A local node that accepts connections but does not answer AMQP (seen once on this kind of
+    # machine after hours of churn) is stopped first: `-detached` would refuse a second node.
+    if tcp_open "$MQ_HOST" "$MQ_PORT" && ! amqp_answers; then
+        say "local RabbitMQ accepts TCP but does not answer AMQP: stopping it"
+        timeout 30 rabbitmqctl stop >/dev/null 2>&1 || pkill -KILL -f 'beam.smp.*rabbit' || true
+        wait_until 30 bash -c "! exec 3<>/dev/tcp/$MQ_HOST/$MQ_PORT" 2>/dev/null || true
+    fi
     say "starting local RabbitMQ (rabbitmq-server -detached)"
     rabbitmq-server -detached || true
 }
