@@ -63,7 +63,7 @@ fn run_help_lists_every_documented_variable_with_its_default() {
         );
     }
     for default in [
-        "[default: 64]",
+        "[default: 256]",
         "[default: 30]",
         "[default: tools.toml]",
         "[default: 127.0.0.1:9464]",

@@ -81,6 +81,8 @@ async fn world(wait: &str, extra: &[(&str, &str)]) -> World {
 type Client = RunningService<RoleClient, ClientConfig>;
 
 async fn client(url: &str, token: &str, tasks: bool) -> Client {
+    // rmcp builds its own reqwest client, whose TLS needs the process's crypto provider.
+    worker::tls::install_default_provider();
     let transport = StreamableHttpClientTransport::from_config(
         StreamableHttpClientTransportConfig::with_uri(url).auth_header(token),
     );
@@ -280,7 +282,7 @@ async fn bad_calls_are_refused_before_anything_is_published() {
     assert_eq!(w.env.writes("north-shop:r-bad").await, 0);
 
     // Without a token, or with a wrong one: 401, no MCP at all.
-    let http = reqwest::Client::new();
+    let http = e2e::http();
     let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}});
     for auth in [None, Some("Bearer not-a-known-token-000000")] {
         let mut request = http
