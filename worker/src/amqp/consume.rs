@@ -242,8 +242,11 @@ async fn process(
     acks: &mut Acks,
 ) -> Result<Processed, AmqpError> {
     let mut backoff = Duration::from_millis(100);
+    // The poison guard's count for a redelivered delivery, taken once: retrying the batch through
+    // a ledger outage is still one delivery, not one per attempt.
+    let mut counted: Option<u32> = None;
     loop {
-        match try_process(dlx, ctx, config, &batch).await {
+        match try_process(dlx, ctx, config, &batch, &mut counted).await {
             Ok(Recorded {
                 claimed,
                 broken: Some(e),
@@ -330,6 +333,7 @@ async fn try_process(
     ctx: &Arc<Context>,
     config: &ConsumerConfig,
     batch: &[Delivery],
+    counted: &mut Option<u32>,
 ) -> Result<Recorded, Failure> {
     let limit = config.topology.delivery_limit;
     // Poison guard (a redelivered delivery arrives alone).
@@ -339,11 +343,18 @@ async fn try_process(
             // Only our own count: the broker's `x-delivery-count` also counts returns of
             // prefetched messages a crashed worker never started, which would condemn a poison
             // message's innocent neighbours.
-            let deliveries = ctx
-                .ledger
-                .count_redelivery(&sha)
-                .await
-                .map_err(Failure::Ledger)? as u32;
+            let deliveries = match *counted {
+                Some(n) => n,
+                None => {
+                    let n = ctx
+                        .ledger
+                        .count_redelivery(&sha)
+                        .await
+                        .map_err(Failure::Ledger)? as u32;
+                    *counted = Some(n);
+                    n
+                }
+            };
             if deliveries > limit {
                 let dl = DeadLetter {
                     index: 0,
