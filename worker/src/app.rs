@@ -80,6 +80,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let handle = m::install(&names)
         .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
     let ledger = connect_ledger(&settings, &trust).await?;
+    let options =
+        crate::tls::postgres(&settings.database_url, &trust).context("invalid DATABASE_URL")?;
+    probe_pooler(&options).await.map_err(pooler_hint)?;
     let started = if settings.migrate {
         ledger
             .migrate()
@@ -432,6 +435,39 @@ fn warn_about_risky_settings(_settings: &Settings, tools: &Tools) {
                  receipt; declare the echo fields the downstream returns"
             );
         }
+    }
+}
+
+/// Makes a transaction-mode pooler without prepared-statement support fail at start-up, every
+/// time, instead of in whichever statements happen to collide later (where a reused statement
+/// name could even run another statement with the same parameter count). Two fresh client
+/// connections each prepare the same first statement (sqlx names it `sqlx_s_1` on both) while
+/// the second holds a transaction: with Postgres itself, session pooling, or PgBouncer >= 1.21
+/// with `max_prepared_statements`, nothing collides; PgBouncer < 1.21 in transaction mode hands
+/// the second client the server connection the first one just prepared on (its default LIFO
+/// reuse), and the prepare fails with "already exists".
+async fn probe_pooler(options: &sqlx::postgres::PgConnectOptions) -> anyhow::Result<()> {
+    use sqlx::Connection as _;
+    let probe = async {
+        let mut a = sqlx::PgConnection::connect_with(options).await?;
+        let mut b = sqlx::PgConnection::connect_with(options).await?;
+        let q = "SELECT pg_backend_pid()";
+        let _: i32 = sqlx::query_scalar(q).fetch_one(&mut a).await?;
+        let mut tx = b.begin().await?;
+        let _: i32 = sqlx::query_scalar(q).fetch_one(&mut *tx).await?;
+        let _: i32 = sqlx::query_scalar(q).fetch_one(&mut a).await?;
+        tx.rollback().await?;
+        let _ = a.close().await;
+        let _ = b.close().await;
+        Ok::<_, sqlx::Error>(())
+    };
+    match tokio::time::timeout(Duration::from_secs(15), probe).await {
+        Ok(r) => r.context("checking the Postgres connection for a transaction-mode pooler"),
+        Err(_) => Err(anyhow::anyhow!(
+            "a second connection to Postgres did not answer within 15 s while the first held a \
+             transaction: a pooler with a single server connection? (README, \"Postgres \
+             connections and PgBouncer\")"
+        )),
     }
 }
 
