@@ -80,9 +80,10 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let handle = m::install(&names)
         .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
     let ledger = connect_ledger(&settings, &trust).await?;
-    let options =
-        crate::tls::postgres(&settings.database_url, &trust).context("invalid DATABASE_URL")?;
-    probe_pooler(&options).await.map_err(pooler_hint)?;
+    // The pool's own options: the URL and trust connect_ledger already resolved.
+    probe_pooler(&ledger.pool().connect_options())
+        .await
+        .map_err(pooler_hint)?;
     let started = if settings.migrate {
         ledger
             .migrate()
