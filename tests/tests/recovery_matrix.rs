@@ -146,8 +146,11 @@ matrix! {
     after_prepared_lookup: "after_prepared", "ticket" => ok(1, 1);
     after_prepared_none: "after_prepared", "deploy" => ok(1, 1);
     after_dispatching_replay: "after_dispatching", "refund" => ok(1, 1);
-    after_dispatching_lookup: "after_dispatching", "ticket" => held(0, 0);
-    after_dispatching_none: "after_dispatching", "deploy" => held(0, 0);
+    after_dispatching_lookup: "after_dispatching", "ticket" => ok(1, 1);
+    after_dispatching_none: "after_dispatching", "deploy" => ok(1, 1);
+    after_send_fence_replay: "after_send_fence", "refund" => ok(1, 1);
+    after_send_fence_lookup: "after_send_fence", "ticket" => held(0, 0);
+    after_send_fence_none: "after_send_fence", "deploy" => held(0, 0);
     after_response_replay: "after_response", "refund" => ok(1, 2);
     after_response_lookup: "after_response", "ticket" => ok(1, 1);
     after_response_none: "after_response", "deploy" => held(1, 1);

@@ -547,8 +547,11 @@ async fn sigterm_with_ledger_down_never_acks_an_unrecorded_delivery() {
         published.extend(first);
         published.extend(buffered);
     }
-    // A worker with a healthy ledger link takes whatever was left unacked.
-    let _w = Worker::start(&env, "final", &base_opts(tools)).await;
+    // A worker with a healthy ledger link takes whatever was left unacked, under the same
+    // poison limit (a round-0 intent given up in all six rounds was delivered six times).
+    let mut last = base_opts(tools);
+    last.delivery_limit = opts.delivery_limit;
+    let _w = Worker::start(&env, "final", &last).await;
     let deadline = tokio::time::Instant::now() + T;
     loop {
         let mut missing = Vec::new();

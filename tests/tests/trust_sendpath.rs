@@ -22,9 +22,11 @@ async fn state_is(env: &Env, action: &str, want: &str) {
     .await
 }
 
-/// A stops between its claim and its first send (fault point `before_send`), paused past its
-/// lease. B expires the lease and recovers by capability (`none`: hold; `lookup`: lookups,
-/// then hold). A resumes: its stale send must not reach the downstream.
+/// A stops between its claim and its first send (fault point `before_send`, before the send
+/// fence), paused past its lease. B expires the lease: A's fence never passed, so nothing was
+/// sent under A's claim and the row goes back to `prepared`, not `unknown` — B dispatches it
+/// once and it succeeds (no lookup, no hold). A resumes: its stale send must not reach the
+/// downstream, so the downstream sees exactly B's write.
 async fn stale_first_send_is_abandoned(tool: &str, action: &str) {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
@@ -44,19 +46,41 @@ async fn stale_first_send_is_abandoned(tool: &str, action: &str) {
         .await;
     a.wait_output("fault point reached: before_send", T).await;
     let b = Worker::start(&env, "b", &opts).await;
-    // B's recovery took the row: lease expired -> unknown -> (lookups) -> held.
-    state_is(&env, action, "held").await;
-    let pending = agent.next(TENANT, T).await;
-    assert_eq!(pending.status, Status::Pending);
-    if tool == "ticket" {
-        assert!(env.lookups(&key(action)).await >= 1, "B looked it up");
-    }
+    // B's recovery: lease expired before any send -> prepared -> dispatched by B.
+    let first = agent.next(TENANT, T).await;
+    assert_eq!(
+        first.status,
+        Status::Succeeded,
+        "nothing was sent under the lost claim: no pending, the first answer is the receipt"
+    );
+    assert_eq!(env.state(TENANT, action).await, "succeeded");
+    assert_eq!(env.writes(&key(action)).await, 1, "B sent it once");
+    assert_eq!(env.lookups(&key(action)).await, 0, "no lookup was needed");
+    let history: Vec<String> = sqlx::query_scalar(
+        "SELECT coalesce(h.from_state, '-') || '>' || h.to_state FROM operation_history h
+         JOIN operations o ON o.id = h.operation_id WHERE o.action_id = $1 ORDER BY h.id",
+    )
+    .bind(action)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        history,
+        [
+            "->dispatching",
+            "dispatching>prepared",
+            "prepared>prepared",
+            "prepared>dispatching",
+            "dispatching>succeeded"
+        ],
+        "expiry put the unsent row back to prepared; B leased and sent it"
+    );
     a.resume();
     a.wait_output("fault point resumed", T).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(
         env.writes(&key(action)).await,
-        0,
+        1,
         "no write from the stale task reached the downstream"
     );
     let abandoned = metric_value(
@@ -65,19 +89,19 @@ async fn stale_first_send_is_abandoned(tool: &str, action: &str) {
         &[("tool", tool), ("kind", "first")],
     );
     assert_eq!(abandoned, 1.0, "the abandoned send is counted");
-    assert_eq!(env.mutations(&key(action)).await, 0);
-    assert_eq!(env.state(TENANT, action).await, "held");
+    assert_eq!(env.mutations(&key(action)).await, 1);
+    assert_eq!(env.state(TENANT, action).await, "succeeded");
     drop((a, b));
     cleanup(env).await;
 }
 
 #[tokio::test]
-async fn stale_first_send_of_a_none_tool_is_abandoned_after_recovery_held_it() {
+async fn stale_first_send_of_a_none_tool_is_abandoned_and_the_unsent_row_dispatched_once() {
     stale_first_send_is_abandoned("deploy", "deploy-stale").await;
 }
 
 #[tokio::test]
-async fn stale_first_send_of_a_lookup_tool_is_abandoned_after_recovery_looked_it_up() {
+async fn stale_first_send_of_a_lookup_tool_is_abandoned_and_the_unsent_row_dispatched_once() {
     stale_first_send_is_abandoned("ticket", "ticket-stale").await;
 }
 

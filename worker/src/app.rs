@@ -163,7 +163,6 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         topology: settings.topology.clone(),
         prefetch: settings.prefetch,
         auth: tools_file.auth.clone(),
-        prepared_grace: settings.lease,
     };
     tracing::info!(worker_id = %settings.worker_id, tools = ?tool_names, "worker started");
     let consumer = consumer_link(

@@ -115,6 +115,7 @@ pub async fn run(ctx: Arc<Context>, op: Operation) {
     if !send_fence(&ctx, &op, &tool.config, kind).await {
         return;
     }
+    fault::point("after_send_fence", &op.action_id);
     let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
     account(&ctx, &tool.config, kind, &outcome);
     fault::point("after_response", &op.action_id);

@@ -8,10 +8,11 @@
 //! process every time that action is taken from the queue: a poison message.
 
 /// Points a test can stop at.
-pub const POINTS: [&str; 6] = [
+pub const POINTS: [&str; 7] = [
     "after_prepared",
     "after_dispatching",
     "before_send",
+    "after_send_fence",
     "after_response",
     "after_succeeded",
     "crash_on_intake",

@@ -13,7 +13,6 @@
 //! dead-letters what this step says, acks only after it returns, and starts the dispatches.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use metrics::counter;
 use protocol::{DecodeError, Intent, RejectReason, Status};
@@ -323,7 +322,6 @@ fn key_taken_event(
 pub async fn step(
     ctx: &Context,
     auth: &TenantAuth,
-    prepared_grace: Duration,
     batch: &[Incoming],
 ) -> Result<StepOutcome, LedgerError> {
     let mut out = StepOutcome::default();
@@ -347,10 +345,11 @@ pub async fn step(
     let (unique, later) = fold_duplicates(&valid);
     let admitted = ctx
         .ledger
-        .admit(
+        .admit_claimed(
             &unique.iter().map(|v| v.new.clone()).collect::<Vec<_>>(),
             &ctx.worker_id,
-            prepared_grace,
+            ctx.lease,
+            &ctx.windows,
         )
         .await?;
     if let Some(a) = admitted.iter().find(|a| a.inserted) {
@@ -380,24 +379,38 @@ pub async fn step(
     }
     let answers = Answers::new(&unique, &admitted);
     events.extend(answers.before_claim());
-    let (claimed, answered) = ctx
-        .ledger
-        .claim_and_answer(
-            &answers.to_claim,
-            &ctx.worker_id,
-            ctx.lease,
-            &ctx.windows,
-            |claimed| {
-                events.extend(answers.after_claim(claimed, &later));
-                events
-            },
-        )
-        .await?;
+    // New rows were claimed by their insert. Only `prepared` rows found under a known key (a
+    // crash between an older admission and its claim) need a claim statement; without them the
+    // answers, if any, are one insert of their own, and a batch of new intents costs one
+    // statement in all.
+    let (claimed, answered) = if answers.to_claim.is_empty() {
+        events.extend(answers.after_claim(&[], &later));
+        ctx.ledger.emit(&events).await?;
+        (Vec::new(), events.len())
+    } else {
+        ctx.ledger
+            .claim_and_answer(
+                &answers.to_claim,
+                &ctx.worker_id,
+                ctx.lease,
+                &ctx.windows,
+                |claimed| {
+                    events.extend(answers.after_claim(claimed, &later));
+                    events
+                },
+            )
+            .await?
+    };
     out.answered = answered;
-    if let Some(op) = claimed.first() {
+    out.claimed = admitted
+        .iter()
+        .filter(|a| a.inserted)
+        .map(|a| a.operation.clone())
+        .chain(claimed)
+        .collect();
+    if let Some(op) = out.claimed.first() {
         fault::point("after_dispatching", &op.action_id);
     }
-    out.claimed = claimed;
     Ok(out)
 }
 
@@ -442,7 +455,9 @@ impl<'a> Answers<'a> {
         };
         for (u, (v, adm)) in unique.iter().zip(admitted).enumerate() {
             let op = &adm.operation;
-            if op.fingerprint != v.new.fingerprint {
+            if adm.inserted {
+                // Claimed by its own insert: dispatched, not answered.
+            } else if op.fingerprint != v.new.fingerprint {
                 a.conflicts.push(conflict_event(&v.new, op));
                 duplicate("conflict");
             } else if op.state() == State::Prepared {

@@ -167,6 +167,8 @@ struct Phase {
     count: usize,
     commits: Option<i64>,
     wal_syncs: Option<i64>,
+    /// What the run wrote into its own database (None for the broker baseline).
+    written: Option<Written>,
     cpu: CpuSplit,
     /// Peak resident set of the largest worker (VmHWM), KiB.
     rss_kib: Option<u64>,
@@ -264,7 +266,81 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
     for l in &latencies {
         println!("{}", l.line());
     }
+    println!();
+    println!(
+        "{:<18} {:>9} {:>6} {:>9} {:>9}   (what the run wrote into its own database, per intent)",
+        "phase", "rows/i", "hot%", "heap B/i", "index B/i"
+    );
+    for p in &runs {
+        if let Some(w) = &p.written {
+            let per = |v: i64| v as f64 / p.count as f64;
+            println!(
+                "{:<18} {:>9.2} {:>6.0} {:>9.0} {:>9.0}",
+                p.label,
+                per(w.versions),
+                100.0 * w.hot as f64 / w.updates.max(1) as f64,
+                per(w.heap_bytes),
+                per(w.index_bytes)
+            );
+        }
+    }
+    println!(
+        "rows/i = row versions written (inserts + updates + deletes, every table); hot% = updates \
+         that touched no index (HOT); heap/index B/i = growth of tables / indexes. These count work, \
+         not time: they do not depend on what else the machine runs."
+    );
     Ok(())
+}
+
+/// Cumulative writes into the run's database (`pg_stat_user_tables`, sizes of its relations).
+#[derive(Clone, Copy)]
+struct Written {
+    versions: i64,
+    updates: i64,
+    hot: i64,
+    heap_bytes: i64,
+    index_bytes: i64,
+}
+
+impl Written {
+    async fn take(env: &Env) -> Option<Written> {
+        let _ = sqlx::query("SELECT pg_stat_clear_snapshot()")
+            .execute(&env.pool)
+            .await;
+        let row: Result<(i64, i64, i64, i64, i64), _> = sqlx::query_as(
+            "SELECT (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::int8
+                     FROM pg_stat_user_tables),
+                    (SELECT coalesce(sum(n_tup_upd), 0)::int8 FROM pg_stat_user_tables),
+                    (SELECT coalesce(sum(n_tup_hot_upd), 0)::int8 FROM pg_stat_user_tables),
+                    coalesce(sum(pg_relation_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::int8,
+                    coalesce(sum(pg_relation_size(c.oid)) FILTER (WHERE c.relkind = 'i'), 0)::int8
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = 'public'",
+        )
+        .fetch_one(&env.pool)
+        .await;
+        row.map_err(|e| eprintln!("warning: pg_stat_user_tables: {e}"))
+            .ok()
+            .map(
+                |(versions, updates, hot, heap_bytes, index_bytes)| Written {
+                    versions,
+                    updates,
+                    hot,
+                    heap_bytes,
+                    index_bytes,
+                },
+            )
+    }
+
+    fn since(&self, before: &Written) -> Written {
+        Written {
+            versions: self.versions - before.versions,
+            updates: self.updates - before.updates,
+            hot: self.hot - before.hot,
+            heap_bytes: self.heap_bytes - before.heap_bytes,
+            index_bytes: self.index_bytes - before.index_bytes,
+        }
+    }
 }
 
 fn report(p: &Phase, base: Option<f64>) {
@@ -501,6 +577,7 @@ async fn baseline_on(
         count: n,
         commits: None,
         wal_syncs: None,
+        written: None,
         cpu,
         rss_kib: None,
     })
@@ -578,6 +655,7 @@ async fn worker_run_in(
     sleep(STATS_SETTLE).await;
     let commits_before = xact_commit(env).await;
     let wal_before = wal_syncs(env).await;
+    let written_before = Written::take(env).await;
     let writes_before = downstream.requests.load(Ordering::SeqCst);
 
     if args.statements {
@@ -682,6 +760,9 @@ async fn worker_run_in(
         count: n,
         commits,
         wal_syncs: wal,
+        written: written_before
+            .zip(Written::take(env).await)
+            .map(|(a, b)| b.since(&a)),
         cpu,
         rss_kib,
     })

@@ -48,8 +48,6 @@ pub struct ConsumerConfig {
     pub topology: Topology,
     pub prefetch: u16,
     pub auth: TenantAuth,
-    /// How long a fresh `prepared` row is left to its consumer before the scheduler may take it.
-    pub prepared_grace: Duration,
 }
 
 /// Whether [`process`] recorded its batch (and then acked it) or gave it up at shutdown.
@@ -383,7 +381,7 @@ async fn try_process(
                 .map(|u| u.as_str().to_string()),
         })
         .collect();
-    let outcome = intake::step(ctx, &config.auth, config.prepared_grace, &incoming)
+    let outcome = intake::step(ctx, &config.auth, &incoming)
         .await
         .map_err(Failure::Ledger)?;
     let mut refused = Vec::new();

@@ -1,10 +1,11 @@
-//! Admission: the inbox. Each intent is inserted as `prepared` or, when its key exists, the
-//! stored row is loaded — many intents in one statement and one commit.
+//! Admission: the inbox. Each intent is inserted (claimed for its first dispatch, or
+//! `prepared`) or, when its key exists, the stored row is loaded — many intents in one
+//! statement and one commit.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::{Ledger, LedgerError, Operation, OPERATION_COLUMNS};
+use super::{Ledger, LedgerError, Operation, ReplayWindows, OPERATION_COLUMNS};
 
 /// An intent ready to be recorded.
 #[derive(Debug, Clone)]
@@ -30,13 +31,63 @@ pub struct Admitted {
 impl Ledger {
     /// Inserts each intent as `prepared` or loads its existing row, in one statement and one
     /// commit. `intents` must not repeat a key (callers fold in-batch duplicates first).
-    /// `prepared_grace` delays the recovery scheduler's interest in a fresh `prepared` row, so
-    /// it does not race the consumer that is about to claim it.
+    /// `prepared_grace` delays the recovery scheduler's interest in a fresh `prepared` row.
+    /// The consumer uses [`Ledger::admit_claimed`]; this is for rows meant to wait for the
+    /// scheduler (and for tests that model a crash before the claim).
     pub async fn admit(
         &self,
         intents: &[NewOperation],
         worker_id: &str,
         prepared_grace: Duration,
+    ) -> Result<Vec<Admitted>, LedgerError> {
+        let values = "'prepared', $8, now() + make_interval(secs => $9)";
+        let columns = "state, changed_by, next_attempt_at";
+        self.admit_with(intents, columns, values, |q| {
+            q.bind(worker_id.to_string())
+                .bind(prepared_grace.as_secs_f64())
+        })
+        .await
+    }
+
+    /// The consumer's admission: each new intent is inserted already claimed by this worker
+    /// for its first dispatch (`dispatching`, fence 1, a lease, one write authorised, the
+    /// first-dispatch time and replay deadline), exactly what [`Ledger::claim_prepared`] would
+    /// make of a `prepared` row, but as one row version and one history row instead of two,
+    /// in one statement with the inbox check. An existing key's row is loaded unchanged.
+    ///
+    /// Nothing is sent on the strength of this claim alone: the send fence
+    /// ([`Ledger::fence_sends`]) still runs just before the request and marks the row sent
+    /// (`sent_fence`). A worker that dies before that leaves a row whose lease expiry puts it
+    /// back to `prepared` (nothing was sent), not `unknown`.
+    pub async fn admit_claimed(
+        &self,
+        intents: &[NewOperation],
+        worker_id: &str,
+        lease: Duration,
+        windows: &ReplayWindows,
+    ) -> Result<Vec<Admitted>, LedgerError> {
+        let columns = "state, changed_by, fence, lease_owner, lease_until, attempts, \
+                       first_dispatch_at, replay_deadline";
+        let values = "'dispatching', $8, 1, $8, now() + make_interval(secs => $9), 1, now(), \
+                      now() + make_interval(secs => (SELECT w.secs FROM unnest($10::text[], \
+                      $11::float8[]) AS w(tool, secs) WHERE w.tool = input.tool))";
+        self.admit_with(intents, columns, values, |q| {
+            q.bind(worker_id.to_string())
+                .bind(lease.as_secs_f64())
+                .bind(windows.tools.clone())
+                .bind(windows.secs.clone())
+        })
+        .await
+    }
+
+    /// The inbox statement: insert what is new (`columns` set to `values`, whose parameters
+    /// from `$8` on are bound by `bind_rest`), load what exists.
+    async fn admit_with<'q>(
+        &self,
+        intents: &[NewOperation],
+        columns: &str,
+        values: &str,
+        bind_rest: impl FnOnce(AdmitQuery<'q>) -> AdmitQuery<'q>,
     ) -> Result<Vec<Admitted>, LedgerError> {
         if intents.is_empty() {
             return Ok(Vec::new());
@@ -50,9 +101,9 @@ impl Ledger {
                     AS i(tenant, action_id, tool, fingerprint, arguments, call_id, reply_to)
              ), inserted AS (
                 INSERT INTO operations (tenant, action_id, tool, fingerprint, arguments, call_id,
-                                        reply_to, state, changed_by, next_attempt_at)
+                                        reply_to, {columns})
                 SELECT tenant, action_id, tool, fingerprint, arguments, call_id, reply_to,
-                       'prepared', $8, now() + make_interval(secs => $9)
+                       {values}
                 FROM input
                 ON CONFLICT (tenant, action_id) DO NOTHING
                 RETURNING {OPERATION_COLUMNS}
@@ -65,18 +116,15 @@ impl Ledger {
                                WHERE x.tenant = o.tenant AND x.action_id = o.action_id)",
             cols = prefixed("o", OPERATION_COLUMNS)
         );
-        let rows: Vec<AdmittedRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        let query = sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(col(|i| Some(i.tenant.clone())))
             .bind(col(|i| Some(i.action_id.clone())))
             .bind(col(|i| Some(i.tool.clone())))
             .bind(col(|i| Some(i.fingerprint.clone())))
             .bind(col(|i| Some(i.arguments.clone())))
             .bind(col(|i| i.call_id.clone()))
-            .bind(col(|i| i.reply_to.clone()))
-            .bind(worker_id)
-            .bind(prepared_grace.as_secs_f64())
-            .fetch_all(&self.pool)
-            .await?;
+            .bind(col(|i| i.reply_to.clone()));
+        let rows: Vec<AdmittedRow> = bind_rest(query).fetch_all(&self.pool).await?;
         let mut by_key: HashMap<(String, String), Admitted> = rows
             .into_iter()
             .map(|r| {
@@ -110,6 +158,13 @@ impl Ledger {
         Ok(out)
     }
 }
+
+type AdmitQuery<'q> = sqlx::query::QueryAs<
+    'q,
+    sqlx::Postgres,
+    AdmittedRow,
+    <sqlx::Postgres as sqlx::Database>::Arguments,
+>;
 
 #[derive(sqlx::FromRow)]
 struct AdmittedRow {

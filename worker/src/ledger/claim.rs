@@ -12,8 +12,8 @@ use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
 /// Replay windows by tool, so the first dispatch can store its protection deadline.
 #[derive(Debug, Clone, Default)]
 pub struct ReplayWindows {
-    tools: Vec<String>,
-    secs: Vec<f64>,
+    pub(crate) tools: Vec<String>,
+    pub(crate) secs: Vec<f64>,
 }
 
 impl ReplayWindows {
@@ -161,7 +161,8 @@ impl Ledger {
         let timeouts: Vec<f64> = sends.iter().map(|s| s.timeout.as_secs_f64()).collect();
         let passed: Vec<(i64, i64)> = sqlx::query_as(
             "UPDATE operations o
-             SET lease_until = now() + make_interval(secs => i.timeout + $5)
+             SET lease_until = now() + make_interval(secs => i.timeout + $5),
+                 sent_fence = o.fence
              FROM unnest($1::int8[], $2::int8[], $3::float8[]) AS i(id, fence, timeout)
              WHERE o.id = i.id AND o.fence = i.fence AND o.state = 'dispatching'
                AND o.lease_owner = $4 AND o.lease_until > now()
@@ -265,9 +266,13 @@ impl Ledger {
             .collect())
     }
 
-    /// `dispatching` rows whose lease ran out (owner crashed, hung or was paused) become
-    /// `unknown`: the request may have left, so they are never dispatched afresh. An agent that
-    /// was told nothing yet gets a `pending` result in the same commit.
+    /// `dispatching` rows whose lease ran out (owner crashed, hung or was paused). One whose
+    /// send fence passed under this claim (`sent_fence = fence`) becomes `unknown`: the request
+    /// may have left, so it is never dispatched afresh, and an agent that was told nothing yet
+    /// gets a `pending` result in the same commit. One whose fence never passed sent nothing
+    /// (the fence is the only way to a send, and it now fails for the stale owner): it goes
+    /// back to `prepared` (or `retry_wait` after earlier attempts), due at once, and the write
+    /// its claim counted is given back.
     pub async fn expire_leases(
         &self,
         worker_id: &str,
@@ -276,17 +281,25 @@ impl Ledger {
         let mut tx = self.pool.begin().await?;
         let sql = format!(
             "WITH expired AS (
-                SELECT id, last_reported FROM operations
+                SELECT id, last_reported, sent_fence IS NOT DISTINCT FROM fence AS sent
+                FROM operations
                 WHERE state = 'dispatching' AND lease_until < now()
                 ORDER BY lease_until
                 LIMIT $2
                 FOR UPDATE SKIP LOCKED
              )
              UPDATE operations o
-             SET state = 'unknown', next_attempt_at = now(), changed_by = $1,
-                 evidence = 'lease of ' || coalesce(o.lease_owner, 'unknown owner')
-                            || ' expired while dispatching; the request may have been sent',
-                 lease_owner = NULL, lease_until = NULL, last_reported = 'pending'
+             SET state = CASE WHEN expired.sent THEN 'unknown'
+                              WHEN o.attempts > 1 THEN 'retry_wait' ELSE 'prepared' END,
+                 attempts = o.attempts - (NOT expired.sent)::int,
+                 next_attempt_at = now(), changed_by = $1,
+                 evidence = 'lease of ' || coalesce(o.lease_owner, 'unknown owner') ||
+                            CASE WHEN expired.sent
+                                 THEN ' expired while dispatching; the request may have been sent'
+                                 ELSE ' expired before its send fence passed; nothing was sent'
+                            END,
+                 lease_owner = NULL, lease_until = NULL,
+                 last_reported = CASE WHEN expired.sent THEN 'pending' ELSE o.last_reported END
              FROM expired WHERE o.id = expired.id
              RETURNING {}, expired.last_reported AS prev_reported",
             prefixed("o", OPERATION_COLUMNS)
@@ -298,7 +311,9 @@ impl Ledger {
             .await?;
         let events: Vec<_> = rows
             .iter()
-            .filter(|r| r.prev_reported.as_deref() != Some("pending"))
+            .filter(|r| {
+                r.op.state() == State::Unknown && r.prev_reported.as_deref() != Some("pending")
+            })
             .map(|r| {
                 outbox::operation_event(&r.op, protocol::Status::Pending, pending_message(&r.op))
             })

@@ -122,6 +122,9 @@ pub(crate) const OPERATION_COLUMNS: &str = "id, tenant, action_id, tool, fingerp
      updated_at, state_since, swept_at";
 
 /// Handle on the ledger database.
+/// See [`Ledger::connect_with`].
+const PING_IF_IDLE_FOR: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[derive(Clone)]
 pub struct Ledger {
     pool: PgPool,
@@ -147,9 +150,22 @@ impl Ledger {
         pool_size: u32,
         acquire_timeout: std::time::Duration,
     ) -> Result<Ledger, LedgerError> {
+        // sqlx pings every connection it hands out by default: one more round trip (and a
+        // wake-up of the backend) before each statement. A connection used within the last
+        // second has just proven itself; only longer-idle ones are pinged. A connection that
+        // broke since its last use fails its statement, which every caller already survives.
         let pool = PgPoolOptions::new()
             .max_connections(pool_size)
             .acquire_timeout(acquire_timeout)
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for < PING_IF_IDLE_FOR {
+                        return Ok(true);
+                    }
+                    sqlx::Connection::ping(conn).await.map(|()| true)
+                })
+            })
             .connect_with(options)
             .await?;
         Ok(Ledger { pool })

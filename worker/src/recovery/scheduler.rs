@@ -31,11 +31,19 @@ pub async fn step(ctx: &Arc<Context>) -> Result<usize, crate::ledger::LedgerErro
         .expire_leases(&ctx.worker_id, LEASE_BATCH)
         .await?;
     for op in &expired {
-        counter!(m::TRANSITIONS, "state" => "unknown").increment(1);
-        tracing::warn!(
-            tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool,
-            "dispatch lease expired; outcome unknown"
-        );
+        let state = op.state();
+        counter!(m::TRANSITIONS, "state" => state.as_str()).increment(1);
+        if state == State::Unknown {
+            tracing::warn!(
+                tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool,
+                "dispatch lease expired; outcome unknown"
+            );
+        } else {
+            tracing::warn!(
+                tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool, %state,
+                "dispatch lease expired before the send fence passed; nothing was sent, dispatching again"
+            );
+        }
     }
     if !expired.is_empty() {
         ctx.relay_wake.notify_one();

@@ -1,0 +1,17 @@
+-- Throughput (issue 11) without weaker guarantees.
+--
+-- 1. `sent_fence`: the fence under which the last write was authorised by the send fence. A
+--    `dispatching` row whose lease ran out with `sent_fence` <> `fence` never sent anything under
+--    that claim (the fence statement is the only way to send), so it goes back to `prepared` /
+--    `retry_wait` instead of `unknown`: a crash between the claim and the send no longer costs an
+--    honest-but-needless `held`. Rows dispatching while this migration runs are counted as sent.
+ALTER TABLE operations ADD COLUMN sent_fence bigint;
+UPDATE operations SET sent_fence = fence WHERE state = 'dispatching';
+
+-- 2. The send fence renews `lease_until` on a row that stays `dispatching`. With an index on
+--    `lease_until` every fence wrote a new version into all of the row's indexes (a non-HOT
+--    update); without it, and with room left on each page, the fence is a HOT update touching no
+--    index. Lease expiry finds `dispatching` rows through operations_unresolved (state first):
+--    they are only the in-flight ones, bounded by the workers' prefetch.
+DROP INDEX operations_lease;
+ALTER TABLE operations SET (fillfactor = 80);
