@@ -15,3 +15,16 @@ UPDATE operations SET sent_fence = fence WHERE state = 'dispatching';
 --    they are only the in-flight ones, bounded by the workers' prefetch.
 DROP INDEX operations_lease;
 ALTER TABLE operations SET (fillfactor = 80);
+
+-- 3. History is appended only when state, fence or evidence change (operations_history() checks
+--    that itself). Saying so in the trigger's WHEN lets Postgres skip the AFTER-row event, and
+--    the PL/pgSQL call, for updates that change none of them (the send fence, lease renewals)
+--    instead of queueing one per row only for the function to do nothing.
+DROP TRIGGER operations_history ON operations;
+CREATE TRIGGER operations_history_insert AFTER INSERT ON operations
+    FOR EACH ROW EXECUTE FUNCTION operations_history();
+CREATE TRIGGER operations_history_change AFTER UPDATE ON operations
+    FOR EACH ROW
+    WHEN (OLD.state IS DISTINCT FROM NEW.state OR OLD.fence IS DISTINCT FROM NEW.fence
+          OR OLD.evidence IS DISTINCT FROM NEW.evidence)
+    EXECUTE FUNCTION operations_history();

@@ -169,6 +169,9 @@ struct Phase {
     wal_syncs: Option<i64>,
     /// What the run wrote into its own database (None for the broker baseline).
     written: Option<Written>,
+    /// CPU ticks of the Postgres backends serving the run's database (other databases' work
+    /// on a shared server excluded).
+    run_pg_ticks: Option<u64>,
     cpu: CpuSplit,
     /// Peak resident set of the largest worker (VmHWM), KiB.
     rss_kib: Option<u64>,
@@ -268,26 +271,32 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
     }
     println!();
     println!(
-        "{:<18} {:>9} {:>6} {:>9} {:>9}   (what the run wrote into its own database, per intent)",
-        "phase", "rows/i", "hot%", "heap B/i", "index B/i"
+        "{:<18} {:>9} {:>6} {:>9} {:>9} {:>11} {:>11}   (per intent)",
+        "phase", "rows/i", "hot%", "heap B/i", "index B/i", "worker µs", "pg(run) µs"
     );
     for p in &runs {
         if let Some(w) = &p.written {
             let per = |v: i64| v as f64 / p.count as f64;
+            let us = |ticks: u64| ticks as f64 / CLK_TCK * 1e6 / p.count as f64;
             println!(
-                "{:<18} {:>9.2} {:>6.0} {:>9.0} {:>9.0}",
+                "{:<18} {:>9.2} {:>6.0} {:>9.0} {:>9.0} {:>11.0} {:>11}",
                 p.label,
                 per(w.versions),
                 100.0 * w.hot as f64 / w.updates.max(1) as f64,
                 per(w.heap_bytes),
-                per(w.index_bytes)
+                per(w.index_bytes),
+                us(p.cpu.worker),
+                p.run_pg_ticks
+                    .map_or("-".into(), |t| format!("{:.0}", us(t)))
             );
         }
     }
     println!(
         "rows/i = row versions written (inserts + updates + deletes, every table); hot% = updates \
-         that touched no index (HOT); heap/index B/i = growth of tables / indexes. These count work, \
-         not time: they do not depend on what else the machine runs."
+         that touched no index (HOT); heap/index B/i = growth of tables / indexes; worker µs and \
+         pg(run) µs = CPU time of the worker processes and of the Postgres backends connected to \
+         the run's database (shared Postgres processes such as the WAL writer not included). These \
+         count work, not time: they depend far less on what else the machine runs than rates do."
     );
     Ok(())
 }
@@ -578,6 +587,7 @@ async fn baseline_on(
         commits: None,
         wal_syncs: None,
         written: None,
+        run_pg_ticks: None,
         cpu,
         rss_kib: None,
     })
@@ -714,7 +724,11 @@ async fn worker_run_in(
             return Err(e.context(format!("ledger states now: {states:?}")));
         }
     };
-    let cpu = CpuSample::take(&worker_pids).since(&cpu_before);
+    let cpu_after = CpuSample::take(&worker_pids);
+    let cpu = cpu_after.since(&cpu_before);
+    let run_pg_ticks = run_backends(env)
+        .await
+        .map(|pids| cpu_after.ticks_since(&cpu_before, &pids));
     let statements = log.map(|l| l.read());
     let _ = publisher_conn.close(200, "".into()).await;
 
@@ -763,6 +777,7 @@ async fn worker_run_in(
         written: written_before
             .zip(Written::take(env).await)
             .map(|(a, b)| b.since(&a)),
+        run_pg_ticks,
         cpu,
         rss_kib,
     })
@@ -1011,8 +1026,9 @@ impl StatementLog {
         Ok(StatementLog { path, offset })
     }
 
-    /// Statements logged since `open`, by kind (the first words of the SQL).
-    fn read(self) -> Result<BTreeMap<String, u64>> {
+    /// Statements logged since `open`, by kind (the first words of the SQL): how many, and
+    /// the server time they took (parse, bind and execute).
+    fn read(self) -> Result<BTreeMap<String, (u64, f64)>> {
         use std::io::{Read, Seek};
         let mut f = std::fs::File::open(&self.path)?;
         f.seek(std::io::SeekFrom::Start(self.offset))?;
@@ -1024,12 +1040,28 @@ impl StatementLog {
             let Some(rest) = line.split_once("duration: ").map(|(_, r)| r) else {
                 continue;
             };
-            let sql = if let Some((_, sql)) = rest.split_once(" statement: ") {
-                sql.to_string()
+            let ms: f64 = rest
+                .split_once(" ms")
+                .and_then(|(v, _)| v.trim().parse().ok())
+                .unwrap_or(0.0);
+            let (sql, counted) = if let Some((_, sql)) = rest.split_once(" statement: ") {
+                (sql.to_string(), true)
             } else if let Some((_, sql)) = rest.split_once(" execute ") {
-                sql.split_once(": ").map_or("", |(_, s)| s).to_string()
+                (
+                    sql.split_once(": ").map_or("", |(_, s)| s).to_string(),
+                    true,
+                )
+            } else if let Some((_, sql)) = rest
+                .split_once(" parse ")
+                .or_else(|| rest.split_once(" bind "))
+            {
+                // Parse and bind of the same round trip: time, not a statement.
+                (
+                    sql.split_once(": ").map_or("", |(_, s)| s).to_string(),
+                    false,
+                )
             } else {
-                continue; // parse and bind of the same round trip
+                continue;
             };
             // Continuation lines of a multi-line statement start with a tab.
             let mut full = sql;
@@ -1041,7 +1073,9 @@ impl StatementLog {
                 full.push_str(next.trim());
                 lines.next();
             }
-            *counts.entry(statement_kind(&full)).or_default() += 1;
+            let entry: &mut (u64, f64) = counts.entry(statement_kind(&full)).or_default();
+            entry.0 += u64::from(counted);
+            entry.1 += ms;
         }
         Ok(counts)
     }
@@ -1055,16 +1089,23 @@ fn statement_kind(sql: &str) -> String {
     kind
 }
 
-fn print_statements(k: usize, n: usize, counts: &BTreeMap<String, u64>) {
-    let total: u64 = counts.values().sum();
+fn print_statements(k: usize, n: usize, counts: &BTreeMap<String, (u64, f64)>) {
+    let total: u64 = counts.values().map(|c| c.0).sum();
+    let ms: f64 = counts.values().map(|c| c.1).sum();
     println!(
-        "statements sent by K={k} worker(s) (one round trip each): {total} = {:.2} per intent",
-        total as f64 / n as f64
+        "statements sent by K={k} worker(s) (one round trip each): {total} = {:.2} per intent; \
+         server time {:.1} µs per intent (parse + bind + execute, as logged)",
+        total as f64 / n as f64,
+        ms * 1000.0 / n as f64
     );
     let mut rows: Vec<_> = counts.iter().collect();
-    rows.sort_by(|a, b| b.1.cmp(a.1));
-    for (kind, c) in rows {
-        println!("  {:>8.3}/i  {c:>7}  {kind}", *c as f64 / n as f64);
+    rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+    for (kind, (c, ms)) in rows {
+        println!(
+            "  {:>8.3}/i  {c:>7}  {:>7.1} µs/i  {kind}",
+            *c as f64 / n as f64,
+            ms * 1000.0 / n as f64
+        );
     }
 }
 
@@ -1078,6 +1119,19 @@ async fn state_counts(env: &Env) -> Result<BTreeMap<String, i64>> {
             .await
             .context("count operations by state")?;
     Ok(rows.into_iter().collect())
+}
+
+/// Backends connected to the run's database (the benchmark's own few, which only read
+/// statistics, included).
+async fn run_backends(env: &Env) -> Option<Vec<u32>> {
+    sqlx::query_scalar::<_, i32>(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .map_err(|e| eprintln!("warning: pg_stat_activity: {e}"))
+    .ok()
+    .map(|pids| pids.into_iter().map(|p| p as u32).collect())
 }
 
 async fn xact_commit(env: &Env) -> Option<i64> {
@@ -1281,6 +1335,17 @@ impl CpuSample {
             bench: proc_ticks("/proc/self/stat").unwrap_or(0),
             machine_busy: machine_busy(),
         }
+    }
+
+    /// Ticks used by `pids` since `before` (a pid that did not exist then counts from zero).
+    fn ticks_since(&self, before: &CpuSample, pids: &[u32]) -> u64 {
+        pids.iter()
+            .filter_map(|pid| {
+                let now = self.per_pid.get(pid)?.1;
+                let start = before.per_pid.get(pid).map_or(0, |(_, t)| *t);
+                Some(now.saturating_sub(start))
+            })
+            .sum()
     }
 
     fn since(&self, before: &CpuSample) -> CpuSplit {
