@@ -278,7 +278,7 @@ async fn crash_after_commit_leaves_the_event_to_another_relay_after_the_hold() {
     let mut a = start_ready(&env, "a", &a_opts).await;
     count_outbox_updates(&env).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;
-    ds.fault(json!({"kind": "slow", "delay_ms": 2000, "key": format!("{TENANT}:{action}")}))
+    ds.fault(json!({"kind": "slow", "delay_ms": 3000, "key": format!("{TENANT}:{action}")}))
         .await;
     publish(&agent, &[action.to_string()]).await;
     // Claimed and acked; the request waits at the downstream. Nothing worker A publishes from
@@ -360,11 +360,11 @@ async fn handed_events_survive_a_broker_link_loss() {
     let first = ids("stall-a", 1);
     let waiting = ids("stall-b", 5);
     for id in &first {
-        ds.fault(json!({"kind": "slow", "delay_ms": 1500, "key": format!("{TENANT}:{id}")}))
+        ds.fault(json!({"kind": "slow", "delay_ms": 2500, "key": format!("{TENANT}:{id}")}))
             .await;
     }
     for id in &waiting {
-        ds.fault(json!({"kind": "slow", "delay_ms": 4000, "key": format!("{TENANT}:{id}")}))
+        ds.fault(json!({"kind": "slow", "delay_ms": 5000, "key": format!("{TENANT}:{id}")}))
             .await;
     }
     let all: Vec<String> = first.iter().chain(&waiting).cloned().collect();
