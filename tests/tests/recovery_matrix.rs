@@ -40,7 +40,10 @@ async fn case(point: &str, tool: &str, expect: Expect) {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let tools = env.standard_tools(ds.port, "");
-    let opts = WorkerOptions::new(tools);
+    // A worker stopped after its completion committed (`after_succeeded`) holds that event
+    // for its own relay; the next worker publishes it once the hold has passed. A short hold
+    // (fault-point builds only) keeps that inside the wait below.
+    let opts = WorkerOptions::new(tools).env("WORKER_TEST_RELAY_HOLD_SECS", "4");
     let tenant = "north-shop";
     let action = format!("{tool}-{point}");
     let key = format!("{tenant}:{action}");

@@ -1,9 +1,15 @@
 //! The result relay: publishes committed result events from the outbox with publisher
 //! confirms (routing key: the tenant) and marks them published. Events no queue is bound for
 //! are marked too and counted; they stay readable in the outbox and through the status API.
+//!
+//! Two sources feed it. This worker's own completions arrive in memory, already claimed for
+//! it in the outbox by the commit that wrote them ([`Context::take_handed`]); they go first
+//! and cost no claim statement. Everything else (intake answers, expiries, operator events,
+//! other workers' lapsed rows, hand-offs that were dropped) is claimed from the outbox with
+//! `claim_unpublished`, when nothing was handed or at least every [`POLL`].
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::Confirmation;
@@ -17,9 +23,8 @@ use crate::telemetry::metrics as m;
 
 /// Events published per round.
 const BATCH: i64 = 256;
-/// How long a relay owns claimed events before another relay may take them.
-const HOLD: Duration = Duration::from_secs(30);
-/// How often the relay looks even without a wake-up (other workers' commits, released rows).
+/// How often the relay looks in the outbox even without a wake-up (other workers' commits,
+/// released rows), and at least how often it does while handed events keep it busy.
 const POLL: Duration = Duration::from_millis(500);
 
 /// A relay bound to one confirmed channel.
@@ -27,6 +32,8 @@ pub struct Relay {
     channel: Channel,
     exchange: String,
     ctx: Arc<Context>,
+    /// When this relay last claimed from the outbox.
+    last_claim: Mutex<Option<Instant>>,
 }
 
 impl Relay {
@@ -43,27 +50,54 @@ impl Relay {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(AmqpError::broker("confirm.select"))?;
+        // From now on this worker's completion events are inserted claimed for this relay.
+        ctx.relay_attached(true);
         Ok(Relay {
             channel,
             exchange,
             ctx,
+            last_claim: Mutex::new(None),
         })
     }
 
-    /// One relay round: claim, publish, await confirms, mark. Returns events published.
+    /// One relay round: take the handed events (up to a batch), claim from the outbox when
+    /// nothing was handed or the last claim is [`POLL`] old (so a steady stream of hand-offs
+    /// never starves intake answers or lapsed rows), publish, await confirms, mark. Returns
+    /// events published.
     pub async fn step(&self) -> Result<usize, AmqpError> {
-        let rows = match self
-            .ctx
-            .ledger
-            .claim_unpublished(&self.ctx.worker_id, BATCH, HOLD)
-            .await
-        {
-            Ok(rows) => rows,
-            Err(e) => {
-                tracing::warn!(error = %e, "relay cannot read the outbox");
-                return Ok(0);
-            }
+        let handed = self.ctx.take_handed(BATCH as usize);
+        if handed.stale > 0 {
+            tracing::info!(
+                events = handed.stale,
+                "handed result events waited too long; left to the outbox after their hold"
+            );
+        }
+        let mut rows = handed.rows;
+        let claim_due = {
+            let last = self.last_claim.lock().unwrap_or_else(|e| e.into_inner());
+            rows.is_empty() || last.is_none_or(|t| t.elapsed() >= POLL)
         };
+        if claim_due && (rows.len() as i64) < BATCH {
+            *self.last_claim.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+            match self
+                .ctx
+                .ledger
+                .claim_unpublished(
+                    &self.ctx.worker_id,
+                    BATCH - rows.len() as i64,
+                    self.ctx.relay_hold,
+                )
+                .await
+            {
+                Ok(claimed) => rows.extend(claimed),
+                Err(e) if rows.is_empty() => {
+                    tracing::warn!(error = %e, "relay cannot read the outbox");
+                    return Ok(0);
+                }
+                // Publish what was handed; the outbox is tried again next round.
+                Err(e) => tracing::warn!(error = %e, "relay cannot read the outbox"),
+            }
+        }
         if rows.is_empty() {
             return Ok(0);
         }
@@ -124,7 +158,7 @@ impl Relay {
             }
         }
         if let Err(e) = self.ctx.ledger.mark_published(&published).await {
-            // They will be published again after HOLD: agents dedupe by event_id.
+            // They will be published again after the hold: agents dedupe by event_id.
             tracing::warn!(error = %e, "cannot mark events published");
         }
         if let Err(e) = self.ctx.ledger.release_unpublished(&failed).await {
@@ -139,11 +173,12 @@ impl Relay {
         Ok(published.len())
     }
 
-    /// Runs until `stop`, then does a last round so committed results leave before exit.
+    /// Runs until `stop`, then does a last round so committed results leave before exit: what
+    /// was handed first, then the outbox backlog.
     pub async fn run(self, stop: CancelToken) -> Result<(), AmqpError> {
         loop {
             let n = self.step().await?;
-            if n as i64 == BATCH {
+            if n as i64 == BATCH || self.ctx.handed_waiting() {
                 continue;
             }
             tokio::select! {
@@ -152,7 +187,16 @@ impl Relay {
                 _ = tokio::time::sleep(POLL) => {}
             }
         }
-        while self.step().await? > 0 {}
+        while self.step().await? > 0 || self.ctx.handed_waiting() {}
         Ok(())
+    }
+}
+
+impl Drop for Relay {
+    /// A stopped relay, or one whose link is lost, takes no hand-offs: until the next one
+    /// connects, completion events are inserted unclaimed and published by whichever relay
+    /// reaches them first (no wait for a hold after the link comes back).
+    fn drop(&mut self) {
+        self.ctx.relay_attached(false);
     }
 }

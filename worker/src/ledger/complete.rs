@@ -13,7 +13,7 @@ use sqlx::PgConnection;
 
 use super::admit::prefixed;
 use super::claim::WithPrev;
-use super::outbox::{self, failed_message, pending_message, NewEvent};
+use super::outbox::{self, failed_message, pending_message, NewEvent, OutboxRow};
 use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
 
 /// Where an operation goes next.
@@ -68,6 +68,14 @@ pub enum Applied {
     LateReceiptConflict(Operation),
 }
 
+/// What [`Ledger::complete_held`] recorded: one result per completion, in order, and the
+/// result events it inserted claimed for the caller's relay (all committed).
+#[derive(Debug, Default)]
+pub struct Completed {
+    pub results: Vec<Result<Applied, LedgerError>>,
+    pub events: Vec<OutboxRow>,
+}
+
 impl Ledger {
     /// Records many completions in one transaction: every receipt of the batch in one
     /// statement (each row still checked against its own predicate), the rare other outcomes
@@ -75,52 +83,95 @@ impl Ledger {
     /// database refuses one row), each completion is retried alone so one bad row cannot hold
     /// up the others; a completion that still fails is returned as an error in its slot, and its
     /// row stays as it was (a `dispatching` lease then expires into `unknown`).
+    ///
+    /// The events are inserted unclaimed, for any relay.
     pub async fn complete(
         &self,
         worker_id: &str,
         completions: &[Completion],
     ) -> Vec<Result<Applied, LedgerError>> {
+        self.record(worker_id, completions, None).await.results
+    }
+
+    /// [`Ledger::complete`], with the result events inserted already claimed by `worker_id`'s
+    /// relay for `hold` and returned, so the caller can hand them to that relay after the
+    /// commit instead of the relay claiming them with an `UPDATE`.
+    pub async fn complete_held(
+        &self,
+        worker_id: &str,
+        completions: &[Completion],
+        hold: Duration,
+    ) -> Completed {
+        self.record(worker_id, completions, Some(hold)).await
+    }
+
+    async fn record(
+        &self,
+        worker_id: &str,
+        completions: &[Completion],
+        hold: Option<Duration>,
+    ) -> Completed {
         if completions.is_empty() {
-            return Vec::new();
+            return Completed::default();
         }
-        let batch: Result<Vec<Applied>, LedgerError> = async {
+        let batch: Result<(Vec<Applied>, Vec<OutboxRow>), LedgerError> = async {
             let mut tx = self.pool.begin().await?;
-            let out = apply_batch(&mut tx, worker_id, completions).await?;
+            let out = apply_batch(&mut tx, worker_id, completions, hold).await?;
             tx.commit().await?;
             Ok(out)
         }
         .await;
         match batch {
-            Ok(applied) => applied.into_iter().map(Ok).collect(),
+            Ok((applied, events)) => Completed {
+                results: applied.into_iter().map(Ok).collect(),
+                events,
+            },
             Err(_) if completions.len() > 1 => {
-                let mut out = Vec::with_capacity(completions.len());
+                let mut out = Completed::default();
                 for c in completions {
-                    out.push(self.complete_one(worker_id, c).await);
+                    match self.complete_one(worker_id, c, hold).await {
+                        Ok((applied, events)) => {
+                            out.results.push(Ok(applied));
+                            out.events.extend(events);
+                        }
+                        Err(e) => out.results.push(Err(e)),
+                    }
                 }
                 out
             }
-            Err(e) => vec![Err(e)],
+            Err(e) => Completed {
+                results: vec![Err(e)],
+                events: Vec::new(),
+            },
         }
     }
 
-    async fn complete_one(&self, worker_id: &str, c: &Completion) -> Result<Applied, LedgerError> {
+    async fn complete_one(
+        &self,
+        worker_id: &str,
+        c: &Completion,
+        hold: Option<Duration>,
+    ) -> Result<(Applied, Vec<OutboxRow>), LedgerError> {
         let mut tx = self.pool.begin().await?;
-        let applied = apply_batch(&mut tx, worker_id, std::slice::from_ref(c)).await?;
+        let (applied, events) =
+            apply_batch(&mut tx, worker_id, std::slice::from_ref(c), hold).await?;
         tx.commit().await?;
-        Ok(applied
+        let applied = applied
             .into_iter()
             .next()
-            .expect("one result per completion"))
+            .expect("one result per completion");
+        Ok((applied, events))
     }
 }
 
 /// The statements of one batch inside the caller's transaction; one `Applied` per completion,
-/// in order.
+/// in order. With `hold`, the events are inserted claimed by `worker_id` and returned.
 async fn apply_batch(
     conn: &mut PgConnection,
     worker_id: &str,
     completions: &[Completion],
-) -> Result<Vec<Applied>, LedgerError> {
+    hold: Option<Duration>,
+) -> Result<(Vec<Applied>, Vec<OutboxRow>), LedgerError> {
     let mut out: Vec<Option<Applied>> = vec![None; completions.len()];
     let mut events = Vec::new();
     // Receipts go together when every row of the batch is named once. A row named twice (a
@@ -151,11 +202,18 @@ async fn apply_batch(
             out[i] = Some(applied);
         }
     }
-    outbox::insert_events(conn, &events).await?;
-    Ok(out
+    let held = match hold {
+        Some(hold) => outbox::insert_held_events(conn, &events, worker_id, hold).await?,
+        None => {
+            outbox::insert_events(conn, &events).await?;
+            Vec::new()
+        }
+    };
+    let applied = out
         .into_iter()
         .map(|a| a.expect("every slot filled"))
-        .collect())
+        .collect();
+    Ok((applied, held))
 }
 
 /// Every receipt at `indices` (distinct rows) in one statement: the receipt path, as in

@@ -18,7 +18,7 @@ mod states;
 
 pub use admit::{Admitted, NewOperation};
 pub use claim::{ClaimKind, Claimed, ReplayWindows, SendFence};
-pub use complete::{Applied, Completion, Phase, Transition};
+pub use complete::{Applied, Completed, Completion, Phase, Transition};
 pub use operator::{OperatorChange, OperatorOutcome, OperatorRequest, UnresolvedFilter};
 pub use retention::SweepReport;
 pub use states::State;

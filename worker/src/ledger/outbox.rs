@@ -2,6 +2,11 @@
 //! them, then claimed by a relay, published with confirms and marked published. A relay that
 //! dies between publishing and marking leaves the row to be published again, so agents may
 //! see an event twice (same `event_id`) but never miss one.
+//!
+//! Events of this worker's completion batcher are inserted already claimed by this worker's
+//! relay ([`insert_held_events`]) and handed to it in memory after the commit, so the hot path
+//! writes two row versions per event (insert, mark) instead of three (insert, claim, mark).
+//! Every other writer inserts unclaimed rows for whichever relay comes first.
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use protocol::{RejectReason, ResultEvent, Status};
@@ -9,6 +14,25 @@ use sqlx::PgConnection;
 use std::time::Duration;
 
 use super::{Ledger, LedgerError, Operation, State};
+
+/// How long a relay owns the events it claimed (or that were inserted claimed for it) before
+/// another relay may take them: a relay that died leaves its rows to the others after this.
+pub const RELAY_HOLD: Duration = Duration::from_secs(30);
+
+/// The hold this process uses: [`RELAY_HOLD`], except that builds with the `fault-points`
+/// feature (the e2e suites' worker, never a release set) read `WORKER_TEST_RELAY_HOLD_SECS`
+/// so crash tests need not wait 30 s for a dead worker's held events.
+pub fn relay_hold() -> Duration {
+    #[cfg(feature = "fault-points")]
+    if let Some(secs) = std::env::var("WORKER_TEST_RELAY_HOLD_SECS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|s| *s > 0)
+    {
+        return Duration::from_secs(secs);
+    }
+    RELAY_HOLD
+}
 
 /// An event to insert, with the operation it is about (None for rejections of messages that
 /// never became an operation) and the `reply_to` it is addressed to.
@@ -35,7 +59,7 @@ impl NewEvent {
     }
 }
 
-/// An outbox row claimed by a relay.
+/// An outbox row claimed by a relay (or inserted claimed for it).
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct OutboxRow {
     pub id: i64,
@@ -170,7 +194,38 @@ pub fn failed_message(op: &Operation) -> String {
     )
 }
 
-/// Inserts events in one statement inside the caller's transaction.
+/// The columns of one insert, in `unnest` order.
+struct EventColumns {
+    ids: Vec<uuid::Uuid>,
+    op_ids: Vec<Option<i64>>,
+    keys: Vec<String>,
+    statuses: Vec<String>,
+    payloads: Vec<serde_json::Value>,
+}
+
+fn columns(events: &[NewEvent]) -> EventColumns {
+    let mut c = EventColumns {
+        ids: Vec::with_capacity(events.len()),
+        op_ids: Vec::with_capacity(events.len()),
+        keys: Vec::with_capacity(events.len()),
+        statuses: Vec::with_capacity(events.len()),
+        payloads: Vec::with_capacity(events.len()),
+    };
+    for e in events {
+        c.ids.push(
+            uuid::Uuid::parse_str(&e.event.event_id).unwrap_or_else(|_| uuid::Uuid::new_v4()),
+        );
+        c.op_ids.push(e.operation_id);
+        c.keys.push(e.routing_key());
+        c.statuses.push(e.event.status.as_str().to_string());
+        c.payloads
+            .push(serde_json::to_value(&e.event).expect("result events serialize"));
+    }
+    c
+}
+
+/// Inserts events in one statement inside the caller's transaction, unclaimed: the next relay
+/// round of any worker takes them.
 pub async fn insert_events(
     conn: &mut PgConnection,
     events: &[NewEvent],
@@ -178,30 +233,54 @@ pub async fn insert_events(
     if events.is_empty() {
         return Ok(());
     }
-    let mut ids = Vec::with_capacity(events.len());
-    let mut op_ids = Vec::with_capacity(events.len());
-    let mut keys = Vec::with_capacity(events.len());
-    let mut statuses = Vec::with_capacity(events.len());
-    let mut payloads = Vec::with_capacity(events.len());
-    for e in events {
-        ids.push(uuid::Uuid::parse_str(&e.event.event_id).unwrap_or_else(|_| uuid::Uuid::new_v4()));
-        op_ids.push(e.operation_id);
-        keys.push(e.routing_key());
-        statuses.push(e.event.status.as_str().to_string());
-        payloads.push(serde_json::to_value(&e.event).expect("result events serialize"));
-    }
+    let c = columns(events);
     sqlx::query(
         "INSERT INTO result_outbox (event_id, operation_id, routing_key, status, payload)
          SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[])",
     )
-    .bind(&ids)
-    .bind(&op_ids)
-    .bind(&keys)
-    .bind(&statuses)
-    .bind(&payloads)
+    .bind(&c.ids)
+    .bind(&c.op_ids)
+    .bind(&c.keys)
+    .bind(&c.statuses)
+    .bind(&c.payloads)
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// Inserts events in one statement inside the caller's transaction, already claimed by
+/// `relay_owner` for `hold` (as [`Ledger::claim_unpublished`] would claim them), and returns
+/// the rows so the caller can hand them to its relay once the transaction has committed.
+/// Other relays skip them while the hold lasts; if the owner dies, any relay takes them after
+/// it, exactly like a claimed batch.
+pub async fn insert_held_events(
+    conn: &mut PgConnection,
+    events: &[NewEvent],
+    relay_owner: &str,
+    hold: Duration,
+) -> Result<Vec<OutboxRow>, LedgerError> {
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let c = columns(events);
+    let mut rows: Vec<OutboxRow> = sqlx::query_as(
+        "INSERT INTO result_outbox
+                (event_id, operation_id, routing_key, status, payload, relay_owner, relay_until)
+         SELECT e.*, $6, now() + make_interval(secs => $7)
+         FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[]) AS e
+         RETURNING id, routing_key, status, payload",
+    )
+    .bind(&c.ids)
+    .bind(&c.op_ids)
+    .bind(&c.keys)
+    .bind(&c.statuses)
+    .bind(&c.payloads)
+    .bind(relay_owner)
+    .bind(hold.as_secs_f64())
+    .fetch_all(conn)
+    .await?;
+    rows.sort_by_key(|r| r.id);
+    Ok(rows)
 }
 
 impl Ledger {
