@@ -19,6 +19,11 @@
 //!    (HTTP/1.1 keep-alive, answers 201 with a receipt at once), N distinct intents published the
 //!    same way to the intents exchange; first publish to the N-th distinct `succeeded` result.
 //!    Verified afterwards: every operation is `succeeded`, the downstream saw exactly N writes.
+//! 3. open-loop latency (`--latency-secs S`, 0 skips it), at 200/s and at half the K=1 rate:
+//!    first the broker floor (publisher -> quorum queue A -> a relay here that republishes to
+//!    quorum queue B with a confirm and then acks A -> a follower on B), then one worker on a
+//!    fresh database. Printed: publish -> received p50/p90/p99/max for both, and for the worker a
+//!    per-stage breakdown from the run's ledger timestamps (see [`Stages`]).
 //!
 //! Also printed: transactions committed in the run's database per intent (`pg_stat_database`,
 //! read-only ones included), WAL fsyncs per intent (`pg_stat_wal`, cluster-wide), and CPU used
@@ -28,9 +33,10 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
+use chrono::{DateTime, Utc};
 use e2e::{cleanup, Env, Worker, WorkerOptions};
 use futures_lite::StreamExt;
 use lapin::options::{
@@ -39,7 +45,8 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm,
+    Acker, BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer,
+    PublisherConfirm,
 };
 use protocol::{Intent, Status};
 use publisher::Follower;
@@ -221,10 +228,12 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
             rates.push((p.rate() / 2.0).round());
         }
         for rate in rates {
-            let l = latency_run(rate, args.latency_secs, &downstream, &args)
+            let (floor, l) = latency_run(rate, args.latency_secs, &downstream, &args)
                 .await
                 .with_context(|| format!("latency at {rate}/s"))?;
-            println!("{}", l.line());
+            floor.print();
+            l.print();
+            latencies.push(floor);
             latencies.push(l);
         }
     }
@@ -267,7 +276,10 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
          rss = peak VmHWM of the largest worker"
     );
     for l in &latencies {
-        println!("{}", l.line());
+        l.print();
+    }
+    if latencies.iter().any(|l| l.stages.is_some()) {
+        println!("{STAGES_LEGEND}");
     }
     println!();
     println!(
@@ -784,46 +796,136 @@ async fn worker_run_in(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Open-loop latency: one worker, intents published at a steady rate whatever the answers do
+// Open-loop latency: one worker, intents published at a steady rate whatever the answers do.
+// Before each worker run, at the same rate: the broker floor, the same path with the ledger and
+// the downstream taken out (publisher -> quorum queue A -> relay with confirm -> quorum queue B
+// -> follower).
+
+/// Unacknowledged deliveries a follower takes ahead (the value `publisher::Follower` uses).
+const FOLLOWER_PREFETCH: u16 = 32;
+
+/// One moment on both clocks: monotonic for latencies measured inside this process, wall clock
+/// (`SystemTime`, the same machine clock Postgres stamps its timestamps with) to compare with the
+/// ledger's timestamps.
+#[derive(Clone, Copy)]
+struct Stamp {
+    mono: Instant,
+    wall: SystemTime,
+}
+
+impl Stamp {
+    fn now() -> Stamp {
+        Stamp {
+            mono: Instant::now(),
+            wall: SystemTime::now(),
+        }
+    }
+}
+
+/// Per message index: when it was published.
+type Sent = Arc<std::sync::Mutex<Vec<Option<Stamp>>>>;
 
 struct Latency {
-    rate: f64,
-    prefetch: u16,
+    /// Everything before the percentiles, e.g. "latency K=1 P=64 at 200/s open loop, …".
+    head: String,
     samples: Vec<Duration>,
     rss_kib: Option<u64>,
+    /// Per-stage breakdown from the run's ledger (worker runs only).
+    stages: Option<Stages>,
+}
+
+/// Percentile `p` (0–100) of sorted values: the same index rule for every figure printed here.
+fn pct<T: Copy>(sorted: &[T], p: usize) -> T {
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
 }
 
 impl Latency {
     fn line(&self) -> String {
         let mut v = self.samples.clone();
         v.sort();
-        let q = |p: usize| v[(v.len() * p / 100).min(v.len() - 1)].as_secs_f64() * 1000.0;
+        let q = |p: usize| pct(&v, p).as_secs_f64() * 1000.0;
+        let rss = self.rss_kib.map_or(String::new(), |k| {
+            format!("  (worker rss {:.1} MiB)", k as f64 / 1024.0)
+        });
         format!(
-            "latency K=1 P={} at {:.0}/s open loop, publish -> succeeded result, {} intents: \
-             p50 {:.1} ms  p90 {:.1} ms  p99 {:.1} ms  max {:.1} ms  (worker rss {} MiB)",
-            self.prefetch,
-            self.rate,
-            v.len(),
+            "{}: p50 {:.1} ms  p90 {:.1} ms  p99 {:.1} ms  max {:.1} ms{rss}",
+            self.head,
             q(50),
             q(90),
             q(99),
             q(100),
-            self.rss_kib
-                .map_or("-".to_string(), |k| format!("{:.1}", k as f64 / 1024.0))
         )
+    }
+
+    fn print(&self) {
+        println!("{}", self.line());
+        if let Some(s) = &self.stages {
+            s.print();
+        }
     }
 }
 
+/// Publishes `messages` open loop: message i leaves at `started + i/rate`, whatever happened to
+/// the others; confirms are checked by another task, so the publisher never waits for one.
+/// Records each publish in `sent`; returns when every confirm is in.
+#[allow(clippy::too_many_arguments)]
+async fn publish_open_loop(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    messages: &[(String, Vec<u8>)],
+    rate: f64,
+    started: Instant,
+    deadline: Instant,
+    sent: &Sent,
+) -> Result<()> {
+    let (confirms, mut confirm_rx) = tokio::sync::mpsc::unbounded_channel::<PublisherConfirm>();
+    let checker = tokio::spawn(async move {
+        while let Some(c) = confirm_rx.recv().await {
+            check_confirm(c, deadline).await?;
+        }
+        Ok::<(), anyhow::Error>(())
+    });
+    for (i, (message_id, body)) in messages.iter().enumerate() {
+        tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate)).await;
+        let properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_message_id(message_id.as_str().into());
+        sent.lock().expect("not poisoned")[i] = Some(Stamp::now());
+        let confirm = ch
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                body,
+                properties,
+            )
+            .await
+            .context("basic.publish")?;
+        let _ = confirms.send(confirm);
+    }
+    drop(confirms);
+    checker.await.context("confirm checker")?
+}
+
+/// The broker floor, then the worker, at one rate.
 async fn latency_run(
     rate: f64,
     secs: u64,
     downstream: &NullDownstream,
     args: &Args,
-) -> Result<Latency> {
+) -> Result<(Latency, Latency)> {
+    let floor = broker_floor(&e2e::env::amqp_url(), rate, secs, args)
+        .await
+        .context("broker floor")?;
     let env = Env::new().await;
     let result = latency_run_in(&env, rate, secs, downstream, args).await;
     cleanup(env).await;
-    result
+    Ok((floor, result?))
 }
 
 async fn latency_run_in(
@@ -855,22 +957,20 @@ async fn latency_run_in(
         .context("connect publisher")?;
     let pub_ch = confirm_channel(&publisher_conn).await?;
     let index: HashMap<String, usize> = (0..n).map(|i| (format!("bench-{i:07}"), i)).collect();
-    let sent: Arc<std::sync::Mutex<Vec<Option<Instant>>>> =
-        Arc::new(std::sync::Mutex::new(vec![None; n]));
+    let sent: Sent = Arc::new(std::sync::Mutex::new(vec![None; n]));
     let started = Instant::now();
     let deadline = started + Duration::from_secs(secs) + args.phase_timeout;
-    let sent_r = sent.clone();
     let reader = tokio::spawn(async move {
-        let mut samples = Vec::with_capacity(n);
-        let mut seen = HashSet::with_capacity(n);
-        while seen.len() < n {
+        let mut received: Vec<Option<Stamp>> = vec![None; n];
+        let mut seen = 0usize;
+        while seen < n {
             let left = deadline.saturating_duration_since(Instant::now());
             let event = match follower.next(left).await {
                 Ok(Some(ev)) => ev,
-                Ok(None) => bail!("only {} of {n} results before the deadline", seen.len()),
+                Ok(None) => bail!("only {seen} of {n} results before the deadline"),
                 Err(e) => return Err(anyhow!(e).context("reading results")),
             };
-            let now = Instant::now();
+            let now = Stamp::now();
             ensure!(
                 event.status == Status::Succeeded,
                 "unexpected result {} for {}",
@@ -880,57 +980,429 @@ async fn latency_run_in(
             let Some(&i) = index.get(&event.action_id) else {
                 continue;
             };
-            if seen.insert(i) {
-                let at = sent_r.lock().expect("not poisoned")[i];
-                samples.push(now - at.context("a result before its publish")?);
+            if received[i].is_none() {
+                received[i] = Some(now);
+                seen += 1;
             }
         }
         let _ = follower.close().await;
-        Ok(samples)
+        Ok(received)
     });
-    // Open loop: message i leaves at started + i/rate, whatever happened to the others;
-    // confirms are checked by another task so the publisher never waits for one.
-    let (confirms, mut confirm_rx) = tokio::sync::mpsc::unbounded_channel::<PublisherConfirm>();
-    let checker = tokio::spawn(async move {
-        while let Some(c) = confirm_rx.recv().await {
-            check_confirm(c, deadline).await?;
+    let published = publish_open_loop(
+        &pub_ch,
+        &env.topology.intents_exchange,
+        TENANT,
+        &messages,
+        rate,
+        started,
+        deadline,
+        &sent,
+    )
+    .await;
+    if let Err(e) = published {
+        reader.abort();
+        return Err(e.context("publishing intents"));
+    }
+    let received = reader.await.context("latency reader")??;
+    let sent: Vec<Stamp> = sent
+        .lock()
+        .expect("not poisoned")
+        .iter()
+        .map(|s| s.context("an intent never published"))
+        .collect::<Result<_>>()?;
+    let received: Vec<Stamp> = received.into_iter().flatten().collect();
+    ensure!(received.len() == n, "a result missing");
+    let samples = sent
+        .iter()
+        .zip(&received)
+        .map(|(s, r)| r.mono.saturating_duration_since(s.mono))
+        .collect();
+    // The relay marks an event published after its confirm, possibly after the follower got
+    // it: let the last marks land before the worker stops.
+    wait_marked(env).await;
+    let rss_kib = peak_rss_kib(worker.pid());
+    let _ = publisher_conn.close(200, "".into()).await;
+    drop(worker);
+    let stages = match Stages::read(env, &sent, &received).await {
+        Ok(s) => Some(s),
+        Err(e) => {
+            eprintln!("warning: per-stage breakdown: {e:#}");
+            None
+        }
+    };
+    Ok(Latency {
+        head: format!(
+            "latency K=1 P={} at {rate:.0}/s open loop, publish -> succeeded result, {n} intents",
+            args.prefetch
+        ),
+        samples,
+        rss_kib,
+        stages,
+    })
+}
+
+/// Waits up to 5 s until every `succeeded` event of the run is marked published.
+async fn wait_marked(env: &Env) {
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        let left: Result<i64, _> = sqlx::query_scalar(
+            "SELECT count(*) FROM result_outbox WHERE status = 'succeeded' AND published_at IS NULL",
+        )
+        .fetch_one(&env.pool)
+        .await;
+        if matches!(left, Ok(0)) {
+            return;
+        }
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Where an intent's time goes, from the run's own ledger after the run, compared with the
+/// publish and receive times this process recorded on the wall clock of the same machine.
+///
+/// The ledger's clocks (migrations/0001_ledger.sql) are not all the same kind:
+/// - `operations.created_at` DEFAULT `now()`: the start of the admitting transaction. The admit
+///   is one statement in its own transaction, so this is when that statement began.
+/// - `operation_history.at` DEFAULT `clock_timestamp()`: the statement clock, when the history
+///   trigger ran inside the completion `UPDATE` (before that transaction commits).
+/// - `result_outbox.created_at` DEFAULT `now()`: the start of the completion transaction, so a
+///   little *before* the history row of the same completion.
+/// - `result_outbox.published_at` = `now()` of the relay's mark statement (worker/src/ledger/
+///   outbox.rs), which runs after the broker confirmed the event: the confirm wait is in
+///   "recorded -> published", and "published -> received" is what is left of hop 2 after it
+///   (negative when the follower had the event before the mark began).
+struct Stages {
+    matched: usize,
+    of: usize,
+    /// (label, per-intent milliseconds).
+    rows: Vec<(&'static str, Vec<f64>)>,
+}
+
+impl Stages {
+    async fn read(env: &Env, sent: &[Stamp], received: &[Stamp]) -> Result<Stages> {
+        type Row = (
+            String,
+            DateTime<Utc>,
+            DateTime<Utc>,
+            DateTime<Utc>,
+            Option<DateTime<Utc>>,
+        );
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT o.action_id, o.created_at, h.at, r.created_at, r.published_at
+             FROM operations o
+             JOIN operation_history h ON h.operation_id = o.id AND h.to_state = 'succeeded'
+             JOIN result_outbox r ON r.operation_id = o.id AND r.status = 'succeeded'
+             WHERE o.action_id LIKE 'bench-%'",
+        )
+        .fetch_all(&env.pool)
+        .await
+        .context("read the run's ledger timestamps")?;
+        let ms = |from: DateTime<Utc>, to: DateTime<Utc>| {
+            (to - from).num_microseconds().unwrap_or(i64::MAX) as f64 / 1000.0
+        };
+        let mut columns: [Vec<f64>; 6] = Default::default();
+        let mut seen = HashSet::new();
+        for (action_id, admitted, recorded, outbox_created, published) in rows {
+            let Some(i) = action_id
+                .strip_prefix("bench-")
+                .and_then(|s| s.parse::<usize>().ok())
+                .filter(|&i| i < sent.len())
+            else {
+                continue;
+            };
+            let Some(published) = published else {
+                continue;
+            };
+            if !seen.insert(i) {
+                continue; // one sample per intent
+            }
+            let publish = DateTime::<Utc>::from(sent[i].wall);
+            let receive = DateTime::<Utc>::from(received[i].wall);
+            for (c, v) in columns.iter_mut().zip([
+                ms(publish, admitted),
+                ms(admitted, recorded),
+                ms(recorded, published),
+                ms(published, receive),
+                ms(publish, receive),
+                ms(recorded, outbox_created),
+            ]) {
+                c.push(v);
+            }
+        }
+        ensure!(!seen.is_empty(), "no intent has all its ledger timestamps");
+        let [a, b, c, d, total, outbox] = columns;
+        Ok(Stages {
+            matched: seen.len(),
+            of: sent.len(),
+            rows: vec![
+                ("publish -> admitted (operations.created_at)", a),
+                ("admitted -> succeeded recorded (history.at)", b),
+                ("recorded -> published (relay; outbox.published_at)", c),
+                ("published -> received (broker hop 2 + follower)", d),
+                ("publish -> received (sum of the four, wall clock)", total),
+                ("(outbox.created_at - recorded: txn start vs stmt)", outbox),
+            ],
+        })
+    }
+
+    fn print(&self) {
+        println!(
+            "  per stage, {} of {} intents, ms:  {:>8} {:>8} {:>8}",
+            self.matched, self.of, "mean", "p50", "p99"
+        );
+        for (label, values) in &self.rows {
+            let mut v = values.clone();
+            v.sort_by(f64::total_cmp);
+            let mean = v.iter().sum::<f64>() / v.len() as f64;
+            println!(
+                "    {label:<52} {mean:>8.2} {:>8.2} {:>8.2}",
+                pct(&v, 50),
+                pct(&v, 99)
+            );
+        }
+    }
+}
+
+/// Legend for [`Stages::print`], printed once.
+const STAGES_LEGEND: &str = "per stage: publish/received = this process's wall clock \
+(SystemTime) at basic.publish / after the follower acked; admitted = operations.created_at \
+(DEFAULT now(): start of the admit transaction, one statement); recorded = operation_history.at \
+of the transition to succeeded (DEFAULT clock_timestamp(): statement clock, inside the completion \
+transaction, before its commit); published = result_outbox.published_at (now() of the relay's \
+mark statement, which runs after the broker's confirm: the confirm wait counts in recorded -> \
+published, and published -> received can be negative); outbox.created_at is now() too (start of \
+the completion transaction), so it precedes recorded. Means add up to the total; percentiles do \
+not.";
+
+/// Broker-only floor at `rate`: the same open-loop publisher into a durable quorum queue A; a
+/// relay here consumes A (prefetch P), publishes each body to a durable quorum queue B with a
+/// confirm, and acks on A once confirmed; a follower consumes B (prefetch 32, one ack each, like
+/// `publisher::Follower`). Latency is publish -> received on B. The worker's path with no ledger
+/// and no downstream: both hops, the relay's confirm, three client processes' worth of I/O.
+async fn broker_floor(amqp_url: &str, rate: f64, secs: u64, args: &Args) -> Result<Latency> {
+    let id = uuid::Uuid::new_v4().simple();
+    let queues = (format!("bench.floor.a.{id}"), format!("bench.floor.b.{id}"));
+    let connect = || async {
+        Connection::connect(amqp_url, ConnectionProperties::default())
+            .await
+            .with_context(|| format!("connect to RabbitMQ at {amqp_url}"))
+    };
+    let (publisher_conn, relay_conn, follower_conn) =
+        (connect().await?, connect().await?, connect().await?);
+    let result = broker_floor_on(
+        [&publisher_conn, &relay_conn, &follower_conn],
+        &queues,
+        rate,
+        secs,
+        args,
+    )
+    .await;
+    // Always delete both queues, also after a failure.
+    for queue in [&queues.0, &queues.1] {
+        let deleted = async {
+            let ch = publisher_conn.create_channel().await?;
+            ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await
+        }
+        .await;
+        if let Err(e) = deleted {
+            eprintln!("warning: could not delete broker floor queue {queue}: {e}");
+        }
+    }
+    for conn in [&publisher_conn, &relay_conn, &follower_conn] {
+        let _ = conn.close(200, "".into()).await;
+    }
+    result
+}
+
+async fn declare_quorum(ch: &Channel, queue: &str) -> Result<()> {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        args,
+    )
+    .await
+    .with_context(|| format!("declare quorum queue {queue}"))?;
+    Ok(())
+}
+
+async fn broker_floor_on(
+    [publisher_conn, relay_conn, follower_conn]: [&Connection; 3],
+    (queue_a, queue_b): &(String, String),
+    rate: f64,
+    secs: u64,
+    args: &Args,
+) -> Result<Latency> {
+    let n = ((rate * secs as f64) as usize).max(1);
+    let messages = build_messages(n);
+    let setup = relay_conn.create_channel().await.context("open channel")?;
+    declare_quorum(&setup, queue_a).await?;
+    declare_quorum(&setup, queue_b).await?;
+
+    let relay_in = relay_conn.create_channel().await.context("open channel")?;
+    relay_in
+        .basic_qos(args.prefetch, BasicQosOptions::default())
+        .await
+        .context("basic.qos")?;
+    let from_a = relay_in
+        .basic_consume(
+            queue_a.as_str().into(),
+            "bench-floor-relay".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .context("basic.consume A")?;
+    let relay_out = confirm_channel(relay_conn).await?;
+
+    let follow_ch = follower_conn
+        .create_channel()
+        .await
+        .context("open channel")?;
+    follow_ch
+        .basic_qos(FOLLOWER_PREFETCH, BasicQosOptions::default())
+        .await
+        .context("basic.qos")?;
+    let mut from_b = follow_ch
+        .basic_consume(
+            queue_b.as_str().into(),
+            "bench-floor-follower".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .context("basic.consume B")?;
+    let pub_ch = confirm_channel(publisher_conn).await?;
+
+    let index: HashMap<String, usize> = messages
+        .iter()
+        .enumerate()
+        .map(|(i, (id, _))| (id.clone(), i))
+        .collect();
+    let sent: Sent = Arc::new(std::sync::Mutex::new(vec![None; n]));
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(secs) + args.phase_timeout;
+    let relay = tokio::spawn(floor_relay(from_a, relay_out, queue_b.clone(), n, deadline));
+    let follower = tokio::spawn(async move {
+        let mut received: Vec<Option<Stamp>> = vec![None; n];
+        let mut seen = 0usize;
+        while seen < n {
+            let delivery = match timeout_at(deadline, from_b.next()).await {
+                Err(_) => bail!("only {seen} of {n} messages on B before the deadline"),
+                Ok(None) => bail!("consumer on B closed after {seen} of {n} messages"),
+                Ok(Some(d)) => d.context("delivery on B")?,
+            };
+            delivery
+                .ack(BasicAckOptions::default())
+                .await
+                .context("basic.ack on B")?;
+            let now = Stamp::now();
+            let i = delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .and_then(|id| index.get(id.as_str()));
+            if let Some(&i) = i {
+                if received[i].is_none() {
+                    received[i] = Some(now);
+                    seen += 1;
+                }
+            }
+        }
+        Ok(received)
+    });
+    let published = publish_open_loop(
+        &pub_ch, "", queue_a, &messages, rate, started, deadline, &sent,
+    )
+    .await;
+    if let Err(e) = published {
+        relay.abort();
+        follower.abort();
+        return Err(e.context("publishing to A"));
+    }
+    let received = follower.await.context("follower on B")??;
+    relay.await.context("relay")??;
+    let sent = sent.lock().expect("not poisoned");
+    let samples = sent
+        .iter()
+        .zip(&received)
+        .map(|(s, r)| match (s, r) {
+            (Some(s), Some(r)) => Ok(r.mono.saturating_duration_since(s.mono)),
+            _ => Err(anyhow!("a message without its publish or receive time")),
+        })
+        .collect::<Result<_>>()?;
+    Ok(Latency {
+        head: format!(
+            "broker floor (2 quorum hops + relay with confirm) P={} at {rate:.0}/s open loop, \
+             publish -> received on B, {n} messages",
+            args.prefetch
+        ),
+        samples,
+        rss_kib: None,
+        stages: None,
+    })
+}
+
+/// The floor's relay: for each delivery from A, publish its body to B (persistent, mandatory,
+/// same message id) on a confirm channel; another task awaits each confirm in order and then
+/// acks the delivery on A. Up to P deliveries are in flight, as in the worker.
+async fn floor_relay(
+    mut from_a: Consumer,
+    out: Channel,
+    queue_b: String,
+    n: usize,
+    deadline: Instant,
+) -> Result<()> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Acker, PublisherConfirm)>();
+    let acks = tokio::spawn(async move {
+        while let Some((acker, confirm)) = rx.recv().await {
+            check_confirm(confirm, deadline).await?;
+            acker
+                .ack(BasicAckOptions::default())
+                .await
+                .context("basic.ack on A")?;
         }
         Ok::<(), anyhow::Error>(())
     });
-    for (i, (message_id, body)) in messages.iter().enumerate() {
-        tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate)).await;
-        let properties = BasicProperties::default()
+    for relayed in 0..n {
+        let delivery = match timeout_at(deadline, from_a.next()).await {
+            Err(_) => bail!("the relay got only {relayed} of {n} messages before the deadline"),
+            Ok(None) => bail!("consumer on A closed after {relayed} of {n} messages"),
+            Ok(Some(d)) => d.context("delivery on A")?,
+        };
+        let mut properties = BasicProperties::default()
             .with_content_type("application/json".into())
-            .with_delivery_mode(2)
-            .with_message_id(message_id.as_str().into());
-        sent.lock().expect("not poisoned")[i] = Some(Instant::now());
-        let confirm = pub_ch
+            .with_delivery_mode(2);
+        if let Some(id) = delivery.properties.message_id() {
+            properties = properties.with_message_id(id.clone());
+        }
+        let confirm = out
             .basic_publish(
-                env.topology.intents_exchange.as_str().into(),
-                TENANT.into(),
+                "".into(),
+                queue_b.as_str().into(),
                 BasicPublishOptions {
                     mandatory: true,
                     ..BasicPublishOptions::default()
                 },
-                body,
+                &delivery.data,
                 properties,
             )
             .await
-            .context("basic.publish")?;
-        let _ = confirms.send(confirm);
+            .context("basic.publish to B")?;
+        if tx.send((delivery.acker, confirm)).is_err() {
+            break; // the ack task failed: its error is returned below
+        }
     }
-    drop(confirms);
-    checker.await.context("confirm checker")??;
-    let samples = reader.await.context("latency reader")??;
-    let rss_kib = peak_rss_kib(worker.pid());
-    let _ = publisher_conn.close(200, "".into()).await;
-    drop(worker);
-    Ok(Latency {
-        rate,
-        prefetch: args.prefetch,
-        samples,
-        rss_kib,
-    })
+    drop(tx);
+    acks.await.context("relay ack task")?
 }
 
 /// Peak resident set (VmHWM) of a process, KiB.
