@@ -427,7 +427,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
 async fn connect_db(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool> {
     let options = crate::tls::postgres(url)
         .map_err(|e| UsageError(format!("invalid PUBLISHER_DATABASE_URL: {e}")))?;
+    let port = options.get_port();
     sqlx::postgres::PgPoolOptions::new()
+        .after_connect(move |_conn, _meta| {
+            Box::pin(async move {
+                // sqlx 0.9.0 sets no TCP_NODELAY (see the function).
+                protocol::tls::set_nodelay_on_sockets_to(port);
+                Ok(())
+            })
+        })
         .max_connections(max)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(options)

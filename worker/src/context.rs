@@ -230,12 +230,14 @@ impl Context {
         let (tx, rx) = oneshot::channel();
         if self.completer.send((completion.clone(), tx)).await.is_err() {
             // The batcher is gone (shutdown): record it alone.
-            return self
+            let result = self
                 .ledger
                 .complete(&self.worker_id, std::slice::from_ref(&completion))
                 .await
                 .pop()
                 .expect("one result per completion");
+            self.relay_wake.notify_one();
+            return result;
         }
         rx.await
             .unwrap_or_else(|_| Err(LedgerError::Refused("completion batcher stopped".into())))
@@ -291,7 +293,8 @@ async fn run_completer(
         // Taken before the transaction begins, so before the database's `now()` that starts
         // the hold: the freshness limit below is conservative on either clock.
         let started = Instant::now();
-        let done = if relay.handoff.attached.load(Ordering::SeqCst) {
+        let held = relay.handoff.attached.load(Ordering::SeqCst);
+        let done = if held {
             ledger
                 .complete_held(&worker_id, &completions, relay.hold)
                 .await
@@ -314,7 +317,10 @@ async fn run_completer(
                 Err(TrySendError::Full(_) | TrySendError::Closed(_)) => break,
             }
         }
-        if handed {
+        // Held events were handed (or wait for their hold); unheld ones are in the outbox for any
+        // relay. Only those two cases have something to publish: a wake without them costs the
+        // relay an empty claim statement.
+        if handed || !held {
             relay.wake.notify_one();
         }
         for (reply, result) in replies.into_iter().zip(done.results) {

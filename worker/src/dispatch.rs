@@ -384,7 +384,8 @@ pub async fn finish(
             if new.state() == State::Unknown {
                 ctx.scheduler_wake.notify_one();
             }
-            ctx.relay_wake.notify_one();
+            // The relay was woken by the completion batcher (Context::complete), which knows
+            // whether the commit left events to publish.
             Some(new)
         }
         Ok(Applied::Stale(current)) => {

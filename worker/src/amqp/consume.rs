@@ -260,6 +260,7 @@ async fn process(
             }
             Ok(Recorded {
                 claimed,
+                answered,
                 refused,
                 broken: None,
             }) => {
@@ -287,7 +288,10 @@ async fn process(
                     let tags: Vec<u64> = batch.iter().map(|d| d.delivery_tag).collect();
                     settled = acks.ack(channel, &tags, &rejected).await;
                 }
-                ctx.relay_wake.notify_one();
+                if answered > 0 {
+                    // A wake with nothing new costs the relay an empty outbox claim.
+                    ctx.relay_wake.notify_one();
+                }
                 settled.map_err(AmqpError::broker("basic.ack"))?;
                 return Ok(Processed::Recorded);
             }
@@ -322,6 +326,8 @@ enum Failure {
 /// connection broke while dead-lettering (then nothing is acked).
 struct Recorded {
     claimed: Vec<crate::ledger::Operation>,
+    /// Result events the step committed (answers to duplicates and rejections).
+    answered: usize,
     refused: Vec<usize>,
     broken: Option<AmqpError>,
 }
@@ -363,6 +369,7 @@ async fn try_process(
                 let copied = dlx.send(d, &dl).await.map_err(Failure::Broker)?;
                 return Ok(Recorded {
                     claimed: Vec::new(),
+                    answered: 0,
                     refused: if copied { Vec::new() } else { vec![0] },
                     broken: None,
                 });
@@ -399,6 +406,7 @@ async fn try_process(
     }
     Ok(Recorded {
         claimed: outcome.claimed,
+        answered: outcome.answered,
         refused,
         broken,
     })

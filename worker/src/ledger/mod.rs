@@ -154,7 +154,15 @@ impl Ledger {
         // wake-up of the backend) before each statement. A connection used within the last
         // second has just proven itself; only longer-idle ones are pinged. A connection that
         // broke since its last use fails its statement, which every caller already survives.
+        let port = options.get_port();
         let pool = PgPoolOptions::new()
+            .after_connect(move |_conn, _meta| {
+                Box::pin(async move {
+                    // sqlx 0.9.0 sets no TCP_NODELAY (see the function).
+                    protocol::tls::set_nodelay_on_sockets_to(port);
+                    Ok(())
+                })
+            })
             .max_connections(pool_size)
             .acquire_timeout(acquire_timeout)
             .test_before_acquire(false)
