@@ -43,7 +43,7 @@ async fn case(point: &str, tool: &str, expect: Expect) {
     // A worker stopped after its completion committed (`after_succeeded`) holds that event
     // for its own relay; the next worker publishes it once the hold has passed. A short hold
     // (fault-point builds only) keeps that inside the wait below.
-    let opts = WorkerOptions::new(tools).env("WORKER_TEST_RELAY_HOLD_SECS", "4");
+    let opts = WorkerOptions::new(tools).env("WORKER_FAULT_RELAY_HOLD_SECS", "4");
     let tenant = "north-shop";
     let action = format!("{tool}-{point}");
     let key = format!("{tenant}:{action}");

@@ -274,7 +274,7 @@ async fn crash_after_commit_leaves_the_event_to_another_relay_after_the_hold() {
         .clone()
         .amqp_url(&via(&env.amqp_url, proxy.addr()))
         .fault("after_succeeded", Some(action))
-        .env("WORKER_TEST_RELAY_HOLD_SECS", &hold.as_secs().to_string());
+        .env("WORKER_FAULT_RELAY_HOLD_SECS", &hold.as_secs().to_string());
     let mut a = start_ready(&env, "a", &a_opts).await;
     count_outbox_updates(&env).await;
     let mut agent = Agent::new(&env, &[TENANT]).await;

@@ -20,11 +20,11 @@ use super::{Ledger, LedgerError, Operation, State};
 pub const RELAY_HOLD: Duration = Duration::from_secs(30);
 
 /// The hold this process uses: [`RELAY_HOLD`], except that builds with the `fault-points`
-/// feature (the e2e suites' worker, never a release set) read `WORKER_TEST_RELAY_HOLD_SECS`
+/// feature (the e2e suites' worker, never a release set) read `WORKER_FAULT_RELAY_HOLD_SECS`
 /// so crash tests need not wait 30 s for a dead worker's held events.
 pub fn relay_hold() -> Duration {
     #[cfg(feature = "fault-points")]
-    if let Some(secs) = std::env::var("WORKER_TEST_RELAY_HOLD_SECS")
+    if let Some(secs) = std::env::var("WORKER_FAULT_RELAY_HOLD_SECS")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .filter(|s| *s > 0)
