@@ -529,21 +529,7 @@ async fn baseline_on(
         .create_channel()
         .await
         .context("open channel")?;
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString(LongString::from("quorum")),
-    );
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        },
-        args,
-    )
-    .await
-    .context("declare the baseline quorum queue")?;
+    declare_quorum(&ch, queue).await?;
     ch.basic_qos(prefetch, BasicQosOptions::default())
         .await
         .context("basic.qos")?;
