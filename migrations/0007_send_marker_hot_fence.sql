@@ -1,12 +1,15 @@
 -- Throughput (issue 11) without weaker guarantees.
 --
--- 1. `sent_fence`: the fence under which the last write was authorised by the send fence. A
---    `dispatching` row whose lease ran out with `sent_fence` <> `fence` never sent anything under
---    that claim (the fence statement is the only way to send), so it goes back to `prepared` /
+-- 1. `unsent_fence`: set to the new fence by every claim that authorises a write (the consumer's
+--    insert, its claim of a `prepared` row, the scheduler's start of a dispatch) and cleared by
+--    the send fence, the only way to a send. A `dispatching` row whose lease ran out with
+--    `unsent_fence = fence` never sent anything under that claim, so it goes back to `prepared` /
 --    `retry_wait` instead of `unknown`: a crash between the claim and the send no longer costs an
---    honest-but-needless `held`. Rows dispatching while this migration runs are counted as sent.
-ALTER TABLE operations ADD COLUMN sent_fence bigint;
-UPDATE operations SET sent_fence = fence WHERE state = 'dispatching';
+--    honest-but-needless `held`. NULL or another fence counts as "may have been sent": rows
+--    dispatching while this migration runs, and claims by a worker of an earlier version during a
+--    rolling upgrade (it neither sets nor clears the column, and its claim moved the fence), are
+--    expired to `unknown` as before.
+ALTER TABLE operations ADD COLUMN unsent_fence bigint;
 
 -- 2. The send fence renews `lease_until` on a row that stays `dispatching`. With an index on
 --    `lease_until` every fence wrote a new version into all of the row's indexes (a non-HOT

@@ -443,3 +443,53 @@ async fn negative_control_a_fresh_key_retry_duplicates_the_write() {
     );
     cleanup(env).await;
 }
+
+/// Rolling upgrade: a worker of the version before `unsent_fence` claimed a row (fence moved,
+/// `unsent_fence` left NULL), may have sent it, and died. A current worker must expire that lease
+/// to `unknown` like any possibly-sent claim, never to `prepared` (that would send it again): a
+/// `none` tool ends `held` with nothing written by the current worker.
+#[tokio::test]
+async fn a_claim_by_an_earlier_version_without_the_unsent_marker_counts_as_possibly_sent() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
+    let ledger = Ledger::connect(&env.db_url, 2, std::time::Duration::from_secs(10))
+        .await
+        .unwrap();
+    ledger.migrate().await.unwrap();
+    let args = json!({"service": "api"});
+    // What the earlier version's consumer left: inserted `prepared`, claimed (fence 1, one
+    // attempt), its lease long gone; it never knew the column.
+    sqlx::query(
+        "INSERT INTO operations (tenant, action_id, tool, fingerprint, arguments, state, fence,
+                                 lease_owner, lease_until, attempts, first_dispatch_at, changed_by)
+         VALUES ($1, 'deploy-old', 'deploy', $2, $3, 'dispatching', 1, 'old-worker',
+                 now() - interval '1 minute', 1, now() - interval '2 minutes', 'old-worker')",
+    )
+    .bind(TENANT)
+    .bind(protocol::fingerprint("deploy", &args))
+    .bind(protocol::canonical_json(&args))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let _w = Worker::start(&env, "new", &opts).await;
+    assert_eq!(settled(&env, "deploy-old").await, "held");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        env.writes(&key("deploy-old")).await,
+        0,
+        "nothing sent again"
+    );
+    let history: Vec<String> = sqlx::query_scalar(
+        "SELECT coalesce(h.from_state, '-') || '>' || h.to_state FROM operation_history h
+         JOIN operations o ON o.id = h.operation_id WHERE o.action_id = 'deploy-old' ORDER BY h.id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert!(
+        !history.iter().any(|h| h.ends_with(">prepared")),
+        "never back to prepared: {history:?}"
+    );
+    cleanup(env).await;
+}

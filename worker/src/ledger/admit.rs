@@ -57,7 +57,7 @@ impl Ledger {
     ///
     /// Nothing is sent on the strength of this claim alone: the send fence
     /// ([`Ledger::fence_sends`]) still runs just before the request and marks the row sent
-    /// (`sent_fence`). A worker that dies before that leaves a row whose lease expiry puts it
+    /// (clears `unsent_fence`). A worker that dies before that leaves a row whose lease expiry puts it
     /// back to `prepared` (nothing was sent), not `unknown`.
     pub async fn admit_claimed(
         &self,
@@ -66,9 +66,9 @@ impl Ledger {
         lease: Duration,
         windows: &ReplayWindows,
     ) -> Result<Vec<Admitted>, LedgerError> {
-        let columns = "state, changed_by, fence, lease_owner, lease_until, attempts, \
-                       first_dispatch_at, replay_deadline";
-        let values = "'dispatching', $8, 1, $8, now() + make_interval(secs => $9), 1, now(), \
+        let columns = "state, changed_by, fence, unsent_fence, lease_owner, lease_until, \
+                       attempts, first_dispatch_at, replay_deadline";
+        let values = "'dispatching', $8, 1, 1, $8, now() + make_interval(secs => $9), 1, now(), \
                       now() + make_interval(secs => (SELECT w.secs FROM unnest($10::text[], \
                       $11::float8[]) AS w(tool, secs) WHERE w.tool = input.tool))";
         self.admit_with(intents, columns, values, |q| {

@@ -97,7 +97,7 @@ impl Ledger {
     }
 
     /// Turns a leased `prepared` or `retry_wait` row into `dispatching` for the owner of
-    /// `fence`. None when the lease was lost meanwhile.
+    /// `fence`, not yet sent (`unsent_fence`). None when the lease was lost meanwhile.
     pub async fn start_dispatch(
         &self,
         id: i64,
@@ -108,7 +108,7 @@ impl Ledger {
         windows: &ReplayWindows,
     ) -> Result<Option<Operation>, LedgerError> {
         let sql = format!(
-            "UPDATE operations o SET {DISPATCH_SET}
+            "UPDATE operations o SET {DISPATCH_SET}, unsent_fence = o.fence
              WHERE o.id = $1 AND o.fence = $6 AND o.state = $7
              RETURNING {}",
             prefixed("o", OPERATION_COLUMNS)
@@ -162,7 +162,7 @@ impl Ledger {
         let passed: Vec<(i64, i64)> = sqlx::query_as(
             "UPDATE operations o
              SET lease_until = now() + make_interval(secs => i.timeout + $5),
-                 sent_fence = o.fence
+                 unsent_fence = NULL
              FROM unnest($1::int8[], $2::int8[], $3::float8[]) AS i(id, fence, timeout)
              WHERE o.id = i.id AND o.fence = i.fence AND o.state = 'dispatching'
                AND o.lease_owner = $4 AND o.lease_until > now()
@@ -267,7 +267,8 @@ impl Ledger {
     }
 
     /// `dispatching` rows whose lease ran out (owner crashed, hung or was paused). One whose
-    /// send fence passed under this claim (`sent_fence = fence`) becomes `unknown`: the request
+    /// send fence passed under this claim (`unsent_fence` no longer equals `fence`; NULL too, as
+    /// an earlier version's claim leaves it) becomes `unknown`: the request
     /// may have left, so it is never dispatched afresh, and an agent that was told nothing yet
     /// gets a `pending` result in the same commit. One whose fence never passed sent nothing
     /// (the fence is the only way to a send, and it now fails for the stale owner): it goes
@@ -281,7 +282,7 @@ impl Ledger {
         let mut tx = self.pool.begin().await?;
         let sql = format!(
             "WITH expired AS (
-                SELECT id, last_reported, sent_fence IS NOT DISTINCT FROM fence AS sent
+                SELECT id, last_reported, unsent_fence IS DISTINCT FROM fence AS sent
                 FROM operations
                 WHERE state = 'dispatching' AND lease_until < now()
                 ORDER BY lease_until
@@ -343,7 +344,7 @@ async fn claim_prepared_in(
         return Ok(Vec::new());
     }
     let sql = format!(
-        "UPDATE operations o SET {DISPATCH_SET}, fence = o.fence + 1
+        "UPDATE operations o SET {DISPATCH_SET}, fence = o.fence + 1, unsent_fence = o.fence + 1
              WHERE o.id = ANY($1) AND o.state = 'prepared'
              RETURNING {}",
         prefixed("o", OPERATION_COLUMNS)
