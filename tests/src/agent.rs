@@ -183,6 +183,7 @@ pub async fn cleanup(mut env: Env) {
     env.cleaned = true;
     env.pool.close().await;
     remove_test_objects(
+        env.id.clone(),
         env.amqp_url.clone(),
         env.topology.clone(),
         env.db_name.clone(),
@@ -192,11 +193,15 @@ pub async fn cleanup(mut env: Env) {
 }
 
 pub(crate) async fn remove_test_objects(
+    id: String,
     amqp_url: String,
     t: crate::env::Topology,
     db_name: String,
     dir: std::path::PathBuf,
 ) {
+    // A worker still running would see its queue go, reconnect and declare it again (the
+    // reconnect logic of issue 8), leaving the queue behind: stop the test's workers first.
+    kill_workers_of(&id);
     if let Ok(conn) = lapin::Connection::connect(&amqp_url, Default::default()).await {
         if let Ok(ch) = conn.create_channel().await {
             for q in [&t.intents_queue, &t.dead_letter_queue] {
@@ -225,4 +230,35 @@ pub(crate) async fn remove_test_objects(
         admin.close().await;
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// SIGKILLs every worker of test `id` still running (`WORKER_ID` is `<name>-<id>`, see
+/// `Worker::spawn`; ids are unique per test, so neither another test's worker nor a stranger
+/// that reused a pid is hit).
+fn kill_workers_of(id: &str) {
+    let suffix = format!("-{id}");
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+            continue;
+        };
+        let ours = environ.split(|&b| b == 0).any(|var| {
+            var.strip_prefix(b"WORKER_ID=")
+                .is_some_and(|v| v.ends_with(suffix.as_bytes()))
+        });
+        if ours {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+    }
 }

@@ -39,7 +39,8 @@ impl Drop for Env {
             return;
         }
         // A failed test: clean up on a thread with its own runtime (this one may be unwinding).
-        let (url, t, db, dir) = (
+        let (id, url, t, db, dir) = (
+            self.id.clone(),
             self.amqp_url.clone(),
             self.topology.clone(),
             self.db_name.clone(),
@@ -50,7 +51,7 @@ impl Drop for Env {
                 .enable_all()
                 .build()
             {
-                rt.block_on(crate::agent::remove_test_objects(url, t, db, dir));
+                rt.block_on(crate::agent::remove_test_objects(id, url, t, db, dir));
             }
         })
         .join();

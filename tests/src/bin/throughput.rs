@@ -1058,6 +1058,10 @@ async fn wait_marked(env: &Env) {
 ///   "recorded -> published", and "published -> received" is what is left of hop 2 after it
 ///   (negative when the follower had the event before the mark began).
 struct Stages {
+    /// Intents slower than [`SLOW_MS`] (publish -> received), per [`SLOW_BUCKET_MS`] of the
+    /// run by publish time: a tail that sits in the first buckets is a warm-up, one spread
+    /// evenly is the steady state.
+    slow: Vec<usize>,
     matched: usize,
     of: usize,
     /// (label, per-intent milliseconds).
@@ -1088,6 +1092,7 @@ impl Stages {
         };
         let mut columns: [Vec<f64>; 6] = Default::default();
         let mut seen = HashSet::new();
+        let mut slow: Vec<usize> = Vec::new();
         for (action_id, admitted, recorded, outbox_created, published) in rows {
             let Some(i) = action_id
                 .strip_prefix("bench-")
@@ -1104,6 +1109,14 @@ impl Stages {
             }
             let publish = DateTime::<Utc>::from(sent[i].wall);
             let receive = DateTime::<Utc>::from(received[i].wall);
+            let t0 = DateTime::<Utc>::from(sent[0].wall);
+            let bucket = (ms(t0, publish).max(0.0) / SLOW_BUCKET_MS) as usize;
+            if ms(publish, receive) > SLOW_MS {
+                if slow.len() <= bucket {
+                    slow.resize(bucket + 1, 0);
+                }
+                slow[bucket] += 1;
+            }
             for (c, v) in columns.iter_mut().zip([
                 ms(publish, admitted),
                 ms(admitted, recorded),
@@ -1118,6 +1131,7 @@ impl Stages {
         ensure!(!seen.is_empty(), "no intent has all its ledger timestamps");
         let [a, b, c, d, total, outbox] = columns;
         Ok(Stages {
+            slow,
             matched: seen.len(),
             of: sent.len(),
             rows: vec![
@@ -1146,8 +1160,16 @@ impl Stages {
                 pct(&v, 99)
             );
         }
+        println!(
+            "    over {SLOW_MS} ms, per {SLOW_BUCKET_MS} ms of publishing: {:?}",
+            self.slow
+        );
     }
 }
+
+/// See [`Stages::slow`].
+const SLOW_MS: f64 = 50.0;
+const SLOW_BUCKET_MS: f64 = 500.0;
 
 /// Legend for [`Stages::print`], printed once.
 const STAGES_LEGEND: &str = "per stage: publish/received = this process's wall clock \
