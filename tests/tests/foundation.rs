@@ -482,3 +482,47 @@ async fn an_existing_intents_queue_with_other_arguments_is_used_with_a_warning()
         .await;
     cleanup(env).await;
 }
+
+/// The harness itself: a test's `cleanup` deletes its queues while its workers may still run.
+/// A running worker sees its queue deleted, reconnects (within ~250 ms) and declares it again,
+/// which left ~100 queues behind per full run until cleanup stopped the test's workers first.
+#[tokio::test]
+async fn cleanup_leaves_no_queue_behind_while_a_worker_still_runs() {
+    let (env, _ds, mut w, _) = setup("", false).await;
+    let (url, queues) = (
+        env.amqp_url.clone(),
+        [
+            env.topology.intents_queue.clone(),
+            env.topology.dead_letter_queue.clone(),
+        ],
+    );
+    cleanup(env).await;
+    // Longer than the worker's first reconnect delays (250 ms, 500 ms, jittered).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let conn = lapin::Connection::connect(&url, Default::default())
+        .await
+        .unwrap();
+    let mut left = Vec::new();
+    for q in queues {
+        // A passive declare of a missing queue closes the channel with 404: use one per queue.
+        let ch = conn.create_channel().await.unwrap();
+        let found = ch
+            .queue_declare(
+                q.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await;
+        if found.is_ok() {
+            // Leave nothing behind even when the assertion fails.
+            let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+            left.push(q);
+        }
+    }
+    let _ = conn.close(200, "".into()).await;
+    assert!(left.is_empty(), "queues left after cleanup: {left:?}");
+    assert!(!w.is_running(), "cleanup stopped the test's worker");
+}

@@ -815,10 +815,18 @@ struct Latency {
     /// Everything before the percentiles, e.g. "latency K=1 P=64 at 200/s open loop, …".
     head: String,
     samples: Vec<Duration>,
+    /// The samples of intents published [`WARM_UP`] or later after the first (worker runs).
+    steady: Vec<Duration>,
     rss_kib: Option<u64>,
     /// Per-stage breakdown from the run's ledger (worker runs only).
     stages: Option<Stages>,
 }
+
+/// The start of an open-loop run that a worker may spend warming up (new pool connections are
+/// no longer part of it, but first statements on each connection, HTTP keep-alive connections
+/// and batch sizes still settle): figures over all intents and over those published after it
+/// are both printed.
+const WARM_UP: Duration = Duration::from_secs(1);
 
 /// Percentile `p` (0–100) of sorted values: the same index rule for every figure printed here.
 fn pct<T: Copy>(sorted: &[T], p: usize) -> T {
@@ -833,8 +841,21 @@ impl Latency {
         let rss = self.rss_kib.map_or(String::new(), |k| {
             format!("  (worker rss {:.1} MiB)", k as f64 / 1024.0)
         });
+        let mut steady = self.steady.clone();
+        steady.sort();
+        let steady = if steady.is_empty() {
+            String::new()
+        } else {
+            let q = |p: usize| pct(&steady, p).as_secs_f64() * 1000.0;
+            format!(
+                "; published after the first {} s: p50 {:.1} ms  p99 {:.1} ms",
+                WARM_UP.as_secs(),
+                q(50),
+                q(99)
+            )
+        };
         format!(
-            "{}: p50 {:.1} ms  p90 {:.1} ms  p99 {:.1} ms  max {:.1} ms{rss}",
+            "{}: p50 {:.1} ms  p90 {:.1} ms  p99 {:.1} ms  max {:.1} ms{steady}{rss}",
             self.head,
             q(50),
             q(90),
@@ -1003,6 +1024,12 @@ async fn latency_run_in(
         .zip(&received)
         .map(|(s, r)| r.mono.saturating_duration_since(s.mono))
         .collect();
+    let steady = sent
+        .iter()
+        .zip(&received)
+        .filter(|(s, _)| s.mono.saturating_duration_since(sent[0].mono) >= WARM_UP)
+        .map(|(s, r)| r.mono.saturating_duration_since(s.mono))
+        .collect();
     // The relay marks an event published after its confirm, possibly after the follower got
     // it: let the last marks land before the worker stops.
     wait_marked(env).await;
@@ -1022,6 +1049,7 @@ async fn latency_run_in(
             args.prefetch
         ),
         samples,
+        steady,
         rss_kib,
         stages,
     })
@@ -1354,6 +1382,7 @@ async fn broker_floor_on(
             args.prefetch
         ),
         samples,
+        steady: Vec::new(),
         rss_kib: None,
         stages: None,
     })
