@@ -289,3 +289,76 @@ async fn a_completion_batch_records_each_row_as_if_alone() {
     }
     db.drop_db().await;
 }
+
+/// The consumer claims a new intent by inserting it `dispatching` (`Ledger::admit_claimed`);
+/// the scheduler claims a `prepared` row by updating it (`Ledger::claim_prepared`). The two
+/// statements spell the claim separately, so this holds them to the same result: every column
+/// a send depends on, and the history row of the claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_by_insert_sets_what_a_claim_of_a_prepared_row_sets() {
+    use worker::ledger::ReplayWindows;
+    let db = TestDb::new().await;
+    let l = &db.ledger;
+    let windows = ReplayWindows::new([("refund".to_string(), Duration::from_secs(3600))]);
+    let lease = Duration::from_secs(30);
+    let admitted = l
+        .admit(
+            &[new_operation("north", "two-steps", "refund")],
+            WORKER_ID,
+            Duration::from_secs(3600),
+        )
+        .await
+        .unwrap();
+    let two_steps = l
+        .claim_prepared(&[admitted[0].operation.id], WORKER_ID, lease, &windows)
+        .await
+        .unwrap()
+        .remove(0);
+    let one_step = l
+        .admit_claimed(
+            &[new_operation("north", "one-step", "refund")],
+            WORKER_ID,
+            lease,
+            &windows,
+        )
+        .await
+        .unwrap()
+        .remove(0);
+    assert!(one_step.inserted);
+    let pool = db.pool().clone();
+    let claim = |id: i64| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, serde_json::Value>(
+                "SELECT jsonb_build_object(
+                'state', state, 'fence', fence, 'unsent_fence', unsent_fence,
+                'lease_owner', lease_owner, 'attempts', attempts,
+                'recovery_attempts', recovery_attempts, 'next_attempt_at', next_attempt_at,
+                'changed_by', changed_by, 'evidence', evidence, 'receipt', receipt,
+                'last_reported', last_reported, 'first_dispatch_now', first_dispatch_at = now(),
+                'lease_secs', round(extract(epoch FROM lease_until - first_dispatch_at)),
+                'deadline_secs', extract(epoch FROM replay_deadline - first_dispatch_at),
+                'history', (SELECT jsonb_build_object('to', to_state, 'fence', h.fence,
+                                'actor', actor, 'evidence', h.evidence, 'attempts', h.attempts,
+                                'next_attempt_at', h.next_attempt_at)
+                            FROM operation_history h WHERE h.operation_id = o.id
+                            ORDER BY h.id DESC LIMIT 1))
+             FROM operations o WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let expected = claim(two_steps.id).await;
+    assert_eq!(claim(one_step.operation.id).await, expected);
+    // And the claim is what a claim should be (not two equal mistakes).
+    assert_eq!(expected["state"], "dispatching");
+    assert_eq!(expected["fence"], 1);
+    assert_eq!(expected["unsent_fence"], 1);
+    assert_eq!(expected["attempts"], 1);
+    assert_eq!(expected["deadline_secs"].as_f64(), Some(3600.0));
+    assert_eq!(expected["lease_secs"].as_f64(), Some(30.0));
+    db.drop_db().await;
+}
