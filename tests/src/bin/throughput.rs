@@ -1121,6 +1121,7 @@ impl Stages {
         let mut columns: [Vec<f64>; 6] = Default::default();
         let mut seen = HashSet::new();
         let mut slow: Vec<usize> = Vec::new();
+        let t0 = DateTime::<Utc>::from(sent[0].wall);
         for (action_id, admitted, recorded, outbox_created, published) in rows {
             let Some(i) = action_id
                 .strip_prefix("bench-")
@@ -1137,7 +1138,6 @@ impl Stages {
             }
             let publish = DateTime::<Utc>::from(sent[i].wall);
             let receive = DateTime::<Utc>::from(received[i].wall);
-            let t0 = DateTime::<Utc>::from(sent[0].wall);
             let bucket = (ms(t0, publish).max(0.0) / SLOW_BUCKET_MS) as usize;
             if ms(publish, receive) > SLOW_MS {
                 if slow.len() <= bucket {

@@ -166,7 +166,7 @@ impl Ledger {
             .max_connections(pool_size)
             // Opened at start (and kept): a connection opened on demand costs a TLS handshake,
             // authentication and fresh statement preparation in the middle of the first burst
-            // of load, which showed as a ~100 ms stall when a burst met an idle worker.
+            // of load, which showed as a ~100 ms stall when a burst met a freshly started worker.
             .min_connections(pool_size)
             .acquire_timeout(acquire_timeout)
             .test_before_acquire(false)
