@@ -68,10 +68,7 @@ async fn workers_racing_on_prepared_operations_dispatch_each_once() {
     let ds = Downstream::start(&env).await;
     let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
     // Rows left `prepared` (as by a crash before the claim), due at once.
-    let ledger = Ledger::connect(&env.db_url, 2, std::time::Duration::from_secs(10))
-        .await
-        .unwrap();
-    ledger.migrate().await.unwrap();
+    let ledger = migrated_ledger(&env).await;
     let mut new = Vec::new();
     for tool in ["refund", "ticket", "deploy"] {
         for i in 0..10 {
@@ -453,10 +450,8 @@ async fn a_claim_by_an_earlier_version_without_the_unsent_marker_counts_as_possi
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
-    let ledger = Ledger::connect(&env.db_url, 2, std::time::Duration::from_secs(10))
-        .await
-        .unwrap();
-    ledger.migrate().await.unwrap();
+    // The schema the old worker's row is written into.
+    migrated_ledger(&env).await;
     let args = json!({"service": "api"});
     // What the earlier version's consumer left: inserted `prepared`, claimed (fence 1, one
     // attempt), its lease long gone; it never knew the column.
@@ -492,4 +487,14 @@ async fn a_claim_by_an_earlier_version_without_the_unsent_marker_counts_as_possi
         "never back to prepared: {history:?}"
     );
     cleanup(env).await;
+}
+
+/// The test's own connection to the ledger, migrated (no worker has run yet), for writing rows
+/// as a crash or an earlier version would have left them.
+async fn migrated_ledger(env: &Env) -> Ledger {
+    let ledger = Ledger::connect(&env.db_url, 2, std::time::Duration::from_secs(10))
+        .await
+        .unwrap();
+    ledger.migrate().await.unwrap();
+    ledger
 }

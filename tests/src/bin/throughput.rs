@@ -421,6 +421,30 @@ async fn confirm_channel(conn: &Connection) -> Result<Channel> {
     Ok(ch)
 }
 
+/// A channel of its own consuming `queue` with `prefetch`, manual acks; the channel is returned
+/// so the caller keeps it open as long as it consumes.
+async fn consume_on(
+    conn: &Connection,
+    queue: &str,
+    prefetch: u16,
+    tag: &str,
+) -> Result<(Channel, Consumer)> {
+    let ch = conn.create_channel().await.context("open channel")?;
+    ch.basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .context("basic.qos")?;
+    let consumer = ch
+        .basic_consume(
+            queue.into(),
+            tag.into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("basic.consume {queue}"))?;
+    Ok((ch, consumer))
+}
+
 /// Publishes every message (persistent, mandatory, JSON, message id = action key) with up to
 /// [`CONFIRM_WINDOW`] confirms outstanding; returns when all are confirmed.
 async fn publish_all(
@@ -1283,39 +1307,16 @@ async fn broker_floor_on(
     declare_quorum(&setup, queue_a).await?;
     declare_quorum(&setup, queue_b).await?;
 
-    let relay_in = relay_conn.create_channel().await.context("open channel")?;
-    relay_in
-        .basic_qos(args.prefetch, BasicQosOptions::default())
-        .await
-        .context("basic.qos")?;
-    let from_a = relay_in
-        .basic_consume(
-            queue_a.as_str().into(),
-            "bench-floor-relay".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .context("basic.consume A")?;
+    let (_relay_in, from_a) =
+        consume_on(relay_conn, queue_a, args.prefetch, "bench-floor-relay").await?;
     let relay_out = confirm_channel(relay_conn).await?;
-
-    let follow_ch = follower_conn
-        .create_channel()
-        .await
-        .context("open channel")?;
-    follow_ch
-        .basic_qos(FOLLOWER_PREFETCH, BasicQosOptions::default())
-        .await
-        .context("basic.qos")?;
-    let mut from_b = follow_ch
-        .basic_consume(
-            queue_b.as_str().into(),
-            "bench-floor-follower".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .context("basic.consume B")?;
+    let (_follow_ch, mut from_b) = consume_on(
+        follower_conn,
+        queue_b,
+        FOLLOWER_PREFETCH,
+        "bench-floor-follower",
+    )
+    .await?;
     let pub_ch = confirm_channel(publisher_conn).await?;
 
     let index: HashMap<String, usize> = messages
