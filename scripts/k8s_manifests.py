@@ -44,7 +44,7 @@ SCHEMAS = K8S / "schemas"
 KUSTOMIZATIONS = [K8S / "base", K8S / "overlays" / "hpa"]
 # Oldest and newest Kubernetes minor versions the manifests are checked against.
 K8S_VERSIONS = ["1.29.0", "1.37.0"]
-# README "Graceful shutdown": WORKER_SHUTDOWN_GRACE_SECS, then the relay's final round.
+# docs/operations.md, "Graceful shutdown": WORKER_SHUTDOWN_GRACE_SECS, then the relay's final round.
 RELAY_FLUSH_SECS = 10
 
 RULE_HEADER = """\

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::AssertSqlSafe;
 
-/// Postgres server URL for tests (the README test command sets it).
+/// Postgres server URL for tests (scripts/test.sh sets it).
 pub fn pg_admin_url() -> String {
     std::env::var("TEST_DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())

@@ -604,17 +604,17 @@ async fn the_python_examples_run_against_a_real_gateway() {
         assert_eq!(w.env.mutations(key).await, 1, "{script}");
     }
 
-    // The README's Agents SDK example needs a model to run; everything up to the final
+    // The Agents SDK example of docs/agents.md needs a model to run; everything up to the final
     // `asyncio.run(main())` runs here (its imports and objects against the pinned SDK), and its
     // host configuration is JSON.
-    let readme = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"),
+    let guide = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/agents.md"),
     )
     .unwrap();
-    let section = readme
+    let section = guide
         .split("\n## From an MCP agent\n")
         .nth(1)
-        .expect("README section From an MCP agent")
+        .expect("docs/agents.md section From an MCP agent")
         .split("\n## ")
         .next()
         .unwrap();
@@ -634,17 +634,18 @@ async fn the_python_examples_run_against_a_real_gateway() {
         .unwrap();
     assert!(
         out.status.success(),
-        "README Agents SDK example: {}",
+        "docs/agents.md Agents SDK example: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let host_config: Value = serde_json::from_str(&block("json")).expect("README host JSON");
+    let host_config: Value =
+        serde_json::from_str(&block("json")).expect("docs/agents.md host JSON");
     assert!(host_config["mcpServers"]["intent-worker"]["url"].is_string());
     drop(w.gateway);
     cleanup(w.env).await;
 }
 
 /// Call latency through the gateway (sequential succeeded calls, each a new action), for the
-/// README's measurement note: `cargo nextest run -p e2e --test mcp --run-ignored only`.
+/// figure in docs/benchmarks.md: `cargo nextest run -p e2e --test mcp --run-ignored only`.
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "measurement"]
 async fn call_latency_through_the_gateway() {

@@ -1,0 +1,324 @@
+//! The documentation holds together. Every relative link in README.md, CHANGELOG.md, the files
+//! of `docs/` and the Python client's README names a file that exists, and every `#anchor`
+//! names a heading of its target under GitHub's slug rules (lowercase, spaces to `-`,
+//! punctuation other than `-` and `_` dropped, repeated headings suffixed `-1`, `-2`, ...).
+//! README.md stays a front door (at most 400 lines), and the documentation describes behaviour,
+//! never tracker issue numbers. A broken sample in a temporary directory proves the checker
+//! fails when a link or an anchor does not resolve.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .canonicalize()
+        .expect("repository root")
+}
+
+/// The documents the checks cover: README.md, CHANGELOG.md, the Python client's README and
+/// every `docs/*.md`.
+fn documents(root: &Path) -> Vec<PathBuf> {
+    let mut docs = vec![
+        root.join("README.md"),
+        root.join("CHANGELOG.md"),
+        root.join("clients/python/README.md"),
+    ];
+    let mut more: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+        .expect("read docs/")
+        .map(|entry| entry.expect("docs/ entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    more.sort();
+    docs.extend(more);
+    docs
+}
+
+/// The lines outside fenced code blocks, numbered from 1.
+fn prose_lines(text: &str) -> Vec<(usize, &str)> {
+    let mut out = Vec::new();
+    // The open fence's character and length, while inside a fenced block.
+    let mut fence: Option<(char, usize)> = None;
+    for (i, line) in text.lines().enumerate() {
+        let trimmed = line.trim_start();
+        let marker = trimmed.chars().next().filter(|c| *c == '`' || *c == '~');
+        let run = marker.map_or(0, |c| trimmed.chars().take_while(|x| *x == c).count());
+        match (fence, marker) {
+            (None, Some(c)) if run >= 3 => fence = Some((c, run)),
+            (Some((c, n)), Some(m)) if m == c && run >= n && trimmed.trim_end().len() == run => {
+                fence = None
+            }
+            (None, _) => out.push((i + 1, line)),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// `line` with every inline code span replaced by `x`, so that code such as `` `[a](b)` `` is
+/// not read as a link. An unmatched backtick run stays as written.
+fn without_code_spans(line: &str) -> String {
+    let chars: Vec<char> = line.chars().collect();
+    let mut out = String::new();
+    let mut i = 0;
+    while i < chars.len() {
+        if chars[i] != '`' {
+            out.push(chars[i]);
+            i += 1;
+            continue;
+        }
+        let n = chars[i..].iter().take_while(|c| **c == '`').count();
+        // The closing run: exactly n backticks.
+        let mut j = i + n;
+        let mut close = None;
+        while j < chars.len() {
+            if chars[j] == '`' {
+                let m = chars[j..].iter().take_while(|c| **c == '`').count();
+                if m == n {
+                    close = Some(j);
+                    break;
+                }
+                j += m;
+            } else {
+                j += 1;
+            }
+        }
+        match close {
+            Some(j) => {
+                out.push('x');
+                i = j + n;
+            }
+            None => {
+                out.extend(&chars[i..i + n]);
+                i += n;
+            }
+        }
+    }
+    out
+}
+
+/// The targets of the inline links and images (`[text](target)`, `![alt](target "title")`) on
+/// one line of prose.
+fn link_targets(line: &str) -> Vec<String> {
+    let line = without_code_spans(line);
+    let mut out = Vec::new();
+    let mut rest = line.as_str();
+    while let Some(at) = rest.find("](") {
+        let after = &rest[at + 2..];
+        let end = after.find(')').unwrap_or(after.len());
+        let inside = after[..end].trim();
+        let target = inside
+            .strip_prefix('<')
+            .and_then(|t| t.split_once('>').map(|(t, _)| t))
+            .unwrap_or_else(|| inside.split_whitespace().next().unwrap_or(""));
+        out.push(target.to_string());
+        rest = &after[end.min(after.len())..];
+    }
+    out
+}
+
+/// GitHub's anchor for a heading's text: lowercase, spaces to `-`, every other character that
+/// is not a letter, a digit, `-` or `_` dropped.
+fn slug(heading: &str) -> String {
+    heading
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            '-' | '_' => Some(c),
+            c if c.is_alphanumeric() => Some(c),
+            _ => None,
+        })
+        .flat_map(char::to_lowercase)
+        .collect()
+}
+
+/// The anchors of a Markdown document's headings, in GitHub's form: a slug that appeared
+/// before gets `-1`, `-2`, ... in order.
+fn anchors(text: &str) -> Vec<String> {
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut out = Vec::new();
+    for (_, line) in prose_lines(text) {
+        let hashes = line.chars().take_while(|c| *c == '#').count();
+        if hashes == 0 || hashes > 6 {
+            continue;
+        }
+        let rest = &line[hashes..];
+        if !(rest.is_empty() || rest.starts_with(' ') || rest.starts_with('\t')) {
+            continue;
+        }
+        let title = rest.trim().trim_end_matches('#').trim_end();
+        let base = slug(title);
+        let n = seen.entry(base.clone()).or_insert(0);
+        out.push(if *n == 0 {
+            base.clone()
+        } else {
+            format!("{base}-{n}")
+        });
+        *n += 1;
+    }
+    out
+}
+
+/// Every relative link of `doc` that does not resolve, as `file:line: target (reason)`.
+fn broken_links(doc: &Path, root: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(doc).unwrap_or_else(|e| panic!("read {doc:?}: {e}"));
+    let name = doc.strip_prefix(root).unwrap_or(doc).display().to_string();
+    let mut anchor_cache: HashMap<PathBuf, Vec<String>> = HashMap::new();
+    let mut out = Vec::new();
+    for (number, line) in prose_lines(&text) {
+        for target in link_targets(line) {
+            // Absolute URLs (https:, mailto:, ...) are not this test's business.
+            let scheme_end = target.find([':', '/', '#']);
+            if target.is_empty() || scheme_end.is_some_and(|i| target[i..].starts_with(':')) {
+                continue;
+            }
+            let (path, anchor) = match target.split_once('#') {
+                Some((p, a)) => (p, Some(a)),
+                None => (target.as_str(), None),
+            };
+            let file = if path.is_empty() {
+                doc.to_path_buf()
+            } else {
+                doc.parent().expect("a document's directory").join(path)
+            };
+            if !file.exists() {
+                out.push(format!("{name}:{number}: {target} (no such file)"));
+                continue;
+            }
+            let Some(anchor) = anchor.filter(|a| !a.is_empty()) else {
+                continue;
+            };
+            if file.extension().is_none_or(|e| e != "md") {
+                continue;
+            }
+            let known = anchor_cache.entry(file.clone()).or_insert_with(|| {
+                anchors(&std::fs::read_to_string(&file).expect("read link target"))
+            });
+            if !known.iter().any(|a| a == anchor) {
+                out.push(format!("{name}:{number}: {target} (no such heading)"));
+            }
+        }
+    }
+    out
+}
+
+/// Mentions of a tracker issue by number ("issue 11", "Issues 8", "issue-8", "issue #12"), as
+/// excerpts.
+fn issue_numbers(text: &str) -> Vec<String> {
+    let lower: Vec<char> = text.to_lowercase().chars().collect();
+    let word: Vec<char> = "issue".chars().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i + word.len() <= lower.len() {
+        let starts_word = i == 0 || !lower[i - 1].is_alphanumeric();
+        if starts_word && lower[i..i + word.len()] == word[..] {
+            let mut j = i + word.len();
+            if lower.get(j) == Some(&'s') {
+                j += 1;
+            }
+            while lower
+                .get(j)
+                .is_some_and(|c| matches!(c, ' ' | '\t' | '\n' | '-' | '#'))
+            {
+                j += 1;
+            }
+            if lower.get(j).is_some_and(|c| c.is_ascii_digit()) {
+                let from = i.saturating_sub(30);
+                let to = (j + 10).min(lower.len());
+                let excerpt: String = lower[from..to].iter().collect();
+                out.push(excerpt.replace('\n', " "));
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+#[test]
+fn every_relative_link_and_anchor_resolves() {
+    let root = repo();
+    let broken: Vec<String> = documents(&root)
+        .iter()
+        .flat_map(|doc| broken_links(doc, &root))
+        .collect();
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+#[test]
+fn the_readme_stays_a_front_door() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).expect("read README.md");
+    let lines = readme.lines().count();
+    assert!(
+        lines <= 400,
+        "README.md has {lines} lines; move reference material into docs/"
+    );
+}
+
+#[test]
+fn the_documentation_names_no_issue_numbers() {
+    let root = repo();
+    let mut found = Vec::new();
+    for doc in documents(&root) {
+        let text = std::fs::read_to_string(&doc).expect("read document");
+        for excerpt in issue_numbers(&text) {
+            found.push(format!("{}: …{excerpt}…", doc.display()));
+        }
+    }
+    assert!(found.is_empty(), "issue numbers:\n{}", found.join("\n"));
+}
+
+#[test]
+fn github_slugs_and_the_issue_scan() {
+    assert_eq!(
+        slug("Worker (`worker` binary, including `worker ops`)"),
+        "worker-worker-binary-including-worker-ops"
+    );
+    assert_eq!(
+        slug("Metrics (`GET /metrics` on `METRICS_ADDR`)"),
+        "metrics-get-metrics-on-metrics_addr"
+    );
+    assert_eq!(slug("11. Where code lives"), "11-where-code-lives");
+    assert_eq!(
+        anchors("# A\n## Same\n```\n## Not a heading\n```\n## Same\n### Same\n#hashtag\n"),
+        ["a", "same", "same-1", "same-2"]
+    );
+    assert_eq!(
+        link_targets("see [a](x.md#b) and `[c](code.md)` and ![d](img.png \"title\")"),
+        ["x.md#b", "img.png"]
+    );
+    let hits = issue_numbers(
+        "Landed in issue 11; Issues\n8 and issue-9, issue #12. Not: tissue 5, issues/4335, an issue.",
+    );
+    assert_eq!(hits.len(), 4, "{hits:?}");
+}
+
+#[test]
+fn the_checker_fails_on_a_broken_sample() {
+    let dir = std::env::temp_dir().join(format!("docs-check-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(dir.join("docs")).unwrap();
+    std::fs::write(
+        dir.join("README.md"),
+        "# Intro\n\n\
+         [fine](docs/a.md#second-heading-1), [fine too](#intro), [web](https://example.com/x#y),\n\
+         [missing file](docs/nope.md), [missing heading](docs/a.md#nope),\n\
+         [missing here](#outro), `[code, not a link](nowhere.md)`\n\n\
+         ```\n[in a fence, not a link](nowhere-either.md)\n```\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("docs/a.md"),
+        "# A\n\n## Second heading\n\n## Second heading\n",
+    )
+    .unwrap();
+    let broken = broken_links(&dir.join("README.md"), &dir);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(
+        broken,
+        [
+            "README.md:4: docs/nope.md (no such file)",
+            "README.md:4: docs/a.md#nope (no such heading)",
+            "README.md:5: #outro (no such heading)",
+        ],
+        "{broken:#?}"
+    );
+}
