@@ -14,9 +14,11 @@ fn field(e: &DecodeError) -> String {
         DecodeError::WrongType { field, .. }
         | DecodeError::TooLong { field, .. }
         | DecodeError::InvalidCharacters { field, .. } => field,
-        DecodeError::TooLarge { .. } | DecodeError::NotJson(_) | DecodeError::NotAnObject => {
-            return "-".to_string()
-        }
+        DecodeError::TooLarge { .. }
+        | DecodeError::NotJson(_)
+        | DecodeError::NotAnObject
+        | DecodeError::KeyTooLong { .. }
+        | DecodeError::NulCharacter(_) => return "-".to_string(),
     };
     name.bytes().map(|b| format!("{b:02x}")).collect()
 }

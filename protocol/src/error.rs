@@ -66,9 +66,43 @@ pub enum DecodeError {
         /// The allowed set, in words.
         allowed: &'static str,
     },
+    /// `tenant` and `action_id` are each within their limits, but `<tenant>:<action_id>`, the
+    /// AMQP `message_id` and the downstream idempotency key, is over
+    /// [`crate::MAX_ACTION_KEY_BYTES`].
+    #[error(
+        "tenant and action_id make an action key (\"<tenant>:<action_id>\") of {len} bytes, over the {max}-byte limit of an AMQP message id"
+    )]
+    KeyTooLong {
+        /// The key's length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A string or key in `arguments` contains U+0000 (NUL), which the ledger (Postgres `jsonb`)
+    /// cannot store; carries the path of the first one, e.g. `arguments.note`.
+    #[error(
+        "{0} contains U+0000 (NUL), which the ledger cannot store; remove it or encode the value (e.g. base64)"
+    )]
+    NulCharacter(String),
 }
 
 impl DecodeError {
+    /// Every [`DecodeError::code`], in the order the decoder checks the rules.
+    pub const CODES: [&'static str; 12] = [
+        "too_large",
+        "not_json",
+        "not_an_object",
+        "duplicate_field",
+        "unknown_field",
+        "missing_field",
+        "wrong_type",
+        "empty_field",
+        "too_long",
+        "invalid_characters",
+        "key_too_long",
+        "nul_character",
+    ];
+
     /// A stable snake_case code for this kind of error, one per variant.
     pub fn code(&self) -> &'static str {
         match self {
@@ -82,6 +116,8 @@ impl DecodeError {
             DecodeError::EmptyField(_) => "empty_field",
             DecodeError::TooLong { .. } => "too_long",
             DecodeError::InvalidCharacters { .. } => "invalid_characters",
+            DecodeError::KeyTooLong { .. } => "key_too_long",
+            DecodeError::NulCharacter(_) => "nul_character",
         }
     }
 }

@@ -3,6 +3,7 @@
 //! ambiguous (repeated or unknown fields, keys that would collide once joined into the
 //! idempotency key) is refused here, before it can reach the ledger.
 
+mod numbers;
 mod rules;
 mod top_level;
 
@@ -19,6 +20,29 @@ pub const MAX_INTENT_BYTES: usize = 256 * 1024;
 pub const MAX_KEY_LEN: usize = 200;
 /// Longest `tool`, in characters.
 pub const MAX_TOOL_LEN: usize = 64;
+/// Longest action key `<tenant>:<action_id>`, in bytes: it is the AMQP `message_id`, a short
+/// string. Each field may be [`MAX_KEY_LEN`] characters, but the pair must fit this bound.
+pub const MAX_ACTION_KEY_BYTES: usize = 255;
+
+/// The logical action key `<tenant>:<action_id>`: the AMQP `message_id` of the intent and the
+/// downstream idempotency key, the same on every send of the same action.
+pub fn action_key(tenant: &str, action_id: &str) -> String {
+    format!("{tenant}:{action_id}")
+}
+
+/// Whether `(tenant, action_id)` makes an action key within [`MAX_ACTION_KEY_BYTES`].
+/// [`decode_intent`] checks it with the other rules; senders that build a message id from a
+/// key they did not decode check it here, before anything is sent or stored.
+pub fn check_action_key(tenant: &str, action_id: &str) -> Result<(), DecodeError> {
+    let len = tenant.len() + 1 + action_id.len();
+    if len > MAX_ACTION_KEY_BYTES {
+        return Err(DecodeError::KeyTooLong {
+            len,
+            max: MAX_ACTION_KEY_BYTES,
+        });
+    }
+    Ok(())
+}
 
 /// The top-level fields the contract allows; anything else is refused.
 const KNOWN_FIELDS: [&str; 6] = [
@@ -80,6 +104,7 @@ pub fn decode_intent(body: &[u8]) -> Result<Intent, DecodeError> {
         });
     }
     let entries = top_level::parse(body)?;
+    numbers::check_range(body)?;
     if let Some(name) = top_level::first_duplicate(&entries) {
         return Err(DecodeError::DuplicateField(top_level::echo_name(name)));
     }
@@ -118,6 +143,10 @@ pub fn decode_intent(body: &[u8]) -> Result<Intent, DecodeError> {
         checked.push((&REPLY_TO, reply_to));
     }
     rules::check(&checked)?;
+    check_action_key(&tenant, &action_id)?;
+    if let Some(at) = nul_path(&arguments, "arguments") {
+        return Err(DecodeError::NulCharacter(at));
+    }
 
     Ok(Intent {
         tenant,
@@ -140,7 +169,7 @@ pub fn salvage_key(body: &[u8]) -> Option<(String, String)> {
     if body.len() > MAX_INTENT_BYTES {
         return None;
     }
-    let entries = top_level::parse(body).ok()?;
+    let entries = salvage_parse(body)?;
     let tenant = sole_string(&entries, "tenant")?;
     let action_id = sole_string(&entries, "action_id")?;
     rules::check(&[(&TENANT, tenant), (&ACTION_ID, action_id)]).ok()?;
@@ -154,10 +183,38 @@ pub fn salvage_reply_to(body: &[u8]) -> Option<String> {
     if body.len() > MAX_INTENT_BYTES {
         return None;
     }
-    let entries = top_level::parse(body).ok()?;
+    let entries = salvage_parse(body)?;
     let reply_to = sole_string(&entries, "reply_to")?;
     rules::check(&[(&REPLY_TO, reply_to)]).ok()?;
     Some(reply_to.to_owned())
+}
+
+/// Where the first U+0000 in `value` (a string or an object key) is, as a path such as
+/// `arguments.a[1].b`. Postgres `jsonb` cannot store it, so neither the request nor a receipt
+/// that echoes it could be recorded.
+fn nul_path(value: &Value, at: &str) -> Option<String> {
+    match value {
+        Value::String(s) if s.contains('\0') => Some(at.to_owned()),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, item)| nul_path(item, &format!("{at}[{i}]"))),
+        Value::Object(map) => map.iter().find_map(|(key, item)| {
+            if key.contains('\0') {
+                return Some(at.to_owned());
+            }
+            nul_path(item, &format!("{at}.{}", top_level::echo_name(key)))
+        }),
+        _ => None,
+    }
+}
+
+/// The top level of a body for salvaging its key: parsed as it is, or, when serde refuses a
+/// number beyond the double range, with its numbers replaced (the key fields are strings).
+fn salvage_parse(body: &[u8]) -> Option<Entries> {
+    top_level::parse(body)
+        .or_else(|_| top_level::parse(&numbers::neutralized(body)))
+        .ok()
 }
 
 /// The known fields of a body without duplicates, taken out one by one.

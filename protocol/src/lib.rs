@@ -24,8 +24,8 @@ pub mod tls;
 pub use error::DecodeError;
 pub use fingerprint::{canonical_json, fingerprint};
 pub use intent::{
-    decode_intent, salvage_key, salvage_reply_to, Intent, MAX_INTENT_BYTES, MAX_KEY_LEN,
-    MAX_TOOL_LEN,
+    action_key, check_action_key, decode_intent, salvage_key, salvage_reply_to, Intent,
+    MAX_ACTION_KEY_BYTES, MAX_INTENT_BYTES, MAX_KEY_LEN, MAX_TOOL_LEN,
 };
 pub use result::{
     result_routing_key, tenant_binding_keys, RejectReason, ResultEvent, Status,

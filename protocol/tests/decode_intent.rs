@@ -352,3 +352,105 @@ fn messages_are_human_readable() {
         "required field \"tool\" is missing"
     );
 }
+
+/// `<tenant>:<action_id>` is the AMQP `message_id`, a short string of at most 255 bytes, and
+/// the downstream idempotency key: the pair is bounded, not only each field.
+#[test]
+fn the_action_key_fits_an_amqp_short_string() {
+    let longest_tenant = "T".repeat(MAX_KEY_LEN);
+    let fits = "b".repeat(protocol::MAX_ACTION_KEY_BYTES - MAX_KEY_LEN - 1);
+    let mut body = refund_with("tenant", json!(longest_tenant));
+    body["action_id"] = json!(fits);
+    let intent = decode(body.clone()).expect("a 255-byte key is allowed");
+    assert_eq!(
+        protocol::action_key(&intent.tenant, &intent.action_id).len(),
+        protocol::MAX_ACTION_KEY_BYTES
+    );
+
+    body["action_id"] = json!(format!("{fits}b"));
+    let err = decode(body).unwrap_err();
+    assert_eq!(
+        err,
+        DecodeError::KeyTooLong {
+            len: protocol::MAX_ACTION_KEY_BYTES + 1,
+            max: protocol::MAX_ACTION_KEY_BYTES
+        }
+    );
+    assert_eq!(err.code(), "key_too_long");
+    assert!(err.to_string().contains("256 bytes"), "{err}");
+
+    // Each field alone within its limit, the pair far over: the probe's 200 + 200.
+    let mut body = refund_with("tenant", json!("T".repeat(MAX_KEY_LEN)));
+    body["action_id"] = json!("b".repeat(MAX_KEY_LEN));
+    assert_eq!(decode(body).unwrap_err().code(), "key_too_long");
+    assert!(protocol::check_action_key(&"T".repeat(200), &"b".repeat(200)).is_err());
+    assert!(protocol::check_action_key("north-shop", "refund-204").is_ok());
+}
+
+/// A number is never silently changed: one that underflows a double to zero is refused like
+/// one that overflows it, and an integer outside the 64-bit range is refused rather than
+/// rounded.
+#[test]
+fn numbers_outside_the_double_and_integer_ranges_are_refused() {
+    let with_n = |n: &str| {
+        format!(
+            r#"{{"tenant":"north-shop","action_id":"refund-204","tool":"refund","arguments":{{"n":{n}}}}}"#
+        )
+    };
+    let underflow_spelled_out = format!("0.{}1", "0".repeat(400));
+    for refused in [
+        underflow_spelled_out.as_str(),
+        "1e-400",
+        "-1e-400",
+        "1e400",
+        "18446744073709551616",
+        "-9223372036854775809",
+        "123456789012345678901234567890",
+    ] {
+        let err = decode_intent(with_n(refused).as_bytes()).unwrap_err();
+        assert_eq!(err.code(), "not_json", "{refused}: {err}");
+    }
+    let nested = r#"{"tenant":"north-shop","action_id":"refund-204","tool":"refund","arguments":{"a":[1,{"b":"1e-400 in a string is text","c":[2e-400]}]}}"#;
+    let err = decode_intent(nested.as_bytes()).unwrap_err();
+    assert!(err.to_string().contains("2e-400"), "{err}");
+
+    for kept in [
+        "0",
+        "-0",
+        "0.0",
+        "0e-400",
+        "-0.0e10",
+        "5e-324",
+        "2.2250738585072014e-308",
+        "1.7976931348623157e308",
+        "18446744073709551615",
+        "-9223372036854775808",
+        "4850",
+        "48.50",
+    ] {
+        let intent = decode_intent(with_n(kept).as_bytes())
+            .unwrap_or_else(|e| panic!("{kept} must be accepted: {e}"));
+        assert!(intent.arguments["n"].is_number(), "{kept}");
+    }
+    // A non-zero value is never stored as zero.
+    let tiny = decode_intent(with_n("5e-324").as_bytes()).unwrap();
+    assert_ne!(tiny.arguments["n"].as_f64(), Some(0.0));
+}
+
+/// Postgres `jsonb` cannot hold U+0000, so a receipt echoing such an argument could never be
+/// stored: the intent is refused at intake, naming the character and where it is.
+#[test]
+fn a_nul_character_in_the_arguments_is_refused_at_intake() {
+    for (arguments, at) in [
+        (json!({"s": "x\u{0}y"}), "arguments.s"),
+        (json!({"a": [1, {"b\u{0}": 2}]}), "arguments.a[1]"),
+        (json!({"a": {"b": ["ok", "\u{0}"]}}), "arguments.a.b[1]"),
+    ] {
+        let err = decode(refund_with("arguments", arguments.clone())).unwrap_err();
+        assert_eq!(err.code(), "nul_character", "{arguments}");
+        assert!(err.to_string().contains("U+0000"), "{err}");
+        assert!(err.to_string().contains(at), "{err} should name {at}");
+    }
+    // The escaped text "\\u0000" (a backslash, then u0000) is an ordinary string.
+    assert!(decode(refund_with("arguments", json!({"s": "\\u0000"}))).is_ok());
+}

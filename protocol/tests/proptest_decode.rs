@@ -8,18 +8,7 @@ use proptest::prelude::*;
 use protocol::{decode_intent, salvage_key, DecodeError, Intent, MAX_INTENT_BYTES};
 use serde_json::{json, Map, Value};
 
-const CODES: [&str; 10] = [
-    "too_large",
-    "not_json",
-    "not_an_object",
-    "duplicate_field",
-    "unknown_field",
-    "missing_field",
-    "wrong_type",
-    "empty_field",
-    "too_long",
-    "invalid_characters",
-];
+const CODES: [&str; 12] = DecodeError::CODES;
 
 /// A refusal must be specific: a known code and a sentence saying what to fix.
 fn assert_specific(e: &DecodeError) -> Result<(), TestCaseError> {

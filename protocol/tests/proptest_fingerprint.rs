@@ -8,7 +8,7 @@ use protocol::{canonical_json, fingerprint};
 use serde_json::{json, Map, Number, Value};
 
 /// Largest integer every JSON number spelling maps to exactly (2^53): beyond it a float
-/// spelling rounds, and the fingerprint keeps integers exact on purpose (README).
+/// spelling rounds, and the fingerprint keeps integers exact on purpose (docs/contract.md).
 const EXACT: i64 = 1 << 53;
 
 fn any_json() -> impl Strategy<Value = Value> {

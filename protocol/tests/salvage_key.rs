@@ -83,3 +83,24 @@ fn salvage_reply_to_takes_only_a_sole_valid_reply_to() {
     assert_eq!(salvage_reply_to(br#"{"reply_to":7}"#), None);
     assert_eq!(salvage_reply_to(b"not json"), None);
 }
+
+/// A number beyond the double range makes serde refuse the whole body; the key is still
+/// salvaged, so the agent hears `rejected` exactly as for a number below the range.
+#[test]
+fn salvages_the_key_of_a_body_with_a_number_beyond_the_double_range() {
+    for n in ["1e400", "-1e400", "1e-400"] {
+        let body = format!(
+            r#"{{"tenant":"t","action_id":"a-1","tool":"x","arguments":{{"n":{n}}},"reply_to":"r"}}"#
+        );
+        assert!(decode_intent(body.as_bytes()).is_err(), "{n}");
+        assert_eq!(
+            salvage_key(body.as_bytes()),
+            Some(("t".to_string(), "a-1".to_string())),
+            "{n}"
+        );
+        assert_eq!(
+            protocol::salvage_reply_to(body.as_bytes()).as_deref(),
+            Some("r")
+        );
+    }
+}

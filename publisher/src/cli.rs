@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::wait::{Answer, AnswerConfig, StatusApi, WaitError};
 use crate::{demo, Follower, Outbox, PublishError, Publisher, Relay, RelayConfig};
 
-/// Exit codes of `send --wait` and `wait` (README "From a Rust agent").
+/// Exit codes of `send --wait` and `wait` (docs/agents.md, "Waiting for one action's answer").
 pub mod exit {
     pub const SUCCEEDED: i32 = 0;
     /// Any other error (broker, database, ...).
@@ -58,8 +58,16 @@ pub fn exit_code(error: &anyhow::Error) -> i32 {
         exit::NO_ANSWER
     } else if matches!(
         error.downcast_ref::<WaitError>(),
-        Some(WaitError::BadReplyTo(_) | WaitError::KeyTooLong(_))
+        Some(
+            WaitError::BadReplyTo(_)
+                | WaitError::KeyTooLong(_)
+                | WaitError::Publish(PublishError::InvalidIntent(_) | PublishError::TooLong { .. })
+        )
+    ) || matches!(
+        error.downcast_ref::<PublishError>(),
+        Some(PublishError::InvalidIntent(_) | PublishError::TooLong { .. })
     ) {
+        // Input that can never be sent (a key or a name too long for AMQP) is bad input.
         exit::USAGE
     } else {
         exit::ERROR
@@ -94,6 +102,45 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         other => return Err(format!("unknown duration unit {other:?} (ms, s, m, h)")),
     };
     Duration::try_from_secs_f64(secs).map_err(|e| format!("{text:?}: {e}"))
+}
+
+/// A duration of at least 1 ms (`10s`, `500ms`, ...).
+fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    if d < Duration::from_millis(1) {
+        return Err(format!("{text:?} must be at least 1ms"));
+    }
+    Ok(d)
+}
+
+/// The limits of an HTTP listener (`relay`: the metrics listener; `mcp`: the gateway).
+#[derive(Debug, Clone, Args)]
+pub struct HttpLimitArgs {
+    /// Time a client gets to send a complete request head, from the accept or from the first
+    /// byte of a later request on a keep-alive connection; then the connection is closed.
+    #[arg(long, env = "PUBLISHER_HTTP_HEADER_TIMEOUT", value_name = "PUBLISHER_HTTP_HEADER_TIMEOUT",
+          default_value = "10s", value_parser = parse_positive_duration)]
+    pub http_header_timeout: Duration,
+    /// Time a keep-alive connection may sit idle (no request in flight, no traffic) before it
+    /// is closed.
+    #[arg(long, env = "PUBLISHER_HTTP_IDLE_TIMEOUT", value_name = "PUBLISHER_HTTP_IDLE_TIMEOUT",
+          default_value = "60s", value_parser = parse_positive_duration)]
+    pub http_idle_timeout: Duration,
+    /// Connections the listener keeps open at once; more wait in the kernel's backlog
+    /// without taking a descriptor (at least 1).
+    #[arg(long, env = "PUBLISHER_HTTP_MAX_CONNECTIONS", value_name = "PUBLISHER_HTTP_MAX_CONNECTIONS",
+          default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub http_max_connections: u32,
+}
+
+impl HttpLimitArgs {
+    pub fn limits(&self) -> kit::http::Limits {
+        kit::http::Limits {
+            header_timeout: self.http_header_timeout,
+            idle_timeout: self.http_idle_timeout,
+            max_connections: self.http_max_connections as usize,
+        }
+    }
 }
 
 /// Publish intents to the intent worker and follow their results.
@@ -191,6 +238,18 @@ pub struct McpArgs {
     /// HTTP: accepted `Host` headers, comma-separated (default: localhost, 127.0.0.1, ::1).
     #[arg(long, env = "PUBLISHER_MCP_ALLOWED_HOSTS", value_delimiter = ',')]
     pub allowed_hosts: Vec<String>,
+    /// HTTP: browser origins allowed to call, comma-separated `scheme://host[:port]` (`:*` =
+    /// any port, e.g. `http://localhost:*`). A request without `Origin` is always served; by
+    /// default (empty) every request with an `Origin` is refused (403).
+    #[arg(
+        long,
+        env = "PUBLISHER_MCP_ALLOWED_ORIGINS",
+        value_name = "PUBLISHER_MCP_ALLOWED_ORIGINS",
+        value_delimiter = ','
+    )]
+    pub allowed_origins: Vec<String>,
+    #[command(flatten)]
+    pub http: HttpLimitArgs,
     /// Where the action id comes from: `meta` or the weaker `argument`.
     #[arg(
         long,
@@ -334,6 +393,8 @@ pub struct RelayArgs {
     /// Relay loops in this process, each with its own channel (they claim disjoint rows).
     #[arg(long, env = "PUBLISHER_CONCURRENCY", default_value_t = 2)]
     pub concurrency: u32,
+    #[command(flatten)]
+    pub http: HttpLimitArgs,
 }
 
 #[derive(Debug, Args)]
@@ -382,9 +443,28 @@ pub struct DemoArgs {
     /// relay`) instead of publishing directly.
     #[arg(long, env = "PUBLISHER_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
-    /// How long to wait for the last answers after the last intent.
+    /// How long to wait for the last answers after the last intent (`full`: for each phase's
+    /// answers).
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub answer_timeout: Duration,
+    /// `stream`: intents at --interval-ms, every k-th again at once, every answer printed
+    /// (docker compose). `full`: refunds, repeats answered from the ledger, one conflicting
+    /// reuse, one lost reply held for a person, then a `key=value` summary (scripts/demo.sh).
+    #[arg(long, value_enum, default_value_t = demo::Scenario::Stream)]
+    pub scenario: demo::Scenario,
+    /// The id in every action id (default: one unique to this run).
+    #[arg(long)]
+    pub run_id: Option<String>,
+    /// `full`: the tool, declared `recovery = "none"`, of the action `<held-tool>-<run id>`
+    /// whose reply the downstream is to lose after commit.
+    #[arg(long, default_value = "deploy")]
+    pub held_tool: String,
+    /// `full`: the worker's status API root, asked whether the pending action is held.
+    #[arg(long, env = "PUBLISHER_STATUS_URL")]
+    pub status_url: Option<String>,
+    /// A tenant (or admin) token for --status-url.
+    #[arg(long, env = "PUBLISHER_STATUS_TOKEN", hide_env_values = true)]
+    pub status_token: Option<String>,
 }
 
 /// Runs the parsed command and returns the process exit code. An `Err` is printed by
@@ -407,6 +487,16 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Relay(args) => relay(&cli.amqp_url, set_user_id, args).await.map(|()| 0),
         Command::Mcp(args) => mcp(cli.amqp_url, set_user_id, args).await.map(|()| 0),
         Command::Demo(args) => demo::run(demo::DemoConfig {
+            scenario: args.scenario,
+            run_id: args.run_id,
+            held_tool: args.held_tool,
+            status: match (args.status_url, args.status_token) {
+                (Some(url), Some(token)) => Some((url, token)),
+                (Some(_), None) => {
+                    return Err(UsageError("--status-url needs --status-token".into()).into())
+                }
+                _ => None,
+            },
             amqp_url: cli.amqp_url,
             exchange: args.exchange,
             results_exchange: args.results_exchange,
@@ -461,6 +551,21 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
         ),
     };
     let concurrency = args.concurrency.max(1);
+    let limits = args.http.limits();
+    let mut budget = kit::fd::Budget::new().add(
+        "database pool (PUBLISHER_CONCURRENCY + 2)",
+        u64::from(concurrency) + 2,
+    );
+    if metrics_addr.is_some() {
+        budget = budget.add(
+            "metrics listener (PUBLISHER_HTTP_MAX_CONNECTIONS)",
+            limits.max_connections as u64 + 1,
+        );
+    }
+    kit::fd::prepare(
+        "publisher relay",
+        &budget.add("broker (PUBLISHER_CONCURRENCY)", u64::from(concurrency)),
+    );
     let pool = connect_db(&args.db.database_url, concurrency + 2).await?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {
@@ -471,7 +576,7 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
     };
     if let Some(addr) = metrics_addr {
         let handle = crate::metrics::install().map_err(|e| anyhow::anyhow!(e))?;
-        let listener = crate::metrics::serve(addr, handle, pool.clone(), stopped());
+        let listener = crate::metrics::serve(addr, limits, handle, pool.clone(), stopped());
         tokio::spawn(async move {
             if let Err(error) = listener.await {
                 tracing::error!(%error, "metrics listener failed");
@@ -519,6 +624,20 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
 async fn mcp(amqp_url: String, set_user_id: bool, args: McpArgs) -> anyhow::Result<()> {
     use crate::mcp;
     let catalog = mcp::ToolCatalog::load(&args.tools).map_err(|e| UsageError(e.to_string()))?;
+    let allowed_origins = mcp::AllowedOrigins::parse(&args.allowed_origins)
+        .map_err(|e| UsageError(format!("PUBLISHER_MCP_ALLOWED_ORIGINS: {e}")))?;
+    let limits = args.http.limits();
+    let mut budget = kit::fd::Budget::new();
+    if args.database_url.is_some() {
+        budget = budget.add("database pool", 8);
+    }
+    if args.transport == McpTransport::Http {
+        let cap = limits.max_connections as u64;
+        budget = budget
+            .add("gateway listener (PUBLISHER_HTTP_MAX_CONNECTIONS)", cap + 1)
+            .add("status API connections (one per call in flight)", cap);
+    }
+    kit::fd::prepare("publisher mcp", &budget.add("broker", 2));
     let outbox = match &args.database_url {
         Some(url) => {
             let pool = connect_db(url, 8).await?;
@@ -569,15 +688,14 @@ async fn mcp(amqp_url: String, set_user_id: bool, args: McpArgs) -> anyhow::Resu
         .with_context(|| format!("cannot connect to the broker at {}", redact(&amqp_url)))?;
     match tokens {
         Some(tokens) => {
-            mcp::serve_http(
-                gateway,
-                tokens,
-                args.listen,
-                &args.path,
-                args.allowed_hosts,
-                shutdown_signal(),
-            )
-            .await?
+            let options = mcp::HttpOptions {
+                addr: args.listen,
+                path: args.path.clone(),
+                allowed_hosts: args.allowed_hosts,
+                allowed_origins,
+                limits,
+            };
+            mcp::serve_http(gateway, tokens, options, shutdown_signal()).await?
         }
         None => mcp::serve_stdio(gateway).await?,
     }

@@ -49,6 +49,30 @@ pub enum PublishError {
     /// The results consumer was cancelled or its channel closed.
     #[error("the results consumer stopped (channel closed or consumer cancelled)")]
     ConsumerClosed,
+
+    /// The intent cannot be sent: the worker's decoder refuses it. [`crate::Publisher`] checks
+    /// the rule its message properties depend on, the action key `<tenant>:<action_id>` that is
+    /// the AMQP `message_id` (at most 255 bytes: `key_too_long`); nothing was sent.
+    #[error("invalid intent: {0}")]
+    InvalidIntent(#[from] protocol::DecodeError),
+
+    /// A name or value that AMQP carries as a short string (routing key, exchange or queue name,
+    /// binding key, `user_id`, content type) is over 255 bytes; nothing was sent or declared.
+    #[error("the {what} is {len} bytes, over the 255-byte limit of an AMQP short string")]
+    TooLong { what: &'static str, len: usize },
+}
+
+/// `value` as an AMQP short string, or [`PublishError::TooLong`] naming `what` it is. lapin's
+/// `From<&str>`/`From<String>` for `ShortString` panics above 255 bytes, so every short string
+/// built from input goes through here.
+pub(crate) fn short(
+    what: &'static str,
+    value: &str,
+) -> Result<lapin::types::ShortString, PublishError> {
+    lapin::types::ShortString::try_new(value).map_err(|_| PublishError::TooLong {
+        what,
+        len: value.len(),
+    })
 }
 
 impl From<lapin::Error> for PublishError {

@@ -61,7 +61,7 @@ impl Follower {
             .await?;
         let consumer = channel
             .basic_consume(
-                queue.as_str().into(),
+                crate::error::short("queue name", &queue)?,
                 "".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),

@@ -4,19 +4,12 @@
 use std::io::IsTerminal;
 
 use clap::Parser;
-use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() {
     // One crypto provider (ring) for every TLS client of the process.
     publisher::tls::install_default_provider();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=off")),
-        )
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
+    kit::logs::init(false, std::io::stderr().is_terminal(), "info,lapin=off");
     let cli = publisher::cli::Cli::parse();
     match publisher::cli::run(cli).await {
         Ok(code) => std::process::exit(code),

@@ -16,9 +16,13 @@ pub const OLDEST_UNSENT: &str = "intent_publisher_outbox_oldest_unsent_age_secon
 pub const PUBLISH_FAILURES: &str = "intent_publisher_publish_failures_total";
 pub const ROWS_SENT: &str = "intent_publisher_rows_sent_total";
 pub const ROWS_SWEPT: &str = "intent_publisher_rows_swept_total";
+pub const ROWS_FAILED: &str = "intent_publisher_rows_failed_total";
+pub const FAILED_ROWS: &str = "intent_publisher_outbox_failed_rows";
 
 /// Failure reasons, pre-registered at 0 so rates exist before the first failure.
 const REASONS: [&str; 4] = ["unroutable", "nacked", "not_confirmed", "amqp"];
+/// Why rows are marked failed (`relay::refusal`), pre-registered at 0 likewise.
+const REFUSALS: [&str; 3] = ["key_too_long", "invalid_intent", "key_mismatch"];
 
 /// Installs the global recorder; returns the handle that renders the exposition text.
 pub fn install() -> Result<PrometheusHandle, String> {
@@ -39,17 +43,29 @@ pub fn install() -> Result<PrometheusHandle, String> {
         "Outbox rows published, confirmed and marked sent."
     );
     describe_counter!(ROWS_SWEPT, "Sent outbox rows deleted after the retention.");
+    describe_counter!(
+        ROWS_FAILED,
+        "Outbox rows that can never be published, marked failed and skipped, by reason (key_too_long, invalid_intent, key_mismatch)."
+    );
+    describe_gauge!(
+        FAILED_ROWS,
+        "intent_outbox rows marked failed (all relays); they stay until repaired or deleted."
+    );
     for reason in REASONS {
         counter!(PUBLISH_FAILURES, "reason" => reason).absolute(0);
+    }
+    for reason in REFUSALS {
+        counter!(ROWS_FAILED, "reason" => reason).absolute(0);
     }
     counter!(ROWS_SENT).absolute(0);
     counter!(ROWS_SWEPT).absolute(0);
     Ok(handle)
 }
 
-/// Serves `GET /metrics` until `shutdown` resolves.
+/// Serves `GET /metrics` with the listener `limits` ([`kit::http`]) until `shutdown` resolves.
 pub async fn serve(
     addr: SocketAddr,
+    limits: kit::http::Limits,
     handle: PrometheusHandle,
     pool: PgPool,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -78,6 +94,10 @@ pub async fn serve(
                     }
                     Err(error) => tracing::warn!(%error, "cannot measure the outbox backlog"),
                 }
+                match crate::relay::failed_rows(&pool).await {
+                    Ok(count) => gauge!(FAILED_ROWS).set(count as f64),
+                    Err(error) => tracing::warn!(%error, "cannot count the failed outbox rows"),
+                }
                 (
                     [(
                         axum::http::header::CONTENT_TYPE,
@@ -88,7 +108,5 @@ pub async fn serve(
             }
         }),
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    kit::http::serve(listener, app, limits, shutdown).await
 }

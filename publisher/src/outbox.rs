@@ -5,7 +5,7 @@
 //! is published later by `publisher relay` ([`crate::relay`]). Either both commit or neither
 //! does: a rolled-back transaction publishes nothing, a committed one is published at least
 //! once (the worker's inbox suppresses the repeats). The table is a contract: any language
-//! may insert `(tenant, action_id, body)` rows (see README "From a Rust agent").
+//! may insert `(tenant, action_id, body)` rows (see docs/agents.md, "From a Rust agent").
 
 use sqlx::{PgPool, Postgres, Transaction};
 

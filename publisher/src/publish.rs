@@ -3,7 +3,10 @@
 //! Every publish is `mandatory` and waits for its confirm, so `Ok(())` means the
 //! broker routed the message to at least one queue and took responsibility for it.
 //! The message id is the logical action key `<tenant>:<action_id>`, the same on every
-//! send of the same action; the publisher never retries and never mints a new key.
+//! send of the same action; the publisher never retries and never mints a new key. A key over
+//! the 255 bytes of an AMQP short string is refused ([`PublishError::InvalidIntent`], code
+//! `key_too_long`), as is any other short string built from input ([`PublishError::TooLong`]):
+//! nothing here panics on a long name.
 //!
 //! Tenant proof: every message carries the AMQP `user_id` of the connection's user (taken
 //! from the AMQP URL, `guest` when it names none). RabbitMQ refuses a `user_id` that is not
@@ -14,11 +17,13 @@ use std::collections::HashMap;
 
 use lapin::{
     options::{BasicPublishOptions, ConfirmSelectOptions},
+    types::ShortString,
     uri::AMQPUri,
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm,
 };
 
-use crate::{error::PublishError, topology};
+use crate::error::{short, PublishError};
+use crate::topology;
 
 /// Content type of every intent.
 pub const JSON: &str = "application/json";
@@ -26,10 +31,9 @@ pub const JSON: &str = "application/json";
 /// AMQP `delivery_mode` for persistent messages.
 const PERSISTENT: u8 = 2;
 
-/// The logical action key `<tenant>:<action_id>`, used as the AMQP `message_id`.
-pub fn action_key(tenant: &str, action_id: &str) -> String {
-    format!("{tenant}:{action_id}")
-}
+/// The logical action key `<tenant>:<action_id>`, used as the AMQP `message_id` (one home:
+/// the wire contract's own function; [`protocol::check_action_key`] bounds it).
+pub use protocol::action_key;
 
 /// The broker user an AMQP URL connects as (`guest`, the AMQP default, when it names none).
 pub fn url_user(amqp_url: &str) -> Result<String, PublishError> {
@@ -52,8 +56,10 @@ pub struct Publisher {
     pub(crate) connection: Connection,
     channel: Channel,
     exchange: String,
+    /// `exchange` as the short string every publish names (checked once, at connect).
+    exchange_name: ShortString,
     /// The connection's user, sent as AMQP `user_id`; `None` when turned off.
-    user_id: Option<String>,
+    user_id: Option<ShortString>,
     /// Settings of `send_and_wait` (wait.rs).
     pub(crate) answers: crate::wait::AnswerConfig,
     /// Held while a publish (or a batch) awaits its confirms, so returns are attributed right.
@@ -65,7 +71,8 @@ impl Publisher {
     /// `exchange`. Declares nothing: the worker owns its topology. Messages carry the
     /// connection's user as `user_id` (see [`Publisher::with_user_id`]).
     pub async fn connect(amqp_url: &str, exchange: &str) -> Result<Publisher, PublishError> {
-        let user_id = url_user(amqp_url)?;
+        let user_id = short("AMQP user (sent as user_id)", &url_user(amqp_url)?)?;
+        let exchange_name = short("exchange name", exchange)?;
         let connection =
             crate::tls::amqp_connect(amqp_url, ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
@@ -76,6 +83,7 @@ impl Publisher {
             connection,
             channel,
             exchange: exchange.to_owned(),
+            exchange_name,
             user_id: Some(user_id),
             answers: crate::wait::AnswerConfig::default(),
             in_flight: tokio::sync::Mutex::new(()),
@@ -99,7 +107,7 @@ impl Publisher {
 
     /// The `user_id` sent with every message, if any.
     pub fn user_id(&self) -> Option<&str> {
-        self.user_id.as_deref()
+        self.user_id.as_ref().map(ShortString::as_str)
     }
 
     /// The exchange this publisher sends to.
@@ -126,7 +134,8 @@ impl Publisher {
     }
 
     /// Publishes `intent` (body `intent.to_json()`, routing key = tenant, persistent,
-    /// `message_id` = `<tenant>:<action_id>`) and waits for the broker's confirm.
+    /// `message_id` = `<tenant>:<action_id>`) and waits for the broker's confirm. A key over
+    /// 255 bytes is [`PublishError::InvalidIntent`] (`key_too_long`), and nothing is sent.
     pub async fn publish(&self, intent: &protocol::Intent) -> Result<(), PublishError> {
         self.publish_encoded(&intent.tenant, &intent.action_id, &intent.to_json())
             .await
@@ -142,20 +151,25 @@ impl Publisher {
         action_id: &str,
         body: &[u8],
     ) -> Result<(), PublishError> {
-        self.send(tenant, body, self.intent_properties(tenant, action_id))
+        self.send(tenant, body, self.intent_properties(tenant, action_id)?)
             .await
     }
 
     /// Publishes every intent of `batch` (same properties as [`Publisher::publish_encoded`])
     /// and only then awaits the confirms, so the broker confirms the batch as a pipeline
     /// rather than one round trip per message. Returns one result per intent, in order; a
-    /// channel error fails the intents not yet sent or confirmed.
+    /// channel error fails the intents not yet sent or confirmed. An intent whose key does not
+    /// fit a message id fails alone ([`PublishError::InvalidIntent`]) and is never sent.
     pub async fn publish_batch(&self, batch: &[Encoded<'_>]) -> Vec<Result<(), PublishError>> {
         let _one_at_a_time = self.in_flight.lock().await;
         let mut pending = Vec::with_capacity(batch.len());
         for intent in batch {
-            let properties = self.intent_properties(intent.tenant, intent.action_id);
-            pending.push(self.start(intent.tenant, intent.body, properties).await);
+            pending.push(
+                match self.intent_properties(intent.tenant, intent.action_id) {
+                    Ok(properties) => self.start(intent.tenant, intent.body, properties).await,
+                    Err(error) => Err(error),
+                },
+            );
         }
         let mut confirmations = Vec::with_capacity(batch.len());
         for started in pending {
@@ -209,15 +223,20 @@ impl Publisher {
             .collect()
     }
 
-    fn intent_properties(&self, tenant: &str, action_id: &str) -> BasicProperties {
+    fn intent_properties(
+        &self,
+        tenant: &str,
+        action_id: &str,
+    ) -> Result<BasicProperties, PublishError> {
+        protocol::check_action_key(tenant, action_id)?;
         let properties = BasicProperties::default()
             .with_content_type(JSON.into())
             .with_delivery_mode(PERSISTENT)
-            .with_message_id(action_key(tenant, action_id).into());
-        match &self.user_id {
-            Some(user) => properties.with_user_id(user.as_str().into()),
+            .with_message_id(short("message id", &action_key(tenant, action_id))?);
+        Ok(match &self.user_id {
+            Some(user) => properties.with_user_id(user.clone()),
             None => properties,
-        }
+        })
     }
 
     /// Publishes an arbitrary body (mandatory, persistent, with confirm) and no
@@ -230,7 +249,7 @@ impl Publisher {
     ) -> Result<(), PublishError> {
         let mut properties = BasicProperties::default().with_delivery_mode(PERSISTENT);
         if let Some(content_type) = content_type {
-            properties = properties.with_content_type(content_type.into());
+            properties = properties.with_content_type(short("content type", content_type)?);
         }
         self.send(routing_key, body, properties).await
     }
@@ -265,8 +284,8 @@ impl Publisher {
         Ok(self
             .channel
             .basic_publish(
-                self.exchange.as_str().into(),
-                routing_key.into(),
+                self.exchange_name.clone(),
+                short("routing key", routing_key)?,
                 BasicPublishOptions {
                     mandatory: true,
                     ..BasicPublishOptions::default()

@@ -12,6 +12,11 @@
 //!
 //! A relay that dies between 2 and 3 leaves its rows unsent: they are published again when
 //! the lease passes, and the worker's inbox suppresses the repeat (same action key).
+//!
+//! Rows may be inserted by any language with plain SQL. A claimed row that can never be
+//! published ([`refusal`]: its key is over the 255 bytes of a message id, its body is not an
+//! intent the worker's decoder accepts, or the body's key is not the row's) is marked failed
+//! (`failed_at`, `failure`) and never claimed again, so it cannot stop the rows behind it.
 
 use std::future::Future;
 use std::time::Duration;
@@ -80,7 +85,10 @@ pub struct Claimed {
 pub struct StepReport {
     pub claimed: usize,
     pub sent: usize,
+    /// Publishes that failed; those rows are retried after a back-off.
     pub failed: usize,
+    /// Rows that can never be published, marked failed (see [`refusal`]); never retried.
+    pub refused: usize,
     /// The broker link failed during the step: the publisher must reconnect.
     pub link_failed: bool,
 }
@@ -115,7 +123,7 @@ impl Relay {
         let mut rows: Vec<Claimed> = sqlx::query_as(
             "UPDATE intent_outbox SET next_attempt_at = now() + make_interval(secs => $2)
              WHERE id IN (SELECT id FROM intent_outbox
-                          WHERE sent_at IS NULL AND next_attempt_at <= now()
+                          WHERE sent_at IS NULL AND failed_at IS NULL AND next_attempt_at <= now()
                           ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
              RETURNING id, tenant, action_id, body",
         )
@@ -141,7 +149,8 @@ impl Relay {
     }
 
     /// Records the outcome of a publish: sent rows in one statement, failed rows (with their
-    /// errors and back-off) in another.
+    /// errors and back-off) in another. A row whose publish was refused for what it is (its key
+    /// or a name too long for AMQP) is marked failed instead, like a [`refusal`].
     pub async fn settle(
         &self,
         rows: &[Claimed],
@@ -149,10 +158,14 @@ impl Relay {
     ) -> Result<StepReport, RelayError> {
         let mut sent = Vec::new();
         let (mut failed, mut errors) = (Vec::new(), Vec::new());
+        let mut refused = Vec::new();
         let mut link_failed = false;
         for (row, result) in rows.iter().zip(results) {
             match result {
                 Ok(()) => sent.push(row.id),
+                Err(error @ (PublishError::InvalidIntent(_) | PublishError::TooLong { .. })) => {
+                    refused.push((row, Refusal::new("invalid_intent", error.to_string())));
+                }
                 Err(error) => {
                     let reason = failure_reason(error);
                     link_failed |= reason == "amqp";
@@ -193,23 +206,68 @@ impl Relay {
                 "intents not published; they stay in the outbox and are retried"
             );
         }
+        self.mark_failed(&refused).await?;
         Ok(StepReport {
             claimed: rows.len(),
             sent: sent.len(),
             failed: failed.len(),
+            refused: refused.len(),
             link_failed,
         })
     }
 
-    /// Claim, publish, settle.
-    pub async fn step(&self) -> Result<StepReport, RelayError> {
-        let rows = self.claim().await?;
+    /// Marks rows that can never be published as failed, in one statement that skips a row
+    /// already sent or failed; counts and logs each by its key (never its body).
+    pub async fn mark_failed(&self, rows: &[(&Claimed, Refusal)]) -> Result<(), RelayError> {
         if rows.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<i64> = rows.iter().map(|(row, _)| row.id).collect();
+        let failures: Vec<String> = rows.iter().map(|(_, why)| why.to_string()).collect();
+        sqlx::query(
+            "UPDATE intent_outbox o SET failed_at = now(), failure = f.failure
+             FROM unnest($1::int8[], $2::text[]) AS f(id, failure)
+             WHERE o.id = f.id AND o.sent_at IS NULL AND o.failed_at IS NULL",
+        )
+        .bind(&ids)
+        .bind(&failures)
+        .execute(&self.pool)
+        .await?;
+        for (row, why) in rows {
+            counter!(m::ROWS_FAILED, "reason" => why.reason).increment(1);
+            warn!(
+                id = row.id,
+                key = %shorten(&protocol::action_key(&row.tenant, &row.action_id)),
+                reason = why.reason,
+                failure = %why.detail,
+                "outbox row can never be published: marked failed and skipped"
+            );
+        }
+        Ok(())
+    }
+
+    /// Claim; mark the rows that can never be published failed; publish the others; settle.
+    pub async fn step(&self) -> Result<StepReport, RelayError> {
+        let claimed = self.claim().await?;
+        if claimed.is_empty() {
             return Ok(StepReport::default());
         }
+        let (mut rows, mut refused) = (Vec::with_capacity(claimed.len()), Vec::new());
+        for row in &claimed {
+            match refusal(row) {
+                Some(why) => refused.push((row, why)),
+                None => rows.push(row.clone()),
+            }
+        }
+        self.mark_failed(&refused).await?;
         let results = self.publish(&rows).await;
         fault_point("after_publish");
-        self.settle(&rows, &results).await
+        let report = self.settle(&rows, &results).await?;
+        Ok(StepReport {
+            claimed: claimed.len(),
+            refused: report.refused + refused.len(),
+            ..report
+        })
     }
 
     /// Deletes rows sent longer than `retention` ago (at most 10,000 per call).
@@ -291,14 +349,83 @@ impl Relay {
     }
 }
 
-/// Backlog figures for metrics and the alert: unsent rows and the age of the oldest.
+/// Backlog figures for metrics and the alert: unsent rows still to publish (failed rows are
+/// not waiting for the relay) and the age of the oldest.
 pub async fn backlog(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {
     sqlx::query_as(
         "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at))::float8, 0)
-         FROM intent_outbox WHERE sent_at IS NULL",
+         FROM intent_outbox WHERE sent_at IS NULL AND failed_at IS NULL",
     )
     .fetch_one(pool)
     .await
+}
+
+/// Rows marked failed (they stay in the table until an operator deletes or repairs them).
+pub async fn failed_rows(pool: &PgPool) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM intent_outbox WHERE failed_at IS NOT NULL")
+        .fetch_one(pool)
+        .await
+}
+
+/// Why a row can never be published: a metrics label and the text stored in `failure`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// `key_too_long`, `invalid_intent` or `key_mismatch`.
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+impl Refusal {
+    fn new(reason: &'static str, detail: String) -> Refusal {
+        Refusal { reason, detail }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.reason, self.detail)
+    }
+}
+
+/// Whether `row` can never be published, checked in this order:
+/// - `key_too_long`: the columns' `<tenant>:<action_id>`, the message id, is over 255 bytes;
+/// - `invalid_intent`: the body is not an intent the worker's decoder accepts (the worker
+///   would dead-letter it); the decoder's code and message;
+/// - `key_mismatch`: the body's `tenant`/`action_id` are not the row's, so the message id
+///   would name another action than the body.
+pub fn refusal(row: &Claimed) -> Option<Refusal> {
+    if let Err(error) = protocol::check_action_key(&row.tenant, &row.action_id) {
+        return Some(Refusal::new("key_too_long", error.to_string()));
+    }
+    let intent = match protocol::decode_intent(row.body.as_bytes()) {
+        Ok(intent) => intent,
+        Err(error) => {
+            return Some(Refusal::new(
+                "invalid_intent",
+                format!("{} ({error})", error.code()),
+            ))
+        }
+    };
+    if intent.tenant != row.tenant || intent.action_id != row.action_id {
+        return Some(Refusal::new(
+            "key_mismatch",
+            format!(
+                "the body's key {:?} is not the row's {:?}",
+                shorten(&protocol::action_key(&intent.tenant, &intent.action_id)),
+                shorten(&protocol::action_key(&row.tenant, &row.action_id)),
+            ),
+        ));
+    }
+    None
+}
+
+/// A key short enough to log (a row's columns are unbounded text).
+fn shorten(key: &str) -> String {
+    const MAX: usize = 300;
+    match key.char_indices().nth(MAX) {
+        Some((cut, _)) => format!("{}…", &key[..cut]),
+        None => key.to_owned(),
+    }
 }
 
 /// The metrics label of a failed publish.
@@ -326,5 +453,49 @@ fn fault_point(_name: &str) {
         unsafe {
             raise(SIGSTOP);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(tenant: &str, action_id: &str, body: &str) -> Claimed {
+        Claimed {
+            id: 1,
+            tenant: tenant.into(),
+            action_id: action_id.into(),
+            body: body.into(),
+        }
+    }
+
+    fn body(tenant: &str, action_id: &str) -> String {
+        format!(
+            r#"{{"tenant":"{tenant}","action_id":"{action_id}","tool":"refund","arguments":{{}}}}"#
+        )
+    }
+
+    #[test]
+    fn rows_that_can_never_be_published_are_refused_by_reason() {
+        let (t200, b54, b200) = ("T".repeat(200), "b".repeat(54), "b".repeat(200));
+        assert_eq!(refusal(&row(&t200, &b54, &body(&t200, &b54))), None);
+
+        let why = refusal(&row(&t200, &b200, &body(&t200, &b200))).unwrap();
+        assert_eq!(why.reason, "key_too_long");
+        assert!(why.to_string().contains("401 bytes"), "{why}");
+
+        let nul = r#"{"tenant":"t","action_id":"a","tool":"refund","arguments":{"s":"\u0000"}}"#;
+        let why = refusal(&row("t", "a", nul)).unwrap();
+        assert_eq!(why.reason, "invalid_intent");
+        assert!(why.detail.starts_with("nul_character ("), "{why}");
+        let why = refusal(&row("t", "a", "not json")).unwrap();
+        assert!(why.detail.starts_with("not_json ("), "{why}");
+
+        let why = refusal(&row("t", "a", &body("t", "other"))).unwrap();
+        assert_eq!(why.reason, "key_mismatch");
+        assert!(
+            why.detail.contains("t:other") && why.detail.contains("t:a"),
+            "{why}"
+        );
     }
 }

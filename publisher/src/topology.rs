@@ -7,6 +7,9 @@
 //! - its own results queue, bound to the tenant's keys (`<tenant>`, `<tenant>.@.#`) or to one
 //!   agent's key (`<tenant>.@.<reply_to>`);
 //! - for tests and the demo, the intents exchange itself (same arguments).
+//!
+//! Names and binding keys are AMQP short strings: one over 255 bytes is
+//! [`PublishError::TooLong`], never a panic.
 
 use lapin::{
     options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions},
@@ -15,11 +18,13 @@ use lapin::{
     Channel, ErrorKind, ExchangeKind,
 };
 
+use crate::error::{short, PublishError};
+
 /// Declares `name` as a durable topic exchange with no arguments (idempotent).
-pub async fn declare_topic_exchange(channel: &Channel, name: &str) -> Result<(), lapin::Error> {
+pub async fn declare_topic_exchange(channel: &Channel, name: &str) -> Result<(), PublishError> {
     channel
         .exchange_declare(
-            name.into(),
+            short("exchange name", name)?,
             ExchangeKind::Topic,
             ExchangeDeclareOptions {
                 durable: true,
@@ -27,7 +32,8 @@ pub async fn declare_topic_exchange(channel: &Channel, name: &str) -> Result<(),
             },
             FieldTable::default(),
         )
-        .await
+        .await?;
+    Ok(())
 }
 
 /// Declares the results exchange only when it is missing: a passive check on a throw-away
@@ -36,7 +42,7 @@ pub async fn declare_topic_exchange(channel: &Channel, name: &str) -> Result<(),
 pub async fn ensure_topic_exchange(
     connection: &lapin::Connection,
     name: &str,
-) -> Result<(), lapin::Error> {
+) -> Result<(), PublishError> {
     let probe = connection.create_channel().await?;
     let exists = exchange_exists(&probe, name).await?;
     if probe.status().connected() {
@@ -55,24 +61,20 @@ pub async fn ensure_topic_exchange(
 ///
 /// A missing exchange makes the broker close the channel, so pass a channel that may
 /// be thrown away. Returns `Ok(false)` on NOT_FOUND.
-pub async fn exchange_exists(channel: &Channel, name: &str) -> Result<bool, lapin::Error> {
+pub async fn exchange_exists(channel: &Channel, name: &str) -> Result<bool, PublishError> {
+    let name = short("exchange name", name)?;
     let passive = ExchangeDeclareOptions {
         passive: true,
         durable: true,
         ..ExchangeDeclareOptions::default()
     };
     match channel
-        .exchange_declare(
-            name.into(),
-            ExchangeKind::Topic,
-            passive,
-            FieldTable::default(),
-        )
+        .exchange_declare(name, ExchangeKind::Topic, passive, FieldTable::default())
         .await
     {
         Ok(()) => Ok(true),
         Err(error) if is_not_found(&error) => Ok(false),
-        Err(error) => Err(error),
+        Err(error) => Err(error.into()),
     }
 }
 
@@ -98,7 +100,13 @@ pub async fn declare_results_queue(
     exchange: &str,
     binding_keys: &[String],
     queue: Option<&str>,
-) -> Result<String, lapin::Error> {
+) -> Result<String, PublishError> {
+    // Every name is checked before anything is declared.
+    let exchange = short("exchange name", exchange)?;
+    let keys = binding_keys
+        .iter()
+        .map(|key| short("binding key", key))
+        .collect::<Result<Vec<_>, _>>()?;
     let (name, options) = match queue {
         Some(name) => (
             name,
@@ -117,19 +125,19 @@ pub async fn declare_results_queue(
         ),
     };
     let declared = channel
-        .queue_declare(name.into(), options, FieldTable::default())
+        .queue_declare(short("queue name", name)?, options, FieldTable::default())
         .await?;
-    let name = declared.name().as_str().to_owned();
-    for key in binding_keys {
+    let name = declared.name().clone();
+    for key in keys {
         channel
             .queue_bind(
-                name.as_str().into(),
-                exchange.into(),
-                key.as_str().into(),
+                name.clone(),
+                exchange.clone(),
+                key,
                 QueueBindOptions::default(),
                 FieldTable::default(),
             )
             .await?;
     }
-    Ok(name)
+    Ok(name.as_str().to_owned())
 }

@@ -261,6 +261,9 @@ impl Publisher {
             .get_or_insert_with(|| self.answers.reply_to.clone())
             .clone();
         check_reply_to(&reply_to)?;
+        // Refused before any queue is bound: the key could never be sent as a message id.
+        protocol::check_action_key(&intent.tenant, &intent.action_id)
+            .map_err(PublishError::from)?;
 
         let channel = self
             .connection
@@ -276,20 +279,21 @@ impl Publisher {
             topology::ensure_topic_exchange(&self.connection, exchange).await?;
             let queue = topology::declare_results_queue(&channel, exchange, &[key], None).await?;
             channel.basic_qos(64, BasicQosOptions::default()).await?;
-            channel
-                .basic_consume(
-                    queue.as_str().into(),
-                    "".into(),
-                    BasicConsumeOptions {
-                        no_ack: true,
-                        ..BasicConsumeOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await
+            Ok::<_, PublishError>(
+                channel
+                    .basic_consume(
+                        crate::error::short("queue name", &queue)?,
+                        "".into(),
+                        BasicConsumeOptions {
+                            no_ack: true,
+                            ..BasicConsumeOptions::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await?,
+            )
         }
-        .await
-        .map_err(PublishError::from)?;
+        .await?;
 
         let outcome = async {
             send(intent.clone()).await?;

@@ -25,13 +25,16 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// The variables of the README's worker table, the list users read.
+/// The variables of the worker table in docs/configuration.md, the list users read.
 fn documented_variables() -> Vec<String> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("read README.md");
-    let table: Vec<&str> = readme
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/configuration.md"
+    ))
+    .expect("read docs/configuration.md");
+    let table: Vec<&str> = doc
         .lines()
-        .skip_while(|l| !l.starts_with("### Environment (the `worker` binary"))
+        .skip_while(|l| !l.starts_with("## Worker (`worker` binary"))
         .skip(1)
         .take_while(|l| !l.starts_with('#'))
         .filter(|l| l.starts_with("| `"))
@@ -43,7 +46,10 @@ fn documented_variables() -> Vec<String> {
             vars.push(name.to_string());
         }
     }
-    assert!(vars.len() > 25, "README table not found: {vars:?}");
+    assert!(
+        vars.len() > 25,
+        "worker table of docs/configuration.md not found: {vars:?}"
+    );
     vars
 }
 
@@ -319,4 +325,50 @@ async fn the_old_exchange_variables_still_work_with_a_warning() {
     assert_eq!(env.mutations("north-shop:alias-1").await, 1);
     drop(w);
     cleanup(env).await;
+}
+
+/// A URL that can never work stops start-up at once with exit 2, naming the variable and never
+/// echoing the password: an AMQP port out of range is not retried forever as if the broker were
+/// down, and a MySQL URL is not taken for a ledger.
+#[test]
+fn an_unusable_url_is_refused_at_start_up_naming_the_variable() {
+    let good_db = "postgres://nobody@127.0.0.1:1/none";
+    for (var, value, vars) in [
+        (
+            "AMQP_URL",
+            "amqp://guest:s3cret-pw@127.0.0.1:99999/%2f",
+            vec![("DATABASE_URL", good_db)],
+        ),
+        (
+            "AMQP_URL",
+            "http://guest:s3cret-pw@127.0.0.1:5672/",
+            vec![("DATABASE_URL", good_db)],
+        ),
+        (
+            "DATABASE_URL",
+            "mysql://root:s3cret-pw@127.0.0.1:3306/test",
+            vec![],
+        ),
+        (
+            "DATABASE_URL",
+            "postgres://u:s3cret-pw@127.0.0.1:70000/db",
+            vec![],
+        ),
+    ] {
+        let tools = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/tools.demo.toml");
+        let mut all = vars.clone();
+        all.push(("WORKER_TOOLS", tools));
+        all.push((var, value));
+        let started = std::time::Instant::now();
+        let out = worker(&["run"], &all);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{var}={value}: {err}");
+        assert!(err.contains(var), "{var}={value}: {err}");
+        assert!(!err.contains("s3cret-pw"), "the password is echoed: {err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{var}={value} took {:?}",
+            started.elapsed()
+        );
+    }
 }

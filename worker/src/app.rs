@@ -76,6 +76,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let tools = ToolSet::from_config(&tools_file, &trust)?;
     crate::config::check_proof(&settings, &tools_file)?;
     warn_about_risky_settings(&settings, &tools_file);
+    kit::fd::prepare("worker", &descriptor_budget(&settings));
     let names: Vec<String> = tools.iter().map(|(n, _)| n.clone()).collect();
     let handle = m::install(&names)
         .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
@@ -108,10 +109,11 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
 
     if let Some(addr) = settings.metrics_addr {
         let stop = stop.clone();
+        let limits = settings.http_limits;
         let (handle, ledger, names) = (handle.clone(), ledger.clone(), tool_names.clone());
         let links = links.clone();
         tokio::spawn(async move {
-            if let Err(e) = m::serve(addr, handle, ledger, names, links, async move {
+            if let Err(e) = m::serve(addr, limits, handle, ledger, names, links, async move {
                 stop.cancelled().await
             })
             .await
@@ -126,7 +128,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             ctx.clone(),
             settings.admin_token.clone(),
             settings.tenant_tokens.clone(),
-        );
+        )
+        .with_limits(settings.http_limits);
         let stop = stop.clone();
         tokio::spawn(async move {
             if let Err(e) = api.serve(addr, async move { stop.cancelled().await }).await {
@@ -162,6 +165,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let consumer_config = ConsumerConfig {
         topology: settings.topology.clone(),
         prefetch: settings.prefetch,
+        max_message_bytes: settings.max_message_bytes,
         auth: tools_file.auth.clone(),
     };
     tracing::info!(worker_id = %settings.worker_id, tools = ?tool_names, "worker started");
@@ -178,7 +182,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     // of is recorded, acked and dispatched rather than abandoned half-way (which would turn its
     // claims into false unknowns). It also stops while the broker is unreachable.
     //
-    // Every phase after the signal is bounded (README "Graceful shutdown"): the consumer's last
+    // Every phase after the signal is bounded (docs/operations.md): the consumer's last
     // batch, in-flight work and the scheduler's last pass share one deadline, the signal plus
     // WORKER_SHUTDOWN_GRACE_SECS (a batch hung on a black-holed ledger or broker is given up
     // there: its deliveries are unacked and return, its claims are covered by their leases);
@@ -416,6 +420,31 @@ async fn drain(ctx: &Arc<Context>, deadline: tokio::time::Instant, max_in_flight
             "in-flight work still running after the grace period; its leases will expire into unknown and be recovered"
         ),
     }
+}
+
+/// What this worker may hold open at once (README, "Connections and open files"): its
+/// Postgres pool (and the two connections of the start-up pooler probe), each HTTP listener's
+/// connection cap, one downstream connection per dispatch or recovery round in flight, and its
+/// two broker connections.
+fn descriptor_budget(settings: &Settings) -> kit::fd::Budget {
+    let api_enabled = settings.admin_token.is_some() || !settings.tenant_tokens.is_empty();
+    let cap = settings.http_limits.max_connections as u64;
+    let mut budget = kit::fd::Budget::new().add(
+        "database pool (WORKER_DB_POOL_SIZE, + 2 start-up probes)",
+        u64::from(settings.db_pool_size) + 2,
+    );
+    if settings.metrics_addr.is_some() {
+        budget = budget.add("metrics listener (WORKER_HTTP_MAX_CONNECTIONS)", cap + 1);
+    }
+    if settings.admin_addr.is_some() && api_enabled {
+        budget = budget.add("admin listener (WORKER_HTTP_MAX_CONNECTIONS)", cap + 1);
+    }
+    budget
+        .add(
+            "downstream connections (WORKER_MAX_IN_FLIGHT)",
+            settings.max_in_flight as u64,
+        )
+        .add("broker", 2)
 }
 
 /// Settings that work but weaken the guarantees: said once at start-up (the unsafe ones were

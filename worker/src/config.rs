@@ -2,7 +2,7 @@
 //! lists every variable with its default) and the per-tool TOML file, whose `url`,
 //! `lookup_url` and `headers` values may reference `${VAR}`.
 //!
-//! Every setting has a documented default (README, "Configuration"); a bad value is a start-up
+//! Every setting has a documented default (docs/configuration.md); a bad value is a start-up
 //! error naming the variable, never a silent fallback.
 
 use std::collections::BTreeMap;
@@ -80,12 +80,18 @@ pub struct Settings {
     pub tools_path: PathBuf,
     /// Extra PEM CA bundle trusted in addition to the system roots (`WORKER_CA_FILE`).
     pub ca_file: Option<PathBuf>,
-    /// Broker prefetch: unacknowledged deliveries per consumer, and the largest intake batch.
+    /// Broker prefetch: unacknowledged deliveries per consumer, and the largest intake batch;
+    /// `WORKER_PREFETCH`, lowered if need be so that this many messages of `max_message_bytes`
+    /// fit `WORKER_MAX_INFLIGHT_BYTES`.
     pub prefetch: u16,
+    /// Largest intent delivery read; a larger one is dead-lettered unread.
+    pub max_message_bytes: usize,
     /// Prometheus listener; None disables it.
     pub metrics_addr: Option<SocketAddr>,
     /// Admin API listener; None disables it (also disabled without a token).
     pub admin_addr: Option<SocketAddr>,
+    /// Header timeout, idle timeout and connection cap of each HTTP listener.
+    pub http_limits: kit::http::Limits,
     pub admin_token: Option<String>,
     /// Tenant-scoped read tokens for the status query: tenant -> token.
     pub tenant_tokens: BTreeMap<String, String>,
@@ -165,6 +171,18 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_PREFETCH", value_name = "WORKER_PREFETCH", default_value_t = 256,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: u16,
+    /// Largest intent delivery the worker reads, in bytes (1024 to 262144, the contract's
+    /// limit); a larger one is dead-lettered unread as `too_large`.
+    #[arg(long, env = "WORKER_MAX_MESSAGE_BYTES", value_name = "WORKER_MAX_MESSAGE_BYTES",
+          default_value_t = protocol::MAX_INTENT_BYTES as u64,
+          value_parser = clap::value_parser!(u64).range(1024..=protocol::MAX_INTENT_BYTES as u64))]
+    pub max_message_bytes: u64,
+    /// Bytes of intent deliveries the broker may push to this worker before they are acked:
+    /// the prefetch is lowered to WORKER_MAX_INFLIGHT_BYTES / WORKER_MAX_MESSAGE_BYTES when
+    /// that is smaller (with a warning). At least WORKER_MAX_MESSAGE_BYTES.
+    #[arg(long, env = "WORKER_MAX_INFLIGHT_BYTES", value_name = "WORKER_MAX_INFLIGHT_BYTES",
+          default_value_t = 64 * 1024 * 1024, value_parser = clap::value_parser!(u64).range(1024..))]
+    pub max_inflight_bytes: u64,
     /// Deliveries the worker starts processing before it dead-letters the message itself (its
     /// own count in Postgres; at least 1).
     #[arg(long, env = "WORKER_DELIVERY_LIMIT", value_name = "WORKER_DELIVERY_LIMIT",
@@ -204,7 +222,7 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_ID", value_name = "WORKER_ID")]
     pub worker_id: Option<String>,
     /// Seconds in-flight work gets to record its outcome after SIGTERM (at least 1; see
-    /// "Graceful shutdown" in the README for the whole budget).
+    /// "Graceful shutdown" in docs/operations.md for the whole budget).
     #[arg(long, env = "WORKER_SHUTDOWN_GRACE_SECS", value_name = "WORKER_SHUTDOWN_GRACE_SECS",
           default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub shutdown_grace_secs: u64,
@@ -253,6 +271,22 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_ADMIN_ADDR", value_name = "WORKER_ADMIN_ADDR",
           default_value = "127.0.0.1:8080", value_parser = parse_listen)]
     pub admin_addr: Listen,
+    /// Milliseconds a client of each HTTP listener (metrics/health, admin API) gets to send a
+    /// complete request head, from the accept or from the first byte of a later request on a
+    /// keep-alive connection; then the connection is closed (at least 1).
+    #[arg(long, env = "WORKER_HTTP_HEADER_TIMEOUT_MS", value_name = "WORKER_HTTP_HEADER_TIMEOUT_MS",
+          default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub http_header_timeout_ms: u64,
+    /// Milliseconds a keep-alive connection of each HTTP listener may sit idle (no request in
+    /// flight, no traffic) before it is closed (at least 1).
+    #[arg(long, env = "WORKER_HTTP_IDLE_TIMEOUT_MS", value_name = "WORKER_HTTP_IDLE_TIMEOUT_MS",
+          default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub http_idle_timeout_ms: u64,
+    /// Connections each HTTP listener (metrics/health, admin API) keeps open at once; more wait
+    /// in the kernel's backlog without taking a descriptor (at least 1).
+    #[arg(long, env = "WORKER_HTTP_MAX_CONNECTIONS", value_name = "WORKER_HTTP_MAX_CONNECTIONS",
+          default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub http_max_connections: u32,
     /// Bearer token for every admin API route (at least 16 characters).
     #[arg(
         long,
@@ -423,6 +457,41 @@ fn parse_tenant_tokens(raw: Option<String>) -> Result<BTreeMap<String, String>, 
     Ok(map)
 }
 
+/// The prefetch that keeps the bytes the broker may push to this worker unacked within
+/// `inflight` (prefetch counts messages, RabbitMQ ignores a byte prefetch): `prefetch` messages
+/// of `message` bytes each, or fewer. `inflight` below `message` is refused.
+fn bounded_prefetch(
+    prefetch: u16,
+    message: u64,
+    inflight: u64,
+    warnings: &mut Vec<String>,
+) -> Result<u16, ConfigError> {
+    if inflight < message {
+        return Err(ConfigError::Invalid {
+            name: "WORKER_MAX_INFLIGHT_BYTES",
+            value: inflight.to_string(),
+            reason: format!("must be at least WORKER_MAX_MESSAGE_BYTES ({message})"),
+        });
+    }
+    let fits = u16::try_from(inflight / message).unwrap_or(u16::MAX);
+    if fits < prefetch {
+        warnings.push(format!(
+            "WORKER_PREFETCH={prefetch} lowered to {fits}: {fits} messages of WORKER_MAX_MESSAGE_BYTES={message} fit WORKER_MAX_INFLIGHT_BYTES={inflight}"
+        ));
+        return Ok(fits);
+    }
+    Ok(prefetch)
+}
+
+/// Refuses a service URL that can never work, naming the variable, without its password.
+fn check_url(name: &'static str, url: &str, schemes: &[&str]) -> Result<(), ConfigError> {
+    kit::url::check(url, schemes).map_err(|reason| ConfigError::Invalid {
+        name,
+        value: kit::url::redact(url),
+        reason,
+    })
+}
+
 /// `EnvArgs` alone as a command, for [`Settings::from_env`].
 #[derive(clap::Parser)]
 #[command(name = "worker")]
@@ -456,6 +525,8 @@ impl Settings {
                 });
             }
         }
+        check_url("DATABASE_URL", &a.database_url, &["postgres", "postgresql"])?;
+        check_url("AMQP_URL", &a.amqp_url, &["amqp", "amqps"])?;
         let mut warnings = Vec::new();
         let intents_exchange = aliased(
             "INTENTS_EXCHANGE",
@@ -473,6 +544,12 @@ impl Settings {
             "results",
             &mut warnings,
         )?;
+        let prefetch = bounded_prefetch(
+            a.prefetch,
+            a.max_message_bytes,
+            a.max_inflight_bytes,
+            &mut warnings,
+        )?;
         let worker_id = a.worker_id.unwrap_or_else(|| {
             let host = std::env::var("HOSTNAME")
                 .ok()
@@ -485,9 +562,15 @@ impl Settings {
             amqp_url: a.amqp_url,
             tools_path: a.tools,
             ca_file: a.ca_file,
-            prefetch: a.prefetch,
+            prefetch,
+            max_message_bytes: a.max_message_bytes as usize,
             metrics_addr: a.metrics_addr.0,
             admin_addr: a.admin_addr.0,
+            http_limits: kit::http::Limits {
+                header_timeout: Duration::from_millis(a.http_header_timeout_ms),
+                idle_timeout: Duration::from_millis(a.http_idle_timeout_ms),
+                max_connections: a.http_max_connections as usize,
+            },
             admin_token,
             tenant_tokens: parse_tenant_tokens(a.tenant_tokens)?,
             topology: Topology {
@@ -1200,10 +1283,13 @@ budget = { ratio = 0.2 }
         assert_eq!(s.db_pool_size, 10);
         assert_eq!(s.db_acquire_timeout, Duration::from_secs(10));
         assert_eq!(s.metrics_addr, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(s.http_limits.header_timeout, Duration::from_secs(10));
+        assert_eq!(s.http_limits.idle_timeout, Duration::from_secs(60));
+        assert_eq!(s.http_limits.max_connections, 256);
         assert!(s.migrate && s.declare_topology && !s.log_json);
         assert!(s.warnings.is_empty());
         let s = from_flags(&[
-            "--database-url=x",
+            "--database-url=postgres://x",
             "--migrate=no",
             "--declare-topology=1",
             "--metrics-addr=off",
@@ -1220,15 +1306,22 @@ budget = { ratio = 0.2 }
             ("--migrate=sometimes", "WORKER_MIGRATE"),
             ("--admin-addr=nowhere", "WORKER_ADMIN_ADDR"),
             ("--log-format=xml", "WORKER_LOG_FORMAT"),
+            (
+                "--http-header-timeout-ms=0",
+                "WORKER_HTTP_HEADER_TIMEOUT_MS",
+            ),
+            ("--http-idle-timeout-ms=soon", "WORKER_HTTP_IDLE_TIMEOUT_MS"),
+            ("--http-max-connections=0", "WORKER_HTTP_MAX_CONNECTIONS"),
             ("--admin-token=short", "WORKER_ADMIN_TOKEN"),
             ("--tenant-tokens=north", "WORKER_TENANT_TOKENS"),
         ] {
-            let err = from_flags(&["--database-url=x", flag]).unwrap_err();
+            let err = from_flags(&["--database-url=postgres://x", flag]).unwrap_err();
             assert!(err.contains(var), "{flag}: {err}");
         }
         let err = from_flags(&["--admin-token=short-secret"]).unwrap_err();
         assert!(err.contains("DATABASE_URL"), "{err}");
-        let err = from_flags(&["--database-url=x", "--admin-token=short-secret"]).unwrap_err();
+        let err =
+            from_flags(&["--database-url=postgres://x", "--admin-token=short-secret"]).unwrap_err();
         assert!(
             !err.contains("short-secret"),
             "a secret is never echoed: {err}"
@@ -1236,19 +1329,49 @@ budget = { ratio = 0.2 }
     }
 
     #[test]
+    fn the_prefetch_is_lowered_to_what_the_in_flight_bytes_allow() {
+        let s = from_flags(&["--database-url=postgres://x"]).unwrap();
+        assert_eq!((s.prefetch, s.max_message_bytes), (256, 262144));
+        assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+        let s = from_flags(&[
+            "--database-url=postgres://x",
+            "--max-message-bytes=4096",
+            "--max-inflight-bytes=16384",
+        ])
+        .unwrap();
+        assert_eq!(s.prefetch, 4);
+        assert!(
+            s.warnings[0].contains("WORKER_PREFETCH=256 lowered to 4"),
+            "{:?}",
+            s.warnings
+        );
+        let err = from_flags(&[
+            "--database-url=postgres://x",
+            "--max-message-bytes=4096",
+            "--max-inflight-bytes=2048",
+        ])
+        .unwrap_err();
+        assert!(err.contains("WORKER_MAX_INFLIGHT_BYTES"), "{err}");
+        let err =
+            from_flags(&["--database-url=postgres://x", "--max-message-bytes=300000"]).unwrap_err();
+        assert!(err.contains("WORKER_MAX_MESSAGE_BYTES"), "{err}");
+    }
+
+    #[test]
     fn the_old_exchange_names_are_deprecated_aliases() {
-        let s = from_flags(&["--database-url=x", "--worker-intents-exchange=a"]).unwrap();
+        let s =
+            from_flags(&["--database-url=postgres://x", "--worker-intents-exchange=a"]).unwrap();
         assert_eq!(s.topology.intents_exchange, "a");
         assert!(s.warnings[0].contains("WORKER_INTENTS_EXCHANGE is deprecated"));
         let s = from_flags(&[
-            "--database-url=x",
+            "--database-url=postgres://x",
             "--results-exchange=r",
             "--worker-results-exchange=r",
         ])
         .unwrap();
         assert_eq!(s.topology.results_exchange, "r");
         let err = from_flags(&[
-            "--database-url=x",
+            "--database-url=postgres://x",
             "--intents-exchange=a",
             "--worker-intents-exchange=b",
         ])
@@ -1366,8 +1489,10 @@ budget = { ratio = 0.2 }
             amqp_url: "amqp://x".into(),
             tools_path: PathBuf::from("t.toml"),
             prefetch: 1,
+            max_message_bytes: protocol::MAX_INTENT_BYTES,
             metrics_addr: None,
             admin_addr: None,
+            http_limits: kit::http::Limits::DEFAULT,
             admin_token: None,
             tenant_tokens: BTreeMap::new(),
             topology: Topology {

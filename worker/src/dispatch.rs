@@ -3,7 +3,10 @@
 //!
 //! Only outcomes proven not applied lead to another write (`retry_wait`); anything that may have
 //! been applied becomes `unknown` and is left to capability-based recovery. Exhausted retries of
-//! proven-not-applied attempts end `failed`; exhausted recovery ends `held`, never `failed`.
+//! proven-not-applied attempts end `failed`; exhausted recovery ends `held`, never `failed`. A
+//! write or lookup this worker could not even start because it ran out of a local resource
+//! (descriptors, buffers, memory: [`Outcome::LocalExhaustion`]) spends nothing: the write goes
+//! back to `retry_wait` with its attempt given back, a recovery round is deferred.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -63,6 +66,17 @@ pub async fn timed(
     ];
     histogram!(m::DOWNSTREAM_DURATION, &labels).record(started.elapsed().as_secs_f64());
     counter!(m::DOWNSTREAM_REQUESTS, &labels).increment(1);
+    if let Outcome::LocalExhaustion { evidence } = &outcome {
+        counter!(m::LOCAL_RESOURCE_ERRORS, "tool" => tool.config.name.clone(), "kind" => kind)
+            .increment(1);
+        tracing::warn!(
+            tool = %tool.config.name, kind,
+            "this worker ran out of a local resource before it could reach the downstream; \
+             nothing was sent, it is tried again later without spending an attempt (raise the \
+             open-file limit, or lower WORKER_MAX_IN_FLIGHT, WORKER_DB_POOL_SIZE, \
+             WORKER_HTTP_MAX_CONNECTIONS): {evidence}"
+        );
+    }
     if kind == "write" {
         counter!(m::DISPATCH_ATTEMPTS, "tool" => tool.config.name.clone(), "outcome" => outcome.label())
             .increment(1);
@@ -218,6 +232,12 @@ pub fn after_dispatch(
                 Transition::RetryWait { delay, evidence }
             }
         }
+        // Nothing left this process: try again, the claim's attempt given back, whatever
+        // max_attempts and max_elapsed_secs say (the downstream never saw it).
+        Outcome::LocalExhaustion { evidence } => Transition::Resend {
+            delay: local_exhaustion_delay(),
+            evidence,
+        },
         Outcome::Rejected { evidence, .. } => Transition::Failed { evidence },
         Outcome::Unknown { .. } | Outcome::LookupMiss { .. } => {
             let delay = match tool.capability {
@@ -258,6 +278,11 @@ pub fn after_recovery(op: &Operation, tool: &ToolConfig, outcome: Outcome) -> Tr
                 ),
             }
         }
+        // The lookup or replay never left this worker: the round did not happen, so it is
+        // deferred and given back (the row stays unknown).
+        Outcome::LocalExhaustion { .. } => Transition::Defer {
+            delay: local_exhaustion_delay(),
+        },
         Outcome::Rejected { status, evidence } => recovery_unproven(
             op,
             tool,
@@ -295,6 +320,22 @@ fn recovery_unproven(op: &Operation, tool: &ToolConfig, other: Outcome) -> Trans
             evidence: other.evidence(),
         }
     }
+}
+
+/// How long a write or recovery round stopped by this worker's own exhaustion waits before it
+/// is tried again: about a second (±50 %), long enough for descriptors to come back, short
+/// enough that the action is not held up once they have.
+pub fn local_exhaustion_delay() -> std::time::Duration {
+    retry_delay(
+        &RetryPolicy {
+            initial_delay_ms: 1_000,
+            multiplier: 1.0,
+            max_delay_ms: 1_000,
+            jitter: 0.5,
+            ..RetryPolicy::default()
+        },
+        1,
+    )
 }
 
 /// Records a completion, trying again while the ledger cannot be reached (a cut link, a
@@ -368,7 +409,10 @@ pub async fn finish(
     match applied {
         Ok(Applied::Done(new)) => {
             counter!(m::TRANSITIONS, "state" => new.state().as_str()).increment(1);
-            if matches!(transition, Transition::RetryWait { .. }) {
+            if matches!(
+                transition,
+                Transition::RetryWait { .. } | Transition::Resend { .. }
+            ) {
                 counter!(m::RETRIES_SCHEDULED, "tool" => new.tool.clone()).increment(1);
             }
             if !matches!(transition, Transition::Defer { .. }) {

@@ -319,9 +319,11 @@ fn key_taken_event(
 
 /// Processes one batch. On a ledger error nothing was acked and the caller retries the same
 /// batch later; every write here is idempotent under retry (the inbox dedupes).
+/// `max_bytes` is `WORKER_MAX_MESSAGE_BYTES`: a larger body is dead-lettered unread.
 pub async fn step(
     ctx: &Context,
     auth: &TenantAuth,
+    max_bytes: usize,
     batch: &[Incoming],
 ) -> Result<StepOutcome, LedgerError> {
     let mut out = StepOutcome::default();
@@ -330,6 +332,18 @@ pub async fn step(
 
     // Stages 1 and 2.
     for (index, incoming) in batch.iter().enumerate() {
+        if incoming.body.len() > max_bytes {
+            let error = DecodeError::TooLarge {
+                size: incoming.body.len(),
+                limit: max_bytes,
+            };
+            out.dead_letters.push(DeadLetter {
+                index,
+                reason: "invalid_message",
+                detail: format!("{}: {error}", error.code()),
+            });
+            continue;
+        }
         match triage(index, incoming, auth, |tool| ctx.tools.get(tool).is_some()) {
             Triage::Drop(dl) => out.dead_letters.push(dl),
             Triage::Refuse(r) => {

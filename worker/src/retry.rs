@@ -72,6 +72,10 @@ pub fn budget_delta(kind: WriteKind, outcome: &Outcome, ratio: f64) -> f64 {
     match outcome {
         Outcome::Succeeded { .. } => refund + ratio,
         Outcome::Rejected { .. } => refund,
+        // Nothing left this worker (its own exhaustion): a retry or replay gets its token back,
+        // and a first write is credited the token its resend will spend, so the shared budget
+        // is as if the attempt had never been made.
+        Outcome::LocalExhaustion { .. } => 1.0,
         Outcome::NotSent { .. }
         | Outcome::NotApplied { .. }
         | Outcome::Unknown { .. }

@@ -24,7 +24,7 @@ from intent_worker_client import (
     decode_intent,
     fingerprint,
 )
-from intent_worker_client.intent import parse_json
+from intent_worker_client.intent import CODES, parse_json
 
 SCHEMA_DIR = Path(__file__).resolve().parents[3] / "docs" / "schema"
 FIXTURES = SCHEMA_DIR / "fixtures"
@@ -65,8 +65,9 @@ def test_every_fixture_file_is_listed() -> None:
             on_disk = {f"{folder}/{p.name}" for p in (FIXTURES / kind / folder).iterdir()}
             listed = {c["file"] for c in cases[folder] if "file" in c}
             assert on_disk == listed, (kind, folder)
+    # Every rule of the decoder has at least one rejected fixture.
     codes = {c["code"] for c in INTENT["rejected"]}
-    assert len(codes) == 10 and len(INTENT["accepted"]) >= 10
+    assert codes == set(CODES) and len(INTENT["accepted"]) >= 10
 
 
 @pytest.mark.parametrize("case", INTENT["accepted"], ids=ids(INTENT["accepted"]))
@@ -132,6 +133,12 @@ def test_fingerprint_vector(case: dict[str, Any]) -> None:
     assert canonical_json({"arguments": arguments, "tool": case["tool"]}) == case["canonical"]
     assert fingerprint(case["tool"], arguments) == case["fingerprint"]
     intent = Intent("t", "a", case["tool"], arguments, call_id="c", reply_to="r")
+    if "\\u0000" in case["arguments"]:
+        # The fingerprint is defined for any JSON, but the worker refuses such an intent.
+        with pytest.raises(InvalidIntent) as refused:
+            intent.fingerprint()
+        assert refused.value.code == "nul_character"
+        return
     assert intent.fingerprint() == case["fingerprint"]
 
 
@@ -203,15 +210,22 @@ def test_asyncapi_references_resolve() -> None:
     decode_intent(json.dumps(intent_example).encode())
 
 
-def test_readme_documents_the_schemas() -> None:
-    readme = (SCHEMA_DIR.parents[1] / "README.md").read_text()
+def test_docs_document_the_schemas() -> None:
+    root = SCHEMA_DIR.parents[1]
+    contract = (root / "docs" / "contract.md").read_text()
     for path in (
         "docs/schema/intent.schema.json",
         "docs/schema/result.schema.json",
         "docs/schema/asyncapi.yaml",
     ):
-        assert path in readme, path
-    assert re.search(r"^## From a Python agent", readme, re.M)
+        assert path in contract, path
+    # The client's guide is this package's README (what PyPI shows), linked from the repository's
+    # README and from the agents guide, and it points at the contract.
+    guide = (root / "clients" / "python" / "README.md").read_text()
+    assert re.search(r"^# intent-worker-client", guide, re.M)
+    assert "docs/contract.md" in guide
+    for page in (root / "README.md", root / "docs" / "agents.md"):
+        assert "clients/python/README.md" in page.read_text(), page
 
 
 def test_jsonschema_is_the_real_library() -> None:

@@ -46,7 +46,12 @@ OTHERS = [
     "-1",
     "4.85e3",
     "18446744073709551616",
+    "18446744073709551615",
+    "-9223372036854775809",
     "1e400",
+    "1e-400",
+    "0e-400",
+    "5e-324",
     "NaN",
     "[]",
     "[1,2]",
@@ -79,11 +84,35 @@ def value(rng: random.Random) -> str:
     return '{"deep":' + nested(rng.choice([124, 125, 126, 127])) + "}"
 
 
+# Valid fields, and pairs at the edge of the action key limit (<tenant>:<action_id> at most
+# 255 bytes): tenant 200 with action_id 54 fits, 55 does not; tenant 54 fits any action_id.
 GOOD = {
-    "tenant": ['"north-shop"', '"eu.north_shop-2"', '"' + "t" * 200 + '"'],
-    "action_id": ['"refund-204"', '"{\\"id\\":\'x\'}%/?#"', '"' + "a" * 200 + '"'],
+    "tenant": [
+        '"north-shop"',
+        '"eu.north_shop-2"',
+        '"' + "t" * 200 + '"',
+        '"' + "t" * 54 + '"',
+        '"' + "t" * 55 + '"',
+    ],
+    "action_id": [
+        '"refund-204"',
+        '"{\\"id\\":\'x\'}%/?#"',
+        '"' + "a" * 200 + '"',
+        '"' + "b" * 54 + '"',
+        '"' + "b" * 55 + '"',
+    ],
     "tool": ['"refund"', '"' + "x" * 64 + '"'],
-    "arguments": ['{"order":"o-1"}', "{}", '{"a":{"b":[1,2.5e3,null]},"a":0}'],
+    "arguments": [
+        '{"order":"o-1"}',
+        "{}",
+        '{"a":{"b":[1,2.5e3,null]},"a":0}',
+        '{"big":18446744073709551615,"neg":-9223372036854775808,"tiny":5e-324}',
+        '{"n":1e-400}',
+        '{"n":[0,{"m":18446744073709551616}]}',
+        '{"note":"a\\u0000b"}',
+        '{"a":[1,{"k\\u0000":2}],"b":"\\u0000"}',
+        '{"escaped":"\\\\u0000 is text"}',
+    ],
     "call_id": ["null", '"model-9f2"', '"\\u00e9\\ud83d\\ude00 \\u2028"', '"' + "é" * 200 + '"'],
     "reply_to": ["null", '"agent-7"', '"a.b"'],
 }
@@ -152,6 +181,14 @@ DIRECTED = [
     b"1e400",
     b'{"tenant":"t"}  \xff',
     b"\xef\xbb\xbf[]",
+    # A number a double or a 64-bit integer cannot hold: refused inside an object (before
+    # duplicate and unknown fields), but a top-level scalar or array is just not an object.
+    b"1e-400",
+    b"18446744073709551616",
+    b"[1e-400, -9223372036854775809]",
+    b'{"tenant":"t","tenant":"t","n":1e-400}',
+    b'{"x":18446744073709551616}',
+    b'{"tenant":"t","action_id":"a","tool":"x","arguments":{},"call_id":18446744073709551616}',
 ]
 
 
@@ -207,4 +244,6 @@ def test_python_validator_agrees_with_the_rust_decoder() -> None:
         "empty_field",
         "too_long",
         "invalid_characters",
+        "key_too_long",
+        "nul_character",
     }, verdicts

@@ -14,7 +14,8 @@
 //! - `tools.rs` ([`tools`]): the gateway's tools file and argument validation.
 //! - `server.rs` ([`server`]): the `ServerHandler` ([`Gateway`]).
 //! - `answer.rs` ([`answer`]): result events as tool results and task states.
-//! - here: the token map, the HTTP and stdio servers.
+//! - here: the token map, the HTTP edge (`Origin` allow-list, one `Host`, bearer token) and the
+//!   HTTP and stdio servers.
 
 pub mod answer;
 pub mod server;
@@ -48,9 +49,10 @@ pub enum McpError {
     Serve(String),
 }
 
-/// Bearer token → tenant (`PUBLISHER_MCP_TOKENS=tenant=token,...`).
+/// Bearer token → tenant (`PUBLISHER_MCP_TOKENS=tenant=token,...`). Only the tokens' SHA-256
+/// digests are kept.
 #[derive(Clone)]
-pub struct TokenMap(Arc<Vec<(String, String)>>);
+pub struct TokenMap(Arc<Vec<(String, [u8; 32])>>);
 
 impl std::fmt::Debug for TokenMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -66,7 +68,7 @@ impl TokenMap {
     /// Parses `tenant=token,tenant=token`. A tenant may have several tokens (rotation); a
     /// token may not serve two tenants.
     pub fn parse(text: &str) -> Result<TokenMap, McpError> {
-        let mut pairs: Vec<(String, String)> = Vec::new();
+        let mut pairs: Vec<(String, [u8; 32])> = Vec::new();
         for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (tenant, token) = item.split_once('=').ok_or_else(|| {
                 McpError::Tokens(format!("{:?} is not tenant=token", redact(item)))
@@ -77,12 +79,13 @@ impl TokenMap {
                     "tenant {tenant:?}: need a tenant and a token of at least {MIN_TOKEN_LEN} characters"
                 )));
             }
-            if pairs.iter().any(|(t, k)| k == token && t != tenant) {
+            let digest = kit::secret::digest(token.as_bytes());
+            if pairs.iter().any(|(t, k)| *k == digest && t != tenant) {
                 return Err(McpError::Tokens(format!(
                     "one token is given to two tenants (one of them {tenant:?})"
                 )));
             }
-            pairs.push((tenant.to_owned(), token.to_owned()));
+            pairs.push((tenant.to_owned(), digest));
         }
         if pairs.is_empty() {
             return Err(McpError::Tokens("no tenant=token pair".into()));
@@ -90,12 +93,14 @@ impl TokenMap {
         Ok(TokenMap(Arc::new(pairs)))
     }
 
-    /// The tenant of `token`. Every configured token is compared, in constant time, so the
-    /// answer time does not tell how much of a token matched or which tenant's it is.
+    /// The tenant of `token`. The presented token is hashed (SHA-256) and its digest compared
+    /// in full with every configured token's, so the answer time tells neither how much of a
+    /// token matched, nor its length, nor which tenant's it is.
     pub fn tenant(&self, token: &str) -> Option<&str> {
+        let presented = kit::secret::digest(token.as_bytes());
         let mut found = None;
         for (tenant, known) in self.0.iter() {
-            if constant_time_eq(known.as_bytes(), token.as_bytes()) {
+            if kit::secret::digests_eq(known, &presented) && found.is_none() {
                 found = Some(tenant.as_str());
             }
         }
@@ -105,13 +110,6 @@ impl TokenMap {
 
 fn redact(item: &str) -> String {
     item.chars().take(4).chain("…".chars()).collect()
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The bearer-token layer: 401 without a known token, else the tenant goes into the request's
@@ -142,17 +140,174 @@ async fn authenticate(
     }
 }
 
-/// Serves streamable HTTP on `addr` at `path` (e.g. `/mcp`) until `shutdown` completes.
-/// `allowed_hosts` is the `Host` header allow-list (DNS rebinding protection; empty = the
-/// SDK's loopback default).
+/// Where and how the HTTP transport listens.
+#[derive(Debug, Clone)]
+pub struct HttpOptions {
+    pub addr: SocketAddr,
+    /// The MCP endpoint's path (e.g. `/mcp`).
+    pub path: String,
+    /// The `Host` header allow-list (DNS rebinding protection; empty = the SDK's loopback
+    /// default).
+    pub allowed_hosts: Vec<String>,
+    /// Browser origins allowed to call (`PUBLISHER_MCP_ALLOWED_ORIGINS`).
+    pub allowed_origins: AllowedOrigins,
+    /// Header and idle timeouts and connection cap of the listener.
+    pub limits: kit::http::Limits,
+}
+
+/// The `Origin` allow-list. A request without `Origin` (a non-browser client) is always
+/// served; one with an `Origin` is served only when the origin matches an entry, so an empty
+/// list refuses every browser origin. Entries are `scheme://host[:port]`, where a missing port
+/// means the scheme's default (80, 443) and `:*` any port (`http://localhost:*`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AllowedOrigins(Vec<OriginPattern>);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct OriginPattern {
+    scheme: String,
+    host: String,
+    /// None: any port.
+    port: Option<u16>,
+}
+
+/// An origin (`scheme://host[:port]`) as compared: lower case, the scheme's default port
+/// filled in (None for a scheme without one).
+fn parse_origin(text: &str) -> Option<(String, String, Option<u16>)> {
+    let (scheme, rest) = text.trim().split_once("://")?;
+    let scheme = scheme.to_ascii_lowercase();
+    if scheme.is_empty() || rest.is_empty() || rest.contains(['/', '?', '#', '@']) {
+        return None;
+    }
+    let authority = axum::http::uri::Authority::try_from(rest).ok()?;
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_ascii_lowercase();
+    if host.is_empty() {
+        return None;
+    }
+    let port = authority.port_u16().or(match scheme.as_str() {
+        "http" => Some(80),
+        "https" => Some(443),
+        _ => None,
+    });
+    Some((scheme, host, port))
+}
+
+impl AllowedOrigins {
+    /// Parses the entries of `PUBLISHER_MCP_ALLOWED_ORIGINS` (blank ones are skipped).
+    pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<AllowedOrigins, String> {
+        let mut patterns = Vec::new();
+        for entry in entries
+            .iter()
+            .map(|e| e.as_ref().trim())
+            .filter(|e| !e.is_empty())
+        {
+            let (text, any_port) = match entry.strip_suffix(":*") {
+                Some(base) => (base, true),
+                None => (entry, false),
+            };
+            let (scheme, host, port) = parse_origin(text).ok_or_else(|| {
+                format!("{entry:?} is not an origin (scheme://host[:port], or :* for any port)")
+            })?;
+            if any_port
+                && text
+                    .rsplit_once(':')
+                    .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+            {
+                return Err(format!("{entry:?}: a port and :* together"));
+            }
+            patterns.push(OriginPattern {
+                scheme,
+                host,
+                port: if any_port { None } else { port },
+            });
+        }
+        Ok(AllowedOrigins(patterns))
+    }
+
+    /// Whether a request with this `Origin` header value may be served.
+    pub fn allows(&self, origin: &str) -> bool {
+        let Some((scheme, host, port)) = parse_origin(origin) else {
+            return false;
+        };
+        self.0
+            .iter()
+            .any(|p| p.scheme == scheme && p.host == host && (p.port.is_none() || p.port == port))
+    }
+}
+
+/// The HTTP edge, before the token is even looked at: more than one `Host` header, or an
+/// absolute-form request URI whose authority is not the `Host`, answers 400 (a proxy and this
+/// gateway could disagree on which host was meant); an `Origin` not on the allow-list answers
+/// 403 (the MCP streamable HTTP transport requires servers to validate it: a web page must not
+/// drive a local gateway).
+async fn edge_guard(
+    State(origins): State<Arc<AllowedOrigins>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let bad = |why: &'static str| (StatusCode::BAD_REQUEST, why).into_response();
+    let hosts: Vec<&axum::http::HeaderValue> =
+        request.headers().get_all(header::HOST).iter().collect();
+    if hosts.len() > 1 {
+        tracing::warn!("refused a request with {} Host headers", hosts.len());
+        return bad("Bad Request: more than one Host header\n");
+    }
+    if let Some(authority) = request.uri().authority() {
+        let default = match request.uri().scheme_str() {
+            Some("https") => 443,
+            _ => 80,
+        };
+        let uri_side = (
+            authority.host().to_ascii_lowercase(),
+            authority.port_u16().unwrap_or(default),
+        );
+        let host_side = hosts
+            .first()
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| axum::http::uri::Authority::try_from(h).ok())
+            .map(|a| {
+                (
+                    a.host().to_ascii_lowercase(),
+                    a.port_u16().unwrap_or(default),
+                )
+            });
+        if host_side.as_ref() != Some(&uri_side) {
+            tracing::warn!(uri = %request.uri(), "refused an absolute-form request for another host than its Host header");
+            return bad("Bad Request: the request URI names another host than the Host header\n");
+        }
+    }
+    if let Some(origin) = request.headers().get(header::ORIGIN) {
+        let allowed = origin.to_str().is_ok_and(|o| origins.allows(o));
+        if !allowed {
+            tracing::warn!(origin = ?origin, "refused a request from an origin not on PUBLISHER_MCP_ALLOWED_ORIGINS");
+            return (
+                StatusCode::FORBIDDEN,
+                "Forbidden: this Origin is not in PUBLISHER_MCP_ALLOWED_ORIGINS\n",
+            )
+                .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Serves streamable HTTP as `options` say until `shutdown` completes.
 pub async fn serve_http(
     gateway: Gateway,
     tokens: TokenMap,
-    addr: SocketAddr,
-    path: &str,
-    allowed_hosts: Vec<String>,
+    options: HttpOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), McpError> {
+    let HttpOptions {
+        addr,
+        path,
+        allowed_hosts,
+        allowed_origins,
+        limits,
+    } = options;
+    let path = path.as_str();
     let mut config = StreamableHttpServerConfig::default()
         // Stateless: every request stands alone, so a restarted gateway (or another replica)
         // serves the same client without a new handshake.
@@ -166,16 +321,21 @@ pub async fn serve_http(
         Arc::new(NeverSessionManager::default()),
         config,
     );
+    // The token is checked before the body is read (the service reads it), and the edge
+    // guard runs before both (the outer layer).
     let router = axum::Router::new()
         .route_service(path, service)
-        .layer(axum::middleware::from_fn_with_state(tokens, authenticate));
+        .layer(axum::middleware::from_fn_with_state(tokens, authenticate))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::new(allowed_origins),
+            edge_guard,
+        ));
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| McpError::Listen { addr, source })?;
     let local = listener.local_addr().unwrap_or(addr);
     tracing::info!("publisher mcp listening on http://{local}{path}");
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
+    kit::http::serve(listener, router, limits, shutdown)
         .await
         .map_err(|e| McpError::Serve(e.to_string()))
 }
@@ -208,5 +368,45 @@ mod tests {
         assert!(TokenMap::parse("a=same-token-0123456789,b=same-token-0123456789").is_err());
         assert!(TokenMap::parse("").is_err());
         assert!(!format!("{map:?}").contains("token-0123"));
+    }
+
+    #[test]
+    fn tokens_are_kept_and_compared_as_sha256_digests() {
+        let map = TokenMap::parse("north=north-token-0123456789").unwrap();
+        // Only the digest is stored.
+        assert_eq!(map.0[0].1, kit::secret::digest(b"north-token-0123456789"));
+        // Longer, shorter, a prefix, a different last byte, empty: no match, and none of them
+        // is rejected by a length check first (the digests have one length).
+        for guess in [
+            "north-token-0123456789-and-more",
+            "north-token",
+            "north-token-012345678",
+            "north-token-012345678X",
+            "",
+        ] {
+            assert_eq!(map.tenant(guess), None, "{guess:?}");
+        }
+        assert_eq!(map.tenant("north-token-0123456789"), Some("north"));
+    }
+
+    #[test]
+    fn origins_match_scheme_host_and_port() {
+        let list = AllowedOrigins::parse(&["https://app.example.com", " http://localhost:* ", ""])
+            .unwrap();
+        assert!(list.allows("https://app.example.com"));
+        assert!(list.allows("https://APP.example.com:443"));
+        assert!(!list.allows("https://app.example.com:8443"));
+        assert!(!list.allows("http://app.example.com"));
+        assert!(list.allows("http://localhost:5173"));
+        assert!(list.allows("http://localhost"));
+        assert!(!list.allows("https://localhost:5173"));
+        assert!(!list.allows("null"));
+        assert!(!list.allows("http://localhost.evil.example"));
+        assert!(!AllowedOrigins::default().allows("http://localhost:5173"));
+        let list = AllowedOrigins::parse(&["http://[::1]:*"]).unwrap();
+        assert!(list.allows("http://[::1]:3000"));
+        for bad in ["localhost", "http://", "http://a/b", "http://a:1:*", "*"] {
+            assert!(AllowedOrigins::parse(&[bad]).is_err(), "{bad}");
+        }
     }
 }

@@ -187,6 +187,9 @@ impl HttpAdapter {
         headers.remove(CONTENT_TYPE);
         let response = match self.client.get(&url).headers(headers).send().await {
             Ok(r) => r,
+            Err(e) if e.is_connect() && kit::fd::local_exhaustion(&e).is_some() => {
+                return Answer::bare(local_exhaustion(&e, &self.config, "lookup"));
+            }
             Err(e) => {
                 let why = match crate::tls::handshake_failure(&e) {
                     Some(reason) => format!(
@@ -286,10 +289,15 @@ impl ToolAdapter for HttpAdapter {
 
 /// Transport errors: only a failure to connect proves the request was never written. A failed
 /// TLS handshake is one (the request is written only after the handshake; no early data is
-/// enabled), and its evidence says which tool and why (unknown issuer, name mismatch...).
-fn classify_error(e: &reqwest::Error, config: &ToolConfig) -> Outcome {
+/// enabled), and its evidence says which tool and why (unknown issuer, name mismatch...). A
+/// connect that failed because this worker ran out of a local resource (EMFILE "Too many open
+/// files", ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL anywhere in the error's source chain) is
+/// [`Outcome::LocalExhaustion`]: not sent, and not the downstream's doing.
+pub fn classify_error(e: &reqwest::Error, config: &ToolConfig) -> Outcome {
     let chain = error_chain(e);
-    if e.is_connect() {
+    if e.is_connect() && kit::fd::local_exhaustion(e).is_some() {
+        local_exhaustion(e, config, "write")
+    } else if e.is_connect() {
         let evidence = match crate::tls::handshake_failure(e) {
             Some(reason) => format!(
                 "not sent: TLS handshake with tool {} at {} failed: {reason}",
@@ -314,6 +322,18 @@ fn classify_error(e: &reqwest::Error, config: &ToolConfig) -> Outcome {
             evidence: format!("connection failed after the request may have been written: {chain}"),
             retry_after: None,
         }
+    }
+}
+
+/// The evidence of a connect this worker's own exhaustion stopped.
+fn local_exhaustion(e: &reqwest::Error, config: &ToolConfig, kind: &str) -> Outcome {
+    let cause = kit::fd::local_exhaustion(e).map_or_else(String::new, |io| io.to_string());
+    Outcome::LocalExhaustion {
+        evidence: format!(
+            "not sent: worker out of local resources ({cause}) before the {kind} to tool {} could              connect; retried without spending an attempt: {}",
+            config.name,
+            error_chain(e)
+        ),
     }
 }
 

@@ -2,8 +2,8 @@
 //!
 //! An adapter sends the write, looks an operation up by its stable key, checks receipts, and
 //! classifies every answer into an [`Outcome`]. The classification is the safety boundary: only
-//! [`Outcome::NotSent`] and [`Outcome::NotApplied`] may lead to another write; anything that may
-//! have been applied is [`Outcome::Unknown`]. Library users plug in their own adapters by
+//! [`Outcome::NotSent`], [`Outcome::LocalExhaustion`] and [`Outcome::NotApplied`] may lead to
+//! another write; anything that may have been applied is [`Outcome::Unknown`]. Library users plug in their own adapters by
 //! implementing [`ToolAdapter`]; the generic [`http::HttpAdapter`] is configured per tool.
 
 pub mod http;
@@ -42,6 +42,11 @@ pub enum Outcome {
     },
     /// The request was never written (e.g. connection refused): safe to send again.
     NotSent { evidence: String },
+    /// The request never left because this worker ran out of a local resource before it could
+    /// connect (no file descriptor, no socket buffer, no memory, no local port: EMFILE, ENFILE,
+    /// ENOBUFS, ENOMEM, EADDRNOTAVAIL). Not sent, like [`Outcome::NotSent`], but says nothing
+    /// about the downstream: retried without spending the operation's attempts.
+    LocalExhaustion { evidence: String },
     /// The downstream answered with a status it documents as "not applied" (default 429).
     NotApplied {
         evidence: String,
@@ -67,6 +72,7 @@ impl Outcome {
         match self {
             Outcome::Succeeded { .. } => "succeeded",
             Outcome::NotSent { .. } => "not_sent",
+            Outcome::LocalExhaustion { .. } => "local_exhaustion",
             Outcome::NotApplied { .. } => "not_applied",
             Outcome::Rejected { .. } => "rejected",
             Outcome::Unknown { .. } => "unknown",
@@ -78,6 +84,7 @@ impl Outcome {
         match self {
             Outcome::Succeeded { receipt_id, .. } => format!("receipt {receipt_id}"),
             Outcome::NotSent { evidence }
+            | Outcome::LocalExhaustion { evidence }
             | Outcome::NotApplied { evidence, .. }
             | Outcome::Rejected { evidence, .. }
             | Outcome::Unknown { evidence, .. }

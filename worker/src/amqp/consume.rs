@@ -46,7 +46,11 @@ use crate::telemetry::metrics as m;
 #[derive(Clone)]
 pub struct ConsumerConfig {
     pub topology: Topology,
+    /// Already lowered so that `prefetch` messages of `max_message_bytes` fit the in-flight
+    /// byte bound (`Settings::prefetch`).
     pub prefetch: u16,
+    /// A delivery over this is dead-lettered unread (`WORKER_MAX_MESSAGE_BYTES`).
+    pub max_message_bytes: usize,
     pub auth: TenantAuth,
 }
 
@@ -388,7 +392,7 @@ async fn try_process(
                 .map(|u| u.as_str().to_string()),
         })
         .collect();
-    let outcome = intake::step(ctx, &config.auth, &incoming)
+    let outcome = intake::step(ctx, &config.auth, config.max_message_bytes, &incoming)
         .await
         .map_err(Failure::Ledger)?;
     let mut refused = Vec::new();

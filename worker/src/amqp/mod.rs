@@ -187,14 +187,7 @@ impl LinkState {
 
 /// Hides the password of an AMQP URL for logs.
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            let user = creds.split(':').next().unwrap_or("");
-            format!("{}{}:***{}", &url[..s + 3], user, &url[at..])
-        }
-        _ => url.to_string(),
-    }
+    kit::url::redact(url)
 }
 
 #[cfg(test)]

@@ -142,10 +142,24 @@ impl Relay {
                     counter!(m::RESULTS_PUBLISHED, "status" => row.status.clone()).increment(1);
                     published.push(row.id);
                 }
-                Ok(Confirmation::Ack(Some(_returned))) => {
+                Ok(Confirmation::Ack(Some(returned))) => {
                     counter!(m::RESULTS_UNROUTABLE).increment(1);
+                    // By key, status and the broker's reason only: the event carries the
+                    // receipt and the agent's arguments, which never reach a log.
+                    let field = |name: &str| {
+                        row.payload
+                            .get(name)
+                            .and_then(|v| v.as_str())
+                            .unwrap_or_default()
+                            .to_owned()
+                    };
                     tracing::warn!(
+                        tenant = %field("tenant"),
+                        action_id = %field("action_id"),
+                        status = %row.status,
                         routing_key = %row.routing_key,
+                        reply_code = returned.reply_code,
+                        reply_text = %returned.reply_text,
                         "no queue is bound for this tenant's results; the event stays in the outbox and the status API"
                     );
                     published.push(row.id);

@@ -45,6 +45,39 @@ pub fn intents_queue_arguments(t: &Topology) -> FieldTable {
     args
 }
 
+/// Most messages the dead-letter queue keeps, as the `intents-dead` policy of
+/// deploy/rabbitmq/definitions.json says.
+pub const DEAD_LETTER_MAX_LENGTH: i64 = 100_000;
+/// How long a dead letter is kept (14 days, in milliseconds), as that policy says.
+pub const DEAD_LETTER_TTL_MS: i64 = 14 * 24 * 3600 * 1000;
+/// When the dead-letter queue is full, a new dead letter is refused (not the oldest dropped):
+/// the worker then counts it (`intent_worker_dead_letter_refused_total`) and logs its key.
+pub const DEAD_LETTER_OVERFLOW: &str = "reject-publish";
+
+/// The dead-letter queue's arguments when the worker declares it: bounded in length and age
+/// like the queue the broker definitions declare, so a flood of bad messages cannot fill the
+/// broker's disk.
+pub fn dead_letter_queue_arguments() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    args.insert(
+        "x-max-length".into(),
+        AMQPValue::LongLongInt(DEAD_LETTER_MAX_LENGTH),
+    );
+    args.insert(
+        "x-message-ttl".into(),
+        AMQPValue::LongLongInt(DEAD_LETTER_TTL_MS),
+    );
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from(DEAD_LETTER_OVERFLOW)),
+    );
+    args
+}
+
 fn is_precondition_failed(e: &lapin::Error) -> bool {
     let text = e.to_string();
     text.contains("PRECONDITION_FAILED") || text.contains("inequivalent")
@@ -166,16 +199,11 @@ pub async fn declare(connection: &Connection, t: &Topology) -> Result<(), AmqpEr
         "dead-letter exchange",
     )
     .await?;
-    let mut dlq_args = FieldTable::default();
-    dlq_args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString(LongString::from("quorum")),
-    );
     queue(
         connection,
         &mut channel,
         &t.dead_letter_queue,
-        dlq_args,
+        dead_letter_queue_arguments(),
         "dead-letter queue",
     )
     .await?;

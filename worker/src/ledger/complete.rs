@@ -29,6 +29,11 @@ pub enum Transition {
     Failed { evidence: String },
     /// Proven not applied; try again after `delay`.
     RetryWait { delay: Duration, evidence: String },
+    /// Nothing left this process: the write could not even connect because the worker ran out
+    /// of a local resource. `retry_wait` after `delay` with the attempt the claim counted given
+    /// back (as for an expired claim whose send fence never passed), so the worker's own
+    /// exhaustion never spends the operation's `max_attempts`.
+    Resend { delay: Duration, evidence: String },
     /// May have been applied; recovery after `delay`.
     Unknown { delay: Duration, evidence: String },
     /// Recovery cannot proceed automatically.
@@ -340,11 +345,20 @@ async fn apply(
                 .fetch_optional(&mut *conn)
                 .await?
         }
-        Transition::RetryWait { delay, evidence } | Transition::Unknown { delay, evidence } => {
-            let set = if matches!(c.transition, Transition::RetryWait { .. }) {
-                "state = 'retry_wait', next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
-            } else {
-                "state = 'unknown', next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
+        Transition::RetryWait { delay, evidence }
+        | Transition::Resend { delay, evidence }
+        | Transition::Unknown { delay, evidence } => {
+            let set = match c.transition {
+                Transition::RetryWait { .. } => {
+                    "state = 'retry_wait', next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
+                }
+                Transition::Resend { .. } => {
+                    "state = 'retry_wait', attempts = greatest(o.attempts - 1, 0), \
+                     next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
+                }
+                _ => {
+                    "state = 'unknown', next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
+                }
             };
             sqlx::query_as(sqlx::AssertSqlSafe(fenced(&cols, set)))
                 .bind(c.operation_id)

@@ -1,6 +1,9 @@
 //! The admin and status HTTP API (described in `docs/openapi.yaml`).
 //!
-//! Authentication is `Authorization: Bearer <token>`, compared in constant time:
+//! Authentication is `Authorization: Bearer <token>`, compared in constant time
+//! ([`kit::secret`]), by a middleware that runs before any extractor: a missing or wrong token
+//! is answered 401 before the request body is read, so it is never buffered. Operator routes
+//! refuse a tenant token (403) the same way, before their body.
 //! - the admin token (`WORKER_ADMIN_TOKEN`) may use every route;
 //! - a tenant token (`WORKER_TENANT_TOKENS`) may only read the status of its own tenant's
 //!   operations (`GET /v1/operations/{tenant}/{action_id}`); another tenant's operation answers
@@ -19,20 +22,21 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State as AxumState};
+use axum::extract::{Path, Query, Request, State as AxumState};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde::de::DeserializeOwned;
-use sha2::{Digest, Sha256};
 
 use super::actions::{self, ActionResponse, ListParams, OpsError};
 use crate::context::Context;
 
-/// The API server: the worker context and the tokens it accepts.
+/// The API server: the worker context, the tokens it accepts and its listener's limits.
 pub struct AdminApi {
     state: Arc<ApiState>,
+    limits: kit::http::Limits,
 }
 
 struct ApiState {
@@ -74,17 +78,41 @@ impl AdminApi {
                     .filter(|(_, t)| !t.is_empty())
                     .collect(),
             }),
+            limits: kit::http::Limits::DEFAULT,
         }
+    }
+
+    /// The listener's header and idle timeouts and connection cap (default
+    /// [`kit::http::Limits::DEFAULT`]).
+    pub fn with_limits(mut self, limits: kit::http::Limits) -> AdminApi {
+        self.limits = limits;
+        self
     }
 
     /// The routes, for embedding or testing.
     pub fn router(&self) -> Router {
+        let admin = || middleware::from_fn(admin_only);
         Router::new()
-            .route("/v1/operations", get(list))
+            .route("/v1/operations", get(list).route_layer(admin()))
             .route("/v1/operations/{tenant}/{action_id}", get(status))
-            .route("/v1/operations/{tenant}/{action_id}/resolve", post(resolve))
-            .route("/v1/operations/{tenant}/{action_id}/fail", post(fail))
-            .route("/v1/operations/{tenant}/{action_id}/recheck", post(recheck))
+            .route(
+                "/v1/operations/{tenant}/{action_id}/resolve",
+                post(resolve).route_layer(admin()),
+            )
+            .route(
+                "/v1/operations/{tenant}/{action_id}/fail",
+                post(fail).route_layer(admin()),
+            )
+            .route(
+                "/v1/operations/{tenant}/{action_id}/recheck",
+                post(recheck).route_layer(admin()),
+            )
+            // Every route (not the 404 fallback): who is calling is settled before any
+            // extractor, so the body of an unauthenticated request is never read.
+            .route_layer(middleware::from_fn_with_state(
+                self.state.clone(),
+                authenticate_request,
+            ))
             .fallback(not_found)
             .with_state(self.state.clone())
     }
@@ -111,9 +139,7 @@ impl AdminApi {
             tenants = self.state.tenant_tokens.len(),
             "admin API listening"
         );
-        axum::serve(listener, self.router())
-            .with_graceful_shutdown(shutdown)
-            .await
+        kit::http::serve(listener, self.router(), self.limits, shutdown).await
     }
 }
 
@@ -194,14 +220,9 @@ impl From<OpsError> for ApiError {
     }
 }
 
-/// Equality of two secrets in time independent of where they differ (both are hashed first,
-/// so their lengths do not leak either).
+/// Equality of two secrets in time independent of where they differ and of their lengths.
 fn constant_time_eq(a: &str, b: &str) -> bool {
-    let (x, y) = (Sha256::digest(a.as_bytes()), Sha256::digest(b.as_bytes()));
-    x.iter()
-        .zip(y.iter())
-        .fold(0u8, |acc, (p, q)| acc | (p ^ q))
-        == 0
+    kit::secret::constant_time_eq(a.as_bytes(), b.as_bytes())
 }
 
 fn authenticate(state: &ApiState, headers: &HeaderMap) -> Result<Principal, ApiError> {
@@ -232,14 +253,36 @@ fn authenticate(state: &ApiState, headers: &HeaderMap) -> Result<Principal, ApiE
     }
 }
 
-fn require_admin(state: &ApiState, headers: &HeaderMap) -> Result<(), ApiError> {
-    match authenticate(state, headers)? {
-        Principal::Admin => Ok(()),
-        Principal::Tenant(_) => Err(ApiError::new(
+/// The middleware of every route: 401 without a known token, else the [`Principal`] goes into
+/// the request's extensions for the route's own rule. The body is not touched.
+async fn authenticate_request(
+    AxumState(state): Shared,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    match authenticate(&state, request.headers()) {
+        Ok(principal) => {
+            request.extensions_mut().insert(principal);
+            next.run(request).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The middleware of the operator routes (after [`authenticate_request`]): 403 for a tenant
+/// token, before the body is read.
+async fn admin_only(request: Request, next: Next) -> Response {
+    match request.extensions().get::<Principal>() {
+        Some(Principal::Admin) => next.run(request).await,
+        Some(Principal::Tenant(_)) => ApiError::new(
             StatusCode::FORBIDDEN,
             "forbidden",
             "a tenant token may only read its own operations' status",
-        )),
+        )
+        .into_response(),
+        None => {
+            ApiError::unauthorized("missing bearer token (Authorization: Bearer …)").into_response()
+        }
     }
 }
 
@@ -268,10 +311,8 @@ type Shared = AxumState<Arc<ApiState>>;
 
 async fn list(
     AxumState(state): Shared,
-    headers: HeaderMap,
     query: Result<Query<ListParams>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    require_admin(&state, &headers)?;
     let Query(params) = query.map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -285,10 +326,10 @@ async fn list(
 
 async fn status(
     AxumState(state): Shared,
-    headers: HeaderMap,
+    Extension(principal): Extension<Principal>,
     Path((tenant, action_id)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let with_operation = match authenticate(&state, &headers)? {
+    let with_operation = match principal {
         Principal::Admin => true,
         // Another tenant's operation is indistinguishable from a missing one.
         Principal::Tenant(own) if own == tenant => false,
@@ -300,11 +341,9 @@ async fn status(
 
 async fn resolve(
     AxumState(state): Shared,
-    headers: HeaderMap,
     Path((tenant, action_id)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    require_admin(&state, &headers)?;
     let input = parse_body(&body)?;
     let r = actions::resolve(&state.ctx, &tenant, &action_id, input).await?;
     Ok(action_reply(r))
@@ -312,11 +351,9 @@ async fn resolve(
 
 async fn fail(
     AxumState(state): Shared,
-    headers: HeaderMap,
     Path((tenant, action_id)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    require_admin(&state, &headers)?;
     let input = parse_body(&body)?;
     let r = actions::fail(&state.ctx, &tenant, &action_id, input).await?;
     Ok(action_reply(r))
@@ -324,11 +361,9 @@ async fn fail(
 
 async fn recheck(
     AxumState(state): Shared,
-    headers: HeaderMap,
     Path((tenant, action_id)): Path<(String, String)>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    require_admin(&state, &headers)?;
     let input = parse_body(&body)?;
     let r = actions::recheck(&state.ctx, &tenant, &action_id, input).await?;
     Ok(action_reply(r))

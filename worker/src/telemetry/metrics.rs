@@ -41,6 +41,7 @@ pub const BUDGET_DEFERRALS: &str = "intent_worker_retry_budget_deferrals_total";
 pub const BUDGET_AVAILABLE: &str = "intent_worker_retry_budget_available";
 pub const SWEPT: &str = "intent_worker_retention_swept_total";
 pub const READY: &str = "intent_worker_ready";
+pub const LOCAL_RESOURCE_ERRORS: &str = "intent_worker_local_resource_errors_total";
 
 /// Label values the worker emits, so every series an alert reads exists at 0 from start-up.
 /// A counter born at 1 has no `increase()` over its first sample: the first late-receipt
@@ -158,6 +159,10 @@ fn describe() {
         "1 while this worker is ready (both broker links up and the ledger answers, as GET /readyz), else 0; refreshed on every scrape."
     );
     describe_counter!(
+        LOCAL_RESOURCE_ERRORS,
+        "Downstream requests that could not leave because this worker ran out of a local resource (open files, socket buffers, memory, local ports), by tool and kind (write, lookup); never counted as the downstream's failure."
+    );
+    describe_counter!(
         SWEPT,
         "Rows touched by the retention sweeper, by kind (private_data, tombstone, outbox, redelivery, retry_spend)."
     );
@@ -205,6 +210,9 @@ pub fn install(tools: &[String]) -> Result<PrometheusHandle, String> {
         }
         for action in RECOVERY_ACTIONS {
             counter!(RECOVERIES, "tool" => tool.clone(), "action" => *action).absolute(0);
+        }
+        for kind in ["write", "lookup"] {
+            counter!(LOCAL_RESOURCE_ERRORS, "tool" => tool.clone(), "kind" => kind).absolute(0);
         }
     }
     // Not ready until the first scrape or probe proves otherwise.
@@ -255,10 +263,13 @@ pub async fn refresh_ledger_gauges(ledger: &Ledger, tools: impl Iterator<Item = 
     }
 }
 
-/// Serves `GET /metrics`, `GET /livez` and `GET /readyz` (see [`super::health`]) until
-/// `shutdown` resolves.
+/// Serves `GET /metrics`, `GET /livez` and `GET /readyz` (see [`super::health`]) with the
+/// listener `limits` (header and idle timeouts, connection cap: [`kit::http`]) until `shutdown`
+/// resolves.
+#[allow(clippy::too_many_arguments)]
 pub async fn serve(
     addr: SocketAddr,
+    limits: kit::http::Limits,
     handle: PrometheusHandle,
     ledger: Ledger,
     tools: Vec<String>,
@@ -308,7 +319,5 @@ pub async fn serve(
                 }
             }),
         );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    kit::http::serve(listener, app, limits, shutdown).await
 }

@@ -4,22 +4,15 @@
 pub mod health;
 pub mod metrics;
 
-use tracing_subscriber::EnvFilter;
-
-/// Installs the global log subscriber. `RUST_LOG` filters (default `info`, lapin quieter).
+/// Installs the global log subscriber. `RUST_LOG` filters (default `info`, lapin and sqlx
+/// quieter); message payloads are never logged ([`kit::logs`]).
 pub fn init_logs(json: bool) {
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,lapin=warn,sqlx=warn"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let result = if json {
-        builder.json().flatten_event(true).try_init()
-    } else {
-        builder.try_init()
-    };
-    // A second init (tests, library users with their own subscriber) is not an error.
-    let _ = result;
+    use std::io::IsTerminal as _;
+    kit::logs::init(
+        json,
+        std::io::stderr().is_terminal(),
+        "info,lapin=warn,sqlx=warn",
+    );
 }
 
 /// Formats an error with its whole cause chain, each cause once: a cause whose text the message

@@ -22,11 +22,14 @@ from .client import (
 )
 from .fingerprint import canonical_json, fingerprint
 from .intent import (
+    MAX_ACTION_KEY_BYTES,
     MAX_INTENT_BYTES,
     MAX_KEY_LEN,
     MAX_TOOL_LEN,
     Intent,
     InvalidIntent,
+    action_key,
+    check_action_key,
     decode_intent,
 )
 from .outbox import OUTBOX_DDL, create_outbox, enqueue, enqueue_async
@@ -42,6 +45,7 @@ from .tool import (
 )
 
 __all__ = [
+    "MAX_ACTION_KEY_BYTES",
     "MAX_INTENT_BYTES",
     "MAX_KEY_LEN",
     "MAX_TOOL_LEN",
@@ -61,9 +65,11 @@ __all__ = [
     "ToolAnswer",
     "TopologyMissing",
     "action_from_scope",
+    "action_key",
     "action_scope",
     "answer_for",
     "canonical_json",
+    "check_action_key",
     "create_outbox",
     "decode_intent",
     "enqueue",

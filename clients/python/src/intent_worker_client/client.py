@@ -53,10 +53,19 @@ def _answers_intent(event: ResultEvent, fingerprint: str | None) -> bool:
     )
 
 
+MAX_ROUTING_KEY_BYTES = 255
+"""The longest AMQP routing key (a short string), in bytes."""
+
+
 def result_routing_key(tenant: str, reply_to: str | None) -> str:
     """The results routing key of an intent: ``<tenant>`` without ``reply_to``,
-    ``<tenant>.@.<reply_to>`` with it (the worker's ``protocol::result_routing_key``)."""
-    return tenant if reply_to is None else f"{tenant}.{REPLY_WORD}.{reply_to}"
+    ``<tenant>.@.<reply_to>`` with it (the worker's ``protocol::result_routing_key``). When
+    that would be over :data:`MAX_ROUTING_KEY_BYTES` (``tenant`` and ``reply_to`` may each be
+    200 characters), the worker routes the event ``<tenant>``, and so does this."""
+    if reply_to is None:
+        return tenant
+    key = f"{tenant}.{REPLY_WORD}.{reply_to}"
+    return key if len(key.encode("utf-8")) <= MAX_ROUTING_KEY_BYTES else tenant
 
 
 class ClientError(Exception):

@@ -22,6 +22,12 @@ MAX_KEY_LEN = 200
 """Longest ``tenant``, ``action_id``, ``call_id`` and ``reply_to``, in characters."""
 MAX_TOOL_LEN = 64
 """Longest ``tool``, in characters."""
+MAX_ACTION_KEY_BYTES = 255
+"""Longest action key ``<tenant>:<action_id>``, in bytes: it is the AMQP ``message_id``, a short
+string. Each field may be :data:`MAX_KEY_LEN` characters, but the pair must fit this bound."""
+
+_I64_MIN = -(2**63)
+_U64_MAX = 2**64 - 1
 
 KNOWN_FIELDS = ("tenant", "action_id", "tool", "arguments", "call_id", "reply_to")
 _REQUIRED = ("tenant", "action_id", "tool", "arguments")
@@ -60,11 +66,48 @@ _RULES = {
 }
 
 
+CODES = (
+    "too_large",
+    "not_json",
+    "not_an_object",
+    "duplicate_field",
+    "unknown_field",
+    "missing_field",
+    "wrong_type",
+    "empty_field",
+    "too_long",
+    "invalid_characters",
+    "key_too_long",
+    "nul_character",
+)
+"""Every decode error code, in the order the worker checks the rules
+(Rust ``protocol::DecodeError::CODES``)."""
+
+
+def action_key(tenant: str, action_id: str) -> str:
+    """The logical action key ``<tenant>:<action_id>``: the AMQP ``message_id`` of the intent
+    and the downstream idempotency key."""
+    return f"{tenant}:{action_id}"
+
+
+def check_action_key(tenant: str, action_id: str) -> None:
+    """Raises :class:`InvalidIntent` (``key_too_long``) when ``<tenant>:<action_id>`` is over
+    :data:`MAX_ACTION_KEY_BYTES`; :func:`decode_intent` checks it with the other rules."""
+    size = len(action_key(tenant, action_id).encode("utf-8", "surrogatepass"))
+    if size > MAX_ACTION_KEY_BYTES:
+        raise InvalidIntent(
+            "key_too_long",
+            f'tenant and action_id make an action key ("<tenant>:<action_id>") of {size} bytes, '
+            f"over the {MAX_ACTION_KEY_BYTES}-byte limit of an AMQP message id",
+        )
+
+
 class InvalidIntent(ValueError):
     """A body or intent broke a rule of the wire contract. ``code`` is the worker's stable
-    decode error code (``too_large``, ``not_json``, ``not_an_object``, ``duplicate_field``,
-    ``unknown_field``, ``missing_field``, ``wrong_type``, ``empty_field``, ``too_long``,
-    ``invalid_characters``); ``field`` names the field where the rule is about one."""
+    decode error code (:data:`CODES`: ``too_large``, ``not_json``, ``not_an_object``,
+    ``duplicate_field``, ``unknown_field``, ``missing_field``, ``wrong_type``, ``empty_field``,
+    ``too_long``, ``invalid_characters``, ``key_too_long``, ``nul_character``); ``field`` names
+    the field where the rule is about one."""
 
     def __init__(self, code: str, message: str, field: str | None = None) -> None:
         super().__init__(message)
@@ -125,7 +168,7 @@ class Intent:
     @property
     def message_id(self) -> str:
         """The AMQP message_id and the downstream idempotency key: ``<tenant>:<action_id>``."""
-        return f"{self.tenant}:{self.action_id}"
+        return action_key(self.tenant, self.action_id)
 
 
 def _encodable(text: str) -> bool:
@@ -152,21 +195,43 @@ def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise ValueError(f"number out of range: {text[:40]}")
-    return value
+def _shorten(literal: str) -> str:
+    # A literal short enough to echo (a 100 KB run of zeros must not travel in a result).
+    return literal if len(literal) <= 40 else literal[:40] + "…"
 
 
-def _int(text: str) -> int | float:
-    # serde_json reads an integer beyond 64 bits as a double; one beyond the double range is
-    # an error there, so it must be one here.
-    if len(text) > 19 and math.isinf(float(text)):
-        raise ValueError(f"number out of range: {text[:40]}")
-    try:
-        return int(text)
-    except ValueError:
+class _Numbers:
+    """``json.loads`` hooks that read numbers as serde_json does (an integer beyond 64 bits
+    becomes the nearest double, a decimal below the double range becomes 0) and remember the
+    first literal, in document order, whose value that reading changes: the worker refuses it
+    (``not_json``) rather than store another number than the agent sent."""
+
+    def __init__(self) -> None:
+        self.changed: str | None = None
+
+    def _note(self, literal: str, why: str) -> None:
+        if self.changed is None:
+            self.changed = f"number {_shorten(literal)} {why}; send it as a string"
+
+    def parse_float(self, text: str) -> float:
+        value = float(text)
+        if math.isinf(value):
+            raise ValueError(f"number out of range: {text[:40]}")
+        mantissa = text.partition("e")[0].partition("E")[0]
+        if value == 0.0 and any(c in "123456789" for c in mantissa):
+            self._note(text, "is too small for a double and would become 0")
+        return value
+
+    def parse_int(self, text: str) -> int | float:
+        # One beyond the double range is an error in serde_json, so it must be one here.
+        if len(text) > 19 and math.isinf(float(text)):
+            raise ValueError(f"number out of range: {text[:40]}")
+        value = int(text)
+        if _I64_MIN <= value <= _U64_MAX:
+            return value
+        self._note(
+            text, "is outside the 64-bit integer range (-2^63 to 2^64-1) and would be rounded"
+        )
         return float(text)
 
 
@@ -196,17 +261,21 @@ def _echo(name: str) -> str:
 
 
 def parse_json(body: bytes) -> Any:
-    """Parses strict RFC 8259 JSON in UTF-8 the way the worker does; raises
-    :class:`InvalidIntent` with code ``not_json`` otherwise. Objects keep their entries
-    (``.pairs``) so repeated keys stay visible."""
+    """Parses strict RFC 8259 JSON in UTF-8 the way the worker's JSON parser does (numbers
+    included: see :class:`_Numbers`); raises :class:`InvalidIntent` with code ``not_json``
+    otherwise. Objects keep their entries (``.pairs``) so repeated keys stay visible."""
+    return _parse(body, _Numbers())
+
+
+def _parse(body: bytes, numbers: _Numbers) -> Any:
     try:
         text = body.decode("utf-8")
         value = json.loads(
             text,
             object_pairs_hook=_object,
             parse_constant=_constant,
-            parse_float=_float,
-            parse_int=_int,
+            parse_float=numbers.parse_float,
+            parse_int=numbers.parse_int,
         )
         _check_strings(value, 0)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -214,9 +283,30 @@ def parse_json(body: bytes) -> Any:
     return value
 
 
+def _nul_path(value: Any, at: str) -> str | None:
+    """Where the first U+0000 in ``value`` (a string or an object key) is, as a path such as
+    ``arguments.a[1].b``, visiting object keys in the worker's order (sorted by UTF-8 bytes).
+    Postgres ``jsonb`` cannot store it."""
+    if isinstance(value, str):
+        return at if "\0" in value else None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _nul_path(item, f"{at}[{i}]")
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        for key in sorted(value, key=lambda k: k.encode("utf-8")):
+            if "\0" in key:
+                return at
+            found = _nul_path(value[key], f"{at}.{_echo(key)}")
+            if found is not None:
+                return found
+    return None
+
+
 def decode_intent(body: bytes) -> Intent:
     """Decodes and validates an intent body, reporting the first broken rule in the
-    worker's order (README "Message contract (version 1)")."""
+    worker's order (docs/contract.md, "Strict decoding")."""
     if len(body) > MAX_INTENT_BYTES:
         raise InvalidIntent(
             "too_large", f"intent is {len(body)} bytes, over the {MAX_INTENT_BYTES}-byte limit"
@@ -226,9 +316,12 @@ def decode_intent(body: bytes) -> Intent:
         if _array_syntax_ok(body):
             raise InvalidIntent("not_an_object", "intent must be a JSON object")
         raise InvalidIntent("not_json", "intent is not valid JSON")
-    value = parse_json(body)
+    numbers = _Numbers()
+    value = _parse(body, numbers)
     if not isinstance(value, _Object):
         raise InvalidIntent("not_an_object", "intent must be a JSON object")
+    if numbers.changed is not None:
+        raise InvalidIntent("not_json", f"intent is not valid JSON: {numbers.changed}")
     seen: set[str] = set()
     for name, _ in value.pairs:
         if name in seen:
@@ -259,6 +352,14 @@ def decode_intent(body: bytes) -> Intent:
     checked = [(name, value[name]) for name in ("tenant", "action_id", "tool")]
     checked += [(n, value[n]) for n in ("call_id", "reply_to") if value.get(n) is not None]
     _check_rules(checked)
+    check_action_key(value["tenant"], value["action_id"])
+    at = _nul_path(value["arguments"], "arguments")
+    if at is not None:
+        raise InvalidIntent(
+            "nul_character",
+            f"{at} contains U+0000 (NUL), which the ledger cannot store; remove it or encode "
+            "the value (e.g. base64)",
+        )
     return Intent(
         tenant=value["tenant"],
         action_id=value["action_id"],

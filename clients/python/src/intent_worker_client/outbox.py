@@ -1,7 +1,7 @@
 """The agent-side transactional outbox: ``enqueue`` inserts a validated intent into
 ``intent_outbox`` inside the caller's own psycopg 3 transaction, so the intent exists if and
 only if the agent's own write commits. A relay (``publisher relay``) publishes the rows. The
-table is a contract shared with the Rust publisher (README "From a Python agent").
+table is a contract shared with the Rust publisher (clients/python/README.md, "Transactional outbox").
 """
 
 from __future__ import annotations
@@ -25,8 +25,14 @@ CREATE TABLE IF NOT EXISTS intent_outbox (
     sent_at         timestamptz
 );
 CREATE INDEX IF NOT EXISTS intent_outbox_due ON intent_outbox (next_attempt_at, id) WHERE sent_at IS NULL;
+ALTER TABLE intent_outbox
+    ADD COLUMN IF NOT EXISTS failed_at timestamptz,
+    ADD COLUMN IF NOT EXISTS failure   text;
 """
-"""The same DDL as ``publisher migrate``; ``body`` is the intent JSON exactly as published."""
+"""The same DDL as ``publisher migrate`` (publisher/migrations/0001 and 0002); ``body`` is the
+intent JSON exactly as published. A row the relay can never publish (its key over 255 bytes,
+a body the worker's decoder refuses, a body whose key is not the row's) gets ``failed_at`` and
+``failure`` and is skipped; :func:`enqueue` never inserts one."""
 
 _INSERT = "INSERT INTO intent_outbox (tenant, action_id, body) VALUES (%s, %s, %s) RETURNING id"
 
