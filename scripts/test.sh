@@ -3,8 +3,9 @@
 #
 #   scripts/test.sh [extra cargo-nextest args, e.g. -E 'test(claim)']
 #
-# Steps: services (Postgres, RabbitMQ) -> tools (promtool, cargo-nextest) -> fmt -> clippy ->
-# alert rules (check + unit tests) -> compose file -> cargo build -> Python client (virtualenv,
+# Steps: services (Postgres, RabbitMQ; started, or installed with apt-get as root, when missing)
+# -> tools (promtool, cargo-nextest) -> fmt -> clippy -> alert rules (check + unit tests) ->
+# compose file -> cargo build -> demo (scripts/demo.sh --once) -> Python client (virtualenv,
 # ruff, mypy, pytest against the built worker) -> API schema (schemathesis against a built
 # worker) -> MCP examples' virtualenv -> cargo nextest (whole workspace).
 #
@@ -42,147 +43,18 @@ step() {
     say "ok: $name ($((SECONDS - t0))s)"
 }
 
-# url_host_port URL DEFAULT_PORT: prints "host port" of a postgres:// or amqp:// URL.
-url_host_port() {
-    local url=$1 default_port=$2 host port rest
-    rest=${url#*://}
-    rest=${rest%%[/?]*}
-    rest=${rest##*@}
-    if [[ $rest =~ ^\[([^]]*)\](:([0-9]+))?$ ]]; then
-        host=${BASH_REMATCH[1]} port=${BASH_REMATCH[3]}
-    else
-        host=${rest%%:*}
-        port=""
-        [[ $rest == *:* ]] && port=${rest##*:}
-    fi
-    printf '%s %s\n' "${host:-127.0.0.1}" "${port:-$default_port}"
-}
-
-is_local() { [[ $1 == 127.* || $1 == localhost || $1 == ::1 ]]; }
-
-tcp_open() { timeout 3 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; }
-
-# wait_until SECONDS COMMAND...: retry COMMAND once a second.
-wait_until() {
-    local deadline=$((SECONDS + $1))
-    shift
-    until "$@"; do
-        [ "$SECONDS" -ge "$deadline" ] && return 1
-        sleep 1
-    done
-}
-
 # ---- (a) services -------------------------------------------------------------------------------
-read -r PG_HOST PG_PORT < <(url_host_port "$TEST_DATABASE_URL" 5432)
-read -r MQ_HOST MQ_PORT < <(url_host_port "$TEST_AMQP_URL" 5672)
-
-postgres_ready() {
-    if command -v pg_isready >/dev/null 2>&1; then
-        pg_isready -q -d "$TEST_DATABASE_URL" -t 3 || return 1
-    else
-        tcp_open "$PG_HOST" "$PG_PORT" || return 1
-    fi
-    if command -v psql >/dev/null 2>&1; then
-        psql "$TEST_DATABASE_URL" -X -q -t -c 'select 1' >/dev/null 2>&1 || return 1
-    fi
-}
-
-# amqp_answers: the broker answers the AMQP protocol header with a method frame (type 1) in
-# time. An open port is not enough: a wedged node keeps accepting TCP and never answers.
-amqp_answers() {
-    local first
-    first=$(timeout 10 bash -c "exec 3<>/dev/tcp/$MQ_HOST/$MQ_PORT; printf 'AMQP\x00\x00\x09\x01' >&3; head -c 1 <&3 | od -An -tx1" 2>/dev/null)
-    [ "${first// /}" = 01 ]
-}
-
-rabbitmq_ready() {
-    tcp_open "$MQ_HOST" "$MQ_PORT" || return 1
-    amqp_answers || return 1
-    if is_local "$MQ_HOST" && command -v rabbitmq-diagnostics >/dev/null 2>&1; then
-        timeout 20 rabbitmq-diagnostics -q ping >/dev/null 2>&1 || return 1
-    fi
-}
-
-start_postgres() {
-    is_local "$PG_HOST" && command -v pg_ctlcluster >/dev/null 2>&1 && [ -d /etc/postgresql ] || return 1
-    local dir version
-    for dir in /etc/postgresql/*/; do
-        version=$(basename "$dir")
-        say "starting local PostgreSQL $version/main"
-        pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
-    done
-}
-
-start_rabbitmq() {
-    is_local "$MQ_HOST" && command -v rabbitmq-server >/dev/null 2>&1 || return 1
-    # A local node that accepts connections but does not answer AMQP (seen once on this kind of
-    # machine after hours of churn) is stopped first: `-detached` would refuse a second node.
-    if tcp_open "$MQ_HOST" "$MQ_PORT" && ! amqp_answers; then
-        say "local RabbitMQ accepts TCP but does not answer AMQP: stopping it"
-        timeout 30 rabbitmqctl stop >/dev/null 2>&1 || pkill -KILL -f 'beam.smp.*rabbit' || true
-        wait_until 30 bash -c "! exec 3<>/dev/tcp/$MQ_HOST/$MQ_PORT" 2>/dev/null || true
-    fi
-    say "starting local RabbitMQ (rabbitmq-server -detached)"
-    rabbitmq-server -detached || true
-}
-
-# ensure_service NAME HOST PORT READY START HOW URL_VAR: check, try to start, wait, or exit 2.
-ensure_service() {
-    local name=$1 host=$2 port=$3 ready=$4 start=$5 how=$6 url_var=$7
-    "$ready" && { say "$name is up at $host:$port"; return 0; }
-    say "$name is not reachable at $host:$port"
-    if "$start" && wait_until "$WAIT_SECS" "$ready"; then
-        say "$name is up at $host:$port"
-        return 0
-    fi
-    {
-        echo
-        echo "ERROR: $name is not reachable at $host:$port (waited up to ${WAIT_SECS}s after trying to start it)."
-        if [ "$name" = PostgreSQL ] && command -v psql >/dev/null 2>&1; then
-            echo "  psql says: $(psql "$TEST_DATABASE_URL" -X -q -t -c 'select 1' 2>&1 | head -n 1)"
-        fi
-        echo "  Start it, e.g.: $how"
-        echo "  or set $url_var to a reachable server (now: ${!url_var})."
-    } >&2
-    exit 2
-}
-
-check_services() {
-    ensure_service PostgreSQL "$PG_HOST" "$PG_PORT" postgres_ready start_postgres \
-        "pg_ctlcluster --skip-systemctl-redirect \$(ls /etc/postgresql) main start" TEST_DATABASE_URL
-    ensure_service RabbitMQ "$MQ_HOST" "$MQ_PORT" rabbitmq_ready start_rabbitmq \
-        "rabbitmq-server -detached" TEST_AMQP_URL
-}
+# Check, start or (as root on Debian/Ubuntu) install Postgres and RabbitMQ: one copy for this
+# script and scripts/demo.sh.
+SERVICES_PG_URL_VAR=TEST_DATABASE_URL
+SERVICES_MQ_URL_VAR=TEST_AMQP_URL
+# shellcheck source=scripts/lib/services.sh
+. scripts/lib/services.sh
+services_init
 
 # ---- (b) tools ----------------------------------------------------------------------------------
 install_promtool() {
     apt_install prometheus
-}
-
-# apt_install PACKAGE: installs a Debian package as root without starting its service.
-apt_install() {
-    local package=$1
-    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-        return 1
-    fi
-    say "installing Debian package $package"
-    # Keep the package's service from starting: policy-rc.d exit 101 forbids it.
-    local made_policy=0
-    if [ ! -e /usr/sbin/policy-rc.d ]; then
-        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-        chmod 755 /usr/sbin/policy-rc.d
-        made_policy=1
-    fi
-    local rc=0
-    {
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$package" ||
-            { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$package"; }
-    } >/tmp/test-sh-apt.log 2>&1 || rc=$?
-    [ "$made_policy" -eq 1 ] && rm -f /usr/sbin/policy-rc.d
-    if [ "$rc" -ne 0 ]; then
-        tail -n 20 /tmp/test-sh-apt.log >&2
-        return 1
-    fi
 }
 
 check_tools() {
@@ -257,7 +129,7 @@ python_client_tests() {
 
 # ---- (g2) MCP examples ---------------------------------------------------------------------------
 # The Python MCP examples (examples/mcp/: the `mcp` package and the OpenAI Agents SDK, pinned in
-# examples/mcp/requirements.txt) get a virtualenv of their own; tests/tests/mcp.rs runs them
+# examples/mcp/requirements.txt) get a virtualenv of their own; tests/tests/mcp_gateway.rs runs them
 # against a real gateway when MCP_PYTHON names its interpreter (exported for cargo nextest).
 mcp_examples_venv() {
     local venv
@@ -303,8 +175,34 @@ step "kubernetes manifests (offline)" scripts/validate-k8s.sh
 step "compose file" check_compose
 # The end-to-end suites run the built binaries (worker with fault points, reference-downstream).
 step "cargo build" cargo build --workspace --locked
+# The Quick start without Docker, non-interactively, on the debug binaries just built (their
+# worker has fault points; the release build would add minutes): its summary against the
+# downstream's own table.
+step "demo (scripts/demo.sh --once)" scripts/demo.sh --once --bin-dir "${CARGO_TARGET_DIR:-target}/debug"
 step "python client (virtualenv, ruff, mypy, pytest)" python_client_tests
 step "API schema (schemathesis against docs/openapi.yaml)" api_schema_tests
 step "MCP examples (virtualenv, ruff; exports MCP_PYTHON)" mcp_examples_venv
-step "cargo nextest" cargo nextest run --workspace --locked --no-fail-fast "$@"
+# slowest_tests: the ten slowest tests of the last nextest run, from its JUnit report.
+slowest_tests() {
+    local report="${CARGO_TARGET_DIR:-target}/nextest/default/junit.xml"
+    [ -f "$report" ] || return 0
+    say "ten slowest tests:"
+    python3 - "$report" <<'PY' || true
+import sys
+import xml.etree.ElementTree as ET
+
+cases = [
+    (float(c.get("time", 0)), f"{c.get('classname')} {c.get('name')}")
+    for c in ET.parse(sys.argv[1]).getroot().iter("testcase")
+]
+for seconds, name in sorted(cases, reverse=True)[:10]:
+    print(f"  {seconds:7.1f}s  {name}")
+PY
+}
+
+nextest_rc=0
+# In a subshell: a failing step exits it, and the slowest tests are still printed.
+(step "cargo nextest" cargo nextest run --workspace --locked --no-fail-fast "$@") || nextest_rc=$?
+slowest_tests
+[ "$nextest_rc" -eq 0 ] || exit "$nextest_rc"
 say "all steps passed ($((SECONDS - started_all))s)"

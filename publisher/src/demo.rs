@@ -1,16 +1,32 @@
-//! The demo agent used by docker compose.
+//! The demo agent: `--scenario stream` for docker compose, `--scenario full` for
+//! `scripts/demo.sh` (the Quick start without Docker).
 //!
-//! It sends `count` intents `demo-<run id>-<i>` and sends every k-th one again with a new
-//! call id (and, when published directly, its JSON fields in another order). The worker must
-//! treat the repeat as a duplicate of the same action (same key, same fingerprint) and never
-//! dispatch it twice.
+//! **stream** sends `count` intents `demo-<run id>-<i>` and sends every k-th one again with a
+//! new call id (and, when published directly, its JSON fields in another order). The worker
+//! must treat the repeat as a duplicate of the same action (same key, same fingerprint) and
+//! never dispatch it twice.
+//!
+//! **full** walks through what the worker promises, one phase after the other, and prints a
+//! machine-checkable summary (`key=value` lines on stdout, see [`Tally`]):
+//!
+//! 1. `count` refunds `refund-<run id>-<i>`, each waited for until its final answer;
+//! 2. every k-th again, fields reordered and re-spaced, new call id: answered from the ledger
+//!    (`succeeded` with the first answer's receipt), never dispatched again;
+//! 3. `refund-<run id>-1` reused with other arguments: refused `rejected` / `intent_conflict`;
+//! 4. one `<held tool>-<run id>` intent (a tool with `recovery = "none"`): when its reply is
+//!    lost after the downstream committed (`scripts/demo.sh` arms the reference downstream's
+//!    `drop_after_commit` fault for that key first), it is answered `pending`, and the status
+//!    API then shows it held for a person.
+//!
+//! The agent only reports what it saw; how many writes the downstream really made is in the
+//! downstream's own tables (`scripts/demo.sh` counts them and compares).
 //!
 //! With a database URL the agent works as a real one should: each intent is enqueued in the
 //! agent's `intent_outbox` in the same transaction as its own record of the request
 //! (`demo_refund_requests`), and `publisher relay` publishes it. Either way the agent binds
 //! its own results queue (`<tenant>.@.<reply_to>`) first and prints every answer it gets.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
@@ -23,9 +39,28 @@ const STARTUP: Duration = Duration::from_secs(60);
 /// Pause between start-up attempts.
 const STARTUP_PAUSE: Duration = Duration::from_secs(1);
 
+/// Which demo `publisher demo` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Scenario {
+    /// `count` intents at `interval`, every k-th sent again at once; every answer printed.
+    #[default]
+    Stream,
+    /// Refunds, repeats answered from the ledger, one conflicting reuse, one lost reply held
+    /// for a person; ends with a `key=value` summary.
+    Full,
+}
+
 /// What `publisher demo` was asked to do.
 #[derive(Debug, Clone)]
 pub struct DemoConfig {
+    pub scenario: Scenario,
+    /// The id in every action id; default: one unique to this run.
+    pub run_id: Option<String>,
+    /// `full`: the tool (declared `recovery = "none"`) of the action whose reply is lost.
+    pub held_tool: String,
+    /// `full`: the worker's status API root and a token for it (tenant or admin), asked
+    /// whether the pending action is held.
+    pub status: Option<(String, String)>,
     pub amqp_url: String,
     pub exchange: String,
     pub results_exchange: String,
@@ -48,7 +83,7 @@ pub async fn run(config: DemoConfig) -> anyhow::Result<()> {
     let publisher = connect_when_ready(&config, deadline)
         .await?
         .with_user_id(config.set_user_id);
-    let run_id = run_id();
+    let run_id = config.run_id.clone().unwrap_or_else(run_id);
     let reply_to = format!("demo-agent-{run_id}");
     // Bound before anything is sent, so no answer is missed.
     let mut answers = Follower::follow_keys(
@@ -82,7 +117,27 @@ pub async fn run(config: DemoConfig) -> anyhow::Result<()> {
         None => None,
     };
     info!(%run_id, tenant = %config.tenant, tool = %config.tool, count = config.count,
-        %reply_to, via_outbox = outbox.is_some(), "demo starting");
+        %reply_to, via_outbox = outbox.is_some(), scenario = ?config.scenario, "demo starting");
+    if config.scenario == Scenario::Full {
+        let mut tour = Tour {
+            config: &config,
+            publisher: &publisher,
+            outbox: outbox.as_ref(),
+            answers: &mut answers,
+            deadline,
+            run_id: &run_id,
+            reply_to: &reply_to,
+            log: Vec::new(),
+            seen: HashSet::new(),
+            tally: Tally::default(),
+        };
+        let outcome = tour.run().await;
+        let tally = tour.tally.clone();
+        answers.close().await.ok();
+        publisher.close().await.ok();
+        print!("{}", tally.render());
+        return outcome;
+    }
 
     let mut open: BTreeMap<String, ()> = BTreeMap::new();
     let mut shown = 0u64;
@@ -149,6 +204,478 @@ fn show(event: &protocol::ResultEvent, open: &mut BTreeMap<String, ()>, shown: &
     if event.status != protocol::Status::Pending {
         open.remove(&event.action_id);
     }
+}
+
+/// What the `full` scenario saw, printed as `key=value` lines by [`Tally::render`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub run_id: String,
+    /// Every intent this agent enqueued (or published): first sends, repeats and the reuse.
+    pub intents_sent: u64,
+    /// Distinct actions `(tenant, action_id)` among them.
+    pub actions: u64,
+    /// Actions whose answer was `succeeded`.
+    pub succeeded: u64,
+    /// Actions answered `failed` or `rejected` (none expected).
+    pub failed_or_rejected: u64,
+    /// Repeats sent (same action, same arguments, reordered and re-spaced JSON).
+    pub repeats_sent: u64,
+    /// Repeats answered `succeeded` with the receipt of the action's first answer.
+    pub repeats_answered_from_ledger: u64,
+    /// Reuses of an action id with other arguments.
+    pub conflicts_sent: u64,
+    /// Reuses answered `rejected` / `intent_conflict`.
+    pub conflicts_refused: u64,
+    /// Actions answered `pending` (outcome unknown).
+    pub pending: u64,
+    /// Of those, held for a person according to the status API.
+    pub held: u64,
+    /// The action whose reply is lost after commit.
+    pub held_action_id: String,
+    /// Result events received (distinct event ids).
+    pub answers: u64,
+    /// Whether every answer the scenario waits for arrived in time.
+    pub complete: bool,
+}
+
+impl Tally {
+    /// The summary: one `key=value` line each, in a fixed order.
+    pub fn render(&self) -> String {
+        let lines: [(&str, String); 15] = [
+            ("run_id", self.run_id.clone()),
+            ("intents_sent", self.intents_sent.to_string()),
+            ("actions", self.actions.to_string()),
+            ("succeeded", self.succeeded.to_string()),
+            ("failed_or_rejected", self.failed_or_rejected.to_string()),
+            ("repeats_sent", self.repeats_sent.to_string()),
+            (
+                "repeats_answered_from_ledger",
+                self.repeats_answered_from_ledger.to_string(),
+            ),
+            ("conflicts_sent", self.conflicts_sent.to_string()),
+            ("conflicts_refused", self.conflicts_refused.to_string()),
+            ("pending", self.pending.to_string()),
+            ("held", self.held.to_string()),
+            ("held_action_id", self.held_action_id.clone()),
+            ("answers", self.answers.to_string()),
+            ("complete", self.complete.to_string()),
+            ("summary_end", "1".to_string()),
+        ];
+        lines.iter().map(|(k, v)| format!("{k}={v}\n")).collect()
+    }
+}
+
+/// The `full` scenario's state while it runs.
+struct Tour<'a> {
+    config: &'a DemoConfig,
+    publisher: &'a Publisher,
+    outbox: Option<&'a sqlx::PgPool>,
+    answers: &'a mut Follower,
+    /// End of the start-up window (an unroutable publish is retried until then).
+    deadline: Instant,
+    run_id: &'a str,
+    reply_to: &'a str,
+    /// Every distinct result event received, in arrival order.
+    log: Vec<protocol::ResultEvent>,
+    seen: HashSet<String>,
+    tally: Tally,
+}
+
+/// The first final answer (`succeeded`, `failed`, `rejected`) for `action_id` in `log`.
+fn final_for<'e>(
+    log: &'e [protocol::ResultEvent],
+    action_id: &str,
+) -> Option<&'e protocol::ResultEvent> {
+    log.iter()
+        .find(|e| e.action_id == action_id && e.status != protocol::Status::Pending)
+}
+
+/// The first answer of any status for `action_id` in `log`.
+fn any_for<'e>(
+    log: &'e [protocol::ResultEvent],
+    action_id: &str,
+) -> Option<&'e protocol::ResultEvent> {
+    log.iter().find(|e| e.action_id == action_id)
+}
+
+fn receipt_id(event: &protocol::ResultEvent) -> Option<&str> {
+    event
+        .receipt
+        .as_ref()
+        .and_then(|r| r.get("receipt_id"))
+        .and_then(serde_json::Value::as_str)
+}
+
+/// Whether a status API answer shows the operation held: `operation.state` with an admin
+/// token; with a tenant token only the answer, whose `pending` message says it is held.
+fn is_held(answer: &serde_json::Value) -> bool {
+    match answer
+        .pointer("/operation/state")
+        .and_then(serde_json::Value::as_str)
+    {
+        Some(state) => state == "held",
+        None => {
+            answer["status"] == "pending"
+                && answer["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("held for reconciliation"))
+        }
+    }
+}
+
+impl Tour<'_> {
+    async fn run(&mut self) -> anyhow::Result<()> {
+        self.tally.run_id = self.run_id.to_string();
+        let outcome = self.phases().await;
+        let mut pending: Vec<&str> = self
+            .log
+            .iter()
+            .filter(|e| e.status == protocol::Status::Pending)
+            .map(|e| e.action_id.as_str())
+            .collect();
+        pending.sort_unstable();
+        pending.dedup();
+        self.tally.pending = pending.len() as u64;
+        self.tally.answers = self.log.len() as u64;
+        self.tally.complete = outcome.is_ok();
+        info!(tally = ?self.tally, "demo done");
+        outcome
+    }
+
+    async fn phases(&mut self) -> anyhow::Result<()> {
+        let c = self.config;
+        let run = self.run_id.to_string();
+        let reply_to = self.reply_to.to_string();
+        if c.count == 0 {
+            bail!("--scenario full needs --count of at least 1");
+        }
+
+        // 1. Refunds, each recorded with the agent's own write; wait for every answer.
+        let refunds: Vec<String> = (1..=c.count).map(|i| format!("refund-{run}-{i}")).collect();
+        for (i, action_id) in (1..).zip(&refunds) {
+            if i > 1 {
+                self.pause(c.interval).await?;
+            }
+            let call_id = format!("call-{run}-{i}");
+            let text = body(
+                &c.tenant,
+                action_id,
+                &c.tool,
+                &refund_arguments(i, 100 + i),
+                &call_id,
+                &reply_to,
+                false,
+            );
+            self.send(&text, Some((i, 100 + i)), "refund").await?;
+            self.tally.actions += 1;
+        }
+        let until = Instant::now() + c.answer_timeout;
+        if !self
+            .wait(until, |log| {
+                refunds.iter().all(|a| final_for(log, a).is_some())
+            })
+            .await?
+        {
+            bail!(
+                "not every refund was answered within {:?}",
+                c.answer_timeout
+            );
+        }
+        let mut first_receipts = BTreeMap::new();
+        for action_id in &refunds {
+            let event = final_for(&self.log, action_id).expect("waited for");
+            if event.status == protocol::Status::Succeeded {
+                self.tally.succeeded += 1;
+            } else {
+                self.tally.failed_or_rejected += 1;
+            }
+            first_receipts.insert(action_id.clone(), receipt_id(event).map(str::to_owned));
+        }
+
+        // 2. Every k-th again: same action and arguments, reordered and re-spaced JSON, new
+        //    call id. The ledger answers; the downstream sees no second write.
+        let from = self.log.len();
+        let every = c.duplicate_every;
+        let repeats: Vec<(u64, &String)> = (1..)
+            .zip(&refunds)
+            .filter(|(i, _)| every > 0 && i % every == 0)
+            .collect();
+        for (i, action_id) in &repeats {
+            let call_id = format!("call-{run}-{i}-again");
+            let text = body(
+                &c.tenant,
+                action_id,
+                &c.tool,
+                &refund_arguments(*i, 100 + i),
+                &call_id,
+                &reply_to,
+                true,
+            );
+            self.send(
+                &text,
+                None,
+                "the same refund again (reordered, re-spaced JSON)",
+            )
+            .await?;
+            self.tally.repeats_sent += 1;
+        }
+        let until = Instant::now() + c.answer_timeout;
+        if !self
+            .wait(until, |log| {
+                repeats
+                    .iter()
+                    .all(|(_, a)| final_for(&log[from..], a).is_some())
+            })
+            .await?
+        {
+            bail!(
+                "not every repeat was answered within {:?}",
+                c.answer_timeout
+            );
+        }
+        for (_, action_id) in &repeats {
+            let event = final_for(&self.log[from..], action_id).expect("waited for");
+            let first = first_receipts.get(*action_id).cloned().flatten();
+            if event.status == protocol::Status::Succeeded
+                && first.is_some()
+                && receipt_id(event) == first.as_deref()
+            {
+                self.tally.repeats_answered_from_ledger += 1;
+            } else {
+                warn!(action_id = %event.action_id, status = event.status.as_str(),
+                    "a repeat was not answered with the first answer's receipt");
+            }
+        }
+
+        // 3. The first refund's action id reused with other arguments: refused.
+        let from = self.log.len();
+        let reused = refunds[0].clone();
+        let call_id = format!("call-{run}-1-reuse");
+        let text = body(
+            &c.tenant,
+            &reused,
+            &c.tool,
+            &refund_arguments(1, 10_000 + 1),
+            &call_id,
+            &reply_to,
+            false,
+        );
+        self.send(
+            &text,
+            None,
+            "the same action id with other arguments: expect intent_conflict",
+        )
+        .await?;
+        self.tally.conflicts_sent += 1;
+        let until = Instant::now() + c.answer_timeout;
+        if !self
+            .wait(until, |log| any_for(&log[from..], &reused).is_some())
+            .await?
+        {
+            bail!(
+                "the conflicting reuse was not answered within {:?}",
+                c.answer_timeout
+            );
+        }
+        let event = any_for(&self.log[from..], &reused).expect("waited for");
+        if event.status == protocol::Status::Rejected
+            && event.reason == Some(protocol::RejectReason::IntentConflict)
+        {
+            self.tally.conflicts_refused += 1;
+        }
+
+        // 4. A tool without recovery whose reply is lost after the downstream committed:
+        //    pending, then held for a person (never retried, never guessed).
+        let from = self.log.len();
+        let held = format!("{}-{run}", c.held_tool);
+        self.tally.held_action_id = held.clone();
+        let args = [
+            ("service", serde_json::Value::from("checkout")),
+            ("version", serde_json::Value::from("2.0.0")),
+        ];
+        let text = body(
+            &c.tenant,
+            &held,
+            &c.held_tool,
+            &args,
+            &format!("call-{run}-held"),
+            &reply_to,
+            false,
+        );
+        self.send(
+            &text,
+            None,
+            "an action whose reply will be lost after commit",
+        )
+        .await?;
+        self.tally.actions += 1;
+        let until = Instant::now() + c.answer_timeout;
+        if !self
+            .wait(until, |log| any_for(&log[from..], &held).is_some())
+            .await?
+        {
+            bail!("{held} was not answered within {:?}", c.answer_timeout);
+        }
+        let event = any_for(&self.log[from..], &held).expect("waited for");
+        match event.status {
+            protocol::Status::Pending => {
+                if self.held_by_status_api(&held, until).await? {
+                    self.tally.held += 1;
+                } else {
+                    bail!(
+                        "{held} is pending, but the status API did not show it held within {:?}",
+                        c.answer_timeout
+                    );
+                }
+            }
+            protocol::Status::Succeeded => {
+                // No lost reply (nobody armed the downstream's fault): an ordinary success.
+                self.tally.succeeded += 1;
+            }
+            _ => self.tally.failed_or_rejected += 1,
+        }
+        Ok(())
+    }
+
+    /// Enqueues (through the agent's outbox) or publishes one intent body as written.
+    async fn send(
+        &mut self,
+        body: &str,
+        record: Option<(u64, u64)>,
+        what: &str,
+    ) -> anyhow::Result<()> {
+        let fingerprint = match self.outbox {
+            Some(pool) => enqueue_raw(pool, body, record).await?,
+            None => publish_checked(self.publisher, body, self.deadline).await?,
+        };
+        self.tally.intents_sent += 1;
+        let intent = protocol::decode_intent(body.as_bytes())
+            .map_err(|error| anyhow::anyhow!("demo built an invalid intent: {error}"))?;
+        info!(tenant = %intent.tenant, action_id = %intent.action_id, call_id = ?intent.call_id,
+            %fingerprint, "sent: {what}");
+        Ok(())
+    }
+
+    /// Receives answers until `done(log)` or `until`; false at the deadline.
+    async fn wait(
+        &mut self,
+        until: Instant,
+        done: impl Fn(&[protocol::ResultEvent]) -> bool,
+    ) -> anyhow::Result<bool> {
+        loop {
+            if done(&self.log) {
+                return Ok(true);
+            }
+            let Some(left) = until.checked_duration_since(Instant::now()) else {
+                return Ok(false);
+            };
+            self.receive(left).await?;
+        }
+    }
+
+    /// Receives answers for `d`.
+    async fn pause(&mut self, d: Duration) -> anyhow::Result<()> {
+        let until = Instant::now() + d;
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            self.receive(left).await?;
+        }
+        Ok(())
+    }
+
+    /// Waits up to `left` for one answer; prints and records it unless it is a repeated copy.
+    async fn receive(&mut self, left: Duration) -> anyhow::Result<()> {
+        match self.answers.next(left).await {
+            Ok(Some(event)) => {
+                if self.seen.insert(event.event_id.clone()) {
+                    info!(action_id = %event.action_id, status = event.status.as_str(),
+                        message = %event.message, "answer");
+                    if let Ok(line) = serde_json::to_string(&event) {
+                        println!("{line}");
+                    }
+                    self.log.push(event);
+                }
+            }
+            Ok(None) => {}
+            Err(PublishError::ConsumerClosed) => bail!("the demo agent's results queue was closed"),
+            Err(error) => warn!(%error, "skipped a results message"),
+        }
+        Ok(())
+    }
+
+    /// Asks the status API until it shows `action_id` held, or `until`.
+    async fn held_by_status_api(
+        &mut self,
+        action_id: &str,
+        until: Instant,
+    ) -> anyhow::Result<bool> {
+        let Some((base, token)) = self.config.status.clone() else {
+            warn!("no status API given (--status-url): cannot tell whether {action_id} is held");
+            return Ok(false);
+        };
+        let mut url =
+            reqwest::Url::parse(&base).with_context(|| format!("bad status URL {base:?}"))?;
+        url.path_segments_mut()
+            .map_err(|()| anyhow::anyhow!("bad status URL {base:?}"))?
+            .pop_if_empty()
+            .extend(["v1", "operations", &self.config.tenant, action_id]);
+        let client = crate::tls::http_client()
+            .timeout(Duration::from_secs(5))
+            .build()?;
+        loop {
+            match client.get(url.clone()).bearer_auth(&token).send().await {
+                Ok(response) if response.status().is_success() => {
+                    let bytes = response.bytes().await.unwrap_or_default();
+                    let answer: serde_json::Value =
+                        serde_json::from_slice(&bytes).unwrap_or_default();
+                    if is_held(&answer) {
+                        info!(%action_id, message = %answer["message"], "status API: held for a person");
+                        return Ok(true);
+                    }
+                }
+                Ok(response) => warn!(status = %response.status(), %url, "status API refused"),
+                Err(error) => warn!(%error, %url, "status API did not answer"),
+            }
+            if Instant::now() + STATUS_POLL > until {
+                return Ok(false);
+            }
+            self.pause(STATUS_POLL).await?;
+        }
+    }
+}
+
+/// Pause between status API requests.
+const STATUS_POLL: Duration = Duration::from_millis(250);
+
+/// The agent's own write (for a first send) and its intent body exactly as written, in one
+/// transaction (`intent_outbox` is a contract: any agent may insert rows; the relay publishes
+/// the body unchanged, so a reordered body stays reordered on the wire).
+async fn enqueue_raw(
+    pool: &sqlx::PgPool,
+    body: &str,
+    record: Option<(u64, u64)>,
+) -> anyhow::Result<String> {
+    let intent = protocol::decode_intent(body.as_bytes())
+        .map_err(|error| anyhow::anyhow!("demo built an invalid intent: {error}"))?;
+    let mut tx = pool.begin().await?;
+    if let Some((i, amount)) = record {
+        sqlx::query(
+            "INSERT INTO demo_refund_requests (action_id, order_ref, amount_cents)
+             VALUES ($1, $2, $3) ON CONFLICT (action_id) DO NOTHING",
+        )
+        .bind(&intent.action_id)
+        .bind(format!("order-{i}"))
+        .bind(amount as i64)
+        .execute(&mut *tx)
+        .await?;
+    }
+    sqlx::query("INSERT INTO intent_outbox (tenant, action_id, body) VALUES ($1, $2, $3)")
+        .bind(&intent.tenant)
+        .bind(&intent.action_id)
+        .bind(body)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(intent.fingerprint())
 }
 
 /// The agent's own write and its intent, in one transaction.
@@ -238,23 +765,59 @@ fn intent_json(
     i: u64,
     reordered: bool,
 ) -> String {
+    body(
+        &config.tenant,
+        action_id,
+        &config.tool,
+        &refund_arguments(i, 100 + i),
+        call_id,
+        reply_to,
+        reordered,
+    )
+}
+
+/// A refund's arguments, in their usual order.
+fn refund_arguments(i: u64, amount_cents: u64) -> Vec<(&'static str, serde_json::Value)> {
+    vec![
+        ("order", format!("order-{i}").into()),
+        ("amount_cents", amount_cents.into()),
+        ("currency", "USD".into()),
+    ]
+}
+
+/// An intent body written by hand, as an agent in any language might. `reordered` reverses
+/// the order of the fields (top-level and in `arguments`) and adds white space: the same
+/// action and the same fingerprint.
+fn body(
+    tenant: &str,
+    action_id: &str,
+    tool: &str,
+    arguments: &[(&str, serde_json::Value)],
+    call_id: &str,
+    reply_to: &str,
+    reordered: bool,
+) -> String {
     let q = |s: &str| serde_json::Value::from(s).to_string();
-    let (tenant, action_id, tool, call_id, reply_to) = (
-        q(&config.tenant),
-        q(action_id),
-        q(&config.tool),
-        q(call_id),
-        q(reply_to),
-    );
-    let order = q(&format!("order-{i}"));
-    let amount = 100 + i;
+    let (tenant, action_id, tool, call_id, reply_to) =
+        (q(tenant), q(action_id), q(tool), q(call_id), q(reply_to));
     if reordered {
+        let args: Vec<String> = arguments
+            .iter()
+            .rev()
+            .map(|(k, v)| format!("{} : {v}", q(k)))
+            .collect();
         format!(
-            r#"{{"call_id":{call_id},"arguments":{{"currency":"USD","amount_cents":{amount},"order":{order}}},"tool":{tool},"reply_to":{reply_to},"action_id":{action_id},"tenant":{tenant}}}"#
+            "{{ \"call_id\" : {call_id},\n  \"arguments\" : {{ {} }},\n  \"tool\" : {tool} , \"reply_to\" : {reply_to},\n\t\"action_id\" : {action_id}, \"tenant\" : {tenant} }}\n",
+            args.join(" ,\t")
         )
     } else {
+        let args: Vec<String> = arguments
+            .iter()
+            .map(|(k, v)| format!("{}:{v}", q(k)))
+            .collect();
         format!(
-            r#"{{"tenant":{tenant},"action_id":{action_id},"tool":{tool},"arguments":{{"order":{order},"amount_cents":{amount},"currency":"USD"}},"call_id":{call_id},"reply_to":{reply_to}}}"#
+            r#"{{"tenant":{tenant},"action_id":{action_id},"tool":{tool},"arguments":{{{}}},"call_id":{call_id},"reply_to":{reply_to}}}"#,
+            args.join(",")
         )
     }
 }
@@ -274,6 +837,10 @@ mod tests {
 
     fn config() -> DemoConfig {
         DemoConfig {
+            scenario: Scenario::Stream,
+            run_id: None,
+            held_tool: "deploy".into(),
+            status: None,
             amqp_url: String::new(),
             exchange: "intents".into(),
             results_exchange: "results".into(),
@@ -306,5 +873,85 @@ mod tests {
             protocol::fingerprint(&b.tool, &b.arguments)
         );
         assert_eq!(a.arguments["amount_cents"], 103);
+    }
+
+    #[test]
+    fn a_hand_written_body_reordered_and_respaced_keeps_key_and_fingerprint() {
+        let args = refund_arguments(7, 4850);
+        let plain = body(
+            "demo-shop",
+            "refund-r-7",
+            "refund",
+            &args,
+            "c1",
+            "agent-1",
+            false,
+        );
+        let again = body(
+            "demo-shop",
+            "refund-r-7",
+            "refund",
+            &args,
+            "c2",
+            "agent-1",
+            true,
+        );
+        assert!(again.contains('\n') && again.contains('\t') && again.contains(" : "));
+        let a = protocol::decode_intent(plain.as_bytes()).expect("plain decodes");
+        let b = protocol::decode_intent(again.as_bytes()).expect("reordered decodes");
+        assert_eq!(
+            (&a.tenant, &a.action_id, &a.tool),
+            (&b.tenant, &b.action_id, &b.tool)
+        );
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        assert_eq!(b.call_id.as_deref(), Some("c2"));
+        let other = body(
+            "demo-shop",
+            "refund-r-7",
+            "refund",
+            &refund_arguments(7, 4851),
+            "c3",
+            "agent-1",
+            false,
+        );
+        let c = protocol::decode_intent(other.as_bytes()).expect("decodes");
+        assert_ne!(a.fingerprint(), c.fingerprint());
+    }
+
+    #[test]
+    fn held_is_read_from_the_state_or_the_pending_message() {
+        use serde_json::json;
+        assert!(is_held(
+            &json!({"status": "pending", "operation": {"state": "held"}})
+        ));
+        assert!(!is_held(
+            &json!({"status": "pending", "operation": {"state": "unknown"}})
+        ));
+        assert!(is_held(&json!({"status": "pending",
+            "message": "The deploy outcome is unknown and is held for reconciliation by a person. Do not submit it again."})));
+        assert!(!is_held(
+            &json!({"status": "pending", "message": "The deploy outcome is unknown. Do not submit it again."})
+        ));
+    }
+
+    #[test]
+    fn the_summary_is_key_value_lines_in_a_fixed_order() {
+        let tally = Tally {
+            run_id: "r1".into(),
+            intents_sent: 18,
+            held_action_id: "deploy-r1".into(),
+            complete: true,
+            ..Tally::default()
+        };
+        let text = tally.render();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "run_id=r1");
+        assert_eq!(lines[1], "intents_sent=18");
+        assert!(lines.contains(&"held_action_id=deploy-r1"));
+        assert!(lines.contains(&"complete=true"));
+        assert_eq!(lines.last(), Some(&"summary_end=1"));
+        assert!(lines.iter().all(|l| l.split_once('=').is_some_and(
+            |(k, _)| !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+        )));
     }
 }

@@ -1,0 +1,517 @@
+#!/usr/bin/env bash
+# The Quick start without Docker (README, "Locally, one command"): the compose demo on this
+# machine's Postgres and RabbitMQ.
+#
+#   scripts/demo.sh                     build the release binaries, start everything, run the
+#                                       demo agent, print a summary, keep running until Ctrl-C
+#   scripts/demo.sh --once              the same, then check the summary against the
+#                                       downstream's own table, stop everything and exit
+#                                       (0: every check passed, 1: one failed, 2: set-up)
+#   scripts/demo.sh --bin-dir DIR       use the worker, publisher and reference-downstream
+#                                       binaries in DIR instead of building (e.g. target/debug)
+#
+# It creates (dropping any earlier copy) the databases intent_demo_ledger, intent_demo_agent and
+# intent_demo_downstream, starts the reference downstream, two workers (worker-1 with the admin
+# and status API) and the agent-side relay (`publisher relay`), then runs the demo agent
+# (`publisher demo --scenario full`): refunds through the agent's transactional outbox, every
+# third one again with its JSON reordered and re-spaced (answered from the ledger), one action id
+# reused with other arguments (refused: intent_conflict) and one `deploy` (a tool without
+# recovery) whose reply the downstream loses after committing (pending, then held for a person).
+# Broker names are its own (intent-demo.intents, intent-demo.results, intent-demo.intents.dlx,
+# intent-demo.intents.dead); the admin API on worker-1 takes DEMO_ADMIN_TOKEN, the status API
+# also the tenant token demo-shop-status-token.
+# Everything it starts is recorded under the state directory and stopped on Ctrl-C, on exit with
+# --once, and (if a previous run was killed) at the next start. Safe to run again.
+#
+# Postgres and RabbitMQ must be reachable; local ones that are installed but stopped are
+# started, and on Debian/Ubuntu as root missing ones are installed with apt-get (scripts/lib/
+# services.sh, shared with scripts/test.sh). Otherwise it prints what to install and exits 2.
+#
+# Environment (all optional):
+#   DEMO_DATABASE_URL   Postgres server, as an admin URL (default $TEST_DATABASE_URL, else
+#                       postgres://postgres@127.0.0.1:5432/postgres); the demo's databases are
+#                       created next to its database
+#   DEMO_AMQP_URL       RabbitMQ (default $TEST_AMQP_URL, else amqp://guest:guest@127.0.0.1:5672/%2f)
+#   DEMO_BIN_DIR        as --bin-dir
+#   DEMO_STATE_DIR      pid files, logs, tools file, summary (default $CARGO_TARGET_DIR/demo or
+#                       target/demo)
+#   DEMO_DOWNSTREAM_PORT (19100), DEMO_ADMIN_PORT (18080, worker-1's admin and status API),
+#   DEMO_METRICS_PORT (19464, worker-1), DEMO_METRICS_PORT_2 (19465, worker-2),
+#   DEMO_RELAY_METRICS_PORT (19466)
+#   DEMO_COUNT          refunds the agent sends (default 12)
+#   DEMO_ADMIN_TOKEN    worker-1's admin token (default demo-admin-token-local)
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+say() { printf '[demo] %s\n' "$*"; }
+fail() {
+    printf '[demo] ERROR: %s\n' "$1" >&2
+    exit "${2:-1}"
+}
+
+usage() {
+    sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+}
+
+ONCE=0
+BIN_DIR=${DEMO_BIN_DIR:-}
+while [ $# -gt 0 ]; do
+    case $1 in
+        --once) ONCE=1 ;;
+        --bin-dir)
+            [ $# -ge 2 ] || fail "--bin-dir needs a directory" 2
+            BIN_DIR=$2
+            shift
+            ;;
+        --bin-dir=*) BIN_DIR=${1#--bin-dir=} ;;
+        -h | --help)
+            usage
+            exit 0
+            ;;
+        *) fail "unknown argument $1 (see scripts/demo.sh --help)" 2 ;;
+    esac
+    shift
+done
+
+TARGET=${CARGO_TARGET_DIR:-target}
+STATE=${DEMO_STATE_DIR:-$TARGET/demo}
+DEMO_DATABASE_URL=${DEMO_DATABASE_URL:-${TEST_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}}
+DEMO_AMQP_URL=${DEMO_AMQP_URL:-${TEST_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}}
+DS_PORT=${DEMO_DOWNSTREAM_PORT:-19100}
+ADMIN_PORT=${DEMO_ADMIN_PORT:-18080}
+METRICS_1=${DEMO_METRICS_PORT:-19464}
+METRICS_2=${DEMO_METRICS_PORT_2:-19465}
+RELAY_METRICS=${DEMO_RELAY_METRICS_PORT:-19466}
+COUNT=${DEMO_COUNT:-12}
+ADMIN_TOKEN=${DEMO_ADMIN_TOKEN:-demo-admin-token-local}
+TENANT=demo-shop
+TENANT_TOKEN=demo-shop-status-token
+DB_LEDGER=intent_demo_ledger
+DB_AGENT=intent_demo_agent
+DB_DOWNSTREAM=intent_demo_downstream
+# Broker names of the demo's own (the tests use per-test names, never these).
+EX_INTENTS=intent-demo.intents
+Q_INTENTS=intent-demo.intents
+EX_RESULTS=intent-demo.results
+EX_DLX=intent-demo.intents.dlx
+Q_DEAD=intent-demo.intents.dead
+WAIT_SECS=60
+APT_LOG=/tmp/demo-sh-apt.log
+# What this run started: name -> pid, in start order (stopped in reverse).
+NAMES=()
+declare -A PIDS=()
+FG_PID=""
+STOPPING=0
+# Set once the demo is up and waiting for Ctrl-C: stopping then is the normal end (exit 0).
+SERVING=0
+
+[[ $COUNT =~ ^[1-9][0-9]*$ ]] || fail "DEMO_COUNT must be a positive number (now: $COUNT)" 2
+mkdir -p "$STATE"
+STATE=$(cd "$STATE" && pwd)
+
+# ---- database URLs -----------------------------------------------------------------------------
+# db_url NAME: DEMO_DATABASE_URL with its database replaced by NAME (query string kept).
+db_url() {
+    local url=$DEMO_DATABASE_URL query="" rest
+    if [[ $url == *\?* ]]; then
+        query="?${url#*\?}"
+        url=${url%%\?*}
+    fi
+    rest=${url#*://}
+    if [[ $rest == */* ]]; then
+        url=${url%/*}
+    fi
+    printf '%s/%s%s\n' "$url" "$1" "$query"
+}
+LEDGER_URL=$(db_url "$DB_LEDGER")
+AGENT_URL=$(db_url "$DB_AGENT")
+DOWNSTREAM_URL=$(db_url "$DB_DOWNSTREAM")
+
+# ---- processes ---------------------------------------------------------------------------------
+alive() { kill -0 "$1" 2>/dev/null; }
+# running PID: alive and not a zombie (an exited child of ours still answers kill -0).
+running() {
+    local st=""
+    alive "$1" || return 1
+    read -r _ _ st _ <"/proc/$1/stat" 2>/dev/null || return 0
+    [ "$st" != Z ]
+}
+
+# stop_pid NAME PID SECONDS: SIGTERM, wait up to SECONDS, then SIGKILL. Reaps our own children.
+stop_pid() {
+    local name=$1 pid=$2 secs=$3 deadline rc=0 how="SIGTERM"
+    alive "$pid" || return 0
+    kill -TERM "$pid" 2>/dev/null || true
+    deadline=$((SECONDS + secs))
+    while running "$pid" && [ "$SECONDS" -lt "$deadline" ]; do
+        sleep 0.2
+    done
+    if running "$pid"; then
+        kill -KILL "$pid" 2>/dev/null || true
+        how="SIGKILL after ${secs}s"
+    fi
+    wait "$pid" 2>/dev/null || rc=$?
+    say "stopped $name (pid $pid, $how, exit $rc)"
+}
+
+# stop_all: stops what this run started, in reverse order (the relay first, the downstream last).
+stop_all() {
+    local i name
+    [ "$STOPPING" -eq 1 ] && return 0
+    STOPPING=1
+    if [ -n "$FG_PID" ] && alive "$FG_PID"; then
+        stop_pid "the running step" "$FG_PID" 10
+    fi
+    for ((i = ${#NAMES[@]} - 1; i >= 0; i--)); do
+        name=${NAMES[$i]}
+        case $name in
+            worker-*) stop_pid "$name" "${PIDS[$name]}" 30 ;;
+            *) stop_pid "$name" "${PIDS[$name]}" 15 ;;
+        esac
+        rm -f "$STATE/$name.pid"
+    done
+}
+
+on_exit() {
+    local rc=$?
+    trap - EXIT INT TERM
+    stop_all
+    exit "$rc"
+}
+
+on_signal() {
+    trap - EXIT INT TERM
+    echo
+    say "$1: stopping what this run started"
+    stop_all
+    say "stopped; the databases ($DB_LEDGER, $DB_AGENT, $DB_DOWNSTREAM) are kept for inspection"
+    [ "$SERVING" -eq 1 ] && exit 0
+    [ "$1" = SIGINT ] && exit 130
+    exit 143
+}
+trap on_exit EXIT
+trap 'on_signal SIGINT' INT
+trap 'on_signal SIGTERM' TERM
+
+# waited COMMAND...: runs COMMAND in the background and waits for it, so a signal is handled at
+# once instead of after the command ends.
+waited() {
+    local rc=0
+    "$@" &
+    FG_PID=$!
+    wait "$FG_PID" || rc=$?
+    FG_PID=""
+    return "$rc"
+}
+
+# start NAME COMMAND...: starts a long-running process with a clean environment (the caller
+# passes `env -i ...`), output in $STATE/NAME.log, pid in $STATE/NAME.pid. setsid keeps the
+# terminal's Ctrl-C away from it: this script stops it, in order. It does not inherit the lock
+# (fd 9), so leftovers of a killed run never block the next one.
+start() {
+    local name=$1 pid
+    shift
+    if command -v setsid >/dev/null 2>&1; then
+        setsid "$@" >"$STATE/$name.log" 2>&1 </dev/null 9>&- &
+    else
+        "$@" >"$STATE/$name.log" 2>&1 </dev/null 9>&- &
+    fi
+    pid=$!
+    NAMES+=("$name")
+    PIDS[$name]=$pid
+    echo "$pid" >"$STATE/$name.pid"
+    say "started $name (pid $pid, log $STATE/$name.log)"
+}
+
+# stop_leftovers: a previous run that was killed (SIGKILL, a closed terminal) left processes;
+# stop those whose command line is still one of ours.
+stop_leftovers() {
+    local file name pid
+    # The relay first, the downstream last, as stop_all does.
+    for name in relay worker-2 worker-1 downstream; do
+        file=$STATE/$name.pid
+        [ -e "$file" ] || continue
+        pid=$(cat "$file" 2>/dev/null || true)
+        if [[ $pid =~ ^[0-9]+$ ]] && alive "$pid" &&
+            tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -Eq '(worker|publisher|reference-downstream)( |$)'; then
+            say "a previous run left $name running (pid $pid): stopping it"
+            kill -TERM "$pid" 2>/dev/null || true
+            wait_until 30 bash -c "! kill -0 $pid 2>/dev/null" || kill -KILL "$pid" 2>/dev/null || true
+        fi
+        rm -f "$file"
+    done
+}
+
+# wait_ready NAME SECONDS CHECK...: until CHECK succeeds; fails early if NAME exited.
+wait_ready() {
+    local name=$1 secs=$2 deadline
+    shift 2
+    deadline=$((SECONDS + secs))
+    until "$@" >/dev/null 2>&1; do
+        if ! running "${PIDS[$name]}"; then
+            tail -n 30 "$STATE/$name.log" >&2 || true
+            fail "$name exited during start-up (log: $STATE/$name.log)" 2
+        fi
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            tail -n 30 "$STATE/$name.log" >&2 || true
+            fail "$name was not ready within ${secs}s (log: $STATE/$name.log)" 2
+        fi
+        sleep 0.5
+    done
+    say "$name is ready"
+}
+
+# http_post PORT PATH JSON: POSTs JSON to 127.0.0.1:PORT (plain HTTP/1.1); prints the status code.
+http_post() {
+    # shellcheck disable=SC2016 # expanded by the inner bash
+    timeout 10 bash -c '
+        exec 3<>"/dev/tcp/127.0.0.1/$1" || exit 1
+        printf "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" \
+            "$2" "${#3}" "$3" >&3
+        IFS=" " read -r _ code _ <&3 && printf "%s\n" "$code"' _ "$@"
+}
+
+# ---- 1. services and tools ---------------------------------------------------------------------
+SERVICES_PG_URL_VAR=DEMO_DATABASE_URL
+SERVICES_MQ_URL_VAR=DEMO_AMQP_URL
+# shellcheck source=scripts/lib/services.sh
+. scripts/lib/services.sh
+services_init
+
+# One demo at a time per state directory.
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$STATE/lock"
+    flock -n 9 || fail "another scripts/demo.sh is running with the state directory $STATE" 2
+fi
+stop_leftovers
+
+say "--- services (PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ $MQ_HOST:$MQ_PORT)"
+check_services
+if ! command -v psql >/dev/null 2>&1; then
+    apt_install postgresql-client ||
+        fail "psql not found: install it, e.g. (as root) apt-get install -y postgresql-client" 2
+fi
+
+for port in "$DS_PORT" "$ADMIN_PORT" "$METRICS_1" "$METRICS_2" "$RELAY_METRICS"; do
+    if tcp_open 127.0.0.1 "$port"; then
+        fail "port $port is already in use on 127.0.0.1; free it or choose others (DEMO_DOWNSTREAM_PORT, DEMO_ADMIN_PORT, DEMO_METRICS_PORT, DEMO_METRICS_PORT_2, DEMO_RELAY_METRICS_PORT)" 2
+    fi
+done
+
+# ---- 2. binaries -------------------------------------------------------------------------------
+t_build=$SECONDS
+if [ -z "$BIN_DIR" ]; then
+    command -v cargo >/dev/null 2>&1 ||
+        fail "cargo not found: install Rust (https://rustup.rs), or pass --bin-dir DIR with built binaries" 2
+    say "--- building the release binaries (cargo may first wait for the build directory's lock)"
+    # Never --workspace here: the e2e crate would turn on the worker's fault points.
+    waited cargo build --release --locked -p intent-worker -p intent-publisher -p reference-downstream ||
+        fail "cargo build failed" 2
+    BIN_DIR=$TARGET/release
+fi
+BIN_DIR=$(cd "$BIN_DIR" 2>/dev/null && pwd) || fail "--bin-dir: no such directory" 2
+for bin in worker publisher reference-downstream; do
+    [ -x "$BIN_DIR/$bin" ] || fail "$BIN_DIR/$bin is missing (build it, or run without --bin-dir)" 2
+done
+say "binaries: $BIN_DIR ($((SECONDS - t_build))s)"
+
+# ---- 3. databases, tools file, migrations ------------------------------------------------------
+t_start=$SECONDS
+say "--- databases $DB_LEDGER, $DB_AGENT, $DB_DOWNSTREAM (dropped and created again)"
+for db in "$DB_LEDGER" "$DB_AGENT" "$DB_DOWNSTREAM"; do
+    PGOPTIONS="-c client_min_messages=warning" timeout 60 psql "$DEMO_DATABASE_URL" -X -q -v ON_ERROR_STOP=1 \
+        -c "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '$db' AND pid <> pg_backend_pid()" \
+        -c "DROP DATABASE IF EXISTS \"$db\"" -c "CREATE DATABASE \"$db\"" >/dev/null ||
+        fail "cannot create database $db on $DEMO_DATABASE_URL" 2
+done
+
+TOOLS=$STATE/tools.toml
+sed "s#http://downstream:9100#http://127.0.0.1:$DS_PORT#g" deploy/tools.demo.toml >"$TOOLS"
+
+CLEAN_ENV=(env -i "PATH=$PATH" "HOME=${HOME:-/tmp}" "RUST_LOG=info,lapin=warn,sqlx=warn")
+WORKER_ENV=("${CLEAN_ENV[@]}" "DATABASE_URL=$LEDGER_URL" "AMQP_URL=$DEMO_AMQP_URL" "WORKER_TOOLS=$TOOLS"
+    "INTENTS_EXCHANGE=$EX_INTENTS" "WORKER_INTENTS_QUEUE=$Q_INTENTS" "RESULTS_EXCHANGE=$EX_RESULTS"
+    "WORKER_DEAD_LETTER_EXCHANGE=$EX_DLX" "WORKER_DEAD_LETTER_QUEUE=$Q_DEAD"
+    "WORKER_MIGRATE=false" "WORKER_SHUTDOWN_GRACE_SECS=5")
+PUBLISHER_ENV=("${CLEAN_ENV[@]}" "AMQP_URL=$DEMO_AMQP_URL" "PUBLISHER_DATABASE_URL=$AGENT_URL"
+    "INTENTS_EXCHANGE=$EX_INTENTS" "RESULTS_EXCHANGE=$EX_RESULTS")
+
+waited timeout 120 "${WORKER_ENV[@]}" "$BIN_DIR/worker" migrate >"$STATE/migrate.log" 2>&1 ||
+    { tail -n 20 "$STATE/migrate.log" >&2; fail "worker migrate failed (log: $STATE/migrate.log)" 2; }
+waited timeout 120 "${PUBLISHER_ENV[@]}" "$BIN_DIR/publisher" migrate >>"$STATE/migrate.log" 2>&1 ||
+    { tail -n 20 "$STATE/migrate.log" >&2; fail "publisher migrate failed (log: $STATE/migrate.log)" 2; }
+say "ledger and agent outbox migrated"
+
+# ---- 4. downstream, two workers, relay ---------------------------------------------------------
+say "--- starting the reference downstream, two workers and the relay"
+start downstream "${CLEAN_ENV[@]}" "DOWNSTREAM_DATABASE_URL=$DOWNSTREAM_URL" DOWNSTREAM_SCHEMA=downstream \
+    "DOWNSTREAM_ADDR=127.0.0.1:$DS_PORT" "$BIN_DIR/reference-downstream"
+wait_ready downstream 30 "$BIN_DIR/reference-downstream" probe "http://127.0.0.1:$DS_PORT/healthz"
+
+start worker-1 "${WORKER_ENV[@]}" WORKER_ID=demo-worker-1 "METRICS_ADDR=127.0.0.1:$METRICS_1" \
+    "WORKER_ADMIN_ADDR=127.0.0.1:$ADMIN_PORT" "WORKER_ADMIN_TOKEN=$ADMIN_TOKEN" \
+    "WORKER_TENANT_TOKENS=$TENANT=$TENANT_TOKEN" "$BIN_DIR/worker" run
+start worker-2 "${WORKER_ENV[@]}" WORKER_ID=demo-worker-2 "METRICS_ADDR=127.0.0.1:$METRICS_2" \
+    WORKER_ADMIN_ADDR=off "$BIN_DIR/worker" run
+wait_ready worker-1 60 "$BIN_DIR/worker" probe "http://127.0.0.1:$METRICS_1/readyz"
+wait_ready worker-2 60 "$BIN_DIR/worker" probe "http://127.0.0.1:$METRICS_2/readyz"
+
+start relay "${PUBLISHER_ENV[@]}" "PUBLISHER_METRICS_ADDR=127.0.0.1:$RELAY_METRICS" "$BIN_DIR/publisher" relay
+wait_ready relay 30 "$BIN_DIR/worker" probe "http://127.0.0.1:$RELAY_METRICS/metrics"
+say "everything is up ($((SECONDS - t_start))s)"
+
+# ---- 5. the demo agent -------------------------------------------------------------------------
+RUN_ID=$(date +%s)$$
+HELD=deploy-$RUN_ID
+say "--- demo agent (run $RUN_ID): $COUNT refunds, repeats, one conflicting reuse, one lost reply"
+# The downstream will commit the deploy and then drop the connection: the worker cannot know
+# whether it happened and the tool has no recovery, so it must hold it (never resend, never guess).
+code=$(http_post "$DS_PORT" /_control/faults "{\"kind\":\"drop_after_commit\",\"key\":\"$TENANT:$HELD\"}" || true)
+[ "$code" = 201 ] || fail "could not arm the downstream's drop_after_commit fault (HTTP ${code:-no answer})"
+say "armed the downstream's drop_after_commit fault for $TENANT:$HELD"
+
+t_agent=$SECONDS
+agent_rc=0
+waited timeout 120 "${PUBLISHER_ENV[@]}" "PUBLISHER_STATUS_URL=http://127.0.0.1:$ADMIN_PORT" \
+    "PUBLISHER_STATUS_TOKEN=$TENANT_TOKEN" "$BIN_DIR/publisher" demo --scenario full \
+    --tenant "$TENANT" --tool refund --count "$COUNT" --interval-ms 100 --duplicate-every 3 \
+    --held-tool deploy --run-id "$RUN_ID" --answer-timeout 20s \
+    >"$STATE/agent.out" 2>"$STATE/agent.log" || agent_rc=$?
+say "agent finished in $((SECONDS - t_agent))s (exit $agent_rc; answers: $STATE/agent.out, log: $STATE/agent.log)"
+if [ "$agent_rc" -ne 0 ]; then
+    tail -n 15 "$STATE/agent.log" >&2 || true
+fi
+
+# ---- 6. the summary, checked against the downstream's and the ledger's own tables --------------
+get() { sed -n "s/^$1=//p" "$STATE/agent.out" | tail -n 1; }
+num() {
+    local v
+    v=$(get "$1")
+    [[ $v =~ ^[0-9]+$ ]] && echo "$v" || echo 0
+}
+sql() { timeout 30 psql "$1" -X -A -t -q -v ON_ERROR_STOP=1 -c "$2"; }
+
+intents_sent=$(num intents_sent)
+actions=$(num actions)
+succeeded=$(num succeeded)
+repeats_sent=$(num repeats_sent)
+repeats_ledger=$(num repeats_answered_from_ledger)
+conflicts_sent=$(num conflicts_sent)
+conflicts_refused=$(num conflicts_refused)
+pending=$(num pending)
+held=$(num held)
+# Keys of this run only: <tenant>:refund-<run>-<i> and <tenant>:deploy-<run>.
+KEYS="(idem_key LIKE '$TENANT:%-$RUN_ID' OR idem_key LIKE '$TENANT:%-$RUN_ID-%')"
+ACTIONS="tenant = '$TENANT' AND (action_id LIKE '%-$RUN_ID' OR action_id LIKE '%-$RUN_ID-%')"
+ds_writes=$(sql "$DOWNSTREAM_URL" "SELECT count(*) FROM downstream.mutations WHERE $KEYS")
+ds_requests=$(sql "$DOWNSTREAM_URL" "SELECT count(*) FROM downstream.requests WHERE kind = 'write' AND $KEYS")
+ds_keys=$(sql "$DOWNSTREAM_URL" "SELECT count(DISTINCT idem_key) FROM downstream.mutations WHERE $KEYS")
+ledger_ops=$(sql "$LEDGER_URL" "SELECT count(*) FROM operations WHERE $ACTIONS")
+ledger_succeeded=$(sql "$LEDGER_URL" "SELECT count(*) FROM operations WHERE $ACTIONS AND state = 'succeeded'")
+held_state=$(sql "$LEDGER_URL" "SELECT state FROM operations WHERE tenant = '$TENANT' AND action_id = '$HELD'")
+sql "$DOWNSTREAM_URL" "SELECT receipt FROM downstream.mutations WHERE idem_key = '$TENANT:$HELD' ORDER BY id LIMIT 1" \
+    >"$STATE/held-receipt.json"
+
+check() {
+    local what=$1
+    shift
+    if "$@"; then
+        printf '   ok    %s\n' "$what"
+    else
+        printf '   FAIL  %s\n' "$what"
+    fi
+}
+eq() { [ "$1" = "$2" ]; }
+# all_eq EXPECTED VALUE...: every VALUE is EXPECTED.
+all_eq() {
+    local expected=$1 v
+    shift
+    for v; do [ "$v" = "$expected" ] || return 1; done
+}
+
+expected_repeats=$((COUNT / 3))
+{
+    echo
+    echo "=============================== demo summary (run $RUN_ID) ==============================="
+    printf ' %-46s %s\n' "intents sent by the agent" "$intents_sent  ($COUNT refunds + $repeats_sent repeats + $conflicts_sent conflicting reuse + 1 deploy)"
+    printf ' %-46s %s\n' "distinct actions" "$actions"
+    printf ' %-46s %s\n' "downstream writes (its own mutations table)" "$ds_writes  (write requests it received: $ds_requests)"
+    printf ' %-46s %s\n' "answered succeeded" "$succeeded  (ledger: $ledger_succeeded succeeded)"
+    printf ' %-46s %s\n' "repeats answered from the ledger" "$repeats_ledger of $repeats_sent  (JSON reordered and re-spaced, new call id)"
+    printf ' %-46s %s\n' "conflicts refused (rejected / intent_conflict)" "$conflicts_refused of $conflicts_sent"
+    printf ' %-46s %s\n' "pending, then held for a person" "$pending pending, $held held  ($HELD; ledger state: ${held_state:-none})"
+    echo
+    echo " checks (the agent's answers against the downstream's and the ledger's tables):"
+    check "the agent got every answer it waited for (exit 0)" eq "$agent_rc" 0
+    check "downstream writes ($ds_writes) == distinct actions ($actions), not intents sent ($intents_sent)" eq "$ds_writes" "$actions"
+    check "one write request per action ($ds_requests), one mutation per key ($ds_keys)" \
+        all_eq "$actions" "$ds_requests" "$ds_keys"
+    check "ledger operations ($ledger_ops) == distinct actions" eq "$ledger_ops" "$actions"
+    check "answered succeeded ($succeeded) == succeeded in the ledger == refunds ($COUNT)" \
+        all_eq "$COUNT" "$succeeded" "$ledger_succeeded"
+    check "every repeat answered from the ledger ($repeats_ledger of $expected_repeats)" \
+        all_eq "$expected_repeats" "$repeats_ledger" "$repeats_sent"
+    check "the conflicting reuse refused ($conflicts_refused of 1)" eq "$conflicts_refused" 1
+    check "the lost reply: pending, then held ($pending, $held; ledger: ${held_state:-none})" \
+        eq "$pending/$held/$held_state" 1/1/held
+    check "intents sent == refunds + repeats + 1 reuse + 1 deploy" eq "$intents_sent" $((COUNT + repeats_sent + 2))
+    echo "=========================================================================================="
+} | tee "$STATE/summary.txt"
+# (check ran in the pipeline's subshell: count its lines)
+checks=$(grep -Ec '^   (ok|FAIL) ' "$STATE/summary.txt" || true)
+failed=$(grep -c '^   FAIL ' "$STATE/summary.txt" || true)
+
+OPS_ENV="DATABASE_URL=$LEDGER_URL WORKER_TOOLS=$TOOLS"
+RESOLVE="$OPS_ENV $BIN_DIR/worker ops resolve $TENANT $HELD --receipt-file $STATE/held-receipt.json --operator \"\$USER\" --reason \"receipt found in the downstream's mutations table\""
+cat <<EOF | tee -a "$STATE/summary.txt"
+
+Where to look next:
+  status API (worker-1)  curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' http://127.0.0.1:$ADMIN_PORT/v1/operations/$TENANT/$HELD
+                         curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' 'http://127.0.0.1:$ADMIN_PORT/v1/operations?state=held'
+                         (tenant token for $TENANT: $TENANT_TOKEN; routes in docs/openapi.yaml)
+  metrics                http://127.0.0.1:$METRICS_1/metrics (worker-1), http://127.0.0.1:$METRICS_2/metrics (worker-2),
+                         http://127.0.0.1:$RELAY_METRICS/metrics (relay); readiness: /readyz on the workers' ports
+  unresolved operations  $OPS_ENV $BIN_DIR/worker ops list
+  resolve the held one   with the downstream's own receipt (saved from its mutations table):
+                         $RESOLVE
+  the downstream's table psql $DOWNSTREAM_URL -c "SELECT idem_key, receipt_id FROM downstream.mutations ORDER BY id"
+  logs                   $STATE/*.log; every answer the agent got: $STATE/agent.out
+EOF
+
+if [ "$ONCE" -eq 1 ]; then
+    # The resolve command printed above must work: run it and check the ledger.
+    if [ "$held_state" = held ]; then
+        resolve_rc=0
+        waited timeout 60 "${CLEAN_ENV[@]}" "DATABASE_URL=$LEDGER_URL" "WORKER_TOOLS=$TOOLS" "$BIN_DIR/worker" ops resolve \
+            "$TENANT" "$HELD" --receipt-file "$STATE/held-receipt.json" --operator demo.sh \
+            --reason "receipt found in the downstream's mutations table" >"$STATE/resolve.log" 2>&1 || resolve_rc=$?
+        after=$(sql "$LEDGER_URL" "SELECT state FROM operations WHERE tenant = '$TENANT' AND action_id = '$HELD'")
+        if [ "$resolve_rc" -eq 0 ] && [ "$after" = succeeded ]; then
+            say "--once: ran the resolve command above: $HELD is now $after"
+        else
+            say "FAIL: the resolve command exited $resolve_rc and left $HELD $after (log: $STATE/resolve.log)"
+            failed=$((failed + 1))
+        fi
+    fi
+    if [ "$failed" -ne 0 ]; then
+        say "FAILED: $failed check(s); logs in $STATE"
+        exit 1
+    fi
+    say "all $checks checks passed; stopping (--once)"
+    exit 0
+fi
+
+SERVING=1
+say "everything keeps running; press Ctrl-C to stop it"
+while :; do
+    for name in "${NAMES[@]}"; do
+        if ! running "${PIDS[$name]}"; then
+            say "$name exited unexpectedly (log: $STATE/$name.log)"
+            tail -n 15 "$STATE/$name.log" >&2 || true
+            exit 1
+        fi
+    done
+    sleep 1 &
+    wait $! || true
+done
