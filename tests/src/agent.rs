@@ -200,7 +200,7 @@ pub(crate) async fn remove_test_objects(
     dir: std::path::PathBuf,
 ) {
     // A worker still running would see its queue go, reconnect and declare it again (the
-    // reconnect logic of issue 8), leaving the queue behind: stop the test's workers first.
+    // reconnect logic), leaving the queue behind: stop the test's workers first.
     kill_workers_of(&id);
     if let Ok(conn) = lapin::Connection::connect(&amqp_url, Default::default()).await {
         if let Ok(ch) = conn.create_channel().await {

@@ -1,4 +1,4 @@
-//! Chaos soak (issue 8, "Prove it under faults"): real worker processes whose broker and
+//! Chaos soak: real worker processes whose broker and
 //! Postgres links each run through their own [`FaultProxy`]; a seeded schedule of SIGKILLs
 //! (the soak restarts killed workers as a supervisor would), link cuts and black holes, and
 //! downstream faults (replies lost before or after the commit, late replies, 5xx/4xx/429,

@@ -1,4 +1,4 @@
-//! Issue 10: the agent's side. The transactional outbox and `publisher relay`, waiting for one
+//! The agent's side. The transactional outbox and `publisher relay`, waiting for one
 //! action's answer (`send_and_wait`, `publisher send --wait`, `publisher wait`), per-agent
 //! result routing, and tenant proof from our own publisher. Real RabbitMQ, Postgres, worker
 //! and reference downstream; counts come from the downstream's tables and the broker.

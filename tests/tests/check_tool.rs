@@ -1,4 +1,4 @@
-//! Issue 13: `worker check-tool NAME` against the reference downstream. Each honest mode
+//! `worker check-tool NAME` against the reference downstream. Each honest mode
 //! passes for its capability; each broken mode (downstream/README.md, "Broken modes") fails
 //! with the right message and exit code 1; without `--confirm-writes` nothing is sent.
 //! Counts come from the downstream's own tables.

@@ -1,4 +1,4 @@
-//! Issue 9 item 6: configuration a user can discover. Run as a user would: the `worker` binary
+//! Configuration a user can discover. Run as a user would: the `worker` binary
 //! with nothing but environment variables (no flags), its help text and exit codes, and a tools
 //! file whose header value comes from the environment, seen by a real HTTP downstream.
 
@@ -276,7 +276,7 @@ async fn a_header_value_from_the_environment_reaches_the_downstream() {
     cleanup(env).await;
 }
 
-/// Issue 9 item 9 for the publisher: a failing command prints each cause once.
+/// The publisher: a failing command prints each cause once.
 #[test]
 fn publisher_errors_print_each_cause_once() {
     let out = Command::new(bin_dir().join("publisher"))

@@ -1,4 +1,4 @@
-//! Issue 9 item 3: the broker managed as code. `deploy/rabbitmq/definitions.json` is imported
+//! The broker managed as code. `deploy/rabbitmq/definitions.json` is imported
 //! (`rabbitmqctl import_definitions`) into a fresh vhost with unique user names, and a worker
 //! with `WORKER_DECLARE_TOPOLOGY=false` runs on it as its own least-privileged user while the
 //! tenant's user publishes with `user_id` proof; a worker with declaration off on an empty vhost

@@ -267,6 +267,35 @@ fn the_documentation_names_no_issue_numbers() {
     assert!(found.is_empty(), "issue numbers:\n{}", found.join("\n"));
 }
 
+/// Code, comments, scripts and configuration speak of rules, not of tracker issues: every file
+/// git tracks, except this one (its samples must name some) and applied migrations (sqlx checks
+/// their checksums, so their text is history that cannot change).
+#[test]
+fn the_code_names_no_issue_numbers() {
+    let root = repo();
+    let listed = std::process::Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(&root)
+        .output()
+        .expect("git ls-files");
+    assert!(listed.status.success(), "git ls-files failed");
+    let mut found = Vec::new();
+    for name in String::from_utf8_lossy(&listed.stdout).split('\0') {
+        let immutable = name.ends_with(".sql") && name.contains("migrations/");
+        if name.is_empty() || name == "tests/tests/docs.rs" || name.ends_with(".lock") || immutable
+        {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(root.join(name)) else {
+            continue; // binary or removed in the work tree
+        };
+        for excerpt in issue_numbers(&text) {
+            found.push(format!("{name}: …{excerpt}…"));
+        }
+    }
+    assert!(found.is_empty(), "issue numbers:\n{}", found.join("\n"));
+}
+
 #[test]
 fn github_slugs_and_the_issue_scan() {
     assert_eq!(

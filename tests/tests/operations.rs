@@ -1,4 +1,4 @@
-//! Issue 5 end to end: metrics after a scripted scenario (duplicates, a held operation, a
+//! Operations end to end: metrics after a scripted scenario (duplicates, a held operation, a
 //! success), the oldest-unresolved gauge growing while held and dropping once resolved, the
 //! admin API and tenant status query on a real worker process, and the `worker ops` CLI.
 

@@ -1,4 +1,4 @@
-//! Issue 9 item 6: does the worker run behind PgBouncer in transaction pooling mode? A
+//! Does the worker run behind PgBouncer in transaction pooling mode? A
 //! PgBouncer of the test's own (own port, own config in the test's directory, pointing at the
 //! shared Postgres, which is not reconfigured). Skipped, saying so, when `pgbouncer` is not
 //! installed (`apt-get install pgbouncer`). Migrations run against Postgres directly (sqlx takes a

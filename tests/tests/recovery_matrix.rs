@@ -1,4 +1,4 @@
-//! Issue 3, the fault matrix of seed 003 ("Fault-test requirements"): four worker crash points
+//! The fault matrix (docs/recovery.md, "Crash matrix"): four worker crash points
 //! plus "response dropped after the downstream committed", for each of the three capabilities.
 //! Real worker processes are SIGKILLed at named points and a fresh worker recovers; counts of
 //! mutations and write requests come from the reference downstream's tables.

@@ -1,4 +1,4 @@
-//! Issue 3, the named recovery scenarios: repeated recovery, racing workers, a paused sender
+//! The named recovery scenarios: repeated recovery, racing workers, a paused sender
 //! and a late timeout, an expired replay window, a lookup miss, a receipt for the wrong
 //! operation, a ledger that refuses the receipt, a downstream restart, and the negative
 //! control proving the fault injection duplicates a conventional client's write.

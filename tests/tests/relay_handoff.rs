@@ -1,4 +1,4 @@
-//! Issue 11: a worker's own completion events are inserted already claimed by its relay and
+//! A worker's own completion events are inserted already claimed by its relay and
 //! handed to it in memory after the commit, so the relay publishes them without a claim
 //! `UPDATE`. Proven from the outside: the outbox rows (owner, publication, and how many times
 //! each row was updated, counted by a trigger the test installs), the events the agent

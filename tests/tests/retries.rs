@@ -1,4 +1,4 @@
-//! Issue 4: retries at one layer. Spacing is measured from the ledger's stored schedule
+//! Retries at one layer. Spacing is measured from the ledger's stored schedule
 //! (operation_history.next_attempt_at), request counts from the downstream's tables.
 
 use std::time::Duration;
@@ -518,7 +518,7 @@ async fn budget_with_the_issue_syntax_and_defaults_holds_during_an_outage() {
     assert!(deferred > 0.0, "the budget deferred retries");
     // Draining after the outage is covered (with a short window) by
     // shared_budget_bounds_retries_and_deferred_retries_proceed_after_recovery and
-    // trust_sendpath::retries_against_a_half_shedding_downstream_stay_within_the_budget: with
+    // fenced_sends::retries_against_a_half_shedding_downstream_stay_within_the_budget: with
     // the defaults it starts once the time refill lifts the bucket above half (about a minute),
     // and then runs as fast as retries succeed.
     cleanup(env).await;

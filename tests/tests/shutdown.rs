@@ -1,4 +1,4 @@
-//! Issue 9 item 4: the shutdown budget. SIGTERM under load (thousands of intents queued and
+//! The shutdown budget. SIGTERM under load (thousands of intents queued and
 //! still being published, a slow downstream, some requests outliving the grace period) must
 //! exit 0 within the documented bound (grace + relay flush), and lose nothing: a second worker
 //! finishes every intent, each with a final result event and exactly one downstream mutation.

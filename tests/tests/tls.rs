@@ -1,4 +1,4 @@
-//! Issue 9, item 1: TLS to all three kinds of peer, with real handshakes on this machine. A CA
+//! TLS to all three kinds of peer, with real handshakes on this machine. A CA
 //! and server certificates are made per test (rcgen); RabbitMQ is reached as `amqps://` through
 //! a TLS-terminating forwarder in front of the local broker; the ledger lives in a Postgres
 //! cluster of the test's own with `ssl = on`; an HTTPS tool is the reference downstream behind

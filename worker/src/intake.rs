@@ -9,20 +9,46 @@
 //! 4. **answer or claim** ([`refusal_answer`], [`Answers`]): new rows are claimed for
 //!    dispatch; everything else is answered — from the key's row whenever it has one.
 //!
+//! The tenant proof ([`TenantAuth`], the tools file's `[auth]` section) is applied in stage 2.
+//!
 //! Answers to a delivery are routed to that delivery's `reply_to`. The AMQP layer
 //! dead-letters what this step says, acks only after it returns, and starts the dispatches.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use metrics::counter;
-use protocol::{DecodeError, Intent, RejectReason, Status};
+use protocol::{DecodeError, Intent, RejectReason};
 
-use crate::config::TenantAuth;
+use crate::answers::{self, DeadLetterReason};
 use crate::context::Context;
 use crate::fault;
-use crate::ledger::outbox::{self, NewEvent};
+use crate::ledger::outbox::NewEvent;
 use crate::ledger::{Admitted, LedgerError, NewOperation, Operation, State};
 use crate::telemetry::metrics as m;
+
+/// How the tenant of an intent is proven.
+#[derive(Debug, Clone, Default)]
+pub enum TenantAuth {
+    /// The tenant field is trusted (single-tenant deployments, trusted publishers).
+    #[default]
+    Trusted,
+    /// The broker-validated `user_id` property must map to the intent's tenant.
+    UserId {
+        users: BTreeMap<String, Vec<String>>,
+    },
+}
+
+impl TenantAuth {
+    /// Whether a message published by `user_id` may act for `tenant`.
+    pub fn allows(&self, user_id: Option<&str>, tenant: &str) -> bool {
+        match self {
+            TenantAuth::Trusted => true,
+            TenantAuth::UserId { users } => user_id
+                .and_then(|u| users.get(u))
+                .is_some_and(|ts| ts.iter().any(|t| t == tenant || t == "*")),
+        }
+    }
+}
 
 /// One delivery as the intake step needs it.
 #[derive(Debug, Clone)]
@@ -39,8 +65,8 @@ pub struct Incoming {
 pub struct DeadLetter {
     /// Index into the batch.
     pub index: usize,
-    /// Stable reason code (e.g. `invalid_message`, `unknown_tool`, `tenant_mismatch`).
-    pub reason: &'static str,
+    /// Why (its stable code goes into a header and the metrics).
+    pub reason: DeadLetterReason,
     /// Human-readable detail.
     pub detail: String,
 }
@@ -134,7 +160,7 @@ pub fn triage(
             error, key: None, ..
         } => Triage::Drop(DeadLetter {
             index,
-            reason: "invalid_message",
+            reason: DeadLetterReason::InvalidMessage,
             detail: format!("{}: {error}", error.code()),
         }),
         Decoded::Bad {
@@ -206,7 +232,7 @@ pub fn triage(
 fn tenant_mismatch(index: usize, user: Option<&str>, tenant: &str, what: &str) -> DeadLetter {
     DeadLetter {
         index,
-        reason: "tenant_mismatch",
+        reason: DeadLetterReason::TenantMismatch,
         detail: format!(
             "publisher user {:?} may not act for tenant {tenant:?} ({what}); nothing was answered",
             user.unwrap_or("")
@@ -220,12 +246,12 @@ impl Refusal {
         match &self.kind {
             RefusalKind::Invalid { code, error } => DeadLetter {
                 index: self.index,
-                reason: "invalid_message",
+                reason: DeadLetterReason::InvalidMessage,
                 detail: format!("{code}: {error}"),
             },
             RefusalKind::UnknownTool { tool, .. } => DeadLetter {
                 index: self.index,
-                reason: "unknown_tool",
+                reason: DeadLetterReason::UnknownTool,
                 detail: format!("unknown tool {tool:?}"),
             },
         }
@@ -243,78 +269,28 @@ impl Refusal {
 pub fn refusal_answer(r: &Refusal, row: Option<&Operation>) -> (NewEvent, &'static str) {
     let (event, label) = match (row, &r.kind) {
         (None, RefusalKind::Invalid { code, error }) => (
-            outbox::rejected_event(
-                &r.tenant,
-                &r.action_id,
-                "",
-                RejectReason::InvalidMessage,
-                Some(code.to_string()),
-                format!("The intent was rejected before any action: {error}; nothing was done."),
-                None,
-            ),
-            "invalid_message",
+            answers::invalid_message(&r.tenant, &r.action_id, code, error),
+            RejectReason::InvalidMessage.as_str(),
         ),
         (None, RefusalKind::UnknownTool { tool, fingerprint }) => (
-            outbox::rejected_event(
-                &r.tenant,
-                &r.action_id,
-                tool,
-                RejectReason::UnknownTool,
-                None,
-                format!(
-                    "The tool {tool:?} is not configured on this worker pool; nothing was done."
-                ),
-                Some(fingerprint.clone()),
-            ),
-            "unknown_tool",
+            answers::unknown_tool(&r.tenant, &r.action_id, tool, fingerprint),
+            RejectReason::UnknownTool.as_str(),
         ),
         (Some(op), RefusalKind::UnknownTool { fingerprint, .. })
             if *fingerprint == op.fingerprint =>
         {
-            (outbox::stored_result(op), "stored")
+            (answers::stored_result(op), "stored")
         }
-        (Some(op), kind) => {
-            let (tool, fingerprint, why) = match kind {
-                RefusalKind::Invalid { code, .. } => {
-                    ("", None, format!("could not be decoded ({code})"))
-                }
-                RefusalKind::UnknownTool { tool, fingerprint } => (
-                    tool.as_str(),
-                    Some(fingerprint.clone()),
-                    format!("names the tool {tool:?}, which is not configured on this worker pool"),
-                ),
-            };
-            (
-                key_taken_event(&r.tenant, &r.action_id, tool, fingerprint, op, &why),
-                "intent_conflict",
-            )
-        }
+        (Some(op), RefusalKind::Invalid { code, .. }) => (
+            answers::key_taken_by_undecodable(&r.tenant, &r.action_id, code, op),
+            RejectReason::IntentConflict.as_str(),
+        ),
+        (Some(op), RefusalKind::UnknownTool { tool, fingerprint }) => (
+            answers::key_taken_by_unknown_tool(&r.tenant, &r.action_id, tool, fingerprint, op),
+            RejectReason::IntentConflict.as_str(),
+        ),
     };
     (event.answering(r.reply_to.as_deref()), label)
-}
-
-/// `intent_conflict` for a message that reuses a key that already has an operation.
-fn key_taken_event(
-    tenant: &str,
-    action_id: &str,
-    tool: &str,
-    fingerprint: Option<String>,
-    op: &Operation,
-    why: &str,
-) -> NewEvent {
-    outbox::rejected_event(
-        tenant,
-        action_id,
-        tool,
-        RejectReason::IntentConflict,
-        None,
-        format!(
-            "action_id {action_id:?} already has an operation ({} {}); this message {why} and was not run, and the stored operation is unchanged. The key must not be reused for a new action: a new action needs a new action_id chosen by the application.",
-            op.tool,
-            op.state()
-        ),
-        fingerprint,
-    )
 }
 
 /// Processes one batch. On a ledger error nothing was acked and the caller retries the same
@@ -327,32 +303,7 @@ pub async fn step(
     batch: &[Incoming],
 ) -> Result<StepOutcome, LedgerError> {
     let mut out = StepOutcome::default();
-    let mut refusals: Vec<Refusal> = Vec::new();
-    let mut valid: Vec<Valid> = Vec::new();
-
-    // Stages 1 and 2.
-    for (index, incoming) in batch.iter().enumerate() {
-        if incoming.body.len() > max_bytes {
-            let error = DecodeError::TooLarge {
-                size: incoming.body.len(),
-                limit: max_bytes,
-            };
-            out.dead_letters.push(DeadLetter {
-                index,
-                reason: "invalid_message",
-                detail: format!("{}: {error}", error.code()),
-            });
-            continue;
-        }
-        match triage(index, incoming, auth, |tool| ctx.tools.get(tool).is_some()) {
-            Triage::Drop(dl) => out.dead_letters.push(dl),
-            Triage::Refuse(r) => {
-                out.dead_letters.push(r.dead_letter());
-                refusals.push(r);
-            }
-            Triage::Admit(v) => valid.push(v),
-        }
-    }
+    let (refusals, valid) = sort(ctx, auth, max_bytes, batch, &mut out.dead_letters);
 
     // Stage 3: admit, then look up the refused keys (after admitting, so a key first
     // recorded in this very batch is seen too).
@@ -379,18 +330,7 @@ pub async fn step(
     };
 
     // Stage 4.
-    let mut events: Vec<NewEvent> = Vec::new();
-    for r in &refusals {
-        let row = rows
-            .iter()
-            .find(|o| o.tenant == r.tenant && o.action_id == r.action_id);
-        let (event, label) = refusal_answer(r, row);
-        match (label, row) {
-            ("stored", Some(op)) => duplicate(reason(batch[r.index].redelivered, op)),
-            _ => counter!(m::REJECTED, "reason" => label).increment(1),
-        }
-        events.push(event);
-    }
+    let mut events = refusal_events(batch, &refusals, &rows);
     let answers = Answers::new(&unique, &admitted);
     events.extend(answers.before_claim());
     // New rows were claimed by their insert. Only `prepared` rows found under a known key (a
@@ -426,6 +366,61 @@ pub async fn step(
         fault::point("after_dispatching", &op.action_id);
     }
     Ok(out)
+}
+
+/// Stages 1 and 2 for every delivery: too large (dead-lettered unread), then decoded and the
+/// tenant proven ([`triage`]). Returns the refusals (dead-lettered and answered) and the
+/// admissible intents; `dead_letters` gets every delivery that is not admitted.
+fn sort(
+    ctx: &Context,
+    auth: &TenantAuth,
+    max_bytes: usize,
+    batch: &[Incoming],
+    dead_letters: &mut Vec<DeadLetter>,
+) -> (Vec<Refusal>, Vec<Valid>) {
+    let mut refusals: Vec<Refusal> = Vec::new();
+    let mut valid: Vec<Valid> = Vec::new();
+    for (index, incoming) in batch.iter().enumerate() {
+        if incoming.body.len() > max_bytes {
+            let error = DecodeError::TooLarge {
+                size: incoming.body.len(),
+                limit: max_bytes,
+            };
+            dead_letters.push(DeadLetter {
+                index,
+                reason: DeadLetterReason::InvalidMessage,
+                detail: format!("{}: {error}", error.code()),
+            });
+            continue;
+        }
+        match triage(index, incoming, auth, |tool| ctx.tools.get(tool).is_some()) {
+            Triage::Drop(dl) => dead_letters.push(dl),
+            Triage::Refuse(r) => {
+                dead_letters.push(r.dead_letter());
+                refusals.push(r);
+            }
+            Triage::Admit(v) => valid.push(v),
+        }
+    }
+    (refusals, valid)
+}
+
+/// Stage 4 for the refusals: each answered from its key's row when there is one
+/// ([`refusal_answer`]), counted as a duplicate or a rejection.
+fn refusal_events(batch: &[Incoming], refusals: &[Refusal], rows: &[Operation]) -> Vec<NewEvent> {
+    let mut events = Vec::with_capacity(refusals.len());
+    for r in refusals {
+        let row = rows
+            .iter()
+            .find(|o| o.tenant == r.tenant && o.action_id == r.action_id);
+        let (event, label) = refusal_answer(r, row);
+        match (label, row) {
+            ("stored", Some(op)) => duplicate(reason(batch[r.index].redelivered, op)),
+            _ => counter!(m::REJECTED, "reason" => label).increment(1),
+        }
+        events.push(event);
+    }
+    events
 }
 
 /// Folds duplicates inside the batch: the first of a key is admitted, each later one is
@@ -498,12 +493,9 @@ impl<'a> Answers<'a> {
             if self.to_claim.contains(&op.id) && !claimed.iter().any(|c| c.id == op.id) {
                 // A prepared row someone else claimed first: it is in flight.
                 duplicate(reason(self.unique[u].redelivered, op));
-                events.push(
-                    outbox::operation_event(op, Status::Pending, outbox::pending_message(op))
-                        .answering(delivery.reply_to.as_deref()),
-                );
+                events.push(answers::pending(op).answering(delivery.reply_to.as_deref()));
             } else if let Some(op) = self.answer_from[u] {
-                events.push(outbox::stored_result(op).answering(delivery.reply_to.as_deref()));
+                events.push(answers::stored_result(op).answering(delivery.reply_to.as_deref()));
             }
         }
         for (v, u) in later {
@@ -514,7 +506,7 @@ impl<'a> Answers<'a> {
             } else {
                 let current = claimed.iter().find(|c| c.id == first.id).unwrap_or(first);
                 duplicate(reason(v.redelivered, current));
-                events.push(outbox::stored_result(current).answering(v.new.reply_to.as_deref()));
+                events.push(answers::stored_result(current).answering(v.new.reply_to.as_deref()));
             }
         }
         events
@@ -539,27 +531,14 @@ fn reason(redelivered: bool, op: &Operation) -> &'static str {
 /// Same key, other intent: rejected before any network activity; the stored result is never
 /// returned for it. Routed to the delivery that reused the key.
 fn conflict_event(new: &NewOperation, _stored: &Operation) -> NewEvent {
-    counter!(m::REJECTED, "reason" => "intent_conflict").increment(1);
-    outbox::rejected_event(
-        &new.tenant,
-        &new.action_id,
-        &new.tool,
-        RejectReason::IntentConflict,
-        None,
-        format!(
-            "action_id {:?} was already used for a different intent (tool or arguments differ); the stored operation is unchanged. A new action needs a new action_id chosen by the application.",
-            new.action_id
-        ),
-        Some(new.fingerprint.clone()),
-    )
-    .answering(new.reply_to.as_deref())
+    counter!(m::REJECTED, "reason" => RejectReason::IntentConflict.as_str()).increment(1);
+    answers::conflict(new)
 }
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
     use chrono::Utc;
+    use protocol::Status;
     use serde_json::json;
 
     use super::*;
@@ -649,7 +628,7 @@ mod tests {
         assert!(matches!(
             t,
             Triage::Drop(DeadLetter {
-                reason: "tenant_mismatch",
+                reason: DeadLetterReason::TenantMismatch,
                 ..
             })
         ));
@@ -683,7 +662,7 @@ mod tests {
         assert!(matches!(
             t,
             Triage::Drop(DeadLetter {
-                reason: "invalid_message",
+                reason: DeadLetterReason::InvalidMessage,
                 ..
             })
         ));
@@ -790,7 +769,7 @@ mod tests {
         );
         // Events about the operation itself keep the row's reply_to.
         assert_eq!(
-            outbox::stored_result(&row).routing_key(),
+            answers::stored_result(&row).routing_key(),
             "tenant-a.@.agent-1"
         );
     }
@@ -813,5 +792,16 @@ mod tests {
         let (unique, later) = fold_duplicates(&batch);
         assert_eq!(unique.len(), 2);
         assert_eq!(later.iter().map(|(_, u)| *u).collect::<Vec<_>>(), [0, 0]);
+    }
+
+    #[test]
+    fn user_id_auth_maps_users_to_tenants() {
+        let auth = TenantAuth::UserId {
+            users: BTreeMap::from([("agent-n".to_string(), vec!["north".to_string()])]),
+        };
+        assert!(auth.allows(Some("agent-n"), "north"));
+        assert!(!auth.allows(Some("agent-n"), "south"));
+        assert!(!auth.allows(None, "north"));
+        assert!(TenantAuth::Trusted.allows(None, "any"));
     }
 }

@@ -3,26 +3,40 @@
 //! outcomes only in the ways the downstream supports, and tells the agent the truth.
 //!
 //! # Layout
-//! - [`config`]: settings from the environment and the per-tool TOML file.
+//! - [`config`]: what start-up reads, one subject per module: environment settings, the tools
+//!   file, `${VAR}` interpolation, tenant auth (the tokens and the `[auth]` section).
 //! - [`ledger`]: the only writer of the operations table: admit (inbox), claim, complete,
-//!   result outbox, queries. Every transition is one conditional statement.
+//!   result outbox, queries; its start-up (connect, pooler probe, migrations). Every transition
+//!   is one conditional statement.
+//! - [`answers`]: every agent-facing answer: result-event shapes, their texts and reason codes,
+//!   the dead-letter reasons (metric labels derive from them).
 //! - [`adapter`]: the `ToolAdapter` trait, outcome classification, the HTTP adapter.
-//! - [`intake`]: one consumer step for a batch, in stages — decode, prove the tenant, look up
-//!   the inbox, answer or claim.
-//! - [`dispatch`]: sending a claimed operation and recording what happened.
-//! - [`recovery`]: the pure recovery decision and the scheduler that runs it.
-//! - [`retry`]: retry delays and the shared retry budget.
+//! - [`intake`]: one consumer step for a batch, in stages — decode, prove the tenant
+//!   ([`intake::TenantAuth`]), look up the inbox, answer or claim.
+//! - [`dispatch`]: sending a claimed operation and recording what happened; `next_state`, the
+//!   pure rule tables from an outcome to the next state.
+//! - [`batch`]: the two group-commit batchers (send fences, completions and their hand-off to
+//!   the relay), tasks with handles.
+//! - [`context`]: what the consumer, dispatcher and scheduler share (ledger, tools, batchers,
+//!   the in-flight bound and its tasks, wake-ups).
+//! - [`recovery`]: the tool's recovery capability, the pure recovery decision and the scheduler
+//!   that runs it.
+//! - [`retry`]: retry and budget policies, retry delays and the shared retry budget.
 //! - [`amqp`]: everything that talks to the broker: topology, consumer, result relay, link
-//!   state; `app` reconnects each link when it is lost.
-//! - [`ops`]: the operator and agent HTTP API.
+//!   state.
+//! - [`ops`]: the operator and agent HTTP API, `worker ops`, retention, `worker check-tool`.
 //! - [`telemetry`]: logs, Prometheus metrics, `/livez` and `/readyz`, `worker probe`.
 //! - [`tls`]: the one trust (system roots + `WORKER_CA_FILE`) every TLS client uses.
 //! - [`fault`]: named stop points for crash tests (feature `fault-points`).
-//! - [`app`]: wiring and graceful shutdown.
+//! - [`app`]: start-up ([`app::Application::build`]), the link supervisor that reconnects the
+//!   consumer and the relay, and graceful shutdown ([`app::Application::run_until_stopped`]).
+//! - [`shutdown`]: the stop signal (SIGTERM, Ctrl-C).
 
 pub mod adapter;
 pub mod amqp;
+pub mod answers;
 pub mod app;
+pub mod batch;
 pub mod config;
 pub mod context;
 pub mod dispatch;

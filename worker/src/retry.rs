@@ -1,6 +1,8 @@
-//! Retry timing and the shared retry budget. The ledger scheduler is the only retry layer;
-//! this module computes when the next attempt may run and what each write's outcome is worth to
-//! the tool's token bucket (kept in Postgres, see `ledger::guard`).
+//! Retry policies, retry timing and the shared retry budget. [`RetryPolicy`] and
+//! [`BudgetPolicy`] are declared per tool in the tools file (`retry = {...}`, `budget = {...}`).
+//! The ledger scheduler is the only retry layer; this module computes when the next attempt may
+//! run and what each write's outcome is worth to the tool's token bucket (kept in Postgres, see
+//! `ledger::guard`).
 //!
 //! `backoff` (RUSTSEC-2025-0012: unmaintained) is used only inside [`retry_delay`], so it can
 //! be swapped without touching callers.
@@ -12,7 +14,60 @@ use std::time::Duration;
 use backoff::backoff::Backoff;
 
 use crate::adapter::Outcome;
-use crate::config::RetryPolicy;
+use serde::Deserialize;
+
+/// Retry policy of one tool: the ledger scheduler is the only retry layer (docs/design.md section 6).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryPolicy {
+    /// Write requests allowed for proven-not-applied failures, the first included.
+    pub max_attempts: u32,
+    pub initial_delay_ms: u64,
+    pub multiplier: f64,
+    pub max_delay_ms: u64,
+    /// Randomisation factor: each delay lies within ±jitter of the nominal one.
+    pub jitter: f64,
+    /// No retry is scheduled past this long after the operation was recorded.
+    pub max_elapsed_secs: u64,
+    /// HTTP statuses the downstream documents as "not applied, try again".
+    pub not_applied_statuses: Vec<u16>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 5,
+            initial_delay_ms: 200,
+            multiplier: 2.0,
+            max_delay_ms: 30_000,
+            jitter: 0.2,
+            max_elapsed_secs: 3600,
+            not_applied_statuses: vec![429],
+        }
+    }
+}
+
+/// Shared retry budget of one tool, kept in Postgres for all workers.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BudgetPolicy {
+    /// Retries may not exceed this share of first attempts over the window.
+    pub ratio: f64,
+    /// Retries always allowed per minute, so a quiet tool can still retry.
+    pub floor_per_minute: u32,
+    /// Sliding window length.
+    pub window_secs: u64,
+}
+
+impl Default for BudgetPolicy {
+    fn default() -> Self {
+        BudgetPolicy {
+            ratio: 0.1,
+            floor_per_minute: 10,
+            window_secs: 60,
+        }
+    }
+}
 
 /// Delay before attempt `attempt + 1`, given that `attempt` attempts (>= 1) have been made:
 /// exponential from `initial_delay_ms` by `multiplier`, capped at `max_delay_ms`, randomised

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use protocol::{RejectReason, Status};
 use serde_json::{json, Value};
-use worker::ledger::outbox::stored_result;
+use worker::answers::stored_result;
 use worker::ledger::State;
 use worker::ops::retention::sweep_once;
 
@@ -588,7 +588,7 @@ async fn the_sweeper_removes_private_data_and_keeps_the_tombstone() {
     db.drop_db().await;
 }
 
-/// Issue 8 item 10: `fail` on an `unknown` row races a recovery round that holds a live lease
+/// `fail` on an `unknown` row races a recovery round that holds a live lease
 /// (a replay may be on the wire and bring back a receipt). It is refused like `recheck`, and
 /// allowed once the lease has lapsed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,13 +1,13 @@
 //! The send path's ledger statements against a real Postgres, on its clock: the send fence of a
-//! dispatch and of a replay (issue 8 item 9) and the retry token bucket (item 12).
+//! dispatch and of a replay and the retry token bucket.
 
 mod common;
 
 use std::time::Duration;
 
 use common::*;
-use worker::config::BudgetPolicy;
 use worker::ledger::State;
+use worker::retry::BudgetPolicy;
 
 const LEASE: Duration = Duration::from_secs(3);
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -223,6 +223,7 @@ async fn a_batched_fence_checks_each_row_on_its_own() {
     assert!(secs_ahead(&db, expired.id, "lease_until").await < 0.0);
     // Through the worker's batcher: the same answer.
     assert!(ctx
+        .fences
         .fence_send(SendFence {
             id: live.id,
             fence: live.fence,

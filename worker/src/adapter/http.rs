@@ -8,7 +8,8 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AF
 use reqwest::{Method, StatusCode};
 
 use super::{receipt, BoxFuture, Outcome, Request, ToolAdapter};
-use crate::config::{Capability, ToolConfig};
+use crate::config::ToolConfig;
+use crate::recovery::Capability;
 
 /// Largest response body read; the evidence keeps an excerpt.
 const MAX_BODY: usize = 1024 * 1024;

@@ -15,7 +15,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::{Capability, ToolConfig, Tools};
+use crate::config::{ToolConfig, Tools};
+use crate::recovery::Capability;
 
 /// A boxed future, so adapters can be trait objects.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

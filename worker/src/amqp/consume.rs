@@ -1,6 +1,8 @@
 //! The intents consumer: manual acks, a prefetch window, and batches. Each batch goes through
 //! [`crate::intake::step`]; bad messages are copied to the dead-letter exchange (with publisher
-//! confirms); claimed operations are dispatched and the batch is acked.
+//! confirms, the reason in the header `x-intent-worker-reason`:
+//! [`crate::answers::DeadLetterReason`]); claimed operations are dispatched and the batch is
+//! acked.
 //!
 //! Ack rule: a delivery tag is acked only after its own record committed. A batch that could not
 //! be recorded when shutdown came is left unacked and the consumer takes nothing more (the
@@ -33,13 +35,15 @@ use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, Connection};
 use metrics::counter;
 use sha2::{Digest, Sha256};
+use tokio_util::sync::CancellationToken;
 
 use super::AmqpError;
-use crate::config::{TenantAuth, Topology};
+use crate::answers::DeadLetterReason;
+use crate::config::Topology;
 use crate::context::Context;
 use crate::dispatch;
+use crate::intake::TenantAuth;
 use crate::intake::{self, DeadLetter, Incoming};
-use crate::shutdown::CancelToken;
 use crate::telemetry::metrics as m;
 
 /// How the consumer runs.
@@ -68,29 +72,9 @@ pub async fn run(
     connection: &Connection,
     ctx: Arc<Context>,
     config: &ConsumerConfig,
-    stop: CancelToken,
+    stop: CancellationToken,
 ) -> Result<(), AmqpError> {
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(AmqpError::broker("opening the consumer channel"))?;
-    channel
-        .basic_qos(config.prefetch, BasicQosOptions::default())
-        .await
-        .map_err(AmqpError::broker("basic.qos"))?;
-    // Dead-letter copies go out on their own confirmed channel.
-    let mut dlx = DeadLetters::open(connection, &config.topology).await?;
-    let tag = format!("intent-worker-{}", ctx.worker_id);
-    let mut consumer = channel
-        .basic_consume(
-            config.topology.intents_queue.as_str().into(),
-            tag.as_str().into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(AmqpError::broker("basic.consume"))?;
-    tracing::info!(queue = %config.topology.intents_queue, prefetch = config.prefetch, "consuming intents");
+    let (channel, mut dlx, mut consumer) = open(connection, &ctx, config).await?;
     let max_batch = config.prefetch as usize;
     let mut acks = Acks::default();
     'consume: loop {
@@ -100,50 +84,26 @@ pub async fn run(
             _ = stop.cancelled() => break,
             next = consumer.next() => next,
         };
-        let first = match first {
-            Some(Ok(d)) => d,
-            Some(Err(e)) => {
-                return Err(AmqpError::Broker {
-                    what: "consuming".into(),
-                    error: e,
-                })
-            }
-            None => {
-                return Err(AmqpError::Topology(
-                    "the broker cancelled the consumer".into(),
-                ))
-            }
-        };
-        let mut batch = vec![first];
+        let mut batch = vec![delivered(first)?];
         // A redelivered message is handled alone so a poison message cannot take others with it.
         if !batch[0].redelivered {
             while batch.len() < max_batch && !stop.is_cancelled() {
-                match futures_lite::future::poll_once(consumer.next()).await {
-                    Some(Some(Ok(d))) if !d.redelivered => batch.push(d),
-                    Some(Some(Ok(d))) => {
-                        // Keep order simple: finish this batch, then the redelivered one alone.
-                        let done =
-                            process(&channel, &mut dlx, &ctx, config, batch, &stop, &mut acks)
-                                .await?;
-                        if done == Processed::Abandoned {
-                            break 'consume;
-                        }
-                        batch = vec![d];
-                        break;
-                    }
-                    Some(Some(Err(e))) => {
-                        return Err(AmqpError::Broker {
-                            what: "consuming".into(),
-                            error: e,
-                        })
-                    }
-                    Some(None) => {
-                        return Err(AmqpError::Topology(
-                            "the broker cancelled the consumer".into(),
-                        ))
-                    }
-                    None => break,
+                let Some(next) = futures_lite::future::poll_once(consumer.next()).await else {
+                    break;
+                };
+                let d = delivered(next)?;
+                if !d.redelivered {
+                    batch.push(d);
+                    continue;
                 }
+                // Keep order simple: finish this batch, then the redelivered one alone.
+                let done =
+                    process(&channel, &mut dlx, &ctx, config, batch, &stop, &mut acks).await?;
+                if done == Processed::Abandoned {
+                    break 'consume;
+                }
+                batch = vec![d];
+                break;
             }
         }
         if process(&channel, &mut dlx, &ctx, config, batch, &stop, &mut acks).await?
@@ -159,6 +119,50 @@ pub async fn run(
     )
     .await;
     Ok(())
+}
+
+/// What the consumer stream gave: a delivery, or the error that ends this link.
+fn delivered(next: Option<lapin::Result<Delivery>>) -> Result<Delivery, AmqpError> {
+    match next {
+        Some(Ok(d)) => Ok(d),
+        Some(Err(e)) => Err(AmqpError::Broker {
+            what: "consuming".into(),
+            error: e,
+        }),
+        None => Err(AmqpError::Topology(
+            "the broker cancelled the consumer".into(),
+        )),
+    }
+}
+
+/// The consumer channel (with the prefetch), the dead-letter channel and the consumer.
+async fn open<'c>(
+    connection: &'c Connection,
+    ctx: &Context,
+    config: &'c ConsumerConfig,
+) -> Result<(Channel, DeadLetters<'c>, lapin::Consumer), AmqpError> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(AmqpError::broker("opening the consumer channel"))?;
+    channel
+        .basic_qos(config.prefetch, BasicQosOptions::default())
+        .await
+        .map_err(AmqpError::broker("basic.qos"))?;
+    // Dead-letter copies go out on their own confirmed channel.
+    let dlx = DeadLetters::open(connection, &config.topology).await?;
+    let tag = format!("intent-worker-{}", ctx.worker_id);
+    let consumer = channel
+        .basic_consume(
+            config.topology.intents_queue.as_str().into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(AmqpError::broker("basic.consume"))?;
+    tracing::info!(queue = %config.topology.intents_queue, prefetch = config.prefetch, "consuming intents");
+    Ok((channel, dlx, consumer))
 }
 
 /// Which delivery tags of the consumer channel are settled, so that `multiple` acks are used
@@ -240,7 +244,7 @@ async fn process(
     ctx: &Arc<Context>,
     config: &ConsumerConfig,
     batch: Vec<Delivery>,
-    stop: &CancelToken,
+    stop: &CancellationToken,
     acks: &mut Acks,
 ) -> Result<Processed, AmqpError> {
     let mut backoff = Duration::from_millis(100);
@@ -366,7 +370,7 @@ async fn try_process(
             if deliveries > limit {
                 let dl = DeadLetter {
                     index: 0,
-                    reason: "delivery_limit",
+                    reason: DeadLetterReason::DeliveryLimit,
                     detail: format!("delivered {deliveries} times (limit {limit}); workers crashed while handling it"),
                 };
                 tracing::error!(deliveries, limit, "poison message dead-lettered");
@@ -398,7 +402,7 @@ async fn try_process(
     let mut refused = Vec::new();
     let mut broken = None;
     for dl in &outcome.dead_letters {
-        tracing::warn!(reason = dl.reason, detail = %dl.detail, "intent dead-lettered");
+        tracing::warn!(reason = dl.reason.as_str(), detail = %dl.detail, "intent dead-lettered");
         match dlx.send(&batch[dl.index], dl).await {
             Ok(true) => {}
             Ok(false) => refused.push(dl.index),
@@ -447,14 +451,14 @@ impl<'c> DeadLetters<'c> {
         for attempt in 1..=DEAD_LETTER_ATTEMPTS {
             match self.publish(d, dl).await {
                 Ok(()) => {
-                    counter!(m::DEAD_LETTERED, "reason" => dl.reason).increment(1);
+                    counter!(m::DEAD_LETTERED, "reason" => dl.reason.as_str()).increment(1);
                     return Ok(true);
                 }
                 Err(e) => {
                     if !self.connection.status().connected() {
                         return Err(e);
                     }
-                    tracing::warn!(attempt, reason = dl.reason, error = %e, "dead-letter copy refused; retrying on a fresh channel");
+                    tracing::warn!(attempt, reason = dl.reason.as_str(), error = %e, "dead-letter copy refused; retrying on a fresh channel");
                     last = e.to_string();
                 }
             }
@@ -471,9 +475,9 @@ impl<'c> DeadLetters<'c> {
             }
             self.channel = confirmed_channel(self.connection).await?;
         }
-        counter!(m::DEAD_LETTER_REFUSED, "reason" => dl.reason).increment(1);
+        counter!(m::DEAD_LETTER_REFUSED, "reason" => dl.reason.as_str()).increment(1);
         tracing::error!(
-            reason = dl.reason, detail = %dl.detail, error = %last,
+            reason = dl.reason.as_str(), detail = %dl.detail, error = %last,
             "the broker refused the dead-letter copy {DEAD_LETTER_ATTEMPTS} times; rejecting the delivery so the queue's own dead-letter exchange takes it"
         );
         Ok(false)
@@ -537,7 +541,7 @@ pub fn dead_letter_properties(
     let mut text = |k: &str, v: &str| {
         headers.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
     };
-    text("x-intent-worker-reason", dl.reason);
+    text("x-intent-worker-reason", dl.reason.as_str());
     text("x-intent-worker-detail", &dl.detail);
     text("x-original-routing-key", routing_key);
     if let Some(user) = original.user_id() {
@@ -633,7 +637,7 @@ mod tests {
             .with_headers(h);
         let dl = DeadLetter {
             index: 0,
-            reason: "invalid_message",
+            reason: DeadLetterReason::InvalidMessage,
             detail: "wrong_type: arguments".into(),
         };
         let p = dead_letter_properties(&original, &dl, "tenant-a");

@@ -1,8 +1,9 @@
 //! Everything that talks to RabbitMQ: the topology the worker declares, the intents consumer
 //! and the result relay, and the link state the readiness probe reports. A lost connection is
-//! not fatal: `app` reconnects each link (consumer, relay) with a jittered, capped back-off
-//! ([`reconnect_delay`]), redeclares the topology and resumes; unacked deliveries come back and
-//! the inbox dedupes them. The AMQP heartbeat turns a silent black hole into a lost link.
+//! not fatal: `app`'s link supervisor reconnects each link (consumer, relay) with a jittered,
+//! capped back-off ([`reconnect_delay`]), redeclares the topology and resumes; unacked
+//! deliveries come back and the inbox dedupes them. The AMQP heartbeat turns a silent black
+//! hole into a lost link.
 
 pub mod consume;
 pub mod relay;
@@ -15,7 +16,7 @@ use std::time::Duration;
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
-use crate::config::RetryPolicy;
+use crate::retry::RetryPolicy;
 
 /// Errors at the broker boundary.
 #[derive(Debug, thiserror::Error)]

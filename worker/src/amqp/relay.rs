@@ -3,7 +3,7 @@
 //! are marked too and counted; they stay readable in the outbox and through the status API.
 //!
 //! Two sources feed it. This worker's own completions arrive in memory, already claimed for
-//! it in the outbox by the commit that wrote them ([`Context::take_handed`]); they go first
+//! it in the outbox by the commit that wrote them ([`crate::batch::completion`]); they go first
 //! and cost no claim statement. Everything else (intake answers, expiries, operator events,
 //! other workers' lapsed rows, hand-offs that were dropped) is claimed from the outbox with
 //! `claim_unpublished`, when nothing was handed or at least every [`POLL`].
@@ -12,13 +12,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, Connection};
+use lapin::{Confirmation, PublisherConfirm};
 use metrics::counter;
+use tokio_util::sync::CancellationToken;
 
 use super::AmqpError;
 use crate::context::Context;
-use crate::shutdown::CancelToken;
+use crate::ledger::outbox::OutboxRow;
 use crate::telemetry::metrics as m;
 
 /// Events published per round.
@@ -51,7 +52,7 @@ impl Relay {
             .await
             .map_err(AmqpError::broker("confirm.select"))?;
         // From now on this worker's completion events are inserted claimed for this relay.
-        ctx.relay_attached(true);
+        ctx.completions.relay_attached(true);
         Ok(Relay {
             channel,
             exchange,
@@ -65,7 +66,36 @@ impl Relay {
     /// never starves intake answers or lapsed rows), publish, await confirms, mark. Returns
     /// events published.
     pub async fn step(&self) -> Result<usize, AmqpError> {
-        let handed = self.ctx.take_handed(BATCH as usize);
+        let rows = self.gather().await;
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let mut pending = Vec::with_capacity(rows.len());
+        for row in &rows {
+            pending.push((row, self.publish(row).await));
+        }
+        let settled = settle(pending).await;
+        if let Err(e) = self.ctx.ledger.mark_published(&settled.published).await {
+            // They will be published again after the hold: agents dedupe by event_id.
+            tracing::warn!(error = %e, "cannot mark events published");
+        }
+        if let Err(e) = self.ctx.ledger.release_unpublished(&settled.failed).await {
+            tracing::warn!(error = %e, "cannot release unpublished events");
+        }
+        if let Some(e) = settled.broken {
+            return Err(AmqpError::Broker {
+                what: "publishing results".into(),
+                error: e,
+            });
+        }
+        Ok(settled.published.len())
+    }
+
+    /// The round's rows: the handed ones first, then (when a claim is due) rows claimed from
+    /// the outbox, up to a batch in all. An outbox that cannot be read is logged and tried
+    /// again next round.
+    async fn gather(&self) -> Vec<OutboxRow> {
+        let handed = self.ctx.completions.take_handed(BATCH as usize);
         if handed.stale > 0 {
             tracing::info!(
                 events = handed.stale,
@@ -90,109 +120,46 @@ impl Relay {
                 .await
             {
                 Ok(claimed) => rows.extend(claimed),
-                Err(e) if rows.is_empty() => {
-                    tracing::warn!(error = %e, "relay cannot read the outbox");
-                    return Ok(0);
-                }
-                // Publish what was handed; the outbox is tried again next round.
+                // With nothing handed there is nothing to publish; else publish what was
+                // handed. Either way the outbox is tried again next round.
                 Err(e) => tracing::warn!(error = %e, "relay cannot read the outbox"),
             }
         }
-        if rows.is_empty() {
-            return Ok(0);
-        }
-        let mut pending = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let body = serde_json::to_vec(&row.payload).expect("json values serialize");
-            let event_id = row
-                .payload
-                .get("event_id")
-                .and_then(|v| v.as_str())
-                .unwrap_or_default();
-            let props = BasicProperties::default()
-                .with_content_type("application/json".into())
-                .with_delivery_mode(2)
-                .with_message_id(event_id.into())
-                .with_type(row.status.as_str().into());
-            let confirm = self
-                .channel
-                .basic_publish(
-                    self.exchange.as_str().into(),
-                    row.routing_key.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    &body,
-                    props,
-                )
-                .await;
-            pending.push((row, confirm));
-        }
-        let mut published = Vec::new();
-        let mut failed = Vec::new();
-        let mut broken = None;
-        for (row, confirm) in pending {
-            let result = match confirm {
-                Ok(c) => c.await,
-                Err(e) => Err(e),
-            };
-            match result {
-                Ok(Confirmation::Ack(None)) | Ok(Confirmation::NotRequested) => {
-                    counter!(m::RESULTS_PUBLISHED, "status" => row.status.clone()).increment(1);
-                    published.push(row.id);
-                }
-                Ok(Confirmation::Ack(Some(returned))) => {
-                    counter!(m::RESULTS_UNROUTABLE).increment(1);
-                    // By key, status and the broker's reason only: the event carries the
-                    // receipt and the agent's arguments, which never reach a log.
-                    let field = |name: &str| {
-                        row.payload
-                            .get(name)
-                            .and_then(|v| v.as_str())
-                            .unwrap_or_default()
-                            .to_owned()
-                    };
-                    tracing::warn!(
-                        tenant = %field("tenant"),
-                        action_id = %field("action_id"),
-                        status = %row.status,
-                        routing_key = %row.routing_key,
-                        reply_code = returned.reply_code,
-                        reply_text = %returned.reply_text,
-                        "no queue is bound for this tenant's results; the event stays in the outbox and the status API"
-                    );
-                    published.push(row.id);
-                }
-                Ok(Confirmation::Nack(_)) => failed.push(row.id),
-                Err(e) => {
-                    failed.push(row.id);
-                    broken.get_or_insert(e);
-                }
-            }
-        }
-        if let Err(e) = self.ctx.ledger.mark_published(&published).await {
-            // They will be published again after the hold: agents dedupe by event_id.
-            tracing::warn!(error = %e, "cannot mark events published");
-        }
-        if let Err(e) = self.ctx.ledger.release_unpublished(&failed).await {
-            tracing::warn!(error = %e, "cannot release unpublished events");
-        }
-        if let Some(e) = broken {
-            return Err(AmqpError::Broker {
-                what: "publishing results".into(),
-                error: e,
-            });
-        }
-        Ok(published.len())
+        rows
     }
 
+    /// Publishes one event (mandatory, persistent, message id = event id, type = status).
+    async fn publish(&self, row: &OutboxRow) -> lapin::Result<PublisherConfirm> {
+        let body = serde_json::to_vec(&row.payload).expect("json values serialize");
+        let event_id = row
+            .payload
+            .get("event_id")
+            .and_then(|v| v.as_str())
+            .unwrap_or_default();
+        let props = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_message_id(event_id.into())
+            .with_type(row.status.as_str().into());
+        self.channel
+            .basic_publish(
+                self.exchange.as_str().into(),
+                row.routing_key.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                &body,
+                props,
+            )
+            .await
+    }
     /// Runs until `stop`, then does a last round so committed results leave before exit: what
     /// was handed first, then the outbox backlog.
-    pub async fn run(self, stop: CancelToken) -> Result<(), AmqpError> {
+    pub async fn run(self, stop: CancellationToken) -> Result<(), AmqpError> {
         loop {
             let n = self.step().await?;
-            if n as i64 == BATCH || self.ctx.handed_waiting() {
+            if n as i64 == BATCH || self.ctx.completions.handed_waiting() {
                 continue;
             }
             tokio::select! {
@@ -201,9 +168,72 @@ impl Relay {
                 _ = tokio::time::sleep(POLL) => {}
             }
         }
-        while self.step().await? > 0 || self.ctx.handed_waiting() {}
+        while self.step().await? > 0 || self.ctx.completions.handed_waiting() {}
         Ok(())
     }
+}
+
+/// What the broker's confirms said about a round's events.
+struct Settled {
+    /// Confirmed (or returned unroutable, which is final too): marked published.
+    published: Vec<i64>,
+    /// Nacked or lost with the channel: released for the next round.
+    failed: Vec<i64>,
+    /// The channel broke: the link is lost.
+    broken: Option<lapin::Error>,
+}
+
+/// Awaits each publish's confirm, in order.
+async fn settle(pending: Vec<(&OutboxRow, lapin::Result<PublisherConfirm>)>) -> Settled {
+    let mut settled = Settled {
+        published: Vec::new(),
+        failed: Vec::new(),
+        broken: None,
+    };
+    for (row, confirm) in pending {
+        let result = match confirm {
+            Ok(c) => c.await,
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(Confirmation::Ack(None)) | Ok(Confirmation::NotRequested) => {
+                counter!(m::RESULTS_PUBLISHED, "status" => row.status.clone()).increment(1);
+                settled.published.push(row.id);
+            }
+            Ok(Confirmation::Ack(Some(returned))) => {
+                counter!(m::RESULTS_UNROUTABLE).increment(1);
+                log_unroutable(row, &returned);
+                settled.published.push(row.id);
+            }
+            Ok(Confirmation::Nack(_)) => settled.failed.push(row.id),
+            Err(e) => {
+                settled.failed.push(row.id);
+                settled.broken.get_or_insert(e);
+            }
+        }
+    }
+    settled
+}
+
+/// An event no queue is bound for, by key, status and the broker's reason only: the event
+/// carries the receipt and the agent's arguments, which never reach a log.
+fn log_unroutable(row: &OutboxRow, returned: &lapin::message::BasicReturnMessage) {
+    let field = |name: &str| {
+        row.payload
+            .get(name)
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    tracing::warn!(
+        tenant = %field("tenant"),
+        action_id = %field("action_id"),
+        status = %row.status,
+        routing_key = %row.routing_key,
+        reply_code = returned.reply_code,
+        reply_text = %returned.reply_text,
+        "no queue is bound for this tenant's results; the event stays in the outbox and the status API"
+    );
 }
 
 impl Drop for Relay {
@@ -211,6 +241,6 @@ impl Drop for Relay {
     /// connects, completion events are inserted unclaimed and published by whichever relay
     /// reaches them first (no wait for a hold after the link comes back).
     fn drop(&mut self) {
-        self.ctx.relay_attached(false);
+        self.ctx.completions.relay_attached(false);
     }
 }

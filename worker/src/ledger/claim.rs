@@ -6,8 +6,9 @@
 use std::time::Duration;
 
 use super::admit::prefixed;
-use super::outbox::{self, pending_message};
+use super::outbox;
 use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
+use crate::answers;
 
 /// Replay windows by tool, so the first dispatch can store its protection deadline.
 #[derive(Debug, Clone, Default)]
@@ -315,9 +316,7 @@ impl Ledger {
             .filter(|r| {
                 r.op.state() == State::Unknown && r.prev_reported.as_deref() != Some("pending")
             })
-            .map(|r| {
-                outbox::operation_event(&r.op, protocol::Status::Pending, pending_message(&r.op))
-            })
+            .map(|r| answers::pending(&r.op))
             .collect();
         outbox::insert_events(&mut tx, &events).await?;
         tx.commit().await?;

@@ -1,5 +1,5 @@
 //! Completion: recording what a dispatch or a recovery round found, with the result event
-//! for the agent, many operations per commit.
+//! for the agent (built by [`crate::answers`]), many operations per commit.
 //!
 //! A receipt goes through the receipt path: it may settle any unresolved row, whoever owns it,
 //! because it is the downstream's proof (checked against the operation before it gets here).
@@ -8,13 +8,13 @@
 
 use std::time::Duration;
 
-use protocol::Status;
 use sqlx::PgConnection;
 
 use super::admit::prefixed;
 use super::claim::WithPrev;
-use super::outbox::{self, failed_message, pending_message, NewEvent, OutboxRow};
+use super::outbox::{self, NewEvent, OutboxRow};
 use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
+use crate::answers;
 
 /// Where an operation goes next.
 #[derive(Debug, Clone, PartialEq)]
@@ -282,6 +282,20 @@ async fn apply(
     worker_id: &str,
     c: &Completion,
 ) -> Result<(Applied, Option<NewEvent>), LedgerError> {
+    let Some(row) = update_one(conn, worker_id, c).await? else {
+        return Ok((refused(conn, c).await?, None));
+    };
+    let event = event_for(&row.op, row.prev_reported.as_deref());
+    Ok((Applied::Done(row.op), event))
+}
+
+/// The one conditional statement of a completion's transition; None when its predicate (fence,
+/// expected state) did not hold.
+async fn update_one(
+    conn: &mut PgConnection,
+    worker_id: &str,
+    c: &Completion,
+) -> Result<Option<WithPrev>, LedgerError> {
     let cols = prefixed("o", OPERATION_COLUMNS);
     let expected = match c.phase {
         Phase::Dispatch => State::Dispatching,
@@ -371,25 +385,26 @@ async fn apply(
                 .await?
         }
     };
-    let Some(row) = row else {
-        let current = current(conn, c.operation_id).await?;
-        let applied = match (&c.transition, current) {
-            (Transition::Succeeded { receipt, .. }, Some(op)) if op.state() == State::Succeeded => {
-                if op.receipt.as_ref() == Some(receipt) {
-                    Applied::LateReceiptMatches(op)
-                } else {
-                    Applied::LateReceiptConflict(op)
-                }
-            }
-            (Transition::Succeeded { .. }, Some(op)) if op.state().is_final() => {
+    Ok(row)
+}
+
+/// Why a completion's statement changed nothing: a late receipt for an operation already
+/// final (matching or in conflict), or a stale owner.
+async fn refused(conn: &mut PgConnection, c: &Completion) -> Result<Applied, LedgerError> {
+    let current = current(conn, c.operation_id).await?;
+    Ok(match (&c.transition, current) {
+        (Transition::Succeeded { receipt, .. }, Some(op)) if op.state() == State::Succeeded => {
+            if op.receipt.as_ref() == Some(receipt) {
+                Applied::LateReceiptMatches(op)
+            } else {
                 Applied::LateReceiptConflict(op)
             }
-            (_, current) => Applied::Stale(current),
-        };
-        return Ok((applied, None));
-    };
-    let event = event_for(&row.op, row.prev_reported.as_deref());
-    Ok((Applied::Done(row.op), event))
+        }
+        (Transition::Succeeded { .. }, Some(op)) if op.state().is_final() => {
+            Applied::LateReceiptConflict(op)
+        }
+        (_, current) => Applied::Stale(current),
+    })
 }
 
 /// A fenced transition: only the owner of `fence` ($4) may make it, from the expected state
@@ -408,25 +423,10 @@ fn fenced(cols: &str, set: &str) -> String {
 /// stretch (so an agent never waits without an answer, and is not told `pending` repeatedly).
 fn event_for(op: &Operation, prev_reported: Option<&str>) -> Option<NewEvent> {
     match op.state() {
-        State::Succeeded => {
-            let id = op.receipt_id.clone().unwrap_or_default();
-            Some(outbox::operation_event(
-                op,
-                Status::Succeeded,
-                format!("The {} succeeded (receipt {id}).", op.tool),
-            ))
-        }
-        State::Failed => Some(outbox::operation_event(
-            op,
-            Status::Failed,
-            failed_message(op),
-        )),
+        State::Succeeded => Some(answers::succeeded(op)),
+        State::Failed => Some(answers::failed(op)),
         State::RetryWait | State::Unknown | State::Held if prev_reported != Some("pending") => {
-            Some(outbox::operation_event(
-                op,
-                Status::Pending,
-                pending_message(op),
-            ))
+            Some(answers::pending(op))
         }
         _ => None,
     }

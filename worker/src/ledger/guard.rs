@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::{Ledger, LedgerError};
-use crate::config::BudgetPolicy;
+use crate::retry::BudgetPolicy;
 
 impl Ledger {
     /// Sends one retry (or replay) of `tool` if its token bucket allows it: one conditional

@@ -5,6 +5,9 @@
 //! stale owner or an operator can never both win; history rows are appended by a trigger. The
 //! API takes batches: many deliveries are admitted, claimed and completed per commit while each
 //! keeps its own row, fence and predicate (docs/design.md section 10).
+//!
+//! [`startup`] gets the ledger ready before the worker runs: connect while Postgres starts, probe
+//! for a pooler that would break prepared statements, apply or await the migrations.
 
 mod admit;
 mod claim;
@@ -14,6 +17,7 @@ pub mod operator;
 pub mod outbox;
 pub mod queries;
 pub mod retention;
+pub mod startup;
 mod states;
 
 pub use admit::{Admitted, NewOperation};

@@ -2,18 +2,20 @@
 //!
 //! Each action is one transaction: the operator request id is recorded first (so a retried
 //! request finds it and gets the stored response), then the state change is ONE conditional
-//! UPDATE checked by the database (allowed source states), the result event is written to the
-//! outbox in the same commit, and the response is stored with the request. `changed_by` and
-//! `evidence` carry who and why into the history the trigger appends.
+//! UPDATE checked by the database (allowed source states), the result event
+//! ([`crate::answers`]) is written to the outbox in the same commit, and the response is stored
+//! with the request. `changed_by` and `evidence` carry who and why into the history the trigger
+//! appends.
 
 use std::collections::HashMap;
 
 use sqlx::PgConnection;
 
 use super::admit::prefixed;
-use super::outbox::{self, failed_message};
+use super::outbox;
 use super::queries::HistoryEntry;
 use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
+use crate::answers;
 
 /// Which unresolved operations to list.
 #[derive(Debug, Clone)]
@@ -209,19 +211,10 @@ impl Ledger {
             };
         };
         let event = match change {
-            OperatorChange::Resolve { receipt_id, .. } => Some(outbox::operation_event(
-                &op,
-                protocol::Status::Succeeded,
-                format!(
-                    "The {} succeeded (receipt {receipt_id}, confirmed by an operator).",
-                    op.tool
-                ),
-            )),
-            OperatorChange::Fail { .. } => Some(outbox::operation_event(
-                &op,
-                protocol::Status::Failed,
-                failed_message(&op),
-            )),
+            OperatorChange::Resolve { receipt_id, .. } => {
+                Some(answers::succeeded_by_operator(&op, receipt_id))
+            }
+            OperatorChange::Fail { .. } => Some(answers::failed(&op)),
             OperatorChange::Recheck { .. } => None,
         };
         if let Some(event) = event {

@@ -7,13 +7,15 @@
 //! relay ([`insert_held_events`]) and handed to it in memory after the commit, so the hot path
 //! writes two row versions per event (insert, mark) instead of three (insert, claim, mark).
 //! Every other writer inserts unclaimed rows for whichever relay comes first.
+//!
+//! What an event says is built by [`crate::answers`]; this module only stores and addresses it.
 
-use chrono::{DateTime, SecondsFormat, Utc};
-use protocol::{RejectReason, ResultEvent, Status};
+use chrono::{DateTime, Utc};
+use protocol::ResultEvent;
 use sqlx::PgConnection;
 use std::time::Duration;
 
-use super::{Ledger, LedgerError, Operation, State};
+use super::{Ledger, LedgerError};
 
 /// How long a relay owns the events it claimed (or that were inserted claimed for it) before
 /// another relay may take them: a relay that died leaves its rows to the others after this.
@@ -66,132 +68,6 @@ pub struct OutboxRow {
     pub routing_key: String,
     pub status: String,
     pub payload: serde_json::Value,
-}
-
-fn now_rfc3339() -> String {
-    Utc::now().to_rfc3339_opts(SecondsFormat::Millis, true)
-}
-
-/// Builds the event the agent must see about `op`.
-pub fn operation_event(op: &Operation, status: Status, message: String) -> NewEvent {
-    NewEvent {
-        operation_id: Some(op.id),
-        event: ResultEvent {
-            tenant: op.tenant.clone(),
-            action_id: op.action_id.clone(),
-            tool: op.tool.clone(),
-            status,
-            receipt: if status == Status::Succeeded {
-                op.receipt.clone()
-            } else {
-                None
-            },
-            next_action: (status == Status::Pending).then(|| "check_status".to_string()),
-            attempts: op.attempts.max(0) as u32,
-            message,
-            fingerprint: Some(op.fingerprint.clone()),
-            reason: None,
-            detail: None,
-            event_id: uuid::Uuid::new_v4().to_string(),
-            occurred_at: now_rfc3339(),
-        },
-        reply_to: op.reply_to.clone(),
-    }
-}
-
-/// Builds a `rejected` event for a message that did not become (or could not touch) an
-/// operation, routed to the tenant-wide key until [`NewEvent::answering`] addresses it.
-pub fn rejected_event(
-    tenant: &str,
-    action_id: &str,
-    tool: &str,
-    reason: RejectReason,
-    detail: Option<String>,
-    message: String,
-    fingerprint: Option<String>,
-) -> NewEvent {
-    NewEvent {
-        operation_id: None,
-        event: ResultEvent {
-            tenant: tenant.to_string(),
-            action_id: action_id.to_string(),
-            tool: tool.to_string(),
-            status: Status::Rejected,
-            receipt: None,
-            next_action: None,
-            attempts: 0,
-            message,
-            fingerprint,
-            reason: Some(reason),
-            detail,
-            event_id: uuid::Uuid::new_v4().to_string(),
-            occurred_at: now_rfc3339(),
-        },
-        reply_to: None,
-    }
-}
-
-/// The agent-facing words for an operation whose outcome is not known yet.
-pub fn pending_message(op: &Operation) -> String {
-    match op.state() {
-        State::RetryWait | State::Prepared => format!(
-            "The {} has not been applied yet; it will be retried automatically with the same key. Do not submit it again.",
-            op.tool
-        ),
-        State::Held => format!(
-            "The {} outcome is unknown and is held for reconciliation by a person. Do not submit it again.",
-            op.tool
-        ),
-        _ => format!("The {} outcome is unknown. Do not submit it again.", op.tool),
-    }
-}
-
-/// The event an existing operation answers with when its intent arrives again.
-///
-/// A row swept by retention keeps only its tombstone (key, fingerprint, final state): it never
-/// answers `succeeded` without the receipt, but `rejected` with reason `expired` and the final
-/// state in `detail`, so the agent learns it finished and must not resubmit.
-pub fn stored_result(op: &Operation) -> NewEvent {
-    if op.swept_at.is_some() {
-        let state = op.state();
-        let mut event = rejected_event(
-            &op.tenant,
-            &op.action_id,
-            &op.tool,
-            RejectReason::Expired,
-            Some(state.as_str().to_string()),
-            format!(
-                "This action already finished ({state}); its details were removed by retention, and it will not run again."
-            ),
-            Some(op.fingerprint.clone()),
-        );
-        event.operation_id = Some(op.id);
-        event.reply_to = op.reply_to.clone();
-        event.event.attempts = op.attempts.max(0) as u32;
-        return event;
-    }
-    match op.state() {
-        State::Succeeded => {
-            let id = op.receipt_id.clone().unwrap_or_default();
-            operation_event(
-                op,
-                Status::Succeeded,
-                format!("The {} succeeded (receipt {id}).", op.tool),
-            )
-        }
-        State::Failed => operation_event(op, Status::Failed, failed_message(op)),
-        _ => operation_event(op, Status::Pending, pending_message(op)),
-    }
-}
-
-pub fn failed_message(op: &Operation) -> String {
-    format!(
-        "The {} failed: {}",
-        op.tool,
-        op.evidence
-            .as_deref()
-            .unwrap_or("the downstream refused it")
-    )
 }
 
 /// The columns of one insert, in `unnest` order.

@@ -8,8 +8,8 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::adapter::Request;
+use crate::answers::stored_result;
 use crate::context::Context;
-use crate::ledger::outbox::stored_result;
 use crate::ledger::queries::HistoryEntry;
 use crate::ledger::{
     Ledger, LedgerError, Operation, OperatorChange, OperatorOutcome, OperatorRequest, State,

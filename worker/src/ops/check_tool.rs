@@ -12,8 +12,9 @@ use serde::Serialize;
 
 use crate::adapter::http::{Answer, HttpAdapter};
 use crate::adapter::{Outcome, Request};
-use crate::config::{Capability, ToolConfig};
+use crate::config::ToolConfig;
 use crate::ledger::idempotency_key;
+use crate::recovery::Capability;
 
 /// The tenant every probe writes as: it says it is a probe.
 pub const PROBE_TENANT: &str = "intent-worker-probe";

@@ -123,63 +123,12 @@ pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
         .await
         .context("cannot connect to Postgres (DATABASE_URL)")?;
     match cmd {
-        OpsCommand::List(args) => {
-            // The API takes exactly `a,b`; on the command line `--state "held, unknown"` is fine.
-            let states: Vec<&str> = args.state.iter().map(|s| s.trim()).collect();
-            let states = states.join(",");
-            let page = actions::list(
-                &ledger,
-                ListParams {
-                    state: (!states.is_empty()).then_some(states),
-                    tool: args.tool,
-                    older_than_secs: args.older_than_secs,
-                    limit: Some(args.limit),
-                    after: args.after,
-                },
-            )
-            .await?;
-            if args.json {
-                println!("{}", serde_json::to_string_pretty(&page)?);
-            } else {
-                print!("{}", table(&page.operations));
-                match page.next_after {
-                    Some(id) => println!("more: --after {id}"),
-                    None => println!("({} operations)", page.operations.len()),
-                }
-            }
-        }
+        OpsCommand::List(args) => list(&ledger, args).await?,
         OpsCommand::Show { tenant, action_id } => {
             let view = actions::show(&ledger, &tenant, &action_id).await?;
             println!("{}", serde_json::to_string_pretty(&view)?);
         }
-        OpsCommand::Resolve(args) => {
-            let receipt_text = match (&args.receipt, &args.receipt_file) {
-                (Some(r), _) => r.clone(),
-                (None, Some(p)) if p.as_os_str() == "-" => {
-                    std::io::read_to_string(std::io::stdin()).context("reading the receipt")?
-                }
-                (None, Some(p)) => std::fs::read_to_string(p)
-                    .with_context(|| format!("reading the receipt from {}", p.display()))?,
-                (None, None) => anyhow::bail!("--receipt or --receipt-file is required"),
-            };
-            let receipt: serde_json::Value =
-                serde_json::from_str(&receipt_text).context("the receipt is not valid JSON")?;
-            let request_id = request_id(args.request_id);
-            let ctx = context(settings, &trust, ledger, true)?;
-            let r = actions::resolve(
-                &ctx,
-                &args.tenant,
-                &args.action_id,
-                ResolveInput {
-                    receipt: Some(receipt),
-                    operator: Some(args.operator),
-                    reason: Some(args.reason),
-                    request_id: Some(request_id),
-                },
-            )
-            .await?;
-            report(r, args.json)?;
-        }
+        OpsCommand::Resolve(args) => resolve(settings, &trust, ledger, args).await?,
         OpsCommand::Fail(args) => {
             let request_id = request_id(args.request_id);
             let ctx = context(settings, &trust, ledger, false)?;
@@ -214,6 +163,69 @@ pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `worker ops list`.
+async fn list(ledger: &Ledger, args: ListArgs) -> anyhow::Result<()> {
+    // The API takes exactly `a,b`; on the command line `--state "held, unknown"` is fine.
+    let states: Vec<&str> = args.state.iter().map(|s| s.trim()).collect();
+    let states = states.join(",");
+    let page = actions::list(
+        ledger,
+        ListParams {
+            state: (!states.is_empty()).then_some(states),
+            tool: args.tool,
+            older_than_secs: args.older_than_secs,
+            limit: Some(args.limit),
+            after: args.after,
+        },
+    )
+    .await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&page)?);
+    } else {
+        print!("{}", table(&page.operations));
+        match page.next_after {
+            Some(id) => println!("more: --after {id}"),
+            None => println!("({} operations)", page.operations.len()),
+        }
+    }
+    Ok(())
+}
+
+/// `worker ops resolve`: the receipt from the flag, a file or stdin.
+async fn resolve(
+    settings: &Settings,
+    trust: &crate::tls::Trust,
+    ledger: Ledger,
+    args: ResolveArgs,
+) -> anyhow::Result<()> {
+    let receipt_text = match (&args.receipt, &args.receipt_file) {
+        (Some(r), _) => r.clone(),
+        (None, Some(p)) if p.as_os_str() == "-" => {
+            std::io::read_to_string(std::io::stdin()).context("reading the receipt")?
+        }
+        (None, Some(p)) => std::fs::read_to_string(p)
+            .with_context(|| format!("reading the receipt from {}", p.display()))?,
+        (None, None) => anyhow::bail!("--receipt or --receipt-file is required"),
+    };
+    let receipt: serde_json::Value =
+        serde_json::from_str(&receipt_text).context("the receipt is not valid JSON")?;
+    let request_id = request_id(args.request_id);
+    let ctx = context(settings, trust, ledger, true)?;
+    let r = actions::resolve(
+        &ctx,
+        &args.tenant,
+        &args.action_id,
+        ResolveInput {
+            receipt: Some(receipt),
+            operator: Some(args.operator),
+            reason: Some(args.reason),
+            request_id: Some(request_id),
+        },
+    )
+    .await?;
+    report(r, args.json)
 }
 
 /// The given request id, or a fresh one printed so the operator can retry with it.

@@ -7,10 +7,10 @@
 use std::time::Duration;
 
 use metrics::counter;
+use tokio_util::sync::CancellationToken;
 
 use crate::ledger::retention::SWEEP_BATCH;
 use crate::ledger::{Ledger, LedgerError, SweepReport};
-use crate::shutdown::CancelToken;
 use crate::telemetry::metrics as m;
 
 /// Batches per kind in one sweep; the rest waits for the next pass, so a huge backlog never
@@ -72,7 +72,7 @@ pub async fn run(
     ledger: Ledger,
     retention: Duration,
     tombstone_retention: Duration,
-    stop: CancelToken,
+    stop: CancellationToken,
 ) {
     if tombstone_retention < retention {
         tracing::warn!(

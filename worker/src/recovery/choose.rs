@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::config::Capability;
+use super::Capability;
 use crate::ledger::Operation;
 
 /// What the scheduler knows about an unknown operation.

@@ -7,12 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::shutdown::CancelToken;
 use chrono::Utc;
 use metrics::{counter, gauge};
+use tokio_util::sync::CancellationToken;
 
 use super::choose::{choose, facts, Action};
-use crate::config::Capability;
+use super::Capability;
 use crate::context::Context;
 use crate::dispatch::{self, after_recovery, finish, request_for, timed, InFlight};
 use crate::fault;
@@ -64,7 +64,7 @@ pub async fn step(ctx: &Arc<Context>) -> Result<usize, crate::ledger::LedgerErro
 }
 
 /// Runs the scheduler until `stop` fires.
-pub async fn run(ctx: Arc<Context>, interval: Duration, stop: CancelToken) {
+pub async fn run(ctx: Arc<Context>, interval: Duration, stop: CancellationToken) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -254,61 +254,76 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
             let outcome = timed(&tool, "lookup", tool.adapter.lookup(&request)).await;
             after_recovery(&op, config, outcome)
         }
-        Action::ReplayOriginalRequest => {
-            if !spend_retry(&ctx, &op, &config.budget).await {
-                defer_for_budget(&ctx, &op, phase, config).await;
-                return;
-            }
-            fault::point("before_send", &op.action_id);
-            let Capability::Replay { window, margin } = config.capability else {
-                unreachable!("choose replays only tools with recovery = \"replay\"")
-            };
-            match ctx
-                .ledger
-                .begin_replay(
-                    op.id,
-                    op.fence,
-                    &ctx.worker_id,
-                    ctx.lease,
-                    config.timeout,
-                    window,
-                    margin,
-                )
-                .await
-            {
-                Ok(true) => {}
-                Ok(false) => {
-                    dispatch::abandoned(
-                        &ctx,
-                        &op,
-                        WriteKind::Retry,
-                        "the lease was lost or the replay window ends before the request could be answered",
-                    );
-                    return;
-                }
-                Err(e) => {
-                    counter!(m::LEDGER_ERRORS, "operation" => "send_fence").increment(1);
-                    dispatch::abandoned(
-                        &ctx,
-                        &op,
-                        WriteKind::Retry,
-                        &format!("the send fence could not be checked: {e}"),
-                    );
-                    return;
-                }
-            }
-            let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
-            dispatch::account(&ctx, config, WriteKind::Retry, &outcome);
-            after_recovery(&op, config, outcome)
-        }
+        Action::ReplayOriginalRequest => match replay(&ctx, &op, &tool, &request, phase).await {
+            Some(transition) => transition,
+            None => return,
+        },
     };
     finish(&ctx, &op, phase, transition).await;
+}
+
+/// A replay of the original request, within the shared retry budget and behind its fence
+/// ([`crate::ledger::Ledger::begin_replay`]); None when it did not leave (deferred for the
+/// budget, or abandoned: nothing was sent).
+async fn replay(
+    ctx: &Context,
+    op: &crate::ledger::Operation,
+    tool: &crate::adapter::Tool,
+    request: &crate::adapter::Request,
+    phase: Phase,
+) -> Option<Transition> {
+    let config = &tool.config;
+    if !spend_retry(ctx, op, &config.budget).await {
+        defer_for_budget(ctx, op, phase, config).await;
+        return None;
+    }
+    fault::point("before_send", &op.action_id);
+    let Capability::Replay { window, margin } = config.capability else {
+        unreachable!("choose replays only tools with recovery = \"replay\"")
+    };
+    match ctx
+        .ledger
+        .begin_replay(
+            op.id,
+            op.fence,
+            &ctx.worker_id,
+            ctx.lease,
+            config.timeout,
+            window,
+            margin,
+        )
+        .await
+    {
+        Ok(true) => {}
+        Ok(false) => {
+            dispatch::abandoned(
+                ctx,
+                op,
+                WriteKind::Retry,
+                "the lease was lost or the replay window ends before the request could be answered",
+            );
+            return None;
+        }
+        Err(e) => {
+            counter!(m::LEDGER_ERRORS, "operation" => "send_fence").increment(1);
+            dispatch::abandoned(
+                ctx,
+                op,
+                WriteKind::Retry,
+                &format!("the send fence could not be checked: {e}"),
+            );
+            return None;
+        }
+    }
+    let outcome = timed(tool, "write", tool.adapter.execute(request)).await;
+    dispatch::account(ctx, config, WriteKind::Retry, &outcome);
+    Some(after_recovery(op, config, outcome))
 }
 
 async fn spend_retry(
     ctx: &Context,
     op: &crate::ledger::Operation,
-    budget: &crate::config::BudgetPolicy,
+    budget: &crate::retry::BudgetPolicy,
 ) -> bool {
     let pending = ctx.budget.take(&op.tool);
     match ctx.ledger.try_spend_retry(&op.tool, budget, pending).await {

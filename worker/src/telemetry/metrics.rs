@@ -45,7 +45,8 @@ pub const LOCAL_RESOURCE_ERRORS: &str = "intent_worker_local_resource_errors_tot
 
 /// Label values the worker emits, so every series an alert reads exists at 0 from start-up.
 /// A counter born at 1 has no `increase()` over its first sample: the first late-receipt
-/// conflict after a start would never page. Keep these lists in step with the call sites.
+/// conflict after a start would never page. Keep these lists in step with the call sites; the
+/// dead-letter reasons are derived from [`crate::answers::DeadLetterReason`] instead.
 pub const LEDGER_OPERATIONS: &[&str] = &[
     "intake",
     "send_fence",
@@ -53,12 +54,6 @@ pub const LEDGER_OPERATIONS: &[&str] = &[
     "schedule",
     "budget",
     "retention",
-];
-pub const DEAD_LETTER_REASONS: &[&str] = &[
-    "delivery_limit",
-    "invalid_message",
-    "tenant_mismatch",
-    "unknown_tool",
 ];
 pub const SEND_KINDS: &[&str] = &["first", "retry", "replay"];
 pub const RECOVERY_ACTIONS: &[&str] = &["lookup", "replay", "hold", "stored_receipt"];
@@ -196,9 +191,9 @@ pub fn install(tools: &[String]) -> Result<PrometheusHandle, String> {
     for operation in LEDGER_OPERATIONS {
         counter!(LEDGER_ERRORS, "operation" => *operation).absolute(0);
     }
-    for reason in DEAD_LETTER_REASONS {
-        counter!(DEAD_LETTERED, "reason" => *reason).absolute(0);
-        counter!(DEAD_LETTER_REFUSED, "reason" => *reason).absolute(0);
+    for reason in crate::answers::DeadLetterReason::ALL {
+        counter!(DEAD_LETTERED, "reason" => reason.as_str()).absolute(0);
+        counter!(DEAD_LETTER_REFUSED, "reason" => reason.as_str()).absolute(0);
     }
     counter!(STALE_WRITES).absolute(0);
     counter!(RESULTS_UNROUTABLE).absolute(0);

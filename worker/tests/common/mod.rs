@@ -152,6 +152,7 @@ pub fn new_operation(tenant: &str, action_id: &str, tool: &str) -> NewOperation 
 
 async fn complete(ctx: &Context, op: &Operation, transition: Transition) -> Operation {
     match ctx
+        .completions
         .complete(Completion {
             operation_id: op.id,
             fence: op.fence,

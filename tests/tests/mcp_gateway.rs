@@ -1,4 +1,4 @@
-//! Issue 12: the MCP gateway (`publisher mcp`). An rmcp client over streamable HTTP against a
+//! The MCP gateway (`publisher mcp`). An rmcp client over streamable HTTP against a
 //! real gateway process, worker, broker, Postgres and reference downstream; counts come from
 //! the downstream's tables and the worker's ledger.
 
@@ -645,7 +645,7 @@ async fn the_python_examples_run_against_a_real_gateway() {
 }
 
 /// Call latency through the gateway (sequential succeeded calls, each a new action), for the
-/// figure in docs/benchmarks.md: `cargo nextest run -p e2e --test mcp --run-ignored only`.
+/// figure in docs/benchmarks.md: `cargo nextest run -p e2e --test mcp_gateway --run-ignored only`.
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "measurement"]
 async fn call_latency_through_the_gateway() {

@@ -1,4 +1,4 @@
-//! Issue 9 (Kubernetes): workers started with `WORKER_MIGRATE=false` leave the schema to a
+//! Schema migrations as a Kubernetes Job: workers started with `WORKER_MIGRATE=false` leave the schema to a
 //! `worker migrate` Job and wait for it, instead of racing it or running on missing tables.
 
 use std::process::Command;

@@ -1,4 +1,4 @@
-//! Issue 8, items 1, 6, 7 and 8: the broker connection and the consumer's ack rule, proven
+//! Losing a link: the broker connection and the consumer's ack rule, proven
 //! with real worker processes whose broker or ledger link runs through a [`FaultProxy`].
 //! Counts come from the downstream's tables and the ledger, never from logs.
 

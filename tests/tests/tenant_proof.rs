@@ -1,4 +1,4 @@
-//! Issue 8 items 3 and 4, issue 10 item 2 (worker side): who gets an answer, and what it says.
+//! Tenant proof and answers (worker side): who gets an answer, and what it says.
 //! A tenant the broker did not prove gets nothing; a key that has a row is answered from the
 //! row; each agent of a tenant receives only the answers addressed to its `reply_to`. Real
 //! worker processes, RabbitMQ (with a second broker user) and Postgres.
@@ -344,7 +344,7 @@ async fn a_key_with_a_row_is_answered_from_the_row() {
     cleanup(env).await;
 }
 
-/// Issue 10 item 2: two agents of one tenant, each bound to `<tenant>.@.<its reply_to>`,
+/// Two agents of one tenant, each bound to `<tenant>.@.<its reply_to>`,
 /// receive only the answers addressed to them, including answers to their own duplicates
 /// and conflicts of another agent's key; a queue bound to `<tenant>` (today's binding) still
 /// gets the events of intents without `reply_to`; a tenant-wide observer gets everything;

@@ -1,5 +1,6 @@
 //! Dispatch: sending a claimed operation to its downstream and recording what happened, and
-//! the policy that maps an adapter outcome to the next ledger state.
+//! the policy that maps an adapter outcome to the next ledger state ([`next_state`]: the rule
+//! tables, pure).
 //!
 //! Only outcomes proven not applied lead to another write (`retry_wait`); anything that may have
 //! been applied becomes `unknown` and is left to capability-based recovery. Exhausted retries of
@@ -8,20 +9,25 @@
 //! (descriptors, buffers, memory: [`Outcome::LocalExhaustion`]) spends nothing: the write goes
 //! back to `retry_wait` with its attempt given back, a recovery round is deferred.
 
+pub mod next_state;
+
+pub use next_state::{after_dispatch, after_recovery, local_exhaustion_delay};
+
 use std::sync::Arc;
 use std::time::Instant;
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use metrics::{counter, gauge, histogram};
 
 use crate::adapter::{Outcome, Request, Tool};
-use crate::config::{Capability, RetryPolicy, ToolConfig};
+use crate::config::ToolConfig;
 use crate::context::Context;
 use crate::fault;
 use crate::ledger::{
     Applied, Completion, LedgerError, Operation, Phase, SendFence, State, Transition,
 };
-use crate::retry::{budget_delta, retry_delay, with_retry_after, WriteKind};
+use crate::retry::RetryPolicy;
+use crate::retry::{budget_delta, retry_delay, WriteKind};
 use crate::telemetry::metrics as m;
 
 /// The adapter request for an operation: its stable key and its stored canonical body.
@@ -138,7 +144,7 @@ pub async fn run(ctx: Arc<Context>, op: Operation) {
 }
 
 /// The send fence of a first dispatch or retry (see [`crate::ledger::Ledger::fence_send`],
-/// batched by [`Context::fence_send`]):
+/// batched by [`crate::batch::fence`]):
 /// true when the write may leave now. Time may have passed since the claim (waiting for a
 /// permit, a slow completion, a paused process), so ownership is confirmed on the database
 /// clock right before the request leaves; otherwise nothing is sent and the row is left to
@@ -149,7 +155,7 @@ async fn send_fence(ctx: &Context, op: &Operation, tool: &ToolConfig, kind: Writ
         fence: op.fence,
         timeout: tool.timeout,
     };
-    match ctx.fence_send(send).await {
+    match ctx.fences.fence_send(send).await {
         Ok(true) => true,
         Ok(false) => {
             abandoned(ctx, op, kind, "the lease was lost before the request left");
@@ -195,149 +201,6 @@ pub fn account(ctx: &Context, tool: &ToolConfig, kind: WriteKind, outcome: &Outc
         .add(&tool.name, budget_delta(kind, outcome, tool.budget.ratio));
 }
 
-/// The next state after a write attempt.
-pub fn after_dispatch(
-    op: &Operation,
-    tool: &ToolConfig,
-    outcome: Outcome,
-    now: DateTime<Utc>,
-) -> Transition {
-    let policy = &tool.retry;
-    match outcome {
-        Outcome::Succeeded {
-            receipt,
-            receipt_id,
-        } => Transition::Succeeded {
-            evidence: format!("receipt {receipt_id} from write attempt {}", op.attempts),
-            receipt,
-            receipt_id,
-        },
-        Outcome::NotSent { .. } | Outcome::NotApplied { .. } => {
-            let attempts = op.attempts.max(1) as u32;
-            let elapsed = (now - op.created_at).to_std().unwrap_or_default();
-            let evidence = outcome.evidence();
-            if attempts >= policy.max_attempts {
-                Transition::Failed {
-                    evidence: format!("{attempts} write attempts, none applied (retry.max_attempts reached); last: {evidence}"),
-                }
-            } else if elapsed.as_secs() >= policy.max_elapsed_secs {
-                Transition::Failed {
-                    evidence: format!(
-                        "not applied and retry.max_elapsed_secs passed; last: {evidence}"
-                    ),
-                }
-            } else {
-                let delay =
-                    with_retry_after(policy, retry_delay(policy, attempts), outcome.retry_after());
-                Transition::RetryWait { delay, evidence }
-            }
-        }
-        // Nothing left this process: try again, the claim's attempt given back, whatever
-        // max_attempts and max_elapsed_secs say (the downstream never saw it).
-        Outcome::LocalExhaustion { evidence } => Transition::Resend {
-            delay: local_exhaustion_delay(),
-            evidence,
-        },
-        Outcome::Rejected { evidence, .. } => Transition::Failed { evidence },
-        Outcome::Unknown { .. } | Outcome::LookupMiss { .. } => {
-            let delay = match tool.capability {
-                // Nothing to try: the scheduler holds it at once.
-                Capability::None => Default::default(),
-                _ => with_retry_after(policy, retry_delay(policy, 1), outcome.retry_after()),
-            };
-            Transition::Unknown {
-                delay,
-                evidence: outcome.evidence(),
-            }
-        }
-    }
-}
-
-/// The next state after a recovery round (lookup or replay) on an `unknown` row in round
-/// `op.recovery_attempts`.
-pub fn after_recovery(op: &Operation, tool: &ToolConfig, outcome: Outcome) -> Transition {
-    match outcome {
-        Outcome::Succeeded {
-            receipt,
-            receipt_id,
-        } => Transition::Succeeded {
-            evidence: format!(
-                "receipt {receipt_id} recovered in round {}",
-                op.recovery_attempts
-            ),
-            receipt,
-            receipt_id,
-        },
-        // A status answered to a replay proves nothing about the original write (a rotated API
-        // key, a WAF, a deploy serving 404): only the statuses the tool lists are final.
-        Outcome::Rejected { status, evidence } if tool.replay_final_statuses.contains(&status) => {
-            Transition::Failed {
-                evidence: format!(
-                    "the downstream refused the original request on replay with HTTP {status}, \
-                     listed in replay_final_statuses: {evidence}"
-                ),
-            }
-        }
-        // The lookup or replay never left this worker: the round did not happen, so it is
-        // deferred and given back (the row stays unknown).
-        Outcome::LocalExhaustion { .. } => Transition::Defer {
-            delay: local_exhaustion_delay(),
-        },
-        Outcome::Rejected { status, evidence } => recovery_unproven(
-            op,
-            tool,
-            Outcome::Unknown {
-                evidence: format!(
-                    "replay answered HTTP {status}, which proves nothing about the original \
-                     request (not in replay_final_statuses): {evidence}"
-                ),
-                retry_after: None,
-            },
-        ),
-        other => recovery_unproven(op, tool, other),
-    }
-}
-
-/// A recovery round that brought no matching receipt: unknown again, or held once the tool's
-/// recovery rounds are spent. The answer is kept as evidence.
-fn recovery_unproven(op: &Operation, tool: &ToolConfig, other: Outcome) -> Transition {
-    let round = op.recovery_attempts.max(1) as u32;
-    if round >= tool.recovery_attempts {
-        Transition::Held {
-            evidence: format!(
-                "recovery attempts exhausted ({round}) without a matching receipt; last: {}",
-                other.evidence()
-            ),
-        }
-    } else {
-        let delay = with_retry_after(
-            &tool.retry,
-            retry_delay(&tool.retry, round),
-            other.retry_after(),
-        );
-        Transition::Unknown {
-            delay,
-            evidence: other.evidence(),
-        }
-    }
-}
-
-/// How long a write or recovery round stopped by this worker's own exhaustion waits before it
-/// is tried again: about a second (±50 %), long enough for descriptors to come back, short
-/// enough that the action is not held up once they have.
-pub fn local_exhaustion_delay() -> std::time::Duration {
-    retry_delay(
-        &RetryPolicy {
-            initial_delay_ms: 1_000,
-            multiplier: 1.0,
-            max_delay_ms: 1_000,
-            jitter: 0.5,
-            ..RetryPolicy::default()
-        },
-        1,
-    )
-}
-
 /// Records a completion, trying again while the ledger cannot be reached (a cut link, a
 /// failover) for up to one lease, so an answer that arrived during a short outage is kept
 /// rather than turned into a needless unknown. Safe to repeat: every completion is fenced and
@@ -346,7 +209,7 @@ async fn record(ctx: &Context, completion: Completion) -> Result<Applied, Ledger
     let give_up = tokio::time::Instant::now() + ctx.lease;
     let mut attempt = 0;
     loop {
-        match ctx.complete(completion.clone()).await {
+        match ctx.completions.complete(completion.clone()).await {
             Err(LedgerError::Db(e)) if unreachable(&e) && tokio::time::Instant::now() < give_up => {
                 attempt += 1;
                 counter!(m::LEDGER_ERRORS, "operation" => "complete").increment(1);

@@ -1,4 +1,4 @@
-//! Issue 2: intents in, one dispatch per action, receipts out — over real RabbitMQ, Postgres,
+//! Deduplication end to end: intents in, one dispatch per action, receipts out — over real RabbitMQ, Postgres,
 //! worker processes and the reference downstream. Counts come from the downstream's tables.
 
 use std::time::Duration;

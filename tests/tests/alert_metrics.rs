@@ -1,4 +1,4 @@
-//! Issue 9, items 5 and 9 on the real binary: a fresh worker's `/metrics` already exports every
+//! Alert inputs and start-up errors on the real binary: a fresh worker's `/metrics` already exports every
 //! counter an alert reads at 0 (so the first increment is an `increase()` the alert sees), and
 //! start-up errors read once: each cause printed once, a refused login reported as refused
 //! credentials (and not retried as "not reachable").
@@ -85,6 +85,12 @@ async fn fresh_worker_exports_alert_counters_at_zero() {
         for kind in ["first", "retry", "replay"] {
             expected.push((
                 "intent_worker_stale_sends_abandoned_total",
+                vec![("tool", tool), ("kind", kind)],
+            ));
+        }
+        for kind in ["write", "lookup"] {
+            expected.push((
+                "intent_worker_local_resource_errors_total",
                 vec![("tool", tool), ("kind", kind)],
             ));
         }

@@ -1,4 +1,4 @@
-//! Issue 8, items 9 and 12: no write leaves after its lease is gone (fenced sends), and the
+//! No write leaves after its lease is gone (fenced sends), and the
 //! retry budget bounds retries sent under partial failure. Counts come from the reference
 //! downstream's tables.
 

@@ -1,4 +1,4 @@
-//! Issue 8, trust under recovery: a refused replay is never a false failure, action ids with
+//! Honest recovery: a refused replay is never a false failure, action ids with
 //! template braces recover their receipt, and settings that silently weaken proof stop the
 //! worker at start-up with the tool and key named.
 

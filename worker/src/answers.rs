@@ -1,0 +1,327 @@
+//! Agent-facing answers, built in one place: the shape of every result event the worker
+//! publishes ([`operation_event`] for an operation's progress, [`rejected_event`] for a message
+//! refused), every text an agent reads in one (succeeded, pending, failed, refused, conflict,
+//! expired), and the reason codes of dead-lettered deliveries ([`DeadLetterReason`], whose
+//! metric labels are derived from it).
+//!
+//! Pure: values in, events out. The ledger writes them in the commit of the state change that
+//! owes them ([`crate::ledger::outbox`]); intake decides which answer a refused delivery gets.
+
+use chrono::{SecondsFormat, Utc};
+use protocol::{RejectReason, ResultEvent, Status};
+
+use crate::ledger::outbox::NewEvent;
+use crate::ledger::{NewOperation, Operation, State};
+
+/// Why a delivery was dead-lettered (the `x-intent-worker-reason` header and the
+/// `reason` label of the dead-letter metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterReason {
+    /// The worker started this message's delivery `WORKER_DELIVERY_LIMIT` times already.
+    DeliveryLimit,
+    /// The body broke the contract (or was too large to read).
+    InvalidMessage,
+    /// The transport did not prove the tenant the message names.
+    TenantMismatch,
+    /// A well-formed intent for a tool this pool does not have.
+    UnknownTool,
+}
+
+impl DeadLetterReason {
+    /// Every reason, for the metric series that exist from start-up.
+    pub const ALL: [DeadLetterReason; 4] = [
+        DeadLetterReason::DeliveryLimit,
+        DeadLetterReason::InvalidMessage,
+        DeadLetterReason::TenantMismatch,
+        DeadLetterReason::UnknownTool,
+    ];
+
+    /// The stable code: header value and metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterReason::DeliveryLimit => "delivery_limit",
+            DeadLetterReason::InvalidMessage => "invalid_message",
+            DeadLetterReason::TenantMismatch => "tenant_mismatch",
+            DeadLetterReason::UnknownTool => "unknown_tool",
+        }
+    }
+}
+
+impl std::fmt::Display for DeadLetterReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for DeadLetterReason {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+fn now_rfc3339() -> String {
+    Utc::now().to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+/// Builds the event the agent must see about `op`.
+pub fn operation_event(op: &Operation, status: Status, message: String) -> NewEvent {
+    NewEvent {
+        operation_id: Some(op.id),
+        event: ResultEvent {
+            tenant: op.tenant.clone(),
+            action_id: op.action_id.clone(),
+            tool: op.tool.clone(),
+            status,
+            receipt: if status == Status::Succeeded {
+                op.receipt.clone()
+            } else {
+                None
+            },
+            next_action: (status == Status::Pending).then(|| "check_status".to_string()),
+            attempts: op.attempts.max(0) as u32,
+            message,
+            fingerprint: Some(op.fingerprint.clone()),
+            reason: None,
+            detail: None,
+            event_id: uuid::Uuid::new_v4().to_string(),
+            occurred_at: now_rfc3339(),
+        },
+        reply_to: op.reply_to.clone(),
+    }
+}
+
+/// Builds a `rejected` event for a message that did not become (or could not touch) an
+/// operation, routed to the tenant-wide key until [`NewEvent::answering`] addresses it.
+pub fn rejected_event(
+    tenant: &str,
+    action_id: &str,
+    tool: &str,
+    reason: RejectReason,
+    detail: Option<String>,
+    message: String,
+    fingerprint: Option<String>,
+) -> NewEvent {
+    NewEvent {
+        operation_id: None,
+        event: ResultEvent {
+            tenant: tenant.to_string(),
+            action_id: action_id.to_string(),
+            tool: tool.to_string(),
+            status: Status::Rejected,
+            receipt: None,
+            next_action: None,
+            attempts: 0,
+            message,
+            fingerprint,
+            reason: Some(reason),
+            detail,
+            event_id: uuid::Uuid::new_v4().to_string(),
+            occurred_at: now_rfc3339(),
+        },
+        reply_to: None,
+    }
+}
+
+/// The agent-facing words for an operation whose outcome is not known yet.
+pub fn pending_message(op: &Operation) -> String {
+    match op.state() {
+        State::RetryWait | State::Prepared => format!(
+            "The {} has not been applied yet; it will be retried automatically with the same key. Do not submit it again.",
+            op.tool
+        ),
+        State::Held => format!(
+            "The {} outcome is unknown and is held for reconciliation by a person. Do not submit it again.",
+            op.tool
+        ),
+        _ => format!("The {} outcome is unknown. Do not submit it again.", op.tool),
+    }
+}
+
+/// The event an existing operation answers with when its intent arrives again.
+///
+/// A row swept by retention keeps only its tombstone (key, fingerprint, final state): it never
+/// answers `succeeded` without the receipt, but `rejected` with reason `expired` and the final
+/// state in `detail`, so the agent learns it finished and must not resubmit.
+pub fn stored_result(op: &Operation) -> NewEvent {
+    if op.swept_at.is_some() {
+        let state = op.state();
+        let mut event = rejected_event(
+            &op.tenant,
+            &op.action_id,
+            &op.tool,
+            RejectReason::Expired,
+            Some(state.as_str().to_string()),
+            format!(
+                "This action already finished ({state}); its details were removed by retention, and it will not run again."
+            ),
+            Some(op.fingerprint.clone()),
+        );
+        event.operation_id = Some(op.id);
+        event.reply_to = op.reply_to.clone();
+        event.event.attempts = op.attempts.max(0) as u32;
+        return event;
+    }
+    match op.state() {
+        State::Succeeded => succeeded(op),
+        State::Failed => failed(op),
+        _ => pending(op),
+    }
+}
+
+/// The words of a `failed` answer: the evidence, or a refusal.
+pub fn failed_message(op: &Operation) -> String {
+    format!(
+        "The {} failed: {}",
+        op.tool,
+        op.evidence
+            .as_deref()
+            .unwrap_or("the downstream refused it")
+    )
+}
+
+/// `succeeded` with the receipt the worker recorded.
+pub fn succeeded(op: &Operation) -> NewEvent {
+    let id = op.receipt_id.clone().unwrap_or_default();
+    operation_event(
+        op,
+        Status::Succeeded,
+        format!("The {} succeeded (receipt {id}).", op.tool),
+    )
+}
+
+/// `succeeded` with a receipt an operator confirmed.
+pub fn succeeded_by_operator(op: &Operation, receipt_id: &str) -> NewEvent {
+    operation_event(
+        op,
+        Status::Succeeded,
+        format!(
+            "The {} succeeded (receipt {receipt_id}, confirmed by an operator).",
+            op.tool
+        ),
+    )
+}
+
+/// `failed`, with the evidence.
+pub fn failed(op: &Operation) -> NewEvent {
+    operation_event(op, Status::Failed, failed_message(op))
+}
+
+/// `pending`, saying why the outcome is not known yet.
+pub fn pending(op: &Operation) -> NewEvent {
+    operation_event(op, Status::Pending, pending_message(op))
+}
+
+/// `rejected` / `invalid_message` for a body that broke the contract, whose key has no row.
+pub fn invalid_message(tenant: &str, action_id: &str, code: &str, error: &str) -> NewEvent {
+    rejected_event(
+        tenant,
+        action_id,
+        "",
+        RejectReason::InvalidMessage,
+        Some(code.to_string()),
+        format!("The intent was rejected before any action: {error}; nothing was done."),
+        None,
+    )
+}
+
+/// `rejected` / `unknown_tool` for an intent naming a tool this pool does not have, whose key
+/// has no row.
+pub fn unknown_tool(tenant: &str, action_id: &str, tool: &str, fingerprint: &str) -> NewEvent {
+    rejected_event(
+        tenant,
+        action_id,
+        tool,
+        RejectReason::UnknownTool,
+        None,
+        format!("The tool {tool:?} is not configured on this worker pool; nothing was done."),
+        Some(fingerprint.to_string()),
+    )
+}
+
+/// `rejected` / `intent_conflict` for an undecodable body whose salvaged key already has an
+/// operation (its fingerprint is unknowable, so it never matches).
+pub fn key_taken_by_undecodable(
+    tenant: &str,
+    action_id: &str,
+    code: &str,
+    op: &Operation,
+) -> NewEvent {
+    let why = format!("could not be decoded ({code})");
+    key_taken(tenant, action_id, "", None, op, &why)
+}
+
+/// `rejected` / `intent_conflict` for an intent naming a tool this pool does not have, whose
+/// key already has a different operation.
+pub fn key_taken_by_unknown_tool(
+    tenant: &str,
+    action_id: &str,
+    tool: &str,
+    fingerprint: &str,
+    op: &Operation,
+) -> NewEvent {
+    let why = format!("names the tool {tool:?}, which is not configured on this worker pool");
+    key_taken(
+        tenant,
+        action_id,
+        tool,
+        Some(fingerprint.to_string()),
+        op,
+        &why,
+    )
+}
+
+/// `intent_conflict` for a refused message that reuses a key that already has an operation;
+/// `why` says what was wrong with the message.
+fn key_taken(
+    tenant: &str,
+    action_id: &str,
+    tool: &str,
+    fingerprint: Option<String>,
+    op: &Operation,
+    why: &str,
+) -> NewEvent {
+    rejected_event(
+        tenant,
+        action_id,
+        tool,
+        RejectReason::IntentConflict,
+        None,
+        format!(
+            "action_id {action_id:?} already has an operation ({} {}); this message {why} and was not run, and the stored operation is unchanged. The key must not be reused for a new action: a new action needs a new action_id chosen by the application.",
+            op.tool,
+            op.state()
+        ),
+        fingerprint,
+    )
+}
+
+/// `rejected` / `intent_conflict` for an intent whose key was already used for a different
+/// intent (tool or arguments differ), routed to the delivery that reused the key.
+pub fn conflict(new: &NewOperation) -> NewEvent {
+    rejected_event(
+        &new.tenant,
+        &new.action_id,
+        &new.tool,
+        RejectReason::IntentConflict,
+        None,
+        format!(
+            "action_id {:?} was already used for a different intent (tool or arguments differ); the stored operation is unchanged. A new action needs a new action_id chosen by the application.",
+            new.action_id
+        ),
+        Some(new.fingerprint.clone()),
+    )
+    .answering(new.reply_to.as_deref())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dead_letter_reason_has_its_own_code() {
+        let codes: std::collections::BTreeSet<_> =
+            DeadLetterReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(codes.len(), DeadLetterReason::ALL.len());
+        assert_eq!(DeadLetterReason::InvalidMessage, "invalid_message");
+    }
+}

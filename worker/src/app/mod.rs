@@ -1,0 +1,319 @@
+//! Start-up and shutdown, zero2prod style: [`Application::build`] turns the settings into a
+//! running-ready worker (tools file and its checks, metrics recorder, ledger connected and
+//! migrated, shared context); [`Application::run_until_stopped`] starts the listeners, the
+//! recovery scheduler, the retention sweeper and the two broker links (one supervisor for both:
+//! [`supervise`](mod@supervise)), and on the stop signal shuts them down in order, each phase
+//! bounded.
+//!
+//! Shutdown order (docs/operations.md, "Graceful shutdown"): the consumer stops taking
+//! deliveries and finishes the batch it is in; in-flight work, the scheduler and the sweeper
+//! get until the signal plus `WORKER_SHUTDOWN_GRACE_SECS`; then, within [`RELAY_FLUSH`], the
+//! batchers record what they hold and the relay publishes what was committed. Work still
+//! running after its bound is covered by its lease: the next scheduler treats it as
+//! `unknown`, never as not sent.
+
+mod checks;
+pub mod supervise;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::adapter::ToolSet;
+use crate::amqp::{consume::ConsumerConfig, LinkState};
+use crate::config::{Settings, Tools};
+use crate::context::Context;
+use crate::ledger::{startup, Ledger};
+use crate::recovery::scheduler;
+use crate::telemetry::metrics as m;
+use crate::tls::Trust;
+use supervise::{supervise, Broker, ConsumerSession, RelaySession};
+
+/// How long the relay's last round (publishing committed results) and its connection close
+/// may take after the grace period: the second term of the shutdown budget.
+pub const RELAY_FLUSH: Duration = Duration::from_secs(10);
+
+/// Runs the worker until SIGTERM/Ctrl-C. Losing the broker is not fatal: each link reconnects.
+pub async fn run(settings: Settings) -> anyhow::Result<()> {
+    Application::build(settings)
+        .await?
+        .run_until_stopped(crate::shutdown::signal())
+        .await
+}
+
+/// `worker migrate`: applies migrations and exits.
+pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
+    let trust = crate::tls::load(settings.ca_file.as_deref())?;
+    let ledger = connect_ledger(settings, &trust).await?;
+    ledger.migrate().await.context("applying migrations")?;
+    tracing::info!("migrations applied");
+    Ok(())
+}
+
+/// Connects to the ledger the settings name, retrying while Postgres starts
+/// ([`startup::connect_retrying`]).
+pub async fn connect_ledger(settings: &Settings, trust: &Trust) -> anyhow::Result<Ledger> {
+    startup::connect_retrying(
+        &settings.database_url,
+        trust,
+        settings.db_pool_size,
+        settings.db_acquire_timeout,
+    )
+    .await
+}
+
+/// A worker built from its settings, ready to run.
+pub struct Application {
+    settings: Settings,
+    trust: Trust,
+    /// The parsed tools file (the consumer applies its tenant proof).
+    tools_file: Tools,
+    ctx: Arc<Context>,
+    metrics: PrometheusHandle,
+    /// Broker link state, for `/readyz`.
+    links: LinkState,
+}
+
+/// What [`Application::run_until_stopped`] started and shuts down.
+struct Running {
+    /// Cancelled on the signal: consumer, scheduler, sweeper, listeners.
+    stop: CancellationToken,
+    /// Cancelled last, once in-flight work has recorded its results.
+    relay_stop: CancellationToken,
+    /// Every task started here.
+    tasks: TaskTracker,
+    scheduler: JoinHandle<()>,
+    sweeper: JoinHandle<()>,
+    relay: JoinHandle<()>,
+}
+
+impl Application {
+    /// Loads and checks the tools file, installs the metrics recorder, connects to the ledger
+    /// and makes its schema ready, and builds the shared context. Nothing runs yet.
+    pub async fn build(settings: Settings) -> anyhow::Result<Application> {
+        let trust = crate::tls::load(settings.ca_file.as_deref())?;
+        let tools_file = Tools::load(&settings.tools_path)?;
+        let tools = ToolSet::from_config(&tools_file, &trust)?;
+        crate::config::check_proof(&settings, &tools_file)?;
+        checks::warn_about_risky_settings(&settings, &tools_file);
+        kit::fd::prepare("worker", &checks::descriptor_budget(&settings));
+        let names = tool_names(&tools);
+        let metrics = m::install(&names)
+            .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
+        let ledger = connect_ledger(&settings, &trust).await?;
+        startup::prepare(&ledger, settings.migrate).await?;
+        let ctx = Context::new(
+            ledger,
+            tools,
+            settings.worker_id.clone(),
+            settings.lease,
+            settings.max_in_flight,
+        );
+        Ok(Application {
+            settings,
+            trust,
+            tools_file,
+            ctx,
+            metrics,
+            links: LinkState::default(),
+        })
+    }
+
+    /// Runs until `signal` resolves (or the consumer ends on its own), then shuts down in
+    /// order (see the module doc). Err when the consumer could not start.
+    pub async fn run_until_stopped(self, signal: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let running = self.start();
+        let consumer = supervise(
+            ConsumerSession {
+                ctx: self.ctx.clone(),
+                config: ConsumerConfig {
+                    topology: self.settings.topology.clone(),
+                    prefetch: self.settings.prefetch,
+                    max_message_bytes: self.settings.max_message_bytes,
+                    auth: self.tools_file.auth.clone(),
+                },
+                declare_topology: self.settings.declare_topology,
+                ever_checked: false,
+            },
+            self.broker(),
+            self.links.clone(),
+            running.stop.clone(),
+        );
+        tracing::info!(
+            worker_id = %self.settings.worker_id,
+            tools = ?tool_names(&self.ctx.tools),
+            "worker started"
+        );
+        tokio::pin!(consumer);
+        // On a signal the consumer is told to stop and then awaited, so a batch it is in the
+        // middle of is recorded, acked and dispatched rather than abandoned half-way (which
+        // would turn its claims into false unknowns). It also stops while the broker is
+        // unreachable. A batch hung on a black-holed ledger or broker is given up at the
+        // deadline: its deliveries are unacked and return, its claims are covered by leases.
+        let grace = self.settings.shutdown_grace;
+        let (consumed, deadline) = tokio::select! {
+            r = &mut consumer => (r, Instant::now() + grace),
+            _ = signal => {
+                let deadline = Instant::now() + grace;
+                tracing::info!(grace_secs = grace.as_secs(), "shutdown requested");
+                running.stop.cancel();
+                match tokio::time::timeout_at(deadline, &mut consumer).await {
+                    Ok(r) => (r, deadline),
+                    Err(_) => {
+                        tracing::warn!("the consumer did not stop within the grace period; its unacked deliveries return to the queue");
+                        (Ok(()), deadline)
+                    }
+                }
+            }
+        };
+        self.shut_down(running, deadline).await;
+        tracing::info!("worker stopped");
+        consumed.context("the consumer could not start")?;
+        Ok(())
+    }
+
+    fn broker(&self) -> Broker {
+        Broker {
+            url: self.settings.amqp_url.clone(),
+            heartbeat_secs: self.settings.amqp_heartbeat_secs,
+            trust: self.trust.clone(),
+        }
+    }
+
+    /// Starts everything but the consumer: listeners, scheduler, sweeper, relay.
+    fn start(&self) -> Running {
+        let stop = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        self.start_listeners(&tasks, &stop);
+        let s = &self.settings;
+        let scheduler = tasks.spawn(scheduler::run(
+            self.ctx.clone(),
+            s.recovery_interval,
+            stop.clone(),
+        ));
+        let sweeper = tasks.spawn(crate::ops::retention::run(
+            self.ctx.ledger.clone(),
+            s.retention,
+            s.tombstone_retention,
+            stop.clone(),
+        ));
+        // The relay stops last: after in-flight work has recorded its results.
+        let relay_stop = CancellationToken::new();
+        let relay = RelaySession {
+            ctx: self.ctx.clone(),
+            exchange: s.topology.results_exchange.clone(),
+        };
+        let relay = tasks.spawn({
+            let (broker, links, stop) = (self.broker(), self.links.clone(), relay_stop.clone());
+            async move {
+                // Never fatal: the consumer link decides about a refused login.
+                let _ = supervise(relay, broker, links, stop).await;
+            }
+        });
+        Running {
+            stop,
+            relay_stop,
+            tasks,
+            scheduler,
+            sweeper,
+            relay,
+        }
+    }
+
+    /// The metrics listener (with `/livez` and `/readyz`) and the admin API, each when enabled;
+    /// both stop at `stop`.
+    fn start_listeners(&self, tasks: &TaskTracker, stop: &CancellationToken) {
+        let s = &self.settings;
+        if let Some(addr) = s.metrics_addr {
+            let (limits, handle, ledger) =
+                (s.http_limits, self.metrics.clone(), self.ctx.ledger.clone());
+            let (names, links, stop) = (
+                tool_names(&self.ctx.tools),
+                self.links.clone(),
+                stop.clone(),
+            );
+            tasks.spawn(async move {
+                let stopped = stop.cancelled_owned();
+                if let Err(e) = m::serve(addr, limits, handle, ledger, names, links, stopped).await
+                {
+                    tracing::error!(%addr, error = %e, "metrics listener failed");
+                }
+            });
+        }
+        let api_enabled = s.admin_token.is_some() || !s.tenant_tokens.is_empty();
+        if let Some(addr) = s.admin_addr.filter(|_| api_enabled) {
+            let api = crate::ops::api::AdminApi::with_tokens(
+                self.ctx.clone(),
+                s.admin_token.clone(),
+                s.tenant_tokens.clone(),
+            )
+            .with_limits(s.http_limits);
+            let stop = stop.clone();
+            tasks.spawn(async move {
+                if let Err(e) = api.serve(addr, stop.cancelled_owned()).await {
+                    tracing::error!(%addr, error = %e, "admin API listener failed");
+                }
+            });
+        } else if s.admin_addr.is_some() {
+            tracing::info!(
+                "admin API disabled: neither WORKER_ADMIN_TOKEN nor WORKER_TENANT_TOKENS is set"
+            );
+        }
+    }
+
+    /// After the consumer: in-flight work, scheduler and sweeper until `deadline`; then the
+    /// batchers and the relay's last round within [`RELAY_FLUSH`].
+    async fn shut_down(&self, running: Running, deadline: Instant) {
+        running.stop.cancel();
+        match tokio::time::timeout_at(deadline, self.ctx.drain()).await {
+            Ok(()) => tracing::info!("in-flight work finished"),
+            Err(_) => tracing::warn!(
+                "in-flight work still running after the grace period; its leases will expire into unknown and be recovered"
+            ),
+        }
+        for (name, mut task) in [
+            ("recovery scheduler", running.scheduler),
+            ("retention sweeper", running.sweeper),
+        ] {
+            // A pass caught on a hung ledger is cut off: its leases cover what it had claimed.
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                tracing::warn!(task = name, "still running after the grace period; stopped");
+                task.abort();
+            }
+        }
+        let flush_deadline = Instant::now() + RELAY_FLUSH;
+        if tokio::time::timeout_at(flush_deadline, self.ctx.stop_batchers())
+            .await
+            .is_err()
+        {
+            tracing::warn!("the batchers did not finish in time; their callers' leases cover them");
+        }
+        running.relay_stop.cancel();
+        let mut relay = running.relay;
+        if tokio::time::timeout_at(flush_deadline, &mut relay)
+            .await
+            .is_err()
+        {
+            relay.abort();
+            tracing::warn!("relay did not finish in time; unpublished results stay in the outbox");
+        }
+        running.tasks.close();
+        if tokio::time::timeout_at(flush_deadline, running.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("a listener did not stop in time; it ends with the process");
+        }
+    }
+}
+
+fn tool_names(tools: &ToolSet) -> Vec<String> {
+    tools.iter().map(|(n, _)| n.clone()).collect()
+}

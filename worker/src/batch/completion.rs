@@ -1,0 +1,198 @@
+//! The completion batcher: outcomes arriving together are recorded in one transaction, each
+//! caller answered with its own result; and the in-memory hand-off of the committed result
+//! events to this process's relay.
+//!
+//! While this process's relay is connected ([`CompletionBatcher::relay_attached`]), the batch's
+//! result events are inserted already claimed by this worker (for
+//! [`crate::ledger::outbox::relay_hold`]) and, once the commit is done, handed to the relay
+//! through a bounded channel: the relay publishes them without a claim `UPDATE` of its own.
+//! Without a relay they are left in the outbox for any relay, at once.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::error::{TryRecvError, TrySendError};
+use tokio::sync::{mpsc, oneshot, Notify};
+
+use super::{run_batches, Tasks};
+use crate::ledger::outbox::OutboxRow;
+use crate::ledger::{Applied, Completed, Completion, Ledger, LedgerError};
+
+/// Largest number of completions recorded in one commit.
+const COMPLETION_BATCH: usize = 256;
+/// Handed events waiting for the relay at most. The relay takes up to a batch (256) per
+/// round and publishes far faster than completions arrive, so this fills only while its broker
+/// link is stalled; events that find it full stay claimed in the outbox and any relay
+/// publishes them once their hold has passed (the database path).
+const HANDOFF_CAPACITY: usize = 4096;
+
+type Request = (Completion, oneshot::Sender<Result<Applied, LedgerError>>);
+
+/// A committed result event inserted claimed by this worker, on its way to the relay.
+struct Handed {
+    row: OutboxRow,
+    /// After this the hold may be close to its end (another relay could take the row soon),
+    /// so the relay leaves the row to the database path rather than publishing it from here.
+    fresh_until: Instant,
+}
+
+/// The completion batcher's in-memory hand-off to this process's relay.
+struct Handoff {
+    tx: mpsc::Sender<Handed>,
+    /// One relay per process takes from it; reconnected relays take over the same channel.
+    rx: Mutex<mpsc::Receiver<Handed>>,
+    /// A relay is connected: only then are events inserted claimed (a process without one,
+    /// e.g. `worker ops`, or a relay whose broker link is down, leaves them to any relay at
+    /// once).
+    attached: AtomicBool,
+    /// Wakes the relay after a commit that wrote result events.
+    wake: Arc<Notify>,
+    /// How long the relay owns the events inserted claimed for it.
+    hold: Duration,
+}
+
+/// What [`CompletionBatcher::take_handed`] found.
+#[derive(Debug, Default)]
+pub struct HandedBatch {
+    /// Fresh rows to publish, in hand-off order.
+    pub rows: Vec<OutboxRow>,
+    /// Rows dropped because they waited too long; the database path publishes them after
+    /// their hold.
+    pub stale: usize,
+}
+
+/// The handle callers and the relay use; the batching task runs on [`Tasks`].
+pub struct CompletionBatcher {
+    ledger: Ledger,
+    worker_id: String,
+    tx: mpsc::Sender<Request>,
+    handoff: Arc<Handoff>,
+}
+
+impl CompletionBatcher {
+    /// Starts the batcher on `tasks`; `wake` is the relay's wake-up, `hold` how long the relay
+    /// owns the events inserted claimed for it.
+    pub fn spawn(
+        ledger: Ledger,
+        worker_id: String,
+        wake: Arc<Notify>,
+        hold: Duration,
+        tasks: &Tasks,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel(COMPLETION_BATCH * 4);
+        let (handoff_tx, handoff_rx) = mpsc::channel(HANDOFF_CAPACITY);
+        let handoff = Arc::new(Handoff {
+            tx: handoff_tx,
+            rx: Mutex::new(handoff_rx),
+            attached: AtomicBool::new(false),
+            wake,
+            hold,
+        });
+        let (l, w, h) = (ledger.clone(), worker_id.clone(), handoff.clone());
+        tasks.tracker.spawn(run_batches(
+            rx,
+            COMPLETION_BATCH,
+            tasks.stop.clone(),
+            move |batch| complete_batch(l.clone(), w.clone(), h.clone(), batch),
+        ));
+        CompletionBatcher {
+            ledger,
+            worker_id,
+            tx,
+            handoff,
+        }
+    }
+
+    /// Records a completion: batched with those arriving meanwhile, or alone once the batcher
+    /// has stopped (shutdown).
+    pub async fn complete(&self, completion: Completion) -> Result<Applied, LedgerError> {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send((completion.clone(), tx)).await.is_err() {
+            let result = self
+                .ledger
+                .complete(&self.worker_id, std::slice::from_ref(&completion))
+                .await
+                .pop()
+                .expect("one result per completion");
+            self.handoff.wake.notify_one();
+            return result;
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(LedgerError::Refused("completion batcher stopped".into())))
+    }
+
+    /// Called by the relay when it is connected (`true`) and when it stops or loses its link
+    /// (`false`): completion events are inserted claimed for it only while it is there.
+    pub fn relay_attached(&self, attached: bool) {
+        self.handoff.attached.store(attached, Ordering::SeqCst);
+    }
+
+    /// Takes up to `max` handed events without waiting, dropping those past their freshness.
+    pub fn take_handed(&self, max: usize) -> HandedBatch {
+        let mut out = HandedBatch::default();
+        let mut rx = self.handoff.rx.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        while out.rows.len() < max {
+            match rx.try_recv() {
+                Ok(h) if h.fresh_until > now => out.rows.push(h.row),
+                Ok(_) => out.stale += 1,
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+            }
+        }
+        out
+    }
+
+    /// Whether handed events are waiting for the relay.
+    pub fn handed_waiting(&self) -> bool {
+        let rx = self.handoff.rx.lock().unwrap_or_else(|e| e.into_inner());
+        !rx.is_empty()
+    }
+}
+
+/// One group commit. While a relay is attached, the batch's events are inserted claimed by
+/// this worker and handed to the relay after the commit.
+async fn complete_batch(
+    ledger: Ledger,
+    worker_id: String,
+    handoff: Arc<Handoff>,
+    batch: Vec<Request>,
+) {
+    let (completions, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+    // Taken before the transaction begins, so before the database's `now()` that starts
+    // the hold: the freshness limit below is conservative on either clock.
+    let started = Instant::now();
+    let held = handoff.attached.load(Ordering::SeqCst);
+    let done = if held {
+        ledger
+            .complete_held(&worker_id, &completions, handoff.hold)
+            .await
+    } else {
+        Completed {
+            results: ledger.complete(&worker_id, &completions).await,
+            events: Vec::new(),
+        }
+    };
+    // `complete_held` returns after the commit: the relay never sees an uncommitted row.
+    // Half the hold is the margin: a row the relay reaches later than that is left to the
+    // database path, which takes it once the hold has passed (another relay may by then).
+    let fresh_until = started + handoff.hold / 2;
+    let handed = !done.events.is_empty();
+    for row in done.events {
+        match handoff.tx.try_send(Handed { row, fresh_until }) {
+            Ok(()) => {}
+            // Full (the relay is stalled) or gone: the row stays claimed in the outbox and
+            // is published by the database path after its hold.
+            Err(TrySendError::Full(_) | TrySendError::Closed(_)) => break,
+        }
+    }
+    // Held events were handed (or wait for their hold); unheld ones are in the outbox for any
+    // relay. Only those two cases have something to publish: a wake without them costs the
+    // relay an empty claim statement.
+    if handed || !held {
+        handoff.wake.notify_one();
+    }
+    for (reply, result) in replies.into_iter().zip(done.results) {
+        let _ = reply.send(result);
+    }
+}

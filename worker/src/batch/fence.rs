@@ -1,0 +1,88 @@
+//! The send-fence batcher: the fence of a first dispatch or retry ([`Ledger::fence_send`]) is
+//! checked together with the fences requested at the same time, in one statement, each row
+//! against its own predicate. The request leaves right after the answer, so the time between
+//! the check and the send stays that of one statement, well inside the lease.
+
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::{run_batches, Tasks};
+use crate::ledger::{Ledger, SendFence};
+
+/// Largest number of sends fenced by one statement.
+const FENCE_BATCH: usize = 256;
+
+/// A batched send fence that could not be checked (the statement failed for the whole batch).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct FenceError(String);
+
+type Request = (SendFence, oneshot::Sender<Result<bool, FenceError>>);
+
+/// The handle callers use; the batching task runs on [`Tasks`].
+pub struct FenceBatcher {
+    ledger: Ledger,
+    worker_id: String,
+    lease: Duration,
+    tx: mpsc::Sender<Request>,
+}
+
+impl FenceBatcher {
+    /// Starts the batcher on `tasks`.
+    pub fn spawn(ledger: Ledger, worker_id: String, lease: Duration, tasks: &Tasks) -> Self {
+        let (tx, rx) = mpsc::channel(FENCE_BATCH * 4);
+        let (l, w) = (ledger.clone(), worker_id.clone());
+        tasks.tracker.spawn(run_batches(
+            rx,
+            FENCE_BATCH,
+            tasks.stop.clone(),
+            move |batch| fence_batch(l.clone(), w.clone(), lease, batch),
+        ));
+        FenceBatcher {
+            ledger,
+            worker_id,
+            lease,
+            tx,
+        }
+    }
+
+    /// Whether `send` may leave: batched with the fences requested meanwhile, or alone once the
+    /// batcher has stopped (shutdown).
+    pub async fn fence_send(&self, send: SendFence) -> Result<bool, FenceError> {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send((send, tx)).await.is_err() {
+            return self
+                .ledger
+                .fence_send(
+                    send.id,
+                    send.fence,
+                    &self.worker_id,
+                    self.lease,
+                    send.timeout,
+                )
+                .await
+                .map_err(|e| FenceError(e.to_string()));
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(FenceError("fence batcher stopped".into())))
+    }
+}
+
+/// One group fence: every row checked against its own predicate in one statement.
+async fn fence_batch(ledger: Ledger, worker_id: String, lease: Duration, batch: Vec<Request>) {
+    let (sends, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+    match ledger.fence_sends(&sends, &worker_id, lease).await {
+        Ok(passed) => {
+            for (reply, ok) in replies.into_iter().zip(passed) {
+                let _ = reply.send(Ok(ok));
+            }
+        }
+        Err(e) => {
+            let e = FenceError(e.to_string());
+            for reply in replies {
+                let _ = reply.send(Err(e.clone()));
+            }
+        }
+    }
+}

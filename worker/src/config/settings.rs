@@ -1,0 +1,658 @@
+//! The environment settings: every option of `worker run` is also read from the variable shown
+//! in `worker run --help`, which is how containers, the tests and the Python client configure
+//! it. clap enforces each value's range (a value below a minimum exits 2 naming the variable);
+//! [`Settings::from_args`] checks what needs more than one value or must not echo a secret.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::ConfigError;
+
+/// Broker names the worker declares and uses.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    /// Durable topic exchange agents publish intents to.
+    pub intents_exchange: String,
+    /// Quorum queue the workers consume.
+    pub intents_queue: String,
+    /// Durable topic exchange result events go to (routing key: the tenant).
+    pub results_exchange: String,
+    /// Exchange dead-lettered intents go to.
+    pub dead_letter_exchange: String,
+    /// Queue holding dead-lettered intents for inspection.
+    pub dead_letter_queue: String,
+    /// Deliveries of one message the worker starts before it dead-letters the message instead
+    /// (counted in Postgres; only deliveries it actually began processing count).
+    pub delivery_limit: u32,
+    /// The queue's `x-delivery-limit`: the broker's backstop. The broker also counts returns of
+    /// messages a crashed worker had prefetched but not started, so it must be looser than
+    /// `delivery_limit` or innocent neighbours of a poison message would be dead-lettered.
+    pub queue_delivery_limit: u32,
+}
+
+impl Topology {
+    /// Default broker backstop for a worker limit: four times it, at least 20 (RabbitMQ 4.x's
+    /// own default).
+    pub fn default_queue_delivery_limit(delivery_limit: u32) -> u32 {
+        delivery_limit.saturating_mul(4).max(20)
+    }
+}
+
+/// Everything the worker process needs to run.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub database_url: String,
+    pub amqp_url: String,
+    pub tools_path: PathBuf,
+    /// Extra PEM CA bundle trusted in addition to the system roots (`WORKER_CA_FILE`).
+    pub ca_file: Option<PathBuf>,
+    /// Broker prefetch: unacknowledged deliveries per consumer, and the largest intake batch;
+    /// `WORKER_PREFETCH`, lowered if need be so that this many messages of `max_message_bytes`
+    /// fit `WORKER_MAX_INFLIGHT_BYTES`.
+    pub prefetch: u16,
+    /// Largest intent delivery read; a larger one is dead-lettered unread.
+    pub max_message_bytes: usize,
+    /// Prometheus listener; None disables it.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Admin API listener; None disables it (also disabled without a token).
+    pub admin_addr: Option<SocketAddr>,
+    /// Header timeout, idle timeout and connection cap of each HTTP listener.
+    pub http_limits: kit::http::Limits,
+    pub admin_token: Option<String>,
+    /// Tenant-scoped read tokens for the status query: tenant -> token.
+    pub tenant_tokens: BTreeMap<String, String>,
+    pub topology: Topology,
+    /// How long a claim owns a dispatch before recovery treats it as crashed.
+    pub lease: Duration,
+    /// How often the recovery scheduler looks for due work.
+    pub recovery_interval: Duration,
+    /// Dispatches running at once in this process.
+    pub max_in_flight: usize,
+    /// Identity written into leases and history.
+    pub worker_id: String,
+    /// Grace period for in-flight work on SIGTERM.
+    pub shutdown_grace: Duration,
+    /// Retention of private data (arguments, receipts) of finished operations.
+    pub retention: Duration,
+    /// Retention of the tombstone (key, fingerprint, final state) after private data is gone.
+    pub tombstone_retention: Duration,
+    /// Database pool size.
+    pub db_pool_size: u32,
+    /// How long a task waits for a free pool connection.
+    pub db_acquire_timeout: Duration,
+    /// `worker run` applies migrations at start (false: another process, e.g. a Kubernetes
+    /// Job running `worker migrate`, owns them and `run` only checks they are applied).
+    pub migrate: bool,
+    /// Log format: "text" or "json".
+    pub log_json: bool,
+    /// AMQP heartbeat asked of the broker, seconds (0 = off): how soon a silent link is lost.
+    pub amqp_heartbeat_secs: u16,
+    /// Declare the broker topology at start-up (`WORKER_DECLARE_TOPOLOGY`, default true); with
+    /// false the broker is managed as code and the worker only checks, passively, that the
+    /// exchanges and queues it uses exist.
+    pub declare_topology: bool,
+    /// Deprecation notices found while reading the settings, logged once logging is set up.
+    pub warnings: Vec<String>,
+}
+
+/// The worker's settings as the command line and the environment give them: every option is
+/// also read from the variable shown in `worker run --help`, which is how containers, the tests
+/// and the Python client configure it. Validation that needs more than one value, or must not
+/// echo a secret, happens in [`Settings::from_args`].
+#[derive(Debug, Clone, clap::Args)]
+#[command(
+    next_help_heading = "Settings (each is also read from the environment variable shown; empty values count as unset)"
+)]
+pub struct EnvArgs {
+    /// Postgres URL of the ledger (required). `sslmode` and `sslrootcert` go in the URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        value_name = "DATABASE_URL",
+        hide_env_values = true
+    )]
+    pub database_url: String,
+    /// RabbitMQ URL (`amqp://` or `amqps://`; `?heartbeat=` overrides WORKER_AMQP_HEARTBEAT_SECS).
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        value_name = "AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        hide_env_values = true
+    )]
+    pub amqp_url: String,
+    /// Path of the tools file (relative to the working directory).
+    #[arg(
+        long,
+        env = "WORKER_TOOLS",
+        value_name = "WORKER_TOOLS",
+        default_value = "tools.toml"
+    )]
+    pub tools: PathBuf,
+    /// Extra PEM CA bundle trusted for AMQP, Postgres and HTTPS tools, in addition to the
+    /// system roots.
+    #[arg(long, env = "WORKER_CA_FILE", value_name = "WORKER_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+    /// Broker prefetch per consumer and the largest intake batch (at least 1).
+    #[arg(long, env = "WORKER_PREFETCH", value_name = "WORKER_PREFETCH", default_value_t = 256,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: u16,
+    /// Largest intent delivery the worker reads, in bytes (1024 to 262144, the contract's
+    /// limit); a larger one is dead-lettered unread as `too_large`.
+    #[arg(long, env = "WORKER_MAX_MESSAGE_BYTES", value_name = "WORKER_MAX_MESSAGE_BYTES",
+          default_value_t = protocol::MAX_INTENT_BYTES as u64,
+          value_parser = clap::value_parser!(u64).range(1024..=protocol::MAX_INTENT_BYTES as u64))]
+    pub max_message_bytes: u64,
+    /// Bytes of intent deliveries the broker may push to this worker before they are acked:
+    /// the prefetch is lowered to WORKER_MAX_INFLIGHT_BYTES / WORKER_MAX_MESSAGE_BYTES when
+    /// that is smaller (with a warning). At least WORKER_MAX_MESSAGE_BYTES.
+    #[arg(long, env = "WORKER_MAX_INFLIGHT_BYTES", value_name = "WORKER_MAX_INFLIGHT_BYTES",
+          default_value_t = 64 * 1024 * 1024, value_parser = clap::value_parser!(u64).range(1024..))]
+    pub max_inflight_bytes: u64,
+    /// Deliveries the worker starts processing before it dead-letters the message itself (its
+    /// own count in Postgres; at least 1).
+    #[arg(long, env = "WORKER_DELIVERY_LIMIT", value_name = "WORKER_DELIVERY_LIMIT",
+          default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub delivery_limit: u32,
+    /// The intents queue's x-delivery-limit, the broker's looser backstop [default: max(4 x
+    /// WORKER_DELIVERY_LIMIT, 20)].
+    #[arg(
+        long,
+        env = "WORKER_QUEUE_DELIVERY_LIMIT",
+        value_name = "WORKER_QUEUE_DELIVERY_LIMIT"
+    )]
+    pub queue_delivery_limit: Option<u32>,
+    /// Seconds a claim owns a dispatch or recovery round before other workers treat its owner
+    /// as crashed (at least 1).
+    #[arg(long, env = "WORKER_LEASE_SECS", value_name = "WORKER_LEASE_SECS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub lease_secs: u64,
+    /// Recovery scheduler tick in milliseconds (at least 10).
+    #[arg(long, env = "WORKER_RECOVERY_INTERVAL_MS", value_name = "WORKER_RECOVERY_INTERVAL_MS",
+          default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
+    pub recovery_interval_ms: u64,
+    /// Dispatches and recovery rounds running at once in this process (at least 1).
+    #[arg(long, env = "WORKER_MAX_IN_FLIGHT", value_name = "WORKER_MAX_IN_FLIGHT",
+          default_value_t = 256,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_in_flight: usize,
+    /// Identity in leases, history and the AMQP connection name; must differ per process
+    /// [default: $HOSTNAME-<pid>].
+    #[arg(long, env = "WORKER_ID", value_name = "WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Seconds in-flight work gets to record its outcome after SIGTERM (at least 1; see
+    /// "Graceful shutdown" in docs/operations.md for the whole budget).
+    #[arg(long, env = "WORKER_SHUTDOWN_GRACE_SECS", value_name = "WORKER_SHUTDOWN_GRACE_SECS",
+          default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub shutdown_grace_secs: u64,
+    /// Seconds private data (arguments, receipts) of finished operations is kept (30 days).
+    #[arg(long, env = "WORKER_RETENTION_SECS", value_name = "WORKER_RETENTION_SECS",
+          default_value_t = 30 * 86_400)]
+    pub retention_secs: u64,
+    /// Seconds tombstones (key, fingerprint, final state) are kept (365 days); must not be
+    /// shorter than any tool's replay_window_secs.
+    #[arg(long, env = "WORKER_TOMBSTONE_RETENTION_SECS",
+          value_name = "WORKER_TOMBSTONE_RETENTION_SECS", default_value_t = 365 * 86_400)]
+    pub tombstone_retention_secs: u64,
+    /// Postgres pool size (at least 2). Replicas x this (+ admin connections) must stay under
+    /// the server's max_connections.
+    #[arg(long, env = "WORKER_DB_POOL_SIZE", value_name = "WORKER_DB_POOL_SIZE",
+          default_value_t = 10, value_parser = clap::value_parser!(u32).range(2..))]
+    pub db_pool_size: u32,
+    /// Seconds a task waits for a free pool connection before the call fails (at least 1).
+    #[arg(long, env = "WORKER_DB_ACQUIRE_TIMEOUT_SECS",
+          value_name = "WORKER_DB_ACQUIRE_TIMEOUT_SECS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub db_acquire_timeout_secs: u64,
+    /// `worker run` applies the migrations at start (true/false, 1/0, yes/no); false only
+    /// checks they are applied (a separate `worker migrate` owns them).
+    #[arg(long, env = "WORKER_MIGRATE", value_name = "WORKER_MIGRATE", default_value = "true",
+          action = clap::ArgAction::Set, value_parser = parse_bool)]
+    pub migrate: bool,
+    /// AMQP heartbeat in seconds asked for on both broker connections (0 = the broker's).
+    #[arg(
+        long,
+        env = "WORKER_AMQP_HEARTBEAT_SECS",
+        value_name = "WORKER_AMQP_HEARTBEAT_SECS",
+        default_value_t = 10
+    )]
+    pub amqp_heartbeat_secs: u16,
+    /// Prometheus listener (`/metrics`, `/livez`, `/readyz`); `off` or `none` disables it.
+    #[arg(long, env = "METRICS_ADDR", value_name = "METRICS_ADDR", default_value = "127.0.0.1:9464",
+          value_parser = parse_listen)]
+    pub metrics_addr: Listen,
+    /// Admin/status API listener; `off` or `none` disables it. It only starts with
+    /// WORKER_ADMIN_TOKEN or WORKER_TENANT_TOKENS.
+    #[arg(long, env = "WORKER_ADMIN_ADDR", value_name = "WORKER_ADMIN_ADDR",
+          default_value = "127.0.0.1:8080", value_parser = parse_listen)]
+    pub admin_addr: Listen,
+    /// Milliseconds a client of each HTTP listener (metrics/health, admin API) gets to send a
+    /// complete request head, from the accept or from the first byte of a later request on a
+    /// keep-alive connection; then the connection is closed (at least 1).
+    #[arg(long, env = "WORKER_HTTP_HEADER_TIMEOUT_MS", value_name = "WORKER_HTTP_HEADER_TIMEOUT_MS",
+          default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub http_header_timeout_ms: u64,
+    /// Milliseconds a keep-alive connection of each HTTP listener may sit idle (no request in
+    /// flight, no traffic) before it is closed (at least 1).
+    #[arg(long, env = "WORKER_HTTP_IDLE_TIMEOUT_MS", value_name = "WORKER_HTTP_IDLE_TIMEOUT_MS",
+          default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub http_idle_timeout_ms: u64,
+    /// Connections each HTTP listener (metrics/health, admin API) keeps open at once; more wait
+    /// in the kernel's backlog without taking a descriptor (at least 1).
+    #[arg(long, env = "WORKER_HTTP_MAX_CONNECTIONS", value_name = "WORKER_HTTP_MAX_CONNECTIONS",
+          default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub http_max_connections: u32,
+    /// Bearer token for every admin API route (at least 16 characters).
+    #[arg(
+        long,
+        env = "WORKER_ADMIN_TOKEN",
+        value_name = "WORKER_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
+    pub admin_token: Option<String>,
+    /// `tenant=token,tenant2=token2` (tokens of 8+ characters): read-only status of that
+    /// tenant's operations.
+    #[arg(
+        long,
+        env = "WORKER_TENANT_TOKENS",
+        value_name = "WORKER_TENANT_TOKENS",
+        hide_env_values = true
+    )]
+    pub tenant_tokens: Option<String>,
+    /// Topic exchange agents publish intents to (the publisher reads the same variable)
+    /// [default: intents].
+    #[arg(long, env = "INTENTS_EXCHANGE", value_name = "INTENTS_EXCHANGE")]
+    pub intents_exchange: Option<String>,
+    /// Deprecated alias of INTENTS_EXCHANGE (a warning is logged; both set differently is an
+    /// error).
+    #[arg(
+        long,
+        env = "WORKER_INTENTS_EXCHANGE",
+        value_name = "WORKER_INTENTS_EXCHANGE"
+    )]
+    pub worker_intents_exchange: Option<String>,
+    /// Quorum queue the workers consume.
+    #[arg(
+        long,
+        env = "WORKER_INTENTS_QUEUE",
+        value_name = "WORKER_INTENTS_QUEUE",
+        default_value = "intents"
+    )]
+    pub intents_queue: String,
+    /// Topic exchange result events go to (the publisher reads the same variable)
+    /// [default: results].
+    #[arg(long, env = "RESULTS_EXCHANGE", value_name = "RESULTS_EXCHANGE")]
+    pub results_exchange: Option<String>,
+    /// Deprecated alias of RESULTS_EXCHANGE (a warning is logged; both set differently is an
+    /// error).
+    #[arg(
+        long,
+        env = "WORKER_RESULTS_EXCHANGE",
+        value_name = "WORKER_RESULTS_EXCHANGE"
+    )]
+    pub worker_results_exchange: Option<String>,
+    /// Dead-letter exchange (topic).
+    #[arg(
+        long,
+        env = "WORKER_DEAD_LETTER_EXCHANGE",
+        value_name = "WORKER_DEAD_LETTER_EXCHANGE",
+        default_value = "intents.dlx"
+    )]
+    pub dead_letter_exchange: String,
+    /// Quorum queue bound `#` to the dead-letter exchange.
+    #[arg(
+        long,
+        env = "WORKER_DEAD_LETTER_QUEUE",
+        value_name = "WORKER_DEAD_LETTER_QUEUE",
+        default_value = "intents.dead"
+    )]
+    pub dead_letter_queue: String,
+    /// Declare the exchanges and queues at start (true/false, 1/0, yes/no); false only checks
+    /// them passively (broker managed as code).
+    #[arg(long, env = "WORKER_DECLARE_TOPOLOGY", value_name = "WORKER_DECLARE_TOPOLOGY",
+          default_value = "true", action = clap::ArgAction::Set, value_parser = parse_bool)]
+    pub declare_topology: bool,
+    /// Log format on stderr (the filter is RUST_LOG, default info,lapin=warn,sqlx=warn).
+    #[arg(long, env = "WORKER_LOG_FORMAT", value_name = "WORKER_LOG_FORMAT", default_value = "text",
+          value_parser = ["text", "json"])]
+    pub log_format: String,
+}
+
+/// A listener address, or none (`off`, `none`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Listen(pub Option<SocketAddr>);
+
+fn parse_listen(raw: &str) -> Result<Listen, String> {
+    match raw.trim() {
+        "off" | "none" => Ok(Listen(None)),
+        v => v
+            .parse()
+            .map(|a| Listen(Some(a)))
+            .map_err(|e: std::net::AddrParseError| {
+                format!("{e} (expected host:port, off or none)")
+            }),
+    }
+}
+
+fn parse_bool(raw: &str) -> Result<bool, String> {
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" => Ok(false),
+        _ => Err("expected true or false (also 1/0, yes/no)".into()),
+    }
+}
+
+/// Makes an environment variable that is set but blank count as unset for every argument of
+/// `cmd` and its subcommands, as the documentation promises (compose files and Helm values
+/// often render `FOO=`). clap itself would hand the empty string to the value parser.
+pub fn blank_env_is_unset(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|arg| {
+        let blank = arg
+            .get_env()
+            .and_then(std::env::var_os)
+            .is_some_and(|v| v.to_string_lossy().trim().is_empty());
+        if blank {
+            arg.env(None::<&'static str>)
+        } else {
+            arg
+        }
+    })
+    .mut_subcommands(blank_env_is_unset)
+}
+
+/// Resolves a shared name and its deprecated worker-only alias.
+fn aliased(
+    name: &'static str,
+    value: Option<String>,
+    alias: &'static str,
+    alias_value: Option<String>,
+    default: &str,
+    warnings: &mut Vec<String>,
+) -> Result<String, ConfigError> {
+    match (value, alias_value) {
+        (Some(v), Some(a)) if v != a => Err(ConfigError::Conflict {
+            name,
+            value: v,
+            alias,
+            alias_value: a,
+        }),
+        (v, Some(a)) => {
+            warnings.push(format!(
+                "{alias} is deprecated; set {name} (read by the worker and the publisher) instead"
+            ));
+            Ok(v.unwrap_or(a))
+        }
+        (Some(v), None) => Ok(v),
+        (None, None) => Ok(default.to_string()),
+    }
+}
+
+/// The prefetch that keeps the bytes the broker may push to this worker unacked within
+/// `inflight` (prefetch counts messages, RabbitMQ ignores a byte prefetch): `prefetch` messages
+/// of `message` bytes each, or fewer. `inflight` below `message` is refused.
+fn bounded_prefetch(
+    prefetch: u16,
+    message: u64,
+    inflight: u64,
+    warnings: &mut Vec<String>,
+) -> Result<u16, ConfigError> {
+    if inflight < message {
+        return Err(ConfigError::Invalid {
+            name: "WORKER_MAX_INFLIGHT_BYTES",
+            value: inflight.to_string(),
+            reason: format!("must be at least WORKER_MAX_MESSAGE_BYTES ({message})"),
+        });
+    }
+    let fits = u16::try_from(inflight / message).unwrap_or(u16::MAX);
+    if fits < prefetch {
+        warnings.push(format!(
+            "WORKER_PREFETCH={prefetch} lowered to {fits}: {fits} messages of WORKER_MAX_MESSAGE_BYTES={message} fit WORKER_MAX_INFLIGHT_BYTES={inflight}"
+        ));
+        return Ok(fits);
+    }
+    Ok(prefetch)
+}
+
+/// Refuses a service URL that can never work, naming the variable, without its password.
+fn check_url(name: &'static str, url: &str, schemes: &[&str]) -> Result<(), ConfigError> {
+    kit::url::check(url, schemes).map_err(|reason| ConfigError::Invalid {
+        name,
+        value: kit::url::redact(url),
+        reason,
+    })
+}
+
+/// `EnvArgs` alone as a command, for [`Settings::from_env`].
+#[derive(clap::Parser)]
+#[command(name = "worker")]
+struct EnvOnly {
+    #[command(flatten)]
+    env: EnvArgs,
+}
+
+impl Settings {
+    /// Reads the settings from the process environment alone (no flags), as `worker run` does
+    /// when it is given none.
+    pub fn from_env() -> Result<Settings, ConfigError> {
+        use clap::{CommandFactory as _, FromArgMatches as _};
+        let usage = |e: clap::Error| ConfigError::Usage(e.to_string());
+        let matches = blank_env_is_unset(EnvOnly::command())
+            .try_get_matches_from(["worker"])
+            .map_err(usage)?;
+        Settings::from_args(EnvOnly::from_arg_matches(&matches).map_err(usage)?.env)
+    }
+
+    /// Builds the settings from parsed arguments, checking what clap cannot: secrets (whose
+    /// values must not be echoed in an error) and the exchange aliases.
+    pub fn from_args(a: EnvArgs) -> Result<Settings, ConfigError> {
+        let admin_token = super::auth::admin_token(a.admin_token)?;
+        check_url("DATABASE_URL", &a.database_url, &["postgres", "postgresql"])?;
+        check_url("AMQP_URL", &a.amqp_url, &["amqp", "amqps"])?;
+        let mut warnings = Vec::new();
+        let intents_exchange = aliased(
+            "INTENTS_EXCHANGE",
+            a.intents_exchange,
+            "WORKER_INTENTS_EXCHANGE",
+            a.worker_intents_exchange,
+            "intents",
+            &mut warnings,
+        )?;
+        let results_exchange = aliased(
+            "RESULTS_EXCHANGE",
+            a.results_exchange,
+            "WORKER_RESULTS_EXCHANGE",
+            a.worker_results_exchange,
+            "results",
+            &mut warnings,
+        )?;
+        let prefetch = bounded_prefetch(
+            a.prefetch,
+            a.max_message_bytes,
+            a.max_inflight_bytes,
+            &mut warnings,
+        )?;
+        let worker_id = a.worker_id.unwrap_or_else(|| {
+            let host = std::env::var("HOSTNAME")
+                .ok()
+                .filter(|h| !h.trim().is_empty())
+                .unwrap_or_else(|| "worker".into());
+            format!("{host}-{}", std::process::id())
+        });
+        Ok(Settings {
+            database_url: a.database_url,
+            amqp_url: a.amqp_url,
+            tools_path: a.tools,
+            ca_file: a.ca_file,
+            prefetch,
+            max_message_bytes: a.max_message_bytes as usize,
+            metrics_addr: a.metrics_addr.0,
+            admin_addr: a.admin_addr.0,
+            http_limits: kit::http::Limits {
+                header_timeout: Duration::from_millis(a.http_header_timeout_ms),
+                idle_timeout: Duration::from_millis(a.http_idle_timeout_ms),
+                max_connections: a.http_max_connections as usize,
+            },
+            admin_token,
+            tenant_tokens: super::auth::parse_tenant_tokens(a.tenant_tokens)?,
+            topology: Topology {
+                intents_exchange,
+                intents_queue: a.intents_queue,
+                results_exchange,
+                dead_letter_exchange: a.dead_letter_exchange,
+                dead_letter_queue: a.dead_letter_queue,
+                delivery_limit: a.delivery_limit,
+                queue_delivery_limit: a
+                    .queue_delivery_limit
+                    .unwrap_or_else(|| Topology::default_queue_delivery_limit(a.delivery_limit)),
+            },
+            lease: Duration::from_secs(a.lease_secs),
+            recovery_interval: Duration::from_millis(a.recovery_interval_ms),
+            max_in_flight: a.max_in_flight,
+            worker_id,
+            shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
+            retention: Duration::from_secs(a.retention_secs),
+            tombstone_retention: Duration::from_secs(a.tombstone_retention_secs),
+            db_pool_size: a.db_pool_size,
+            db_acquire_timeout: Duration::from_secs(a.db_acquire_timeout_secs),
+            migrate: a.migrate,
+            log_json: a.log_format == "json",
+            amqp_heartbeat_secs: a.amqp_heartbeat_secs,
+            declare_topology: a.declare_topology,
+            warnings,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        env: EnvArgs,
+    }
+
+    fn from_flags(flags: &[&str]) -> Result<Settings, String> {
+        use clap::Parser as _;
+        let args = std::iter::once("worker").chain(flags.iter().copied());
+        let cli = Cli::try_parse_from(args).map_err(|e| e.to_string())?;
+        Settings::from_args(cli.env).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults_match_the_documented_ones() {
+        let s = from_flags(&["--database-url", "postgres://x"]).unwrap();
+        assert_eq!(s.prefetch, 256);
+        assert_eq!(s.topology.intents_exchange, "intents");
+        assert_eq!(s.topology.results_exchange, "results");
+        assert_eq!(s.topology.queue_delivery_limit, 20);
+        assert_eq!(s.lease, Duration::from_secs(30));
+        assert_eq!(s.shutdown_grace, Duration::from_secs(30));
+        assert_eq!(s.db_pool_size, 10);
+        assert_eq!(s.db_acquire_timeout, Duration::from_secs(10));
+        assert_eq!(s.metrics_addr, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(s.http_limits.header_timeout, Duration::from_secs(10));
+        assert_eq!(s.http_limits.idle_timeout, Duration::from_secs(60));
+        assert_eq!(s.http_limits.max_connections, 256);
+        assert!(s.migrate && s.declare_topology && !s.log_json);
+        assert!(s.warnings.is_empty());
+        let s = from_flags(&[
+            "--database-url=postgres://x",
+            "--migrate=no",
+            "--declare-topology=1",
+            "--metrics-addr=off",
+        ])
+        .unwrap();
+        assert!(!s.migrate && s.declare_topology && s.metrics_addr.is_none());
+    }
+
+    #[test]
+    fn bad_values_are_refused_naming_the_variable() {
+        for (flag, var) in [
+            ("--prefetch=0", "WORKER_PREFETCH"),
+            ("--lease-secs=0", "WORKER_LEASE_SECS"),
+            ("--recovery-interval-ms=9", "WORKER_RECOVERY_INTERVAL_MS"),
+            ("--max-in-flight=0", "WORKER_MAX_IN_FLIGHT"),
+            ("--db-pool-size=1", "WORKER_DB_POOL_SIZE"),
+            ("--migrate=sometimes", "WORKER_MIGRATE"),
+            ("--admin-addr=nowhere", "WORKER_ADMIN_ADDR"),
+            ("--log-format=xml", "WORKER_LOG_FORMAT"),
+            (
+                "--http-header-timeout-ms=0",
+                "WORKER_HTTP_HEADER_TIMEOUT_MS",
+            ),
+            ("--http-idle-timeout-ms=soon", "WORKER_HTTP_IDLE_TIMEOUT_MS"),
+            ("--http-max-connections=0", "WORKER_HTTP_MAX_CONNECTIONS"),
+            ("--admin-token=short", "WORKER_ADMIN_TOKEN"),
+            ("--tenant-tokens=north", "WORKER_TENANT_TOKENS"),
+        ] {
+            let err = from_flags(&["--database-url=postgres://x", flag]).unwrap_err();
+            assert!(err.contains(var), "{flag}: {err}");
+        }
+        let err = from_flags(&["--admin-token=short-secret"]).unwrap_err();
+        assert!(err.contains("DATABASE_URL"), "{err}");
+        let err =
+            from_flags(&["--database-url=postgres://x", "--admin-token=short-secret"]).unwrap_err();
+        assert!(
+            !err.contains("short-secret"),
+            "a secret is never echoed: {err}"
+        );
+    }
+
+    #[test]
+    fn the_prefetch_is_lowered_to_what_the_in_flight_bytes_allow() {
+        let s = from_flags(&["--database-url=postgres://x"]).unwrap();
+        assert_eq!((s.prefetch, s.max_message_bytes), (256, 262144));
+        assert!(s.warnings.is_empty(), "{:?}", s.warnings);
+        let s = from_flags(&[
+            "--database-url=postgres://x",
+            "--max-message-bytes=4096",
+            "--max-inflight-bytes=16384",
+        ])
+        .unwrap();
+        assert_eq!(s.prefetch, 4);
+        assert!(
+            s.warnings[0].contains("WORKER_PREFETCH=256 lowered to 4"),
+            "{:?}",
+            s.warnings
+        );
+        let err = from_flags(&[
+            "--database-url=postgres://x",
+            "--max-message-bytes=4096",
+            "--max-inflight-bytes=2048",
+        ])
+        .unwrap_err();
+        assert!(err.contains("WORKER_MAX_INFLIGHT_BYTES"), "{err}");
+        let err =
+            from_flags(&["--database-url=postgres://x", "--max-message-bytes=300000"]).unwrap_err();
+        assert!(err.contains("WORKER_MAX_MESSAGE_BYTES"), "{err}");
+    }
+
+    #[test]
+    fn the_old_exchange_names_are_deprecated_aliases() {
+        let s =
+            from_flags(&["--database-url=postgres://x", "--worker-intents-exchange=a"]).unwrap();
+        assert_eq!(s.topology.intents_exchange, "a");
+        assert!(s.warnings[0].contains("WORKER_INTENTS_EXCHANGE is deprecated"));
+        let s = from_flags(&[
+            "--database-url=postgres://x",
+            "--results-exchange=r",
+            "--worker-results-exchange=r",
+        ])
+        .unwrap();
+        assert_eq!(s.topology.results_exchange, "r");
+        let err = from_flags(&[
+            "--database-url=postgres://x",
+            "--intents-exchange=a",
+            "--worker-intents-exchange=b",
+        ])
+        .unwrap_err();
+        assert!(
+            err.contains("INTENTS_EXCHANGE=\"a\"") && err.contains("WORKER_INTENTS_EXCHANGE=\"b\""),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,408 @@
+//! The rule tables of the dispatch path: which ledger state an adapter outcome leads to, after
+//! a write ([`after_dispatch`]) and after a recovery round ([`after_recovery`]). Pure: outcome,
+//! operation and tool in, transition out; recording it is [`super::finish`]'s.
+//!
+//! After a write: a matching receipt succeeds; proven not applied (not sent, a "not applied"
+//! status) waits for a retry until `retry.max_attempts` or `retry.max_elapsed_secs` is spent,
+//! then fails; this worker's own exhaustion resends with the attempt given back; a definitive
+//! rejection fails; anything that may have been applied is `unknown` (at once for a tool
+//! without recovery, after the first retry delay otherwise).
+//!
+//! After a recovery round: a matching receipt succeeds; a replay refused with a status listed in
+//! `replay_final_statuses` fails; this worker's own exhaustion defers the round; anything else
+//! (another rejection included: it proves nothing about the original write) stays `unknown`
+//! until the tool's `recovery_attempts` are spent, then is `held`, never `failed`.
+
+use chrono::{DateTime, Utc};
+
+use crate::adapter::Outcome;
+use crate::config::ToolConfig;
+use crate::ledger::{Operation, Transition};
+use crate::recovery::Capability;
+use crate::retry::{retry_delay, with_retry_after, RetryPolicy};
+
+/// The next state after a write attempt.
+pub fn after_dispatch(
+    op: &Operation,
+    tool: &ToolConfig,
+    outcome: Outcome,
+    now: DateTime<Utc>,
+) -> Transition {
+    let policy = &tool.retry;
+    match outcome {
+        Outcome::Succeeded {
+            receipt,
+            receipt_id,
+        } => Transition::Succeeded {
+            evidence: format!("receipt {receipt_id} from write attempt {}", op.attempts),
+            receipt,
+            receipt_id,
+        },
+        Outcome::NotSent { .. } | Outcome::NotApplied { .. } => {
+            let attempts = op.attempts.max(1) as u32;
+            let elapsed = (now - op.created_at).to_std().unwrap_or_default();
+            let evidence = outcome.evidence();
+            if attempts >= policy.max_attempts {
+                Transition::Failed {
+                    evidence: format!("{attempts} write attempts, none applied (retry.max_attempts reached); last: {evidence}"),
+                }
+            } else if elapsed.as_secs() >= policy.max_elapsed_secs {
+                Transition::Failed {
+                    evidence: format!(
+                        "not applied and retry.max_elapsed_secs passed; last: {evidence}"
+                    ),
+                }
+            } else {
+                let delay =
+                    with_retry_after(policy, retry_delay(policy, attempts), outcome.retry_after());
+                Transition::RetryWait { delay, evidence }
+            }
+        }
+        // Nothing left this process: try again, the claim's attempt given back, whatever
+        // max_attempts and max_elapsed_secs say (the downstream never saw it).
+        Outcome::LocalExhaustion { evidence } => Transition::Resend {
+            delay: local_exhaustion_delay(),
+            evidence,
+        },
+        Outcome::Rejected { evidence, .. } => Transition::Failed { evidence },
+        Outcome::Unknown { .. } | Outcome::LookupMiss { .. } => {
+            let delay = match tool.capability {
+                // Nothing to try: the scheduler holds it at once.
+                Capability::None => Default::default(),
+                _ => with_retry_after(policy, retry_delay(policy, 1), outcome.retry_after()),
+            };
+            Transition::Unknown {
+                delay,
+                evidence: outcome.evidence(),
+            }
+        }
+    }
+}
+
+/// The next state after a recovery round (lookup or replay) on an `unknown` row in round
+/// `op.recovery_attempts`.
+pub fn after_recovery(op: &Operation, tool: &ToolConfig, outcome: Outcome) -> Transition {
+    match outcome {
+        Outcome::Succeeded {
+            receipt,
+            receipt_id,
+        } => Transition::Succeeded {
+            evidence: format!(
+                "receipt {receipt_id} recovered in round {}",
+                op.recovery_attempts
+            ),
+            receipt,
+            receipt_id,
+        },
+        // A status answered to a replay proves nothing about the original write (a rotated API
+        // key, a WAF, a deploy serving 404): only the statuses the tool lists are final.
+        Outcome::Rejected { status, evidence } if tool.replay_final_statuses.contains(&status) => {
+            Transition::Failed {
+                evidence: format!(
+                    "the downstream refused the original request on replay with HTTP {status}, \
+                     listed in replay_final_statuses: {evidence}"
+                ),
+            }
+        }
+        // The lookup or replay never left this worker: the round did not happen, so it is
+        // deferred and given back (the row stays unknown).
+        Outcome::LocalExhaustion { .. } => Transition::Defer {
+            delay: local_exhaustion_delay(),
+        },
+        Outcome::Rejected { status, evidence } => recovery_unproven(
+            op,
+            tool,
+            Outcome::Unknown {
+                evidence: format!(
+                    "replay answered HTTP {status}, which proves nothing about the original \
+                     request (not in replay_final_statuses): {evidence}"
+                ),
+                retry_after: None,
+            },
+        ),
+        other => recovery_unproven(op, tool, other),
+    }
+}
+
+/// A recovery round that brought no matching receipt: unknown again, or held once the tool's
+/// recovery rounds are spent. The answer is kept as evidence.
+fn recovery_unproven(op: &Operation, tool: &ToolConfig, other: Outcome) -> Transition {
+    let round = op.recovery_attempts.max(1) as u32;
+    if round >= tool.recovery_attempts {
+        Transition::Held {
+            evidence: format!(
+                "recovery attempts exhausted ({round}) without a matching receipt; last: {}",
+                other.evidence()
+            ),
+        }
+    } else {
+        let delay = with_retry_after(
+            &tool.retry,
+            retry_delay(&tool.retry, round),
+            other.retry_after(),
+        );
+        Transition::Unknown {
+            delay,
+            evidence: other.evidence(),
+        }
+    }
+}
+
+/// How long a write or recovery round stopped by this worker's own exhaustion waits before it
+/// is tried again: about a second (±50 %), long enough for descriptors to come back, short
+/// enough that the action is not held up once they have.
+pub fn local_exhaustion_delay() -> std::time::Duration {
+    retry_delay(
+        &RetryPolicy {
+            initial_delay_ms: 1_000,
+            multiplier: 1.0,
+            max_delay_ms: 1_000,
+            jitter: 0.5,
+            ..RetryPolicy::default()
+        },
+        1,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::ledger::{State, StateColumn};
+    use crate::retry::BudgetPolicy;
+
+    /// A retry policy without jitter, so every delay in the tables is exact: 100 ms doubling,
+    /// at most 1 s, three write attempts, an hour.
+    fn policy() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 3,
+            initial_delay_ms: 100,
+            multiplier: 2.0,
+            max_delay_ms: 1_000,
+            jitter: 0.0,
+            max_elapsed_secs: 3_600,
+            not_applied_statuses: vec![429],
+        }
+    }
+
+    fn tool(capability: Capability) -> ToolConfig {
+        ToolConfig {
+            name: "refund".into(),
+            url: "http://127.0.0.1:9/refunds".into(),
+            method: "POST".into(),
+            idempotency_header: "Idempotency-Key".into(),
+            timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(2),
+            receipt_id: "/receipt_id".into(),
+            receipt_match: BTreeMap::new(),
+            capability,
+            replay_final_statuses: vec![422],
+            recovery_attempts: 3,
+            retry: policy(),
+            budget: BudgetPolicy::default(),
+            headers: BTreeMap::new(),
+        }
+    }
+
+    fn replay() -> Capability {
+        Capability::Replay {
+            window: Duration::from_secs(600),
+            margin: Duration::from_secs(60),
+        }
+    }
+
+    /// An operation after `attempts` writes and `rounds` recovery rounds, recorded `age` ago.
+    fn op(attempts: i32, rounds: i32, age: chrono::Duration) -> Operation {
+        let now = Utc::now();
+        Operation {
+            id: 7,
+            tenant: "tenant-a".into(),
+            action_id: "k-1".into(),
+            tool: "refund".into(),
+            fingerprint: "f".into(),
+            arguments: Some("{}".into()),
+            call_id: None,
+            reply_to: None,
+            state: StateColumn(State::Dispatching),
+            fence: 1,
+            lease_owner: None,
+            lease_until: None,
+            attempts,
+            recovery_attempts: rounds,
+            next_attempt_at: None,
+            first_dispatch_at: Some(now - age),
+            replay_deadline: None,
+            receipt: None,
+            receipt_id: None,
+            evidence: None,
+            last_reported: None,
+            created_at: now - age,
+            updated_at: now,
+            state_since: now,
+            swept_at: None,
+        }
+    }
+
+    fn succeeded() -> Outcome {
+        Outcome::Succeeded {
+            receipt: json!({"receipt_id": "r-1"}),
+            receipt_id: "r-1".into(),
+        }
+    }
+    fn not_sent() -> Outcome {
+        Outcome::NotSent {
+            evidence: "connection refused".into(),
+        }
+    }
+    fn not_applied(retry_after: Option<u64>) -> Outcome {
+        Outcome::NotApplied {
+            evidence: "HTTP 429".into(),
+            retry_after: retry_after.map(Duration::from_millis),
+        }
+    }
+    fn exhausted() -> Outcome {
+        Outcome::LocalExhaustion {
+            evidence: "EMFILE".into(),
+        }
+    }
+    fn rejected(status: u16) -> Outcome {
+        Outcome::Rejected {
+            status,
+            evidence: format!("HTTP {status}"),
+        }
+    }
+    fn unknown(retry_after: Option<u64>) -> Outcome {
+        Outcome::Unknown {
+            evidence: "timed out".into(),
+            retry_after: retry_after.map(Duration::from_millis),
+        }
+    }
+    fn miss() -> Outcome {
+        Outcome::LookupMiss {
+            evidence: "lookup: 404".into(),
+        }
+    }
+
+    /// What a row of a table expects: the transition's kind, its delay when it has an exact
+    /// one, and a piece of its evidence.
+    #[derive(Debug, PartialEq)]
+    enum Next {
+        Succeeded,
+        Failed,
+        RetryWait(u64),
+        Resend,
+        Unknown(u64),
+        Held,
+        Defer,
+    }
+
+    /// The kind, the exact delay in ms (for the jitter-free ones) and the evidence.
+    fn seen(t: &Transition) -> (Next, String) {
+        let ms = |d: &Duration| d.as_millis() as u64;
+        match t {
+            Transition::Succeeded { evidence, .. } => (Next::Succeeded, evidence.clone()),
+            Transition::Failed { evidence } => (Next::Failed, evidence.clone()),
+            Transition::RetryWait { delay, evidence } => {
+                (Next::RetryWait(ms(delay)), evidence.clone())
+            }
+            Transition::Resend { delay, evidence } => {
+                // About a second, ±50 %.
+                assert!((500..=1_500).contains(&ms(delay)), "{delay:?}");
+                (Next::Resend, evidence.clone())
+            }
+            Transition::Unknown { delay, evidence } => (Next::Unknown(ms(delay)), evidence.clone()),
+            Transition::Held { evidence } => (Next::Held, evidence.clone()),
+            Transition::Defer { delay } => {
+                assert!((500..=1_500).contains(&ms(delay)), "{delay:?}");
+                (Next::Defer, String::new())
+            }
+        }
+    }
+
+    #[test]
+    fn after_a_write_every_outcome_leads_where_the_table_says() {
+        let fresh = chrono::Duration::seconds(1);
+        let old = chrono::Duration::seconds(3_600);
+        #[rustfmt::skip]
+        let table: Vec<(&str, Capability, Operation, Outcome, Next, &str)> = vec![
+            ("a matching receipt succeeds", replay(), op(1, 0, fresh), succeeded(),
+             Next::Succeeded, "receipt r-1 from write attempt 1"),
+            ("not sent, attempts left: retry after the policy's delay", replay(), op(1, 0, fresh), not_sent(),
+             Next::RetryWait(100), "connection refused"),
+            ("the delay grows with the attempts", replay(), op(2, 0, fresh), not_sent(),
+             Next::RetryWait(200), "connection refused"),
+            ("not applied: a longer Retry-After wins", replay(), op(1, 0, fresh), not_applied(Some(700)),
+             Next::RetryWait(700), "HTTP 429"),
+            ("a Retry-After never exceeds max_delay_ms", replay(), op(1, 0, fresh), not_applied(Some(60_000)),
+             Next::RetryWait(1_000), "HTTP 429"),
+            ("a shorter Retry-After loses to the policy", replay(), op(2, 0, fresh), not_applied(Some(10)),
+             Next::RetryWait(200), "HTTP 429"),
+            ("not sent with max_attempts spent fails", replay(), op(3, 0, fresh), not_sent(),
+             Next::Failed, "3 write attempts, none applied (retry.max_attempts reached); last: connection refused"),
+            ("not applied with max_attempts spent fails", replay(), op(3, 0, fresh), not_applied(None),
+             Next::Failed, "retry.max_attempts reached"),
+            ("not applied past max_elapsed_secs fails", replay(), op(1, 0, old), not_applied(None),
+             Next::Failed, "not applied and retry.max_elapsed_secs passed; last: HTTP 429"),
+            ("local exhaustion resends, whatever the attempts", replay(), op(3, 0, old), exhausted(),
+             Next::Resend, "EMFILE"),
+            ("a definitive rejection fails", replay(), op(1, 0, fresh), rejected(400),
+             Next::Failed, "HTTP 400"),
+            ("may have applied, with recovery: unknown after the first delay", replay(), op(2, 0, fresh), unknown(None),
+             Next::Unknown(100), "timed out"),
+            ("may have applied: a Retry-After delays recovery", replay(), op(1, 0, fresh), unknown(Some(400)),
+             Next::Unknown(400), "timed out"),
+            ("may have applied, without recovery: unknown at once", Capability::None, op(1, 0, fresh), unknown(Some(400)),
+             Next::Unknown(0), "timed out"),
+            ("a lookup miss is unknown, never failed", Capability::Lookup { url_template: "http://a/{key}".into() },
+             op(1, 0, fresh), miss(), Next::Unknown(100), "lookup: 404"),
+        ];
+        for (row, capability, op, outcome, want, evidence) in table {
+            let (next, said) = seen(&after_dispatch(&op, &tool(capability), outcome, Utc::now()));
+            assert_eq!(next, want, "{row}");
+            assert!(said.contains(evidence), "{row}: {said}");
+        }
+    }
+
+    #[test]
+    fn after_a_recovery_round_every_outcome_leads_where_the_table_says() {
+        let t = chrono::Duration::seconds(1);
+        #[rustfmt::skip]
+        let table: Vec<(&str, Operation, Outcome, Next, &str)> = vec![
+            ("a matching receipt succeeds", op(1, 2, t), succeeded(),
+             Next::Succeeded, "receipt r-1 recovered in round 2"),
+            ("a replay refused with a listed status fails", op(1, 1, t), rejected(422),
+             Next::Failed, "HTTP 422, listed in replay_final_statuses"),
+            ("another refusal proves nothing: unknown, rounds left", op(1, 1, t), rejected(404),
+             Next::Unknown(100), "replay answered HTTP 404, which proves nothing"),
+            ("another refusal with the rounds spent is held", op(1, 3, t), rejected(404),
+             Next::Held, "recovery attempts exhausted (3)"),
+            ("local exhaustion defers the round", op(1, 3, t), exhausted(),
+             Next::Defer, ""),
+            ("unknown with rounds left waits the round's delay", op(1, 2, t), unknown(None),
+             Next::Unknown(200), "timed out"),
+            ("a Retry-After delays the next round", op(1, 1, t), unknown(Some(800)),
+             Next::Unknown(800), "timed out"),
+            ("unknown with the rounds spent is held, never failed", op(1, 3, t), unknown(None),
+             Next::Held, "without a matching receipt; last: timed out"),
+            ("a lookup miss with rounds left stays unknown", op(1, 1, t), miss(),
+             Next::Unknown(100), "lookup: 404"),
+            ("a lookup miss with the rounds spent is held", op(1, 3, t), miss(),
+             Next::Held, "last: lookup: 404"),
+            ("not sent on replay stays unknown", op(1, 1, t), not_sent(),
+             Next::Unknown(100), "connection refused"),
+            ("not applied on replay stays unknown", op(1, 1, t), not_applied(None),
+             Next::Unknown(100), "HTTP 429"),
+            ("round 0 counts as the first", op(1, 0, t), unknown(None),
+             Next::Unknown(100), "timed out"),
+        ];
+        for (row, op, outcome, want, evidence) in table {
+            let (next, said) = seen(&after_recovery(&op, &tool(replay()), outcome));
+            assert_eq!(next, want, "{row}");
+            assert!(said.contains(evidence), "{row}: {said}");
+        }
+    }
+}
