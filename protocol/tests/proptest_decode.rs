@@ -1,4 +1,4 @@
-//! Property tests for strict decoding (issue 8): whatever bytes or JSON an agent, a broken
+//! Property tests for strict decoding: whatever bytes or JSON an agent, a broken
 //! serializer or an attacker sends, `decode_intent` and `salvage_key` never panic; a refusal
 //! is one specific `DecodeError` with a stable code; every valid intent (ids with braces,
 //! quotes and every visible ASCII character, arguments with unicode and huge numbers)

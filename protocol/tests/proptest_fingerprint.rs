@@ -1,4 +1,4 @@
-//! Property tests for the fingerprint and RFC 8785 canonical JSON (issue 8): the fingerprint
+//! Property tests for the fingerprint and RFC 8785 canonical JSON: the fingerprint
 //! is a property of the request, not of its spelling (key order, whitespace, number forms
 //! that RFC 8785 makes equal), and different requests never share one: the canonical form
 //! parses back to the same value, so equal fingerprints imply equal values.
