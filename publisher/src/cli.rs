@@ -474,6 +474,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
     let trust = crate::tls::Trust::load(crate::tls::CA_FILE_VAR, cli.ca_file.as_deref())
         .map_err(|e| UsageError(e.to_string()))?;
     crate::tls::set_trust(trust);
+    usable_url("AMQP_URL", &cli.amqp_url, &["amqp", "amqps"])?;
     match cli.command {
         Command::Send(args) => send(&cli.amqp_url, set_user_id, args).await,
         Command::Wait(args) => wait(args).await,
@@ -486,35 +487,52 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Command::Relay(args) => relay(&cli.amqp_url, set_user_id, args).await.map(|()| 0),
         Command::Mcp(args) => mcp(cli.amqp_url, set_user_id, args).await.map(|()| 0),
-        Command::Demo(args) => demo::run(demo::DemoConfig {
-            scenario: args.scenario,
-            run_id: args.run_id,
-            held_tool: args.held_tool,
-            status: match (args.status_url, args.status_token) {
-                (Some(url), Some(token)) => Some((url, token)),
-                (Some(_), None) => {
-                    return Err(UsageError("--status-url needs --status-token".into()).into())
-                }
-                _ => None,
-            },
-            amqp_url: cli.amqp_url,
-            exchange: args.exchange,
-            results_exchange: args.results_exchange,
-            tenant: args.tenant,
-            tool: args.tool,
-            count: args.count,
-            interval: Duration::from_millis(args.interval_ms),
-            duplicate_every: args.duplicate_every,
-            set_user_id,
-            database_url: args.database_url,
-            answer_timeout: args.answer_timeout,
-        })
-        .await
-        .map(|()| 0),
+        Command::Demo(args) => {
+            if let Some(url) = &args.database_url {
+                usable_url("PUBLISHER_DATABASE_URL", url, &["postgres", "postgresql"])?;
+            }
+            demo::run(demo::DemoConfig {
+                scenario: args.scenario,
+                run_id: args.run_id,
+                held_tool: args.held_tool,
+                status: match (args.status_url, args.status_token) {
+                    (Some(url), Some(token)) => Some((url, token)),
+                    (Some(_), None) => {
+                        return Err(UsageError("--status-url needs --status-token".into()).into())
+                    }
+                    _ => None,
+                },
+                amqp_url: cli.amqp_url,
+                exchange: args.exchange,
+                results_exchange: args.results_exchange,
+                tenant: args.tenant,
+                tool: args.tool,
+                count: args.count,
+                interval: Duration::from_millis(args.interval_ms),
+                duplicate_every: args.duplicate_every,
+                set_user_id,
+                database_url: args.database_url,
+                answer_timeout: args.answer_timeout,
+            })
+            .await
+            .map(|()| 0)
+        }
     }
 }
 
+/// Refuses a service URL that can never work (another scheme, a port out of range) at once,
+/// naming the variable, without its password: waiting would not fix it.
+fn usable_url(name: &str, url: &str, schemes: &[&str]) -> Result<(), UsageError> {
+    kit::url::check(url, schemes).map_err(|reason| {
+        UsageError(format!(
+            "{name}={:?} is invalid: {reason}",
+            kit::url::redact(url)
+        ))
+    })
+}
+
 async fn connect_db(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool> {
+    usable_url("PUBLISHER_DATABASE_URL", url, &["postgres", "postgresql"])?;
     let options = crate::tls::postgres(url)
         .map_err(|e| UsageError(format!("invalid PUBLISHER_DATABASE_URL: {e}")))?;
     let port = options.get_port();
@@ -813,12 +831,5 @@ async fn follow(amqp_url: &str, args: FollowArgs) -> anyhow::Result<()> {
 
 /// The URL without its password, for error messages.
 pub fn redact(amqp_url: &str) -> String {
-    match (amqp_url.find("://"), amqp_url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &amqp_url[scheme + 3..at];
-            let user = userinfo.split(':').next().unwrap_or("");
-            format!("{}{user}:***{}", &amqp_url[..scheme + 3], &amqp_url[at..])
-        }
-        _ => amqp_url.to_owned(),
-    }
+    kit::url::redact(amqp_url)
 }

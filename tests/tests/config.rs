@@ -372,3 +372,38 @@ fn an_unusable_url_is_refused_at_start_up_naming_the_variable() {
         );
     }
 }
+
+/// The publisher refuses the same unusable URLs at once, exit 2, naming the variable.
+#[test]
+fn the_publisher_refuses_an_unusable_url_naming_the_variable() {
+    for (args, var, value) in [
+        (
+            vec!["send", "--tenant", "t", "--action-id", "a", "--tool", "x"],
+            "AMQP_URL",
+            "amqp://guest:s3cret-pw@127.0.0.1:99999/%2f",
+        ),
+        (
+            vec!["relay"],
+            "PUBLISHER_DATABASE_URL",
+            "mysql://root:s3cret-pw@127.0.0.1:3306/test",
+        ),
+        (
+            vec!["migrate"],
+            "PUBLISHER_DATABASE_URL",
+            "postgres://u:s3cret-pw@127.0.0.1:70000/db",
+        ),
+    ] {
+        let started = std::time::Instant::now();
+        let out = Command::new(bin_dir().join("publisher"))
+            .args(&args)
+            .env_clear()
+            .env(var, value)
+            .output()
+            .expect("run publisher");
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?} {var}={value}: {err}");
+        assert!(err.contains(var), "{var}: {err}");
+        assert!(!err.contains("s3cret-pw"), "the password is echoed: {err}");
+        assert!(started.elapsed() < Duration::from_secs(10), "{args:?}");
+    }
+}
