@@ -1,21 +1,32 @@
 //! What the worker and the publisher share at the process edge: the places where a process
-//! meets clients it does not control and the operating system's limits. More of the shared edge
-//! (TLS trust, signal handling) will move here later.
+//! meets clients it does not control, the operating system and its operators. The wire
+//! contract stays in `protocol`, which depends on nothing of this.
 //!
 //! # Layout
+//! - [`tls`]: the one TLS trust (system roots plus an extra PEM bundle, one crypto provider) and
+//!   the plain-words reason for a refused certificate.
 //! - [`http`]: the one HTTP/1 server every listener uses (worker metrics/health and admin API,
 //!   publisher metrics and MCP gateway): header timeout, idle timeout, connection cap,
 //!   graceful shutdown.
+//! - [`metrics`]: the metrics listener (exporter upkeep, `GET /metrics`).
 //! - [`fd`]: open-file descriptors: raising `RLIMIT_NOFILE` at start-up, checking it against
 //!   what the process may need, and recognising an error caused by the process's own resource
 //!   exhaustion (EMFILE, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL).
 //! - [`logs`]: the log subscriber, and the rule that no message payload (arguments,
 //!   receipts) is ever logged, whatever `RUST_LOG` says.
+//! - [`errors`]: an error and its causes on one line, each cause once.
+//! - [`signal`]: the stop signal (SIGTERM or Ctrl-C).
+//! - [`fault`]: how a fault point stops the process for a crash test.
 //! - [`secret`]: comparing bearer tokens in constant time.
 //! - [`url`]: service URLs as settings: redacted for logs, refused when they can never work.
 
+pub mod errors;
+pub mod fault;
 pub mod fd;
 pub mod http;
 pub mod logs;
+pub mod metrics;
 pub mod secret;
+pub mod signal;
+pub mod tls;
 pub mod url;

@@ -11,15 +11,11 @@
 //! - [`error`]: [`DecodeError`], with a human message and a stable machine code.
 //! - [`fingerprint`](mod@fingerprint): RFC 8785 canonical JSON and the SHA-256 intent fingerprint.
 //! - [`result`]: [`ResultEvent`] with its [`Status`] and [`RejectReason`].
-//! - `tls` (feature `tls`): the TLS trust (system roots + an extra CA file) the worker and
-//!   the publisher share.
 
 pub mod error;
 pub mod fingerprint;
 pub mod intent;
 pub mod result;
-#[cfg(feature = "tls")]
-pub mod tls;
 
 pub use error::DecodeError;
 pub use fingerprint::{canonical_json, fingerprint};

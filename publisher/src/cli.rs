@@ -29,22 +29,9 @@ pub mod exit {
 #[error("{0}")]
 pub struct UsageError(pub String);
 
-/// The error and its causes on one line, each cause once: a cause whose text the message
-/// already contains (sqlx and lapin repeat their source in their own message) is skipped, so
-/// `{:#}` would print it twice.
+/// The error and its causes on one line, each cause once ([`kit::errors::chain`]).
 pub fn error_chain(error: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in error.chain() {
-        let text = cause.to_string();
-        if text.is_empty() || line.contains(&text) {
-            continue;
-        }
-        if !line.is_empty() {
-            line.push_str(": ");
-        }
-        line.push_str(&text);
-    }
-    line
+    kit::errors::chain(error.as_ref())
 }
 
 /// The exit code for an error returned by [`run`].
@@ -540,7 +527,7 @@ async fn connect_db(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool> {
         .after_connect(move |_conn, _meta| {
             Box::pin(async move {
                 // sqlx 0.9.0 sets no TCP_NODELAY (see the function).
-                protocol::tls::set_nodelay_on_sockets_to(port);
+                kit::tls::set_nodelay_on_sockets_to(port);
                 Ok(())
             })
         })
@@ -722,12 +709,7 @@ async fn mcp(amqp_url: String, set_user_id: bool, args: McpArgs) -> anyhow::Resu
 
 /// SIGTERM or Ctrl-C.
 async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    kit::signal::stop().await
 }
 
 async fn wait(args: WaitArgs) -> anyhow::Result<i32> {

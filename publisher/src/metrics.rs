@@ -5,7 +5,6 @@
 //! relay reports the same global figure: alert rules aggregate them with `max()`.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, gauge};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -71,16 +70,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use axum::routing::get;
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    tracing::info!(addr = %listener.local_addr()?, "metrics listening");
-    let upkeep = handle.clone();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(5));
-        loop {
-            tick.tick().await;
-            upkeep.run_upkeep();
-        }
-    });
+    let exporter = handle.clone();
     let app = axum::Router::new().route(
         "/metrics",
         get(move || {
@@ -98,15 +88,9 @@ pub async fn serve(
                     Ok(count) => gauge!(FAILED_ROWS).set(count as f64),
                     Err(error) => tracing::warn!(%error, "cannot count the failed outbox rows"),
                 }
-                (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        "text/plain; version=0.0.4",
-                    )],
-                    handle.render(),
-                )
+                kit::metrics::exposition(&handle)
             }
         }),
     );
-    kit::http::serve(listener, app, limits, shutdown).await
+    kit::metrics::serve(addr, limits, exporter, app, shutdown).await
 }

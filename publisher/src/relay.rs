@@ -444,15 +444,7 @@ fn failure_reason(error: &PublishError) -> &'static str {
 fn fault_point(_name: &str) {
     #[cfg(feature = "fault-points")]
     if std::env::var("PUBLISHER_FAULT_POINT").as_deref() == Ok(_name) {
-        extern "C" {
-            fn raise(sig: i32) -> i32;
-        }
-        const SIGSTOP: i32 = 19;
-        eprintln!("fault point reached: {_name}; stopping (SIGSTOP)");
-        // SAFETY: raise(3) with a valid signal number has no memory-safety preconditions.
-        unsafe {
-            raise(SIGSTOP);
-        }
+        kit::fault::stop_here(_name);
     }
 }
 

@@ -1,6 +1,6 @@
 //! TLS for the publisher's peers, in every build: RabbitMQ (`amqps://`), the agent database
 //! (`sslmode=...` in `PUBLISHER_DATABASE_URL`) and the status API (`https://`). The trust is
-//! the worker's ([`protocol::tls::Trust`]: system roots plus an optional PEM bundle), set once
+//! the worker's ([`kit::tls::Trust`]: system roots plus an optional PEM bundle), set once
 //! per process: the CLI sets it from `PUBLISHER_CA_FILE`; an agent using this library may call
 //! [`set_trust`] before connecting, else the system roots apply. Process-wide rather than a
 //! parameter of every connect entry point (`Publisher::connect`, `Follower::follow`, ...),
@@ -12,7 +12,7 @@ use lapin::{Connection, ConnectionProperties};
 use sqlx::postgres::PgConnectOptions;
 
 use crate::PublishError;
-pub use protocol::tls::{handshake_failure, install_default_provider, CaFileError, Trust};
+pub use kit::tls::{handshake_failure, install_default_provider, CaFileError, Trust};
 
 /// The variable naming the publisher CLI's extra CA bundle.
 pub const CA_FILE_VAR: &str = "PUBLISHER_CA_FILE";

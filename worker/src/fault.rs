@@ -24,11 +24,6 @@ mod imp {
 
     static FIRED: AtomicBool = AtomicBool::new(false);
 
-    extern "C" {
-        fn raise(sig: i32) -> i32;
-    }
-    const SIGSTOP: i32 = 19;
-
     fn armed(name: &str, action_id: &str) -> bool {
         let point = std::env::var("WORKER_FAULT_POINT").unwrap_or_default();
         if point != name {
@@ -51,12 +46,7 @@ mod imp {
         if FIRED.swap(true, Ordering::SeqCst) {
             return;
         }
-        eprintln!("fault point reached: {name} action_id={action_id}; stopping (SIGSTOP)");
-        // SAFETY: raise(3) with a valid signal number has no memory-safety preconditions.
-        unsafe {
-            raise(SIGSTOP);
-        }
-        eprintln!("fault point resumed: {name} action_id={action_id}");
+        kit::fault::stop_here(&format!("{name} action_id={action_id}"));
     }
 }
 

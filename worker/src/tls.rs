@@ -1,6 +1,6 @@
 //! TLS for every peer of the worker, in every build: RabbitMQ (`amqps://`), the Postgres ledger
 //! (`sslmode=require|verify-ca|verify-full`) and HTTPS tools. One trust for all three: the
-//! system roots plus the optional PEM bundle `WORKER_CA_FILE` ([`protocol::tls::Trust`], shared
+//! system roots plus the optional PEM bundle `WORKER_CA_FILE` ([`kit::tls::Trust`], shared
 //! with the publisher). This module only hands that trust to each client library.
 
 use std::path::Path;
@@ -8,7 +8,7 @@ use std::path::Path;
 use lapin::tcp::OwnedTLSConfig;
 use sqlx::postgres::PgConnectOptions;
 
-pub use protocol::tls::{handshake_failure, install_default_provider, CaFileError, Trust};
+pub use kit::tls::{handshake_failure, install_default_provider, CaFileError, Trust};
 
 /// The variable naming the worker's extra CA bundle.
 pub const CA_FILE_VAR: &str = "WORKER_CA_FILE";

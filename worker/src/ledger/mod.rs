@@ -163,7 +163,7 @@ impl Ledger {
             .after_connect(move |_conn, _meta| {
                 Box::pin(async move {
                     // sqlx 0.9.0 sets no TCP_NODELAY (see the function).
-                    protocol::tls::set_nodelay_on_sockets_to(port);
+                    kit::tls::set_nodelay_on_sockets_to(port);
                     Ok(())
                 })
             })

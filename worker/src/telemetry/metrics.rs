@@ -6,7 +6,6 @@
 //! alert rules aggregate them with `max()`.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -272,16 +271,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use axum::routing::get;
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    tracing::info!(addr = %listener.local_addr()?, "metrics listening");
-    let upkeep = handle.clone();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(5));
-        loop {
-            tick.tick().await;
-            upkeep.run_upkeep();
-        }
-    });
+    let exporter = handle.clone();
     let ready_ledger = ledger.clone();
     let links_for_metrics = links.clone();
     let app = axum::Router::new()
@@ -304,15 +294,9 @@ pub async fn serve(
                     // Sets the `intent_worker_ready` gauge.
                     let _ = super::health::readyz(&links, &ledger).await;
                     refresh_ledger_gauges(&ledger, tools.into_iter()).await;
-                    (
-                        [(
-                            axum::http::header::CONTENT_TYPE,
-                            "text/plain; version=0.0.4",
-                        )],
-                        handle.render(),
-                    )
+                    kit::metrics::exposition(&handle)
                 }
             }),
         );
-    kit::http::serve(listener, app, limits, shutdown).await
+    kit::metrics::serve(addr, limits, exporter, app, shutdown).await
 }

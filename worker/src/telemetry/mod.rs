@@ -15,22 +15,9 @@ pub fn init_logs(json: bool) {
     );
 }
 
-/// Formats an error with its whole cause chain, each cause once: a cause whose text the message
-/// already contains is skipped. Our own error types put a cause either in their message or in
-/// `source()`, never both, but sqlx and lapin errors do both ("error returned from database: X"
-/// with source X), which `{:#}` would print twice or three times.
+/// Formats an error with its whole cause chain, each cause once ([`kit::errors::chain`]).
 pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        let text = cause.to_string();
-        if !text.is_empty() && !s.contains(&text) {
-            s.push_str(": ");
-            s.push_str(&text);
-        }
-        source = cause.source();
-    }
-    s
+    kit::errors::chain(e)
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! TLS trust shared by the worker and the publisher (feature `tls`): the system's root
+//! TLS trust shared by the worker and the publisher: the system's root
 //! certificates plus an optional extra PEM bundle (`WORKER_CA_FILE`, `PUBLISHER_CA_FILE`), one
 //! crypto provider (ring) for every TLS client in the process, and a reason in plain words when
 //! a peer's certificate is refused. Wiring this into lapin, sqlx and reqwest stays with each
