@@ -169,6 +169,7 @@ step "services (PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ $MQ_HOST:$MQ_PORT)" check
 step "tools" check_tools
 step "cargo fmt --check" cargo fmt --all -- --check
 step "cargo clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
+step "publisher library alone (no CLI crates)" cargo check --locked -p intent-publisher --no-default-features --lib
 step "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
 step "promtool test rules" promtool test rules deploy/prometheus/alerts_test.yml
 step "kubernetes manifests (offline)" scripts/validate-k8s.sh

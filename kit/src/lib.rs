@@ -2,6 +2,9 @@
 //! meets clients it does not control, the operating system and its operators. The wire
 //! contract stays in `protocol`, which depends on nothing of this.
 //!
+//! The feature `server` (on by default) adds what only a long-running binary needs: `http`,
+//! `metrics` and `logs`; a library linked into an agent (the publisher's) goes without.
+//!
 //! # Layout
 //! - [`tls`]: the one TLS trust (system roots plus an extra PEM bundle, one crypto provider) and
 //!   the plain-words reason for a refused certificate.
@@ -23,8 +26,11 @@
 pub mod errors;
 pub mod fault;
 pub mod fd;
+#[cfg(feature = "server")]
 pub mod http;
+#[cfg(feature = "server")]
 pub mod logs;
+#[cfg(feature = "server")]
 pub mod metrics;
 pub mod secret;
 pub mod signal;

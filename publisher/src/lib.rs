@@ -33,10 +33,13 @@
 //! - `mcp/` ([`mcp`]): `publisher mcp`, the MCP gateway (tools file, bearer token → tenant,
 //!   action id from the request `_meta`, answers and tasks from the ledger).
 
+#[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "cli")]
 pub mod demo;
 pub mod error;
 pub mod follow;
+#[cfg(feature = "cli")]
 pub mod mcp;
 pub mod metrics;
 pub mod outbox;

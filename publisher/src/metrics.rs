@@ -4,11 +4,8 @@
 //! The backlog gauges come from the outbox table and are refreshed on every scrape, so every
 //! relay reports the same global figure: alert rules aggregate them with `max()`.
 
-use std::net::SocketAddr;
-
-use metrics::{counter, describe_counter, describe_gauge, gauge};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use sqlx::PgPool;
+#[cfg(feature = "cli")]
+pub use exporter::{install, serve};
 
 pub const BACKLOG: &str = "intent_publisher_outbox_backlog";
 pub const OLDEST_UNSENT: &str = "intent_publisher_outbox_oldest_unsent_age_seconds";
@@ -18,79 +15,91 @@ pub const ROWS_SWEPT: &str = "intent_publisher_rows_swept_total";
 pub const ROWS_FAILED: &str = "intent_publisher_rows_failed_total";
 pub const FAILED_ROWS: &str = "intent_publisher_outbox_failed_rows";
 
-/// Failure reasons, pre-registered at 0 so rates exist before the first failure.
-const REASONS: [&str; 4] = ["unroutable", "nacked", "not_confirmed", "amqp"];
-/// Why rows are marked failed (`relay::refusal`), pre-registered at 0 likewise.
-const REFUSALS: [&str; 3] = ["key_too_long", "invalid_intent", "key_mismatch"];
+/// The recorder and the listener: the `publisher` binary's (feature `cli`).
+#[cfg(feature = "cli")]
+mod exporter {
+    use std::net::SocketAddr;
 
-/// Installs the global recorder; returns the handle that renders the exposition text.
-pub fn install() -> Result<PrometheusHandle, String> {
-    let handle = PrometheusBuilder::new()
-        .install_recorder()
-        .map_err(|e| e.to_string())?;
-    describe_gauge!(BACKLOG, "Unsent rows in intent_outbox (all relays).");
-    describe_gauge!(
-        OLDEST_UNSENT,
-        "Age in seconds of the oldest unsent intent_outbox row (0 when none)."
-    );
-    describe_counter!(
-        PUBLISH_FAILURES,
-        "Outbox rows whose publish failed, by reason (unroutable, nacked, not_confirmed, amqp)."
-    );
-    describe_counter!(
-        ROWS_SENT,
-        "Outbox rows published, confirmed and marked sent."
-    );
-    describe_counter!(ROWS_SWEPT, "Sent outbox rows deleted after the retention.");
-    describe_counter!(
-        ROWS_FAILED,
-        "Outbox rows that can never be published, marked failed and skipped, by reason (key_too_long, invalid_intent, key_mismatch)."
-    );
-    describe_gauge!(
-        FAILED_ROWS,
-        "intent_outbox rows marked failed (all relays); they stay until repaired or deleted."
-    );
-    for reason in REASONS {
-        counter!(PUBLISH_FAILURES, "reason" => reason).absolute(0);
-    }
-    for reason in REFUSALS {
-        counter!(ROWS_FAILED, "reason" => reason).absolute(0);
-    }
-    counter!(ROWS_SENT).absolute(0);
-    counter!(ROWS_SWEPT).absolute(0);
-    Ok(handle)
-}
+    use metrics::{counter, describe_counter, describe_gauge, gauge};
+    use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+    use sqlx::PgPool;
 
-/// Serves `GET /metrics` with the listener `limits` ([`kit::http`]) until `shutdown` resolves.
-pub async fn serve(
-    addr: SocketAddr,
-    limits: kit::http::Limits,
-    handle: PrometheusHandle,
-    pool: PgPool,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    use axum::routing::get;
-    let exporter = handle.clone();
-    let app = axum::Router::new().route(
-        "/metrics",
-        get(move || {
-            let handle = handle.clone();
-            let pool = pool.clone();
-            async move {
-                match crate::relay::backlog(&pool).await {
-                    Ok((count, oldest)) => {
-                        gauge!(BACKLOG).set(count as f64);
-                        gauge!(OLDEST_UNSENT).set(oldest.max(0.0));
+    use super::*;
+
+    /// Failure reasons, pre-registered at 0 so rates exist before the first failure.
+    const REASONS: [&str; 4] = ["unroutable", "nacked", "not_confirmed", "amqp"];
+    /// Why rows are marked failed (`relay::refusal`), pre-registered at 0 likewise.
+    const REFUSALS: [&str; 3] = ["key_too_long", "invalid_intent", "key_mismatch"];
+
+    /// Installs the global recorder; returns the handle that renders the exposition text.
+    pub fn install() -> Result<PrometheusHandle, String> {
+        let handle = PrometheusBuilder::new()
+            .install_recorder()
+            .map_err(|e| e.to_string())?;
+        describe_gauge!(BACKLOG, "Unsent rows in intent_outbox (all relays).");
+        describe_gauge!(
+            OLDEST_UNSENT,
+            "Age in seconds of the oldest unsent intent_outbox row (0 when none)."
+        );
+        describe_counter!(
+            PUBLISH_FAILURES,
+            "Outbox rows whose publish failed, by reason (unroutable, nacked, not_confirmed, amqp)."
+        );
+        describe_counter!(
+            ROWS_SENT,
+            "Outbox rows published, confirmed and marked sent."
+        );
+        describe_counter!(ROWS_SWEPT, "Sent outbox rows deleted after the retention.");
+        describe_counter!(
+            ROWS_FAILED,
+            "Outbox rows that can never be published, marked failed and skipped, by reason (key_too_long, invalid_intent, key_mismatch)."
+        );
+        describe_gauge!(
+            FAILED_ROWS,
+            "intent_outbox rows marked failed (all relays); they stay until repaired or deleted."
+        );
+        for reason in REASONS {
+            counter!(PUBLISH_FAILURES, "reason" => reason).absolute(0);
+        }
+        for reason in REFUSALS {
+            counter!(ROWS_FAILED, "reason" => reason).absolute(0);
+        }
+        counter!(ROWS_SENT).absolute(0);
+        counter!(ROWS_SWEPT).absolute(0);
+        Ok(handle)
+    }
+
+    /// Serves `GET /metrics` with the listener `limits` ([`kit::http`]) until `shutdown` resolves.
+    pub async fn serve(
+        addr: SocketAddr,
+        limits: kit::http::Limits,
+        handle: PrometheusHandle,
+        pool: PgPool,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        use axum::routing::get;
+        let exporter = handle.clone();
+        let app = axum::Router::new().route(
+            "/metrics",
+            get(move || {
+                let handle = handle.clone();
+                let pool = pool.clone();
+                async move {
+                    match crate::relay::backlog(&pool).await {
+                        Ok((count, oldest)) => {
+                            gauge!(BACKLOG).set(count as f64);
+                            gauge!(OLDEST_UNSENT).set(oldest.max(0.0));
+                        }
+                        Err(error) => tracing::warn!(%error, "cannot measure the outbox backlog"),
                     }
-                    Err(error) => tracing::warn!(%error, "cannot measure the outbox backlog"),
+                    match crate::relay::failed_rows(&pool).await {
+                        Ok(count) => gauge!(FAILED_ROWS).set(count as f64),
+                        Err(error) => tracing::warn!(%error, "cannot count the failed outbox rows"),
+                    }
+                    kit::metrics::exposition(&handle)
                 }
-                match crate::relay::failed_rows(&pool).await {
-                    Ok(count) => gauge!(FAILED_ROWS).set(count as f64),
-                    Err(error) => tracing::warn!(%error, "cannot count the failed outbox rows"),
-                }
-                kit::metrics::exposition(&handle)
-            }
-        }),
-    );
-    kit::metrics::serve(addr, limits, exporter, app, shutdown).await
+            }),
+        );
+        kit::metrics::serve(addr, limits, exporter, app, shutdown).await
+    }
 }
