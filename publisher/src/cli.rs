@@ -572,6 +572,12 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
         &budget.add("broker (PUBLISHER_CONCURRENCY)", u64::from(concurrency)),
     );
     let pool = connect_db(&args.db.database_url, concurrency + 2).await?;
+    match crate::relay::check_table(&pool).await {
+        Err(e @ crate::relay::TableError::NotMigrated(_)) => {
+            return Err(UsageError(e.to_string()).into())
+        }
+        other => other?,
+    }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = move || {
         let mut rx = stop_rx.clone();

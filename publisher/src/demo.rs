@@ -98,22 +98,7 @@ pub async fn run(config: DemoConfig) -> anyhow::Result<()> {
     .await
     .context("cannot bind the demo agent's results queue")?;
     let outbox = match &config.database_url {
-        Some(url) => {
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(2)
-                .connect_with(crate::tls::postgres(url)?)
-                .await
-                .context("cannot connect to the agent database")?;
-            Outbox::migrate(&pool).await?;
-            sqlx::query(
-                "CREATE TABLE IF NOT EXISTS demo_refund_requests (
-                     action_id text PRIMARY KEY, order_ref text NOT NULL,
-                     amount_cents bigint NOT NULL, requested_at timestamptz NOT NULL DEFAULT now())",
-            )
-            .execute(&pool)
-            .await?;
-            Some(pool)
-        }
+        Some(url) => Some(agent_database(url).await?),
         None => None,
     };
     info!(%run_id, tenant = %config.tenant, tool = %config.tool, count = config.count,
@@ -139,59 +124,106 @@ pub async fn run(config: DemoConfig) -> anyhow::Result<()> {
         return outcome;
     }
 
-    let mut open: BTreeMap<String, ()> = BTreeMap::new();
-    let mut shown = 0u64;
-    for i in 1..=config.count {
-        if i > 1 {
-            // Show answers while pacing the requests.
-            let pause = Instant::now() + config.interval;
-            while let Some(left) = pause.checked_duration_since(Instant::now()) {
-                match answers.next(left).await {
-                    Ok(Some(event)) => show(&event, &mut open, &mut shown),
-                    Ok(None) => break,
-                    Err(error) => warn!(%error, "skipped a results message"),
-                }
-            }
-        }
-        let action_id = format!("demo-{run_id}-{i}");
-        let call_id = format!("call-{run_id}-{i}");
-        let body = intent_json(&config, &action_id, &call_id, &reply_to, i, false);
-        let fingerprint = match &outbox {
-            Some(pool) => enqueue(pool, &body, i).await?,
-            None => publish_checked(&publisher, &body, deadline).await?,
-        };
-        open.insert(action_id.clone(), ());
-        info!(tenant = %config.tenant, %action_id, %call_id, %fingerprint, "sent intent");
-
-        if config.duplicate_every > 0 && i % config.duplicate_every == 0 {
-            let call_id = format!("call-{run_id}-{i}-again");
-            let body = intent_json(&config, &action_id, &call_id, &reply_to, i, true);
-            let again = match &outbox {
-                Some(pool) => enqueue(pool, &body, i).await?,
-                None => publish_checked(&publisher, &body, deadline).await?,
-            };
-            info!(
-                tenant = %config.tenant, %action_id, %call_id, fingerprint = %again,
-                same_fingerprint = again == fingerprint,
-                "sent the same action again (new call id): expect a duplicate"
-            );
-        }
-    }
-    let until = Instant::now() + config.answer_timeout;
-    while !open.is_empty() {
-        let Some(left) = until.checked_duration_since(Instant::now()) else {
-            break;
-        };
-        match answers.next(left).await {
-            Ok(Some(event)) => show(&event, &mut open, &mut shown),
-            Ok(None) => break,
-            Err(error) => warn!(%error, "skipped a results message"),
-        }
-    }
-    info!(%run_id, answers = shown, without_final_answer = open.len(), "demo done");
+    let stream = Stream {
+        config: &config,
+        publisher: &publisher,
+        outbox: outbox.as_ref(),
+        deadline,
+        run_id: &run_id,
+        reply_to: &reply_to,
+    };
+    stream.run(&mut answers).await?;
     answers.close().await.ok();
     publisher.close().await.ok();
     Ok(())
+}
+
+/// The agent's database: its outbox, and its own table of refund requests that each intent is
+/// recorded with.
+async fn agent_database(url: &str) -> anyhow::Result<sqlx::PgPool> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(crate::tls::postgres(url)?)
+        .await
+        .context("cannot connect to the agent database")?;
+    Outbox::migrate(&pool).await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS demo_refund_requests (
+             action_id text PRIMARY KEY, order_ref text NOT NULL,
+             amount_cents bigint NOT NULL, requested_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(&pool)
+    .await?;
+    Ok(pool)
+}
+
+/// The `stream` scenario: `count` intents, paced, every k-th sent again; prints every answer.
+struct Stream<'a> {
+    config: &'a DemoConfig,
+    publisher: &'a Publisher,
+    outbox: Option<&'a sqlx::PgPool>,
+    deadline: Instant,
+    run_id: &'a str,
+    reply_to: &'a str,
+}
+
+impl Stream<'_> {
+    async fn run(&self, answers: &mut Follower) -> anyhow::Result<()> {
+        let (config, run_id, reply_to) = (self.config, self.run_id, self.reply_to);
+        let mut open: BTreeMap<String, ()> = BTreeMap::new();
+        let mut shown = 0u64;
+        for i in 1..=config.count {
+            if i > 1 {
+                // Show answers while pacing the requests.
+                let pause = Instant::now() + config.interval;
+                while let Some(left) = pause.checked_duration_since(Instant::now()) {
+                    match answers.next(left).await {
+                        Ok(Some(event)) => show(&event, &mut open, &mut shown),
+                        Ok(None) => break,
+                        Err(error) => warn!(%error, "skipped a results message"),
+                    }
+                }
+            }
+            let action_id = format!("demo-{run_id}-{i}");
+            let call_id = format!("call-{run_id}-{i}");
+            let body = intent_json(config, &action_id, &call_id, reply_to, i, false);
+            let fingerprint = self.send(&body, i).await?;
+            open.insert(action_id.clone(), ());
+            info!(tenant = %config.tenant, %action_id, %call_id, %fingerprint, "sent intent");
+
+            if config.duplicate_every > 0 && i % config.duplicate_every == 0 {
+                let call_id = format!("call-{run_id}-{i}-again");
+                let body = intent_json(config, &action_id, &call_id, reply_to, i, true);
+                let again = self.send(&body, i).await?;
+                info!(
+                    tenant = %config.tenant, %action_id, %call_id, fingerprint = %again,
+                    same_fingerprint = again == fingerprint,
+                    "sent the same action again (new call id): expect a duplicate"
+                );
+            }
+        }
+        let until = Instant::now() + config.answer_timeout;
+        while !open.is_empty() {
+            let Some(left) = until.checked_duration_since(Instant::now()) else {
+                break;
+            };
+            match answers.next(left).await {
+                Ok(Some(event)) => show(&event, &mut open, &mut shown),
+                Ok(None) => break,
+                Err(error) => warn!(%error, "skipped a results message"),
+            }
+        }
+        info!(%run_id, answers = shown, without_final_answer = open.len(), "demo done");
+        Ok(())
+    }
+
+    /// Enqueues through the outbox or publishes; returns the intent's fingerprint.
+    async fn send(&self, body: &str, i: u64) -> anyhow::Result<String> {
+        match self.outbox {
+            Some(pool) => enqueue(pool, body, i).await,
+            None => publish_checked(self.publisher, body, self.deadline).await,
+        }
+    }
 }
 
 /// Prints an answer (one JSON line on stdout) and closes its action when it is final.
@@ -343,14 +375,21 @@ impl Tour<'_> {
     }
 
     async fn phases(&mut self) -> anyhow::Result<()> {
+        if self.config.count == 0 {
+            bail!("--scenario full needs --count of at least 1");
+        }
+        let (refunds, first_receipts) = self.refunds().await?;
+        self.repeats(&refunds, &first_receipts).await?;
+        self.conflicting_reuse(&refunds[0]).await?;
+        self.lost_reply().await
+    }
+
+    /// Step 1, refunds: each recorded with the agent's own write; waits for every answer and returns
+    /// the action ids with the receipt id each was answered with.
+    async fn refunds(&mut self) -> anyhow::Result<(Vec<String>, BTreeMap<String, Option<String>>)> {
         let c = self.config;
         let run = self.run_id.to_string();
         let reply_to = self.reply_to.to_string();
-        if c.count == 0 {
-            bail!("--scenario full needs --count of at least 1");
-        }
-
-        // 1. Refunds, each recorded with the agent's own write; wait for every answer.
         let refunds: Vec<String> = (1..=c.count).map(|i| format!("refund-{run}-{i}")).collect();
         for (i, action_id) in (1..).zip(&refunds) {
             if i > 1 {
@@ -392,12 +431,23 @@ impl Tour<'_> {
             first_receipts.insert(action_id.clone(), receipt_id(event).map(str::to_owned));
         }
 
-        // 2. Every k-th again: same action and arguments, reordered and re-spaced JSON, new
-        //    call id. The ledger answers; the downstream sees no second write.
+        Ok((refunds, first_receipts))
+    }
+
+    /// Step 2, every k-th again: same action and arguments, reordered and re-spaced JSON, new call
+    /// id. The ledger answers; the downstream sees no second write.
+    async fn repeats(
+        &mut self,
+        refunds: &[String],
+        first_receipts: &BTreeMap<String, Option<String>>,
+    ) -> anyhow::Result<()> {
+        let c = self.config;
+        let run = self.run_id.to_string();
+        let reply_to = self.reply_to.to_string();
         let from = self.log.len();
         let every = c.duplicate_every;
         let repeats: Vec<(u64, &String)> = (1..)
-            .zip(&refunds)
+            .zip(refunds)
             .filter(|(i, _)| every > 0 && i % every == 0)
             .collect();
         for (i, action_id) in &repeats {
@@ -447,9 +497,16 @@ impl Tour<'_> {
             }
         }
 
-        // 3. The first refund's action id reused with other arguments: refused.
+        Ok(())
+    }
+
+    /// Step 3, the first refund's action id reused with other arguments: refused.
+    async fn conflicting_reuse(&mut self, first: &str) -> anyhow::Result<()> {
+        let c = self.config;
+        let run = self.run_id.to_string();
+        let reply_to = self.reply_to.to_string();
         let from = self.log.len();
-        let reused = refunds[0].clone();
+        let reused = first.to_owned();
         let call_id = format!("call-{run}-1-reuse");
         let text = body(
             &c.tenant,
@@ -484,8 +541,15 @@ impl Tour<'_> {
             self.tally.conflicts_refused += 1;
         }
 
-        // 4. A tool without recovery whose reply is lost after the downstream committed:
-        //    pending, then held for a person (never retried, never guessed).
+        Ok(())
+    }
+
+    /// Step 4, a tool without recovery whose reply is lost after the downstream committed: pending,
+    /// then held for a person (never retried, never guessed).
+    async fn lost_reply(&mut self) -> anyhow::Result<()> {
+        let c = self.config;
+        let run = self.run_id.to_string();
+        let reply_to = self.reply_to.to_string();
         let from = self.log.len();
         let held = format!("{}-{run}", c.held_tool);
         self.tally.held_action_id = held.clone();

@@ -349,6 +349,33 @@ impl Relay {
     }
 }
 
+/// Why [`check_table`] refused to start.
+#[derive(Debug, thiserror::Error)]
+pub enum TableError {
+    /// The table, or a column the relay reads, is missing (a table made from migration 0001
+    /// alone lacks `failed_at` and `failure`).
+    #[error(
+        "intent_outbox is not ready for this relay ({0}): run `publisher migrate` (it creates the table, or adds the columns failed_at and failure of migration 0002)"
+    )]
+    NotMigrated(sqlx::Error),
+    #[error("database error: {0}")]
+    Db(#[from] sqlx::Error),
+}
+
+/// Checks that `intent_outbox` has every column the relay reads, so a table that was not
+/// migrated stops start-up with a hint instead of failing every claim.
+pub async fn check_table(pool: &PgPool) -> Result<(), TableError> {
+    let probe = "SELECT id, tenant, action_id, body, failed_at, failure FROM intent_outbox LIMIT 0";
+    match sqlx::query(probe).execute(pool).await {
+        Ok(_) => Ok(()),
+        // undefined_column, undefined_table
+        Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42703" | "42P01")) => {
+            Err(TableError::NotMigrated(sqlx::Error::Database(e)))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Backlog figures for metrics and the alert: unsent rows still to publish (failed rows are
 /// not waiting for the relay) and the age of the oldest.
 pub async fn backlog(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {

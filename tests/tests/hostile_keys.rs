@@ -472,7 +472,12 @@ async fn the_mcp_gateway_answers_a_key_one_byte_too_long_with_a_tool_error() {
 
     for len in [55, 200] {
         let id = action_id("mcp", len);
-        let refused = client.call_tool(mcp_call(&id)).await.expect("an answer");
+        // A gateway task that panics leaves the client without an answer: bounded, so that
+        // is a failure here, not a hang.
+        let refused = tokio::time::timeout(T, client.call_tool(mcp_call(&id)))
+            .await
+            .expect("the gateway answers in time")
+            .expect("an answer");
         let said = text(&refused);
         assert_eq!(refused.is_error, Some(true), "{said}");
         assert!(said.contains("nothing was sent"), "{said}");
@@ -484,7 +489,10 @@ async fn the_mcp_gateway_answers_a_key_one_byte_too_long_with_a_tool_error() {
 
     // The gateway goes on serving: the longest pair is carried out.
     let fits = action_id("mcp", 54);
-    let ok = client.call_tool(mcp_call(&fits)).await.expect("an answer");
+    let ok = tokio::time::timeout(T, client.call_tool(mcp_call(&fits)))
+        .await
+        .expect("the gateway answers in time")
+        .expect("an answer");
     assert_ne!(ok.is_error, Some(true), "{}", text(&ok));
     let event = ok.structured_content.expect("structuredContent");
     assert_eq!(event["status"], "succeeded", "{event}");
@@ -564,5 +572,65 @@ async fn a_raw_publish_of_the_long_pair_is_dead_lettered_and_answered_rejected()
     agent.until(&tenant, &fits, Status::Succeeded, T).await;
     succeeded_once(&env, &tenant, &fits).await;
     assert!(w.is_running());
+    cleanup(env).await;
+}
+
+/// The relay reads `failed_at` and `failure` (migration 0002). On a table an application made
+/// from 0001 alone it stops at start-up with the usage code and a hint, instead of failing every
+/// claim; `publisher migrate` adds the columns to that table and the relay then runs.
+#[tokio::test]
+async fn a_relay_on_a_table_without_the_failure_columns_stops_with_a_hint() {
+    let env = Env::new().await;
+    let first = include_str!("../../publisher/migrations/0001_intent_outbox.sql");
+    sqlx::raw_sql(first)
+        .execute(&env.pool)
+        .await
+        .expect("0001 only");
+    let relay = |args: &[&str]| {
+        Command::new(publisher_bin())
+            .args(args)
+            .env_clear()
+            .env("RUST_LOG", "info,lapin=warn,sqlx=warn")
+            .env("AMQP_URL", &env.amqp_url)
+            .env("PUBLISHER_DATABASE_URL", &env.db_url)
+            .env("INTENTS_EXCHANGE", &env.topology.intents_exchange)
+            .env("PUBLISHER_METRICS_ADDR", "off")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn publisher")
+    };
+    let mut refused = relay(&["relay"]);
+    let exited = wait_for("the relay to stop", T, || {
+        let status = refused.try_wait().unwrap();
+        async move { status }
+    })
+    .await;
+    let out = refused.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(exited.code(), Some(2), "{err}");
+    assert!(
+        err.contains("publisher migrate") && err.contains("failed_at"),
+        "{err}"
+    );
+
+    let migrate = relay(&["migrate"]).wait_with_output().unwrap();
+    assert!(migrate.status.success(), "{:?}", migrate);
+    let mut running = relay(&["relay"]);
+    let stderr = running.stderr.take().unwrap();
+    let started = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.contains("relay running"))
+    });
+    let started = tokio::time::timeout(T, started).await;
+    let _ = running.kill();
+    let _ = running.wait();
+    assert!(
+        matches!(started, Ok(Ok(true))),
+        "the relay runs after the migration"
+    );
     cleanup(env).await;
 }
