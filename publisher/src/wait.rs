@@ -265,17 +265,36 @@ impl Publisher {
         protocol::check_action_key(&intent.tenant, &intent.action_id)
             .map_err(PublishError::from)?;
 
+        let (channel, mut consumer) = self.bind_answers(&intent.tenant, &reply_to).await?;
+
+        let outcome = async {
+            send(intent.clone()).await?;
+            latest_answer(&mut consumer, &intent, deadline).await
+        }
+        .await;
+        channel.close(200, "OK".into()).await.ok();
+
+        self.final_or_latest(outcome?, &intent, timeout).await
+    }
+
+    /// A results queue of its own, bound to this agent's answers about `tenant`, and its
+    /// consumer (no acks: the queue is the agent's alone and goes with its channel).
+    async fn bind_answers(
+        &self,
+        tenant: &str,
+        reply_to: &str,
+    ) -> Result<(lapin::Channel, lapin::Consumer), WaitError> {
         let channel = self
             .connection
             .create_channel()
             .await
             .map_err(PublishError::from)?;
         let exchange = &self.answers.results_exchange;
-        let key = protocol::result_routing_key(&intent.tenant, Some(&reply_to));
+        let key = protocol::result_routing_key(tenant, Some(reply_to));
         if key.len() > MAX_ROUTING_KEY {
             return Err(WaitError::KeyTooLong(key));
         }
-        let mut consumer = async {
+        let consumer = async {
             topology::ensure_topic_exchange(&self.connection, exchange).await?;
             let queue = topology::declare_results_queue(&channel, exchange, &[key], None).await?;
             channel.basic_qos(64, BasicQosOptions::default()).await?;
@@ -294,45 +313,23 @@ impl Publisher {
             )
         }
         .await?;
+        Ok((channel, consumer))
+    }
 
-        let outcome = async {
-            send(intent.clone()).await?;
-            let mut latest: Option<ResultEvent> = None;
-            loop {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let delivery = match tokio::time::timeout(left, consumer.next()).await {
-                    Err(_elapsed) => break,
-                    Ok(None) => return Err(PublishError::ConsumerClosed.into()),
-                    Ok(Some(delivery)) => delivery.map_err(PublishError::from)?,
-                };
-                let Ok(event) = serde_json::from_slice::<ResultEvent>(&delivery.data) else {
-                    tracing::warn!(
-                        "skipped a message on the results queue that is not a result event"
-                    );
-                    continue;
-                };
-                if event.tenant != intent.tenant || event.action_id != intent.action_id {
-                    continue;
-                }
-                if is_final(event.status) {
-                    return Ok(Some(event));
-                }
-                latest = Some(event);
-            }
-            Ok::<_, WaitError>(latest)
-        }
-        .await;
-        channel.close(200, "OK".into()).await.ok();
-
-        let from_queue = outcome?;
+    /// The answer to return: a final event from the queue; else the status API's (more current:
+    /// the queue may have missed the event, or the agent restarted); else the latest pending one.
+    async fn final_or_latest(
+        &self,
+        from_queue: Option<ResultEvent>,
+        intent: &Intent,
+        timeout: Duration,
+    ) -> Result<Answer, WaitError> {
         if let Some(event) = from_queue.as_ref().filter(|e| is_final(e.status)) {
             return Ok(Answer {
                 event: event.clone(),
                 source: Source::Queue,
             });
         }
-        // No final answer on the queue: the status API is more current (the agent's queue
-        // may have missed the event, or the agent restarted).
         if let Some(api) = &self.answers.status_api {
             match api.status(&intent.tenant, &intent.action_id).await {
                 Ok(Some(event)) if is_final(event.status) || from_queue.is_none() => {
@@ -356,6 +353,36 @@ impl Publisher {
                 timeout,
             })
     }
+}
+
+/// Reads answers about `intent` until a final one or the deadline; returns the final one, or
+/// the latest pending one, or none.
+async fn latest_answer(
+    consumer: &mut lapin::Consumer,
+    intent: &Intent,
+    deadline: Instant,
+) -> Result<Option<ResultEvent>, WaitError> {
+    let mut latest: Option<ResultEvent> = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let delivery = match tokio::time::timeout(left, consumer.next()).await {
+            Err(_elapsed) => break,
+            Ok(None) => return Err(PublishError::ConsumerClosed.into()),
+            Ok(Some(delivery)) => delivery.map_err(PublishError::from)?,
+        };
+        let Ok(event) = serde_json::from_slice::<ResultEvent>(&delivery.data) else {
+            tracing::warn!("skipped a message on the results queue that is not a result event");
+            continue;
+        };
+        if event.tenant != intent.tenant || event.action_id != intent.action_id {
+            continue;
+        }
+        if is_final(event.status) {
+            return Ok(Some(event));
+        }
+        latest = Some(event);
+    }
+    Ok(latest)
 }
 
 #[cfg(test)]
