@@ -90,6 +90,16 @@ pub async fn timed(
     outcome
 }
 
+/// A claimed row this worker cannot send: its committed `dispatching` may have been sent by an
+/// earlier owner, so it is recorded `unknown` for recovery, never retried blind.
+async fn unsendable(ctx: &Context, op: &Operation, evidence: String) {
+    let unknown = Transition::Unknown {
+        delay: Default::default(),
+        evidence,
+    };
+    finish(ctx, op, Phase::Dispatch, unknown).await;
+}
+
 /// Sends an operation this worker holds in `dispatching` (at `op.fence`) and records the
 /// outcome.
 pub async fn run(ctx: Arc<Context>, op: Operation) {
@@ -100,31 +110,11 @@ pub async fn run(ctx: Arc<Context>, op: Operation) {
             "tool {} is not configured on worker {}; outcome unknown",
             op.tool, ctx.worker_id
         );
-        finish(
-            &ctx,
-            &op,
-            Phase::Dispatch,
-            Transition::Unknown {
-                delay: Default::default(),
-                evidence,
-            },
-        )
-        .await;
-        return;
+        return unsendable(&ctx, &op, evidence).await;
     };
     let Some(request) = request_for(&op) else {
         let evidence = "arguments were removed by retention; cannot send".to_string();
-        finish(
-            &ctx,
-            &op,
-            Phase::Dispatch,
-            Transition::Unknown {
-                delay: Default::default(),
-                evidence,
-            },
-        )
-        .await;
-        return;
+        return unsendable(&ctx, &op, evidence).await;
     };
     fault::point("before_send", &op.action_id);
     let kind = if op.attempts <= 1 {
