@@ -17,12 +17,14 @@
 //!   exhaustion (EMFILE, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL).
 //! - [`logs`]: the log subscriber, and the rule that no message payload (arguments,
 //!   receipts) is ever logged, whatever `RUST_LOG` says.
+//! - [`backoff`]: the one back-off function every retry and reconnect loop uses.
 //! - [`errors`]: an error and its causes on one line, each cause once.
 //! - [`signal`]: the stop signal (SIGTERM or Ctrl-C).
 //! - [`fault`]: how a fault point stops the process for a crash test.
 //! - [`secret`]: comparing bearer tokens in constant time.
 //! - [`url`]: service URLs as settings: redacted for logs, refused when they can never work.
 
+pub mod backoff;
 pub mod errors;
 pub mod fault;
 pub mod fd;

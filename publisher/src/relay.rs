@@ -29,6 +29,15 @@ use crate::metrics as m;
 use crate::publish::Encoded;
 use crate::{PublishError, Publisher};
 
+/// Waits between reconnects to the broker: from 500 ms doubling to 10 s, ±50 % so relays that
+/// lost the broker together do not return in lockstep.
+const RECONNECT: kit::backoff::Backoff = kit::backoff::Backoff {
+    initial: Duration::from_millis(500),
+    multiplier: 2.0,
+    max: Duration::from_secs(10),
+    jitter: 0.5,
+};
+
 /// How a relay runs (`publisher relay` flags / `PUBLISHER_*` settings).
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
@@ -317,6 +326,7 @@ impl Relay {
             };
             if report.link_failed || !self.publisher.is_connected() {
                 warn!("broker link lost; reconnecting");
+                let mut attempt = 0;
                 loop {
                     tokio::select! {
                         _ = &mut shutdown => return Ok(()),
@@ -327,8 +337,13 @@ impl Relay {
                                 break;
                             }
                             Err(error) => {
-                                warn!(%error, "cannot reconnect to the broker");
-                                tokio::time::sleep(self.config.idle_poll.max(Duration::from_secs(1))).await;
+                                attempt += 1;
+                                let wait = kit::backoff::delay(&RECONNECT, attempt);
+                                warn!(%error, retry_in_ms = wait.as_millis() as u64, "cannot reconnect to the broker");
+                                tokio::select! {
+                                    _ = &mut shutdown => return Ok(()),
+                                    _ = tokio::time::sleep(wait) => {}
+                                }
                             }
                         }
                     }

@@ -145,6 +145,25 @@ impl Env {
     }
 
     /// State of an operation, or "" when absent.
+    /// Waits until the operation is final or held (`succeeded`, `failed` or `held`) and returns
+    /// that state; panics after `timeout`.
+    pub async fn final_state(
+        &self,
+        tenant: &str,
+        action_id: &str,
+        timeout: std::time::Duration,
+    ) -> String {
+        crate::wait_for(
+            &format!("{tenant}/{action_id} to settle"),
+            timeout,
+            || async {
+                let s = self.state(tenant, action_id).await;
+                matches!(s.as_str(), "succeeded" | "failed" | "held").then_some(s)
+            },
+        )
+        .await
+    }
+
     pub async fn state(&self, tenant: &str, action_id: &str) -> String {
         self.operation(tenant, action_id)
             .await

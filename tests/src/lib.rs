@@ -32,7 +32,7 @@ pub use broker_user::{publish_as, rabbitmqctl, BrokerUser};
 pub use env::{Env, Topology};
 pub use mcp_gateway::McpGateway;
 pub use procs::{free_port, metric_value, Downstream, Worker, WorkerOptions};
-pub use proxy::FaultProxy;
+pub use proxy::{host_port, via, FaultProxy};
 pub use wait::wait_for;
 
 /// An HTTP client builder for the tests. reqwest is built with TLS but without a crypto

@@ -133,3 +133,19 @@ impl Drop for FaultProxy {
         self.state.generation.send_modify(|g| *g += 2 - *g % 2);
     }
 }
+
+/// The `host:port` of a service URL (`amqp://u:p@h:5672/%2f` gives `h:5672`).
+pub fn host_port(url: &str) -> String {
+    let after_at = url.rsplit_once('@').map_or(url, |(_, r)| r);
+    let after_scheme = after_at.split_once("://").map_or(after_at, |(_, r)| r);
+    after_scheme
+        .split(['/', '?'])
+        .next()
+        .unwrap_or(after_scheme)
+        .to_string()
+}
+
+/// `url` with its `host:port` replaced by `addr` (a [`FaultProxy`] in front of the service).
+pub fn via(url: &str, addr: std::net::SocketAddr) -> String {
+    url.replacen(&host_port(url), &addr.to_string(), 1)
+}

@@ -24,7 +24,7 @@ use publisher::{Follower, Publisher};
 use serde_json::{json, Value};
 use tokio::time::{sleep, Instant};
 
-use crate::{cleanup, Downstream, Env, FaultProxy, Worker, WorkerOptions};
+use crate::{cleanup, via, Downstream, Env, FaultProxy, Worker, WorkerOptions};
 
 /// The agent's tenants (one with a dot and an underscore, as the contract allows).
 pub const TENANTS: [&str; 2] = ["soak-north", "soak.south_2"];
@@ -413,17 +413,6 @@ struct Fleet {
     opts: WorkerOptions,
     unexpected: Mutex<Vec<String>>,
     startup_exits: Mutex<Vec<String>>,
-}
-
-/// `url` with its `host:port` replaced by `addr`.
-fn via(url: &str, addr: std::net::SocketAddr) -> String {
-    let (scheme, rest) = url.split_once("://").expect("url with scheme");
-    let (userinfo, hostpath) = match rest.rsplit_once('@') {
-        Some((u, h)) => (format!("{u}@"), h),
-        None => (String::new(), rest),
-    };
-    let path = hostpath.find('/').map_or("", |i| &hostpath[i..]);
-    format!("{scheme}://{userinfo}{addr}{path}")
 }
 
 impl Fleet {

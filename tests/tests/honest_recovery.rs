@@ -29,14 +29,6 @@ async fn history(env: &Env, action: &str) -> Vec<(String, Option<String>)> {
     .unwrap()
 }
 
-async fn final_state(env: &Env, action: &str) -> String {
-    e2e::wait_for(&format!("{action} to settle"), T, || async {
-        let s = env.state(TENANT, action).await;
-        matches!(s.as_str(), "succeeded" | "held" | "failed").then_some(s)
-    })
-    .await
-}
-
 /// The refund committed, its reply was lost, and every replay is answered 403 (a rotated API
 /// key, a WAF): the status says nothing about the original write, so the row stays unknown and
 /// is held after its recovery rounds, never reported failed.
@@ -54,7 +46,7 @@ async fn a_replay_refused_with_403_keeps_the_row_unknown_then_held_never_failed(
     agent
         .request(TENANT, "refund-403", "refund", json!({"order": "o-403"}))
         .await;
-    assert_eq!(final_state(&env, "refund-403").await, "held");
+    assert_eq!(env.final_state(TENANT, "refund-403", T).await, "held");
     let statuses = env.outbox_statuses(TENANT, "refund-403").await;
     assert!(
         !statuses.iter().any(|s| s == "failed"),
@@ -138,7 +130,7 @@ async fn action_ids_with_braces_recover_their_receipt_on_a_lookup_tool() {
             .await;
     }
     for id in ids {
-        assert_eq!(final_state(&env, id).await, "succeeded", "{id}");
+        assert_eq!(env.final_state(TENANT, id, T).await, "succeeded", "{id}");
         assert_eq!(
             env.outbox_statuses(TENANT, id).await,
             ["pending", "succeeded"],

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use e2e::{
-    cleanup, intent, publish_as, rabbitmqctl, wait_for, Agent, BrokerUser, Downstream, Env,
-    FaultProxy, Worker, WorkerOptions,
+    cleanup, host_port, intent, publish_as, rabbitmqctl, via, wait_for, Agent, BrokerUser,
+    Downstream, Env, FaultProxy, Worker, WorkerOptions,
 };
 use lapin::types::AMQPValue;
 use serde_json::json;
@@ -16,17 +16,6 @@ const T: Duration = Duration::from_secs(60);
 /// The test broker's host:port, from its URL.
 fn broker_addr(env: &Env) -> String {
     host_port(&env.amqp_url)
-}
-
-fn host_port(url: &str) -> String {
-    let after_at = url.rsplit_once('@').map_or(url, |(_, r)| r);
-    let after_scheme = after_at.split_once("://").map_or(after_at, |(_, r)| r);
-    after_scheme.split('/').next().unwrap().to_string()
-}
-
-/// `url` with its host:port replaced by `addr`.
-fn via(url: &str, addr: std::net::SocketAddr) -> String {
-    url.replacen(&host_port(url), &addr.to_string(), 1)
 }
 
 fn header(m: &lapin::message::BasicGetMessage, key: &str) -> Option<String> {

@@ -112,14 +112,6 @@ async fn whole_response(stream: &mut TcpStream, within: Duration) -> String {
     }
 }
 
-async fn final_state(env: &Env, action_id: &str) -> String {
-    e2e::wait_for("a final state", T, || async {
-        let s = env.state(TENANT, action_id).await;
-        matches!(s.as_str(), "succeeded" | "failed").then_some(s)
-    })
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn idle_sockets_beyond_the_cap_leave_descriptors_for_the_downstream() {
     let env = Env::new().await;
@@ -158,7 +150,7 @@ async fn idle_sockets_beyond_the_cap_leave_descriptors_for_the_downstream() {
     })
     .await;
     assert_eq!(ready, 200, "/readyz answers while idle sockets are held");
-    assert_eq!(final_state(&env, "refund-idle").await, "succeeded");
+    assert_eq!(env.final_state(TENANT, "refund-idle", T).await, "succeeded");
     assert_eq!(env.mutations("north-shop:refund-idle").await, 1);
 
     drop(idle);
@@ -334,7 +326,10 @@ async fn running_out_of_descriptors_is_retried_never_the_downstreams_failure() {
 
     // Descriptors back: the next try succeeds.
     drop(idle);
-    assert_eq!(final_state(&env, "refund-emfile").await, "succeeded");
+    assert_eq!(
+        env.final_state(TENANT, "refund-emfile", T).await,
+        "succeeded"
+    );
     assert_eq!(env.mutations("north-shop:refund-emfile").await, 1);
     let row = env.operation(TENANT, "refund-emfile").await.unwrap();
     assert_eq!(

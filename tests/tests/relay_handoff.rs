@@ -7,23 +7,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use e2e::{cleanup, wait_for, Agent, Downstream, Env, FaultProxy, Worker, WorkerOptions};
+use e2e::{
+    cleanup, host_port, via, wait_for, Agent, Downstream, Env, FaultProxy, Worker, WorkerOptions,
+};
 use protocol::{ResultEvent, Status};
 use serde_json::json;
 
 const T: Duration = Duration::from_secs(60);
 const TENANT: &str = "north-shop";
-
-fn host_port(url: &str) -> String {
-    let after_at = url.rsplit_once('@').map_or(url, |(_, r)| r);
-    let after_scheme = after_at.split_once("://").map_or(after_at, |(_, r)| r);
-    after_scheme.split('/').next().unwrap().to_string()
-}
-
-/// `url` with its host:port replaced by `addr`.
-fn via(url: &str, addr: std::net::SocketAddr) -> String {
-    url.replacen(&host_port(url), &addr.to_string(), 1)
-}
 
 /// The standard tools with an 8 s timeout and a 20 s lease: on a slow, shared machine a
 /// (deliberately slowed) request must not time out or outlive its lease.

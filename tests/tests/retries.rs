@@ -51,14 +51,6 @@ async fn retry_schedule(env: &Env, action: &str) -> Vec<Scheduled> {
     .unwrap()
 }
 
-async fn final_state(env: &Env, action: &str) -> String {
-    e2e::wait_for(&format!("{action} final"), T, || async {
-        let s = env.state(TENANT, action).await;
-        matches!(s.as_str(), "succeeded" | "failed" | "held").then_some(s)
-    })
-    .await
-}
-
 #[tokio::test]
 async fn refused_connections_are_retried_on_the_jittered_schedule_then_succeed_once() {
     let env = Env::new().await;
@@ -211,7 +203,7 @@ async fn always_timing_out_after_writing_ends_held_never_failed() {
     agent
         .request(TENANT, "refund-t", "refund", json!({"order": "o-t"}))
         .await;
-    assert_eq!(final_state(&env, "refund-t").await, "held");
+    assert_eq!(env.final_state(TENANT, "refund-t", T).await, "held");
     let events = agent.until(TENANT, "refund-t", Status::Pending, T).await;
     assert!(events.iter().all(|e| e.status == Status::Pending));
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -257,7 +249,7 @@ async fn amplification_is_bounded_even_with_workers_killed_mid_flight() {
     }
     let _last = Worker::start(&env, "w-last", &opts).await;
     for a in &actions {
-        final_state(&env, a).await;
+        env.final_state(TENANT, a, T).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     for a in &actions {

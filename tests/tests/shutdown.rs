@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use e2e::{cleanup, intent, Agent, Downstream, Env, Worker, WorkerOptions};
+use e2e::{cleanup, host_port, intent, Agent, Downstream, Env, Worker, WorkerOptions};
 use publisher::Publisher;
 use serde_json::json;
 
@@ -182,11 +182,6 @@ async fn sigterm_under_load_exits_0_within_the_budget_and_loses_nothing() {
     drop(ds);
     let env = Arc::try_unwrap(env).unwrap_or_else(|_| panic!("env still shared"));
     cleanup(env).await;
-}
-
-fn host_port(url: &str) -> String {
-    let after = url.split_once('@').map_or(url, |(_, rest)| rest);
-    after.split('/').next().unwrap_or(after).to_string()
 }
 
 /// The same with the ledger black-holed at the moment of the signal (a silent partition: no

@@ -4,14 +4,11 @@
 //! run and what each write's outcome is worth to the tool's token bucket (kept in Postgres, see
 //! `ledger::guard`).
 //!
-//! `backoff` (RUSTSEC-2025-0012: unmaintained) is used only inside [`retry_delay`], so it can
-//! be swapped without touching callers.
+//! The delays come from the one back-off function, [`kit::backoff::delay`].
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
-
-use backoff::backoff::Backoff;
 
 use crate::adapter::Outcome;
 use serde::Deserialize;
@@ -73,25 +70,21 @@ impl Default for BudgetPolicy {
 /// exponential from `initial_delay_ms` by `multiplier`, capped at `max_delay_ms`, randomised
 /// within ±`jitter`, never above `max_delay_ms`. Pure apart from the random draw.
 pub fn retry_delay(policy: &RetryPolicy, attempt: u32) -> Duration {
-    let max = Duration::from_millis(policy.max_delay_ms);
-    let nominal = nominal_delay(policy, attempt);
-    let mut schedule = backoff::ExponentialBackoffBuilder::new()
-        .with_initial_interval(nominal)
-        .with_randomization_factor(policy.jitter)
-        .with_multiplier(policy.multiplier)
-        .with_max_interval(max)
-        .with_max_elapsed_time(None)
-        .build();
-    schedule.next_backoff().unwrap_or(nominal).min(max)
+    kit::backoff::delay(&schedule(policy), attempt)
 }
 
 /// The un-jittered delay after `attempt` attempts.
 pub fn nominal_delay(policy: &RetryPolicy, attempt: u32) -> Duration {
-    let exp = policy
-        .multiplier
-        .powi(attempt.saturating_sub(1).min(64) as i32);
-    let ms = (policy.initial_delay_ms as f64 * exp).min(policy.max_delay_ms as f64);
-    Duration::from_millis(ms as u64)
+    schedule(policy).nominal(attempt)
+}
+
+fn schedule(policy: &RetryPolicy) -> kit::backoff::Backoff {
+    kit::backoff::Backoff {
+        initial: Duration::from_millis(policy.initial_delay_ms),
+        multiplier: policy.multiplier,
+        max: Duration::from_millis(policy.max_delay_ms),
+        jitter: policy.jitter,
+    }
 }
 
 /// The delay to use when the downstream asked for one: `Retry-After` wins when it asks for

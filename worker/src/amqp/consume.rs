@@ -46,6 +46,14 @@ use crate::intake::TenantAuth;
 use crate::intake::{self, DeadLetter, Incoming};
 use crate::telemetry::metrics as m;
 
+/// Waits between tries to record a batch the ledger refused: from 100 ms doubling to 10 s.
+const RECORD_RETRY: kit::backoff::Backoff = kit::backoff::Backoff {
+    initial: Duration::from_millis(100),
+    multiplier: 2.0,
+    max: Duration::from_secs(10),
+    jitter: 0.2,
+};
+
 /// How the consumer runs.
 #[derive(Clone)]
 pub struct ConsumerConfig {
@@ -247,7 +255,7 @@ async fn process(
     stop: &CancellationToken,
     acks: &mut Acks,
 ) -> Result<Processed, AmqpError> {
-    let mut backoff = Duration::from_millis(100);
+    let mut failures = 0u32;
     // The poison guard's count for a redelivered delivery, taken once: retrying the batch through
     // a ledger outage is still one delivery, not one per attempt.
     let mut counted: Option<u32> = None;
@@ -306,6 +314,8 @@ async fn process(
             Err(Failure::Broker(e)) => return Err(e),
             Err(Failure::Ledger(e)) => {
                 counter!(m::LEDGER_ERRORS, "operation" => "intake").increment(1);
+                failures += 1;
+                let backoff = kit::backoff::delay(&RECORD_RETRY, failures);
                 tracing::error!(error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot record intents; retrying the batch");
                 tokio::select! {
                     biased;
@@ -318,7 +328,6 @@ async fn process(
                     }
                     _ = tokio::time::sleep(backoff) => {}
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(10));
             }
         }
     }

@@ -16,8 +16,6 @@ use std::time::Duration;
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
-use crate::retry::RetryPolicy;
-
 /// Errors at the broker boundary.
 #[derive(Debug, thiserror::Error)]
 ///
@@ -137,17 +135,16 @@ fn login_refusal(error: &lapin::Error) -> Option<String> {
 }
 
 /// Delay before reconnect attempt `attempt` (1-based): from 250 ms doubling to a 10 s cap,
-/// ±50 % jitter so a pool that lost the broker together does not return in lockstep. Uses the
-/// one `backoff` wrapper ([`crate::retry::retry_delay`]).
+/// ±50 % jitter so a pool that lost the broker together does not return in lockstep
+/// ([`kit::backoff`]).
 pub fn reconnect_delay(attempt: u32) -> Duration {
-    let policy = RetryPolicy {
-        initial_delay_ms: 250,
+    const RECONNECT: kit::backoff::Backoff = kit::backoff::Backoff {
+        initial: Duration::from_millis(250),
         multiplier: 2.0,
-        max_delay_ms: 10_000,
+        max: Duration::from_secs(10),
         jitter: 0.5,
-        ..RetryPolicy::default()
     };
-    crate::retry::retry_delay(&policy, attempt.max(1))
+    kit::backoff::delay(&RECONNECT, attempt.max(1))
 }
 
 /// Whether each broker link is up, for `/readyz`. Cheap to clone.

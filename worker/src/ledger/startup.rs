@@ -9,6 +9,14 @@ use anyhow::Context as _;
 use super::{Ledger, LedgerError};
 use crate::tls::Trust;
 
+/// Waits between tries to reach Postgres at start-up: from 250 ms doubling to 5 s.
+const CONNECT_RETRY: kit::backoff::Backoff = kit::backoff::Backoff {
+    initial: Duration::from_millis(250),
+    multiplier: 2.0,
+    max: Duration::from_secs(5),
+    jitter: 0.2,
+};
+
 /// Connects to the ledger, retrying while it starts (compose, k8s). A login Postgres refuses
 /// (SQLSTATE class 28: unknown role, wrong password, no `pg_hba.conf` entry) is not retried:
 /// the server answered, and waiting cannot fix the credentials. Nor is a failed TLS handshake
@@ -20,7 +28,7 @@ pub async fn connect_retrying(
     acquire_timeout: Duration,
 ) -> anyhow::Result<Ledger> {
     let options = crate::tls::postgres(database_url, trust).context("invalid DATABASE_URL")?;
-    let mut delay = Duration::from_millis(250);
+    let mut attempt = 0u32;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         match Ledger::connect_with(options.clone(), pool_size, acquire_timeout).await {
@@ -44,8 +52,8 @@ pub async fn connect_retrying(
             }
             Err(e) if tokio::time::Instant::now() < deadline => {
                 tracing::warn!(error = %e, "Postgres not reachable yet; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(5));
+                attempt += 1;
+                tokio::time::sleep(kit::backoff::delay(&CONNECT_RETRY, attempt)).await;
             }
             Err(e) => return Err(e).context("cannot connect to Postgres (DATABASE_URL)"),
         }
