@@ -6,6 +6,10 @@
 
 use crate::DecodeError;
 
+/// Longest number literal echoed in an error (a 100 KB run of zeros must not travel in a
+/// result).
+const MAX_ECHOED_LITERAL: usize = 40;
+
 /// Scans the number literals of a body that already parsed as JSON (so its syntax is valid)
 /// and reports the first one outside the range.
 pub(crate) fn check_range(body: &[u8]) -> Result<(), DecodeError> {
@@ -15,7 +19,7 @@ pub(crate) fn check_range(body: &[u8]) -> Result<(), DecodeError> {
             first = out_of_range(literal).map(|why| {
                 DecodeError::NotJson(format!(
                     "number {} {why}; send it as a string",
-                    shorten(literal)
+                    super::top_level::shortened(literal, MAX_ECHOED_LITERAL)
                 ))
             });
         }
@@ -89,16 +93,6 @@ fn out_of_range(literal: &str) -> Option<&'static str> {
         return Some("is too small for a double and would become 0");
     }
     None
-}
-
-/// A literal short enough to echo (a 100 KB run of zeros must not travel in a result).
-fn shorten(literal: &str) -> String {
-    const MAX: usize = 40;
-    if literal.len() <= MAX {
-        literal.to_owned()
-    } else {
-        format!("{}…", &literal[..MAX])
-    }
 }
 
 #[cfg(test)]

@@ -41,9 +41,15 @@ pub(crate) fn first_duplicate(entries: &Entries) -> Option<&str> {
 
 /// A field name from the body, shortened to something safe to put in a message.
 pub(crate) fn echo_name(name: &str) -> String {
-    match name.char_indices().nth(MAX_ECHOED_NAME) {
-        Some((cut, _)) => format!("{}…", &name[..cut]),
-        None => name.to_owned(),
+    shortened(name, MAX_ECHOED_NAME)
+}
+
+/// Text from an untrusted body cut to `max` characters (with `…`), so what is echoed in an
+/// error and a result message stays small.
+pub(crate) fn shortened(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_owned(),
     }
 }
 
