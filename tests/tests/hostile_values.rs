@@ -81,6 +81,24 @@ async fn an_unroutable_result_is_logged_without_its_receipt() {
     }
 }
 
+/// The next answer for `north-shop` is `rejected` / `invalid_message` / `detail` about `id`,
+/// and the action has neither a ledger row nor a downstream write.
+async fn refused_unsent(
+    env: &Env,
+    agent: &mut Agent,
+    id: &str,
+    detail: &str,
+) -> protocol::ResultEvent {
+    let ev = agent.next("north-shop", T).await;
+    assert_eq!(ev.action_id, id);
+    assert_eq!(ev.status, Status::Rejected, "{id}: {ev:?}");
+    assert_eq!(ev.reason, Some(RejectReason::InvalidMessage), "{id}");
+    assert_eq!(ev.detail.as_deref(), Some(detail), "{id}: {ev:?}");
+    assert_eq!(env.writes(&format!("north-shop:{id}")).await, 0, "{id}");
+    assert!(env.operation("north-shop", id).await.is_none(), "{id}");
+    ev
+}
+
 /// `1e-400` used to be stored and dispatched as `0`; an integer past `u64` was rounded. Both
 /// are refused like `1e400`, and nothing reaches the downstream.
 #[tokio::test]
@@ -97,13 +115,7 @@ async fn a_number_that_would_change_is_refused_and_never_sent() {
             r#"{{"tenant":"north-shop","action_id":"{id}","tool":"refund","arguments":{{"order":"o","amount_cents":{n}}}}}"#
         );
         agent.send_encoded("north-shop", id, &body).await;
-        let ev = agent.next("north-shop", T).await;
-        assert_eq!(ev.action_id, id);
-        assert_eq!(ev.status, Status::Rejected, "{n}: {ev:?}");
-        assert_eq!(ev.reason, Some(RejectReason::InvalidMessage), "{n}");
-        assert_eq!(ev.detail.as_deref(), Some("not_json"), "{n}: {ev:?}");
-        assert_eq!(env.writes(&format!("north-shop:{id}")).await, 0, "{n}");
-        assert!(env.operation("north-shop", id).await.is_none(), "{n}");
+        refused_unsent(&env, &mut agent, id, "not_json").await;
     }
     let dead = agent.drain_dead_letters(&env).await;
     assert_eq!(dead.len(), 3, "each refused body is dead-lettered");
@@ -126,13 +138,8 @@ async fn a_nul_in_the_arguments_is_refused_before_dispatch() {
             json!({"order": "o", "amount_cents": 1, "note": "x\u{0}y"}),
         )
         .await;
-    let ev = agent.next("north-shop", T).await;
-    assert_eq!(ev.status, Status::Rejected, "{ev:?}");
-    assert_eq!(ev.reason, Some(RejectReason::InvalidMessage));
-    assert_eq!(ev.detail.as_deref(), Some("nul_character"), "{ev:?}");
+    let ev = refused_unsent(&env, &mut agent, "nul-1", "nul_character").await;
     assert!(ev.message.contains("U+0000"), "{ev:?}");
-    assert_eq!(env.writes("north-shop:nul-1").await, 0);
-    assert!(env.operation("north-shop", "nul-1").await.is_none());
     // The same request without the NUL goes through.
     agent
         .request(
