@@ -1,6 +1,8 @@
 //! Service URLs as settings: shown without their password, and refused at start-up when they
 //! can never work (another scheme, a port out of range), rather than retried as if the service
-//! were only down.
+//! were only down. Two list forms: a broker setting may name several nodes, as comma-separated
+//! URLs ([`split_list`]); a Postgres URL may name several hosts in libpq's multi-host form
+//! `postgres://u@h1:5432,h2:5433/db` ([`split_hosts`]).
 
 /// The URL with its password replaced by `***`, for logs and error messages.
 pub fn redact(url: &str) -> String {
@@ -47,9 +49,148 @@ pub fn check(url: &str, schemes: &[&str]) -> Result<(), String> {
     Ok(())
 }
 
+/// The URLs of a comma-separated list (`amqp://h1/%2f,amqp://h2/%2f`), trimmed, empty items
+/// left out. A single URL is a list of one.
+pub fn split_list(value: &str) -> Vec<String> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// [`check`] for every URL of a comma-separated list; says which one is wrong.
+pub fn check_list(value: &str, schemes: &[&str]) -> Result<(), String> {
+    let urls = split_list(value);
+    if urls.is_empty() {
+        return Err(format!("is empty; expected {}://…", schemes[0]));
+    }
+    for (i, url) in urls.iter().enumerate() {
+        check(url, schemes).map_err(|why| {
+            if urls.len() == 1 {
+                why
+            } else {
+                format!("item {} ({}) {why}", i + 1, redact(url))
+            }
+        })?;
+    }
+    Ok(())
+}
+
+/// [`redact`] for every URL of a comma-separated list.
+pub fn redact_list(value: &str) -> String {
+    split_list(value)
+        .iter()
+        .map(|u| redact(u))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// One single-host URL per host of a libpq multi-host URL, in the URL's order, each with the
+/// same user, password, database and parameters (`postgres://u@h1:5432,h2:5433/db?x=1` gives
+/// `postgres://u@h1:5432/db?x=1` and `postgres://u@h2:5433/db?x=1`). A single-host URL gives
+/// itself; a URL without `://` is returned as is, for the parser to refuse.
+pub fn split_hosts(url: &str) -> Vec<String> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return vec![url.to_owned()];
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((u, h)) => (Some(u), h),
+        None => (None, authority),
+    };
+    hosts
+        .split(',')
+        .map(|host| match userinfo {
+            Some(u) => format!("{scheme}://{u}@{host}{tail}"),
+            None => format!("{scheme}://{host}{tail}"),
+        })
+        .collect()
+}
+
+/// `host:port` of a URL (the first host of a list), for logs and health reports: no user, no
+/// password, no path.
+pub fn host_port(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let hosts = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    hosts.split(',').next().unwrap_or("").to_owned()
+}
+
+/// The value of query parameter `key` in `url`, if given (not percent-decoded: the values this
+/// is used for are plain words).
+pub fn query_param<'a>(url: &'a str, key: &str) -> Option<&'a str> {
+    let query = url.split_once('?')?.1;
+    let query = query.split('#').next().unwrap_or(query);
+    query.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (k == key).then_some(v)
+    })
+}
+
+/// `url` without query parameter `key` (a parameter a client library would not understand).
+pub fn without_param(url: &str, key: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| pair.split_once('=').map_or(*pair, |(k, _)| k) != key)
+        .collect();
+    if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{check, redact};
+    use super::*;
+
+    #[test]
+    fn lists_of_urls_and_of_hosts() {
+        assert_eq!(
+            split_list(" amqp://a:1/%2f, amqp://b:2/%2f ,"),
+            vec!["amqp://a:1/%2f", "amqp://b:2/%2f"]
+        );
+        assert!(check_list("amqp://a/%2f,amqp://b:0/%2f", &["amqp"])
+            .unwrap_err()
+            .contains("item 2"));
+        assert!(check_list(" , ", &["amqp"]).is_err());
+        assert_eq!(
+            redact_list("amqp://u:p@a/%2f,amqp://u:q@b/%2f"),
+            "amqp://u:***@a/%2f,amqp://u:***@b/%2f"
+        );
+        assert_eq!(
+            split_hosts("postgres://u:p@h1:5432,h2:5433/db?sslmode=require"),
+            vec![
+                "postgres://u:p@h1:5432/db?sslmode=require",
+                "postgres://u:p@h2:5433/db?sslmode=require"
+            ]
+        );
+        assert_eq!(split_hosts("postgres://h/db"), vec!["postgres://h/db"]);
+        assert_eq!(
+            split_hosts("postgres://[::1]:1,[::2]:2"),
+            vec!["postgres://[::1]:1", "postgres://[::2]:2"]
+        );
+        assert_eq!(host_port("postgres://u:p@h1:5432,h2:5433/db"), "h1:5432");
+        let url = "postgres://h/db?a=1&target_session_attrs=read-write&b=2";
+        assert_eq!(query_param(url, "target_session_attrs"), Some("read-write"));
+        assert_eq!(
+            without_param(url, "target_session_attrs"),
+            "postgres://h/db?a=1&b=2"
+        );
+        assert_eq!(
+            without_param(
+                "postgres://h/db?target_session_attrs=any",
+                "target_session_attrs"
+            ),
+            "postgres://h/db"
+        );
+    }
 
     #[test]
     fn the_password_is_hidden() {

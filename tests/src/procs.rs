@@ -45,13 +45,15 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Captured output lines of a child.
+/// Captured output lines of a child, and how many of its streams are still open.
 #[derive(Clone, Default)]
-pub struct Output(Arc<Mutex<Vec<String>>>);
+pub struct Output(Arc<Mutex<Vec<String>>>, Arc<std::sync::atomic::AtomicUsize>);
 
 impl Output {
     pub(crate) fn capture(&self, stream: impl std::io::Read + Send + 'static, label: String) {
         let lines = self.0.clone();
+        let open = self.1.clone();
+        open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         std::thread::spawn(move || {
             for line in BufReader::new(stream).lines().map_while(Result::ok) {
                 if std::env::var("E2E_LOG").is_ok() {
@@ -59,7 +61,19 @@ impl Output {
                 }
                 lines.lock().unwrap().push(line);
             }
+            open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         });
+    }
+
+    /// Waits (up to 5 s) until every captured stream has ended: after the child exits, its
+    /// last lines may still be on their way through the pipe.
+    pub fn wait_closed(&self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while self.1.load(std::sync::atomic::Ordering::SeqCst) > 0
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
     }
 
     pub fn contains(&self, needle: &str) -> bool {
@@ -180,6 +194,9 @@ impl Worker {
             .env("WORKER_DEAD_LETTER_EXCHANGE", &t.dead_letter_exchange)
             .env("WORKER_DEAD_LETTER_QUEUE", &t.dead_letter_queue)
             .env("WORKER_SHUTDOWN_GRACE_SECS", "5")
+            // Four connections, not the default ten: tests run several at a time against one
+            // shared Postgres (100 connections), and a worker opens its whole pool at start.
+            .env("WORKER_DB_POOL_SIZE", "4")
             .env(
                 "WORKER_ADMIN_ADDR",
                 admin_port.map_or("off".to_string(), |p| format!("127.0.0.1:{p}")),
@@ -240,8 +257,11 @@ impl Worker {
     }
 
     /// How the process ended, or `None` while it runs.
+    /// The exit status once the process has ended, with its output read to the end.
     pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().ok().flatten()
+        let status = self.child.try_wait().ok().flatten()?;
+        self.output.wait_closed();
+        Some(status)
     }
 
     /// SIGKILL: no cleanup, no goodbye, like a crash.
@@ -264,7 +284,7 @@ impl Worker {
         signal(self.pid(), "TERM");
         let deadline = std::time::Instant::now() + timeout;
         loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
+            if let Some(status) = self.exit_status() {
                 return status.code();
             }
             if std::time::Instant::now() > deadline {
@@ -281,7 +301,7 @@ impl Worker {
         signal(self.pid(), "TERM");
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
+            if let Some(status) = self.exit_status() {
                 return status.code();
             }
             if tokio::time::Instant::now() > deadline {

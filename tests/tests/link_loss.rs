@@ -613,3 +613,63 @@ async fn an_answer_that_arrives_during_a_ledger_outage_is_recorded_after_it() {
     drop(w);
     cleanup(env).await;
 }
+
+/// A receipt in hand is never dropped: a `none` tool's answer arrives, then the ledger link is
+/// down for more than twice the lease. The worker keeps the receipt past its lease and records
+/// it through the receipt path once the ledger is back, whoever has moved the row meanwhile.
+/// Before receipts were kept, recording gave up after one lease ("cannot record outcome") and
+/// the action ended `held` although the downstream had answered.
+#[tokio::test]
+async fn a_receipt_in_hand_outlives_a_ledger_outage_of_twice_the_lease() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let pg = FaultProxy::start(&host_port(&env.db_url)).await;
+    let mut opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
+        .database_url(&via(&env.db_url, pg.addr()));
+    opts.lease_secs = 5;
+    opts.recovery_interval_ms = 200;
+    let w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    let id = "kept-receipt-{1}";
+    let key = format!("north-shop:{id}");
+    ds.fault(json!({"kind": "slow_after_commit", "delay_ms": 1500, "key": key}))
+        .await;
+    agent
+        .request("north-shop", id, "deploy", json!({"order": id}))
+        .await;
+    wait_for("the write to reach the downstream", T, || async {
+        (env.writes(&key).await == 1).then_some(())
+    })
+    .await;
+    // The downstream has committed and answers in ~1.5 s: the answer lands in the outage,
+    // which lasts 12 s against a 5 s lease.
+    pg.cut();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    pg.restore();
+    let events = agent
+        .until("north-shop", id, protocol::Status::Succeeded, T)
+        .await;
+    let (last, before) = events.split_last().expect("one event at least");
+    assert!(
+        before.iter().all(|e| e.status == protocol::Status::Pending),
+        "only pending may come before the answer: {events:?}"
+    );
+    let receipt = env
+        .downstream_receipt(&key)
+        .await
+        .expect("the downstream stored its receipt");
+    assert_eq!(
+        last.receipt.as_ref(),
+        Some(&receipt),
+        "the downstream's own receipt"
+    );
+    assert_eq!(env.state("north-shop", id).await, "succeeded");
+    assert_eq!(env.mutations(&key).await, 1);
+    assert_eq!(env.writes(&key).await, 1, "never sent twice");
+    assert!(
+        w.output.contains("keeping it and trying on"),
+        "the worker said it kept the receipt past the lease"
+    );
+    drop(w);
+    cleanup(env).await;
+}

@@ -55,15 +55,28 @@ async fn count(env: &Env, sql: &'static str) -> i64 {
 async fn sigterm_under_load_exits_0_within_the_budget_and_loses_nothing() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    // Every 4th write commits and then answers only after 1.8 s (below the tool's 2 s timeout,
-    // above the 1 s grace), so at SIGTERM some work is always cut off by the grace period.
+    // Every 4th write commits and then answers only after 1.3 s (below the tool's 2 s timeout
+    // with room for a loaded machine: a write timed out is `unknown` and waits for recovery's
+    // backoff; above the 1 s grace), so at SIGTERM some work is always cut off by the grace
+    // period.
     // (A downstream request takes the first matching fault only, so this is the only one.)
     ds.fault(
-        json!({"kind": "slow_after_commit", "delay_ms": 1800, "times": 1_000_000, "every": 4}),
+        json!({"kind": "slow_after_commit", "delay_ms": 1300, "times": 1_000_000, "every": 4}),
     )
     .await;
-    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
-        .env("WORKER_SHUTDOWN_GRACE_SECS", &GRACE_SECS.to_string());
+    // A 5 s tool timeout and an 8 s lease: on a loaded machine a slow write must not time out
+    // into `unknown`, whose recovery backoff (not shutdown) would then set the test's length.
+    let tools = env.standard_tools(ds.port, "");
+    let text = std::fs::read_to_string(&tools).unwrap();
+    std::fs::write(
+        &tools,
+        text.replace("timeout_ms = 2000", "timeout_ms = 5000"),
+    )
+    .unwrap();
+    let mut opts =
+        WorkerOptions::new(tools).env("WORKER_SHUTDOWN_GRACE_SECS", &GRACE_SECS.to_string());
+    opts.lease_secs = 8;
+    opts.prefetch = 256;
     let mut agent = Agent::new_after(&env, &[TENANT], &opts).await;
     publish_range(&env, 0, QUEUED, 8).await;
 
@@ -133,6 +146,7 @@ async fn sigterm_under_load_exits_0_within_the_budget_and_loses_nothing() {
     // A second worker finishes everything: what w1 left queued, unacked or cut off.
     let total = (QUEUED + DURING) as i64;
     let _w2 = Worker::start(&env, "w2", &opts).await;
+    let t2 = Instant::now();
     e2e::wait_for(
         "every operation succeeded",
         Duration::from_secs(180),
@@ -147,6 +161,7 @@ async fn sigterm_under_load_exits_0_within_the_budget_and_loses_nothing() {
         },
     )
     .await;
+    eprintln!("w2: every operation succeeded after {:?}", t2.elapsed());
     assert_eq!(count(&env, "SELECT count(*) FROM operations").await, total);
 
     // One business change per distinct action: nothing lost, nothing written twice.
@@ -173,6 +188,7 @@ async fn sigterm_under_load_exits_0_within_the_budget_and_loses_nothing() {
             }
         }
     }
+    eprintln!("agent: every succeeded event after {:?}", t2.elapsed());
     assert_eq!(
         succeeded.len(),
         total as usize,

@@ -26,6 +26,8 @@ pub struct Context {
     pub worker_id: String,
     /// How long a claim owns a dispatch.
     pub lease: Duration,
+    /// Receipts the downstream returned that the ledger has not taken yet.
+    pub receipts: crate::dispatch::kept::KeptReceipts,
     /// Bounds dispatches and recovery rounds running at once in this process.
     pub in_flight: Arc<Semaphore>,
     /// The tasks [`Context::spawn_bounded`] started.
@@ -53,6 +55,7 @@ impl Context {
         tools: ToolSet,
         worker_id: String,
         lease: Duration,
+        receipt_keep: Duration,
         max_in_flight: usize,
     ) -> Arc<Context> {
         let windows = ReplayWindows::new(tools.replay_windows());
@@ -73,6 +76,7 @@ impl Context {
             windows,
             worker_id,
             lease,
+            receipts: crate::dispatch::kept::KeptReceipts::new(receipt_keep),
             in_flight: Arc::new(Semaphore::new(max_in_flight)),
             in_flight_tasks: TaskTracker::new(),
             relay_wake,

@@ -30,6 +30,7 @@ use crate::adapter::ToolSet;
 use crate::amqp::{consume::ConsumerConfig, LinkState};
 use crate::config::{Settings, Tools};
 use crate::context::Context;
+use crate::dispatch::kept::Dropped;
 use crate::ledger::{startup, Ledger};
 use crate::recovery::scheduler;
 use crate::telemetry::metrics as m;
@@ -114,6 +115,7 @@ impl Application {
             tools,
             settings.worker_id.clone(),
             settings.lease,
+            settings.receipt_keep,
             settings.max_in_flight,
         );
         Ok(Application {
@@ -274,9 +276,19 @@ impl Application {
         running.stop.cancel();
         match tokio::time::timeout_at(deadline, self.ctx.drain()).await {
             Ok(()) => tracing::info!("in-flight work finished"),
-            Err(_) => tracing::warn!(
-                "in-flight work still running after the grace period; its leases will expire into unknown and be recovered"
-            ),
+            Err(_) => {
+                tracing::warn!(
+                    "in-flight work still running after the grace period; its leases will expire into unknown and be recovered"
+                );
+                // Each is logged with its key and receipt id: the proof an operator needs.
+                let dropped = self.ctx.receipts.drop_all(Dropped::Shutdown);
+                if dropped > 0 {
+                    tracing::error!(
+                        dropped,
+                        "stopping with receipts the ledger never took (logged above)"
+                    );
+                }
+            }
         }
         for (name, mut task) in [
             ("recovery scheduler", running.scheduler),

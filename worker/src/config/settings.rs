@@ -66,6 +66,9 @@ pub struct Settings {
     pub topology: Topology,
     /// How long a claim owns a dispatch before recovery treats it as crashed.
     pub lease: Duration,
+    /// How long a receipt the downstream returned is kept in memory while the ledger cannot
+    /// record it (past the lease, through the receipt path).
+    pub receipt_keep: Duration,
     /// How often the recovery scheduler looks for due work.
     pub recovery_interval: Duration,
     /// Dispatches running at once in this process.
@@ -169,6 +172,11 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_LEASE_SECS", value_name = "WORKER_LEASE_SECS", default_value_t = 30,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub lease_secs: u64,
+    /// Seconds a receipt the downstream returned is kept, and its recording retried, while the
+    /// ledger cannot take it (an outage, a failover); at least the lease.
+    #[arg(long, env = "WORKER_RECEIPT_KEEP_SECS", value_name = "WORKER_RECEIPT_KEEP_SECS",
+          default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub receipt_keep_secs: u64,
     /// Recovery scheduler tick in milliseconds (at least 10).
     #[arg(long, env = "WORKER_RECOVERY_INTERVAL_MS", value_name = "WORKER_RECOVERY_INTERVAL_MS",
           default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
@@ -473,6 +481,13 @@ impl Settings {
             a.max_inflight_bytes,
             &mut warnings,
         )?;
+        if a.receipt_keep_secs < a.lease_secs {
+            return Err(ConfigError::Invalid {
+                name: "WORKER_RECEIPT_KEEP_SECS",
+                value: a.receipt_keep_secs.to_string(),
+                reason: format!("must be at least WORKER_LEASE_SECS ({})", a.lease_secs),
+            });
+        }
         let worker_id = a.worker_id.unwrap_or_else(|| {
             let host = std::env::var("HOSTNAME")
                 .ok()
@@ -508,6 +523,7 @@ impl Settings {
                     .unwrap_or_else(|| Topology::default_queue_delivery_limit(a.delivery_limit)),
             },
             lease: Duration::from_secs(a.lease_secs),
+            receipt_keep: Duration::from_secs(a.receipt_keep_secs),
             recovery_interval: Duration::from_millis(a.recovery_interval_ms),
             max_in_flight: a.max_in_flight,
             worker_id,
@@ -588,6 +604,7 @@ mod tests {
             ("--http-max-connections=0", "WORKER_HTTP_MAX_CONNECTIONS"),
             ("--admin-token=short", "WORKER_ADMIN_TOKEN"),
             ("--tenant-tokens=north", "WORKER_TENANT_TOKENS"),
+            ("--receipt-keep-secs=29", "WORKER_RECEIPT_KEEP_SECS"),
         ] {
             let err = from_flags(&["--database-url=postgres://x", flag]).unwrap_err();
             assert!(err.contains(var), "{flag}: {err}");

@@ -9,6 +9,7 @@
 //! (descriptors, buffers, memory: [`Outcome::LocalExhaustion`]) spends nothing: the write goes
 //! back to `retry_wait` with its attempt given back, a recovery round is deferred.
 
+pub mod kept;
 pub mod next_state;
 
 pub use next_state::{after_dispatch, after_recovery, local_exhaustion_delay};
@@ -193,18 +194,50 @@ pub fn account(ctx: &Context, tool: &ToolConfig, kind: WriteKind, outcome: &Outc
 
 /// Records a completion, trying again while the ledger cannot be reached (a cut link, a
 /// failover) for up to one lease, so an answer that arrived during a short outage is kept
-/// rather than turned into a needless unknown. Safe to repeat: every completion is fenced and
-/// conditional, so a late try lands only where it still applies (or as a late receipt).
-async fn record(ctx: &Context, completion: Completion) -> Result<Applied, LedgerError> {
-    let give_up = tokio::time::Instant::now() + ctx.lease;
+/// rather than turned into a needless unknown. A receipt is tried for longer ([`kept`]): the
+/// receipt path may settle the row whoever owns it by then. Safe to repeat: every completion is
+/// fenced and conditional, so a late try lands only where it still applies (or as a late
+/// receipt).
+async fn record(ctx: &Context, key: &str, completion: Completion) -> Result<Applied, LedgerError> {
+    let started = tokio::time::Instant::now();
+    let lease_end = started + ctx.lease;
+    let receipt_id = match &completion.transition {
+        Transition::Succeeded { receipt_id, .. } => Some(receipt_id.clone()),
+        _ => None,
+    };
+    let mut give_up = lease_end;
+    let mut keeping = false;
     let mut attempt = 0;
-    loop {
+    let result = loop {
         match ctx.completions.complete(completion.clone()).await {
-            Err(LedgerError::Db(e)) if unreachable(&e) && tokio::time::Instant::now() < give_up => {
+            Err(LedgerError::Db(e)) if unreachable(&e) => {
+                let now = tokio::time::Instant::now();
+                if now >= lease_end && !keeping {
+                    if let Some(receipt_id) = &receipt_id {
+                        keeping = ctx.receipts.hold(completion.operation_id, key, receipt_id);
+                        if keeping {
+                            give_up = started + ctx.receipts.keep();
+                            tracing::warn!(
+                                idempotency_key = %key, receipt_id = %receipt_id,
+                                keep_secs = ctx.receipts.keep().as_secs(),
+                                "the ledger has not taken this receipt for a whole lease; keeping \
+                                 it and trying on (the receipt path settles the row whoever owns it)"
+                            );
+                        }
+                    }
+                }
+                if now >= give_up {
+                    if keeping {
+                        ctx.receipts
+                            .release(completion.operation_id, Some(kept::Dropped::Age));
+                        keeping = false;
+                    }
+                    break Err(LedgerError::Db(e));
+                }
                 attempt += 1;
                 counter!(m::LEDGER_ERRORS, "operation" => "complete").increment(1);
                 let delay = retry_delay(&record_retry(), attempt)
-                    .min(give_up.saturating_duration_since(tokio::time::Instant::now()));
+                    .min(give_up.saturating_duration_since(now));
                 tracing::warn!(
                     operation_id = completion.operation_id, attempt, error = %e,
                     retry_in_ms = delay.as_millis() as u64,
@@ -212,9 +245,13 @@ async fn record(ctx: &Context, completion: Completion) -> Result<Applied, Ledger
                 );
                 tokio::time::sleep(delay).await;
             }
-            other => return other,
+            other => break other,
         }
+    };
+    if keeping {
+        ctx.receipts.release(completion.operation_id, None);
     }
+    result
 }
 
 /// Errors that say the ledger could not be reached or went away mid-statement (worth another
@@ -251,6 +288,7 @@ pub async fn finish(
     let was_receipt = matches!(transition, Transition::Succeeded { .. });
     let applied = record(
         ctx,
+        &op.idempotency_key(),
         Completion {
             operation_id: op.id,
             fence: op.fence,

@@ -258,6 +258,7 @@ fn context(
         tools,
         format!("ops-cli:{}", settings.worker_id),
         settings.lease,
+        settings.receipt_keep,
         settings.max_in_flight,
     ))
 }

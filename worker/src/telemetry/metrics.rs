@@ -41,6 +41,8 @@ pub const BUDGET_AVAILABLE: &str = "intent_worker_retry_budget_available";
 pub const SWEPT: &str = "intent_worker_retention_swept_total";
 pub const READY: &str = "intent_worker_ready";
 pub const LOCAL_RESOURCE_ERRORS: &str = "intent_worker_local_resource_errors_total";
+pub const RECEIPTS_KEPT: &str = "intent_worker_receipts_kept";
+pub const RECEIPTS_DROPPED: &str = "intent_worker_receipts_dropped_total";
 
 /// Label values the worker emits, so every series an alert reads exists at 0 from start-up.
 /// A counter born at 1 has no `increase()` over its first sample: the first late-receipt
@@ -156,6 +158,14 @@ fn describe() {
         LOCAL_RESOURCE_ERRORS,
         "Downstream requests that could not leave because this worker ran out of a local resource (open files, socket buffers, memory, local ports), by tool and kind (write, lookup); never counted as the downstream's failure."
     );
+    describe_gauge!(
+        RECEIPTS_KEPT,
+        "Receipts the downstream returned that this worker holds in memory while the ledger cannot record them yet."
+    );
+    describe_counter!(
+        RECEIPTS_DROPPED,
+        "Receipts the downstream returned that were never recorded, by reason (age: WORKER_RECEIPT_KEEP_SECS passed, budget: too many kept, shutdown); each is logged with its key and receipt id."
+    );
     describe_counter!(
         SWEPT,
         "Rows touched by the retention sweeper, by kind (private_data, tombstone, outbox, redelivery, retry_spend)."
@@ -195,6 +205,10 @@ pub fn install(tools: &[String]) -> Result<PrometheusHandle, String> {
         counter!(DEAD_LETTER_REFUSED, "reason" => reason.as_str()).absolute(0);
     }
     counter!(STALE_WRITES).absolute(0);
+    gauge!(RECEIPTS_KEPT).set(0.0);
+    for reason in ["age", "budget", "shutdown"] {
+        counter!(RECEIPTS_DROPPED, "reason" => reason).absolute(0);
+    }
     counter!(RESULTS_UNROUTABLE).absolute(0);
     for tool in tools {
         counter!(BUDGET_DEFERRALS, "tool" => tool.clone()).absolute(0);

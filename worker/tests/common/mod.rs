@@ -109,6 +109,7 @@ pub fn context(db: &TestDb) -> Arc<Context> {
         tool_set(),
         WORKER_ID.to_string(),
         Duration::from_secs(30),
+        Duration::from_secs(600),
         16,
     )
 }
