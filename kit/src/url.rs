@@ -60,6 +60,28 @@ pub fn split_list(value: &str) -> Vec<String> {
         .collect()
 }
 
+/// The URLs of a comma-separated list in a fresh random order, so that clients started together
+/// spread over a cluster's nodes and none insists on a dead first node. Each (re)connect takes a
+/// new order.
+pub fn shuffled(value: &str) -> Vec<String> {
+    use std::hash::{BuildHasher, Hasher};
+    let mut urls = split_list(value);
+    // A seed from the standard library's per-process random keys and a counter: no random
+    // number crate for a handful of URLs.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    let mut state = h.finish() | 1;
+    for i in (1..urls.len()).rev() {
+        // xorshift64
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        urls.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    urls
+}
+
 /// [`check`] for every URL of a comma-separated list; says which one is wrong.
 pub fn check_list(value: &str, schemes: &[&str]) -> Result<(), String> {
     let urls = split_list(value);
@@ -160,6 +182,15 @@ mod tests {
             .unwrap_err()
             .contains("item 2"));
         assert!(check_list(" , ", &["amqp"]).is_err());
+        let list = "amqp://a/%2f,amqp://b/%2f,amqp://c/%2f";
+        let mut firsts = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            let mut s = shuffled(list);
+            firsts.insert(s[0].clone());
+            s.sort();
+            assert_eq!(s, split_list(list), "the same URLs, reordered");
+        }
+        assert_eq!(firsts.len(), 3, "every node comes first sometimes");
         assert_eq!(
             redact_list("amqp://u:p@a/%2f,amqp://u:q@b/%2f"),
             "amqp://u:***@a/%2f,amqp://u:***@b/%2f"

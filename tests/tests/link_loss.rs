@@ -673,3 +673,75 @@ async fn a_receipt_in_hand_outlives_a_ledger_outage_of_twice_the_lease() {
     drop(w);
     cleanup(env).await;
 }
+
+/// `AMQP_URL` with one URL per node: a worker started with a list whose first node is dead
+/// connects to another, `/readyz` names the node each link uses, and when that node goes away
+/// both links move to one that is left, and intents keep being answered. Two proxies in front
+/// of the test broker stand for two nodes. Before node lists, the worker took the whole value as
+/// one URL and never became ready.
+#[tokio::test]
+async fn a_node_list_survives_the_loss_of_the_node_in_use() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let a = FaultProxy::start(&broker_addr(&env)).await;
+    let b = FaultProxy::start(&broker_addr(&env)).await;
+    let dead = format!(
+        "amqp://guest:guest@127.0.0.1:{}/%2f",
+        e2e::procs::free_port()
+    );
+    let list = format!(
+        "{dead},{},{}",
+        via(&env.amqp_url, a.addr()),
+        via(&env.amqp_url, b.addr())
+    );
+    let opts = base_opts(roomy_tools(&env, ds.port))
+        .amqp_url(&list)
+        .with_metrics();
+    let w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    let nodes = || async {
+        let (status, body) = w.get("/readyz").await;
+        let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        let node = |link: &str| v["broker_nodes"][link].as_str().map(str::to_owned);
+        (status == 200).then(|| (node("consumer"), node("relay")))
+    };
+    let (consumer, relay) = wait_for("ready on a live node", T, nodes).await;
+    let live = [a.addr().to_string(), b.addr().to_string()];
+    for node in [&consumer, &relay] {
+        assert!(
+            node.as_ref().is_some_and(|n| live.contains(n)),
+            "a live node is named: {node:?} of {live:?}"
+        );
+    }
+    assert!(!body_has_password(&w).await, "credentials redacted");
+    agent
+        .request("north-shop", "node-1", "ticket", json!({"n": 1}))
+        .await;
+    agent.succeeded("north-shop", "node-1").await;
+
+    // The node the consumer uses goes away: the consumer moves to the live node that is left.
+    let (gone, left) = if consumer.as_deref() == Some(&live[0]) {
+        (&a, &live[1])
+    } else {
+        (&b, &live[0])
+    };
+    gone.cut();
+    wait_for("the consumer on the node that is left", T, || async {
+        let (c, _) = nodes().await?;
+        (c.as_deref() == Some(left.as_str())).then_some(())
+    })
+    .await;
+    agent
+        .request("north-shop", "node-2", "ticket", json!({"n": 2}))
+        .await;
+    agent.succeeded("north-shop", "node-2").await;
+    assert_eq!(env.mutations("north-shop:node-2").await, 1);
+    gone.restore();
+    drop(w);
+    cleanup(env).await;
+}
+
+/// Whether `/readyz` shows a password (the test URLs use guest:guest).
+async fn body_has_password(w: &Worker) -> bool {
+    w.get("/readyz").await.1.contains("guest:guest")
+}

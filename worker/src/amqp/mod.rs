@@ -152,6 +152,8 @@ pub fn reconnect_delay(attempt: u32) -> Duration {
 pub struct LinkState {
     consumer: Arc<AtomicBool>,
     relay: Arc<AtomicBool>,
+    /// The node each link is connected to (`host:port`), for `/readyz` and logs.
+    nodes: Arc<std::sync::Mutex<[Option<String>; 2]>>,
 }
 
 /// One of the worker's broker links.
@@ -168,6 +170,17 @@ impl LinkState {
             Link::Relay => &self.relay,
         };
         flag.store(up, Ordering::SeqCst);
+    }
+
+    /// Records the node `link` is connected to (None once it is down).
+    pub fn set_node(&self, link: Link, node: Option<String>) {
+        let mut nodes = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        nodes[link as usize] = node;
+    }
+
+    /// The node each link (consumer, relay) is connected to now.
+    pub fn nodes(&self) -> [Option<String>; 2] {
+        self.nodes.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The links that are down now (empty when all are up).

@@ -87,7 +87,8 @@ pub async fn supervise<S: Session>(
     let mut ever_up = false;
     loop {
         let fatal = S::REFUSAL_IS_FATAL && !ever_up;
-        let Some(connection) = connect_until_stopped(&broker, &name, S::LINK, fatal, &stop).await?
+        let Some((connection, node)) =
+            connect_until_stopped(&broker, &name, S::LINK, fatal, &stop).await?
         else {
             return Ok(());
         };
@@ -95,6 +96,7 @@ pub async fn supervise<S: Session>(
         let result = match session.set_up(&connection).await {
             Ok(ready) => {
                 links.set(S::LINK, true);
+                links.set_node(S::LINK, Some(node));
                 attempt = 0;
                 session.run(ready, &connection, stop.clone()).await
             }
@@ -105,6 +107,7 @@ pub async fn supervise<S: Session>(
             Err(SetUpError::Lost(e)) => Err(e),
         };
         links.set(S::LINK, false);
+        links.set_node(S::LINK, None);
         close_quietly(&connection).await;
         let e = match (result, S::LOST_WHILE_STOPPING) {
             (Ok(()), _) => return Ok(()),
@@ -157,20 +160,38 @@ async fn connect_until_stopped(
     link: Link,
     refusal_is_fatal: bool,
     stop: &CancellationToken,
-) -> Result<Option<Connection>, AmqpError> {
+) -> Result<Option<(Connection, String)>, AmqpError> {
     let mut attempt = 0;
     loop {
-        let connected = tokio::select! {
-            biased;
-            _ = stop.cancelled() => return Ok(None),
-            c = amqp::connect_with_heartbeat(&broker.url, name, broker.heartbeat_secs, &broker.trust) => c,
-        };
-        let e = match connected {
-            Ok(c) => return Ok(Some(c)),
-            Err(e @ (AmqpError::Refused { .. } | AmqpError::Tls { .. })) if refusal_is_fatal => {
-                return Err(e)
+        // Every node of the list once, in a fresh order; the first that accepts is kept.
+        let mut last = None;
+        for url in kit::url::shuffled(&broker.url) {
+            let connected = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return Ok(None),
+                c = amqp::connect_with_heartbeat(&url, name, broker.heartbeat_secs, &broker.trust) => c,
+            };
+            match connected {
+                Ok(c) => {
+                    let node = kit::url::host_port(&url);
+                    tracing::info!(?link, node = %node, "connected to RabbitMQ");
+                    return Ok(Some((c, node)));
+                }
+                // A cluster's nodes share their users and certificates: a refusal by one is
+                // the answer of all.
+                Err(e @ (AmqpError::Refused { .. } | AmqpError::Tls { .. }))
+                    if refusal_is_fatal =>
+                {
+                    return Err(e)
+                }
+                Err(e) => {
+                    tracing::warn!(?link, node = %kit::url::host_port(&url), error = %e, "RabbitMQ node not reachable; trying the next");
+                    last = Some(e);
+                }
             }
-            Err(e) => e,
+        }
+        let Some(e) = last else {
+            return Ok(None);
         };
         attempt += 1;
         match e {

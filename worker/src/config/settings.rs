@@ -117,7 +117,9 @@ pub struct EnvArgs {
         hide_env_values = true
     )]
     pub database_url: String,
-    /// RabbitMQ URL (`amqp://` or `amqps://`; `?heartbeat=` overrides WORKER_AMQP_HEARTBEAT_SECS).
+    /// RabbitMQ URL (`amqp://` or `amqps://`; `?heartbeat=` overrides WORKER_AMQP_HEARTBEAT_SECS),
+    /// or one per node of a cluster, comma-separated: each (re)connect tries them in a fresh
+    /// random order and keeps the first that accepts.
     #[arg(
         long,
         env = "AMQP_URL",
@@ -457,7 +459,13 @@ impl Settings {
     pub fn from_args(a: EnvArgs) -> Result<Settings, ConfigError> {
         let admin_token = super::auth::admin_token(a.admin_token)?;
         check_url("DATABASE_URL", &a.database_url, &["postgres", "postgresql"])?;
-        check_url("AMQP_URL", &a.amqp_url, &["amqp", "amqps"])?;
+        kit::url::check_list(&a.amqp_url, &["amqp", "amqps"]).map_err(|reason| {
+            ConfigError::Invalid {
+                name: "AMQP_URL",
+                value: kit::url::redact_list(&a.amqp_url),
+                reason,
+            }
+        })?;
         let mut warnings = Vec::new();
         let intents_exchange = aliased(
             "INTENTS_EXCHANGE",

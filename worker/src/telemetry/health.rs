@@ -4,6 +4,8 @@
 //! - `GET /livez`: 200 while the process serves HTTP at all.
 //! - `GET /readyz`: 200 only while both broker links (consumer, relay) are up and the ledger
 //!   answers `SELECT 1` within [`LEDGER_TIMEOUT`]; otherwise 503 with a JSON body naming why.
+//!   Both answers name the broker node each link is connected to (`broker_nodes`, `host:port`,
+//!   null while down).
 //!   Each check also sets the `intent_worker_ready` gauge (1/0), which `/metrics` refreshes on
 //!   every scrape, so a worker that stays unready can be alerted on.
 
@@ -41,12 +43,17 @@ pub async fn readyz(links: &LinkState, ledger: &Ledger) -> (StatusCode, Json<Val
         )),
     }
     metrics::gauge!(super::metrics::READY).set(if reasons.is_empty() { 1.0 } else { 0.0 });
+    let [consumer, relay] = links.nodes();
+    let nodes = json!({ "consumer": consumer, "relay": relay });
     if reasons.is_empty() {
-        (StatusCode::OK, Json(json!({ "status": "ready" })))
+        (
+            StatusCode::OK,
+            Json(json!({ "status": "ready", "broker_nodes": nodes })),
+        )
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "status": "not_ready", "reasons": reasons })),
+            Json(json!({ "status": "not_ready", "reasons": reasons, "broker_nodes": nodes })),
         )
     }
 }
