@@ -172,7 +172,7 @@ pub struct PgCluster {
 }
 
 /// The directory of initdb/pg_ctl (`PG_BIN_DIR`, else the newest /usr/lib/postgresql/*/bin).
-fn pg_bin() -> PathBuf {
+pub fn pg_bin() -> PathBuf {
     if let Some(dir) = std::env::var_os("PG_BIN_DIR").filter(|d| !d.is_empty()) {
         return PathBuf::from(dir);
     }
