@@ -136,17 +136,20 @@ impl RabbitCluster {
 
         let seed = cluster.node_name(0);
         let others: Vec<usize> = (1..NODES).collect();
+        // stop_app and start_app on nodes 2 and 3 together; the joins one at a time.
         join_all(others.iter().map(|&i| cluster.ctl_ok(i, &["stop_app"]))).await;
         for &i in &others {
             cluster.ctl_ok(i, &["join_cluster", &seed]).await;
         }
+        let joined = t0.elapsed();
         join_all(others.iter().map(|&i| cluster.ctl_ok(i, &["start_app"]))).await;
         join_all((0..NODES).map(|i| cluster.await_node(i))).await;
         cluster.start_time = t0.elapsed();
         eprintln!(
-            "rabbit cluster {prefix}: {NODES} nodes booted in {:.1} s, clustered in {:.1} s \
-             (epmd port {epmd_port}, AMQP ports {:?})",
+            "rabbit cluster {prefix}: {NODES} nodes booted in {:.1} s, joined in {:.1} s, \
+             clustered and started in {:.1} s (epmd port {epmd_port}, AMQP ports {:?})",
             booted.as_secs_f64(),
+            joined.as_secs_f64(),
             cluster.start_time.as_secs_f64(),
             cluster
                 .nodes

@@ -313,7 +313,7 @@ async fn process(
             }
             Err(Failure::Broker(e)) => return Err(e),
             Err(Failure::Ledger(e)) => {
-                counter!(m::LEDGER_ERRORS, "operation" => "intake").increment(1);
+                ctx.ledger.failed("intake", &e);
                 failures += 1;
                 let backoff = kit::backoff::delay(&RECORD_RETRY, failures);
                 tracing::error!(error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot record intents; retrying the batch");

@@ -62,7 +62,10 @@ impl FenceBatcher {
                     send.timeout,
                 )
                 .await
-                .map_err(|e| FenceError(e.to_string()));
+                .map_err(|e| {
+                    self.ledger.observe(&e);
+                    FenceError(e.to_string())
+                });
         }
         rx.await
             .unwrap_or_else(|_| Err(FenceError("fence batcher stopped".into())))
@@ -79,6 +82,7 @@ async fn fence_batch(ledger: Ledger, worker_id: String, lease: Duration, batch: 
             }
         }
         Err(e) => {
+            ledger.observe(&e);
             let e = FenceError(e.to_string());
             for reply in replies {
                 let _ = reply.send(Err(e.clone()));

@@ -236,6 +236,7 @@ async fn record(ctx: &Context, key: &str, completion: Completion) -> Result<Appl
                 }
                 attempt += 1;
                 counter!(m::LEDGER_ERRORS, "operation" => "complete").increment(1);
+                ctx.ledger.hosts().observe(&e);
                 let delay = retry_delay(&record_retry(), attempt)
                     .min(give_up.saturating_duration_since(now));
                 tracing::warn!(
@@ -259,10 +260,12 @@ async fn record(ctx: &Context, key: &str, completion: Completion) -> Result<Appl
 fn unreachable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Protocol(_) => true,
-        // Class 08: connection exception; 57P01-03: the server is shutting down or restarting.
+        // Class 08: connection exception; 57P01-03: the server is shutting down or restarting;
+        // 25006: a read-only server (a standby, a demoted primary): the connection is retired
+        // and the next try takes a fresh one (ledger::primary).
         sqlx::Error::Database(db) => db
             .code()
-            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c == "25006"),
         _ => false,
     }
 }
@@ -348,7 +351,7 @@ pub async fn finish(
             None
         }
         Err(e) => {
-            counter!(m::LEDGER_ERRORS, "operation" => "complete").increment(1);
+            ctx.ledger.failed("complete", &e);
             tracing::error!(tenant = %op.tenant, action_id = %op.action_id, error = %e, "cannot record outcome");
             if was_receipt && phase == Phase::Dispatch {
                 // The downstream answered but the receipt could not be saved: the outcome is

@@ -8,6 +8,7 @@
 //!
 //! [`startup`] gets the ledger ready before the worker runs: connect while Postgres starts, probe
 //! for a pooler that would break prepared statements, apply or await the migrations.
+//! [`primary`] keeps the pool on the primary among the URL's hosts through failovers.
 
 mod admit;
 mod claim;
@@ -15,6 +16,7 @@ mod complete;
 mod guard;
 pub mod operator;
 pub mod outbox;
+pub mod primary;
 pub mod queries;
 pub mod retention;
 pub mod startup;
@@ -125,13 +127,15 @@ pub(crate) const OPERATION_COLUMNS: &str = "id, tenant, action_id, tool, fingerp
      first_dispatch_at, replay_deadline, receipt, receipt_id, evidence, last_reported, created_at, \
      updated_at, state_since, swept_at";
 
-/// Handle on the ledger database.
-/// See [`Ledger::connect_with`].
+/// A pooled connection idle for less than this is handed out without a ping
+/// ([`Ledger::connect_hosts`]).
 const PING_IF_IDLE_FOR: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// Handle on the ledger database.
 #[derive(Clone)]
 pub struct Ledger {
     pool: PgPool,
+    hosts: std::sync::Arc<primary::Hosts>,
 }
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
@@ -146,25 +150,49 @@ impl Ledger {
         Ledger::connect_with(url.parse()?, pool_size, acquire_timeout).await
     }
 
-    /// Connects with prepared options (the worker's: `crate::tls::postgres` adds the CA file).
-    /// A pool of at most `pool_size` connections; a task waits up to `acquire_timeout` for a
-    /// free one before its call fails (and is handled like any ledger error).
+    /// Connects with prepared options, one host, connections checked writable.
     pub async fn connect_with(
         options: sqlx::postgres::PgConnectOptions,
         pool_size: u32,
         acquire_timeout: std::time::Duration,
     ) -> Result<Ledger, LedgerError> {
+        let hosts = primary::Hosts::single(options, true);
+        Ledger::connect_hosts(std::sync::Arc::new(hosts), pool_size, acquire_timeout).await
+    }
+
+    /// Connects to the primary among `hosts` (the worker's: `crate::tls::postgres` adds the CA
+    /// file to each). A pool of at most `pool_size` connections; a task waits up to
+    /// `acquire_timeout` for a free one before its call fails (and is handled like any ledger
+    /// error). With several hosts, a task follows the primary for the pool's life.
+    pub async fn connect_hosts(
+        hosts: std::sync::Arc<primary::Hosts>,
+        pool_size: u32,
+        acquire_timeout: std::time::Duration,
+    ) -> Result<Ledger, LedgerError> {
+        if hosts.len() > 1 {
+            let i = hosts.find().await.map_err(|said| {
+                LedgerError::Db(sqlx::Error::Configuration(
+                    format!("no writable host in DATABASE_URL: {said}").into(),
+                ))
+            })?;
+            hosts.select(i);
+        }
         // sqlx pings every connection it hands out by default: one more round trip (and a
         // wake-up of the backend) before each statement. A connection used within the last
         // second has just proven itself; only longer-idle ones are pinged. A connection that
         // broke since its last use fails its statement, which every caller already survives.
-        let port = options.get_port();
+        let ports = hosts.ports();
+        let (on_connect, on_acquire) = (hosts.clone(), hosts.clone());
         let pool = PgPoolOptions::new()
-            .after_connect(move |_conn, _meta| {
+            .after_connect(move |conn, _meta| {
+                let hosts = on_connect.clone();
+                let ports = ports.clone();
                 Box::pin(async move {
                     // sqlx 0.9.0 sets no TCP_NODELAY (see the function).
-                    kit::tls::set_nodelay_on_sockets_to(port);
-                    Ok(())
+                    for port in ports {
+                        kit::tls::set_nodelay_on_sockets_to(port);
+                    }
+                    hosts.check_new(conn).await
                 })
             })
             .max_connections(pool_size)
@@ -174,21 +202,53 @@ impl Ledger {
             .min_connections(pool_size)
             .acquire_timeout(acquire_timeout)
             .test_before_acquire(false)
-            .before_acquire(|conn, meta| {
+            .before_acquire(move |conn, meta| {
+                let retired = on_acquire.is_retired(meta.age);
                 Box::pin(async move {
+                    if retired {
+                        return Ok(false);
+                    }
                     if meta.idle_for < PING_IF_IDLE_FOR {
                         return Ok(true);
                     }
                     sqlx::Connection::ping(conn).await.map(|()| true)
                 })
             })
-            .connect_with(options)
+            .connect_with(hosts.current_options())
             .await?;
-        Ok(Ledger { pool })
+        if hosts.len() > 1 {
+            tokio::spawn(hosts.clone().follow(pool.clone()));
+        }
+        Ok(Ledger { pool, hosts })
     }
 
+    /// Which hosts the ledger may use and which one it uses now.
+    pub fn hosts(&self) -> &primary::Hosts {
+        &self.hosts
+    }
+
+    /// Counts a failed statement (`operation`, for `intent_worker_ledger_errors_total`) and lets
+    /// [`primary::Hosts::observe`] react to a server that turned read-only or went away.
+    pub fn failed(&self, operation: &'static str, e: &LedgerError) {
+        metrics::counter!(crate::telemetry::metrics::LEDGER_ERRORS, "operation" => operation)
+            .increment(1);
+        self.observe(e);
+    }
+
+    /// [`primary::Hosts::observe`] for a ledger error that came from the database.
+    pub fn observe(&self, e: &LedgerError) {
+        if let LedgerError::Db(e) = e {
+            self.hosts.observe(e);
+        }
+    }
+
+    /// A ledger on a pool built elsewhere (tests); its connections are not checked writable.
     pub fn from_pool(pool: PgPool) -> Ledger {
-        Ledger { pool }
+        let hosts = primary::Hosts::single((*pool.connect_options()).clone(), false);
+        Ledger {
+            pool,
+            hosts: std::sync::Arc::new(hosts),
+        }
     }
 
     pub fn pool(&self) -> &PgPool {

@@ -27,11 +27,15 @@ pub async fn connect_retrying(
     pool_size: u32,
     acquire_timeout: Duration,
 ) -> anyhow::Result<Ledger> {
-    let options = crate::tls::postgres(database_url, trust).context("invalid DATABASE_URL")?;
+    let hosts =
+        super::primary::Hosts::from_url(database_url, |url| crate::tls::postgres(url, trust))
+            .context("invalid DATABASE_URL")?;
+    let hosts = std::sync::Arc::new(hosts);
+    let options = hosts.current_options();
     let mut attempt = 0u32;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
-        match Ledger::connect_with(options.clone(), pool_size, acquire_timeout).await {
+        match Ledger::connect_hosts(hosts.clone(), pool_size, acquire_timeout).await {
             Ok(l) => return Ok(l),
             Err(LedgerError::Db(sqlx::Error::Database(db)))
                 if db.code().is_some_and(|c| c.starts_with("28")) =>

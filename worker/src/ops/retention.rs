@@ -100,7 +100,7 @@ pub async fn run(
             }
             Ok(_) => {}
             Err(e) => {
-                counter!(m::LEDGER_ERRORS, "operation" => "retention").increment(1);
+                ledger.failed("retention", &e);
                 tracing::warn!(error = %e, "retention sweep failed; retrying next tick");
             }
         }

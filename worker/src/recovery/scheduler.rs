@@ -77,7 +77,7 @@ pub async fn run(ctx: Arc<Context>, interval: Duration, stop: CancellationToken)
             Ok(n) if n as i64 == LEASE_BATCH => ctx.scheduler_wake.notify_one(),
             Ok(_) => {}
             Err(e) => {
-                counter!(m::LEDGER_ERRORS, "operation" => "schedule").increment(1);
+                ctx.ledger.failed("schedule", &e);
                 tracing::warn!(error = %e, "recovery scheduler pass failed; retrying next tick");
             }
         }
@@ -97,7 +97,7 @@ async fn refresh_budget_gauges(ctx: &Context) {
             .await
         {
             ctx.budget.add(&name, credit);
-            counter!(m::LEDGER_ERRORS, "operation" => "budget").increment(1);
+            ctx.ledger.failed("budget", &e);
             tracing::warn!(tool = %name, error = %e, "cannot record retry budget movements");
         }
     }

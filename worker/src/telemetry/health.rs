@@ -3,9 +3,10 @@
 //!
 //! - `GET /livez`: 200 while the process serves HTTP at all.
 //! - `GET /readyz`: 200 only while both broker links (consumer, relay) are up and the ledger
-//!   answers `SELECT 1` within [`LEDGER_TIMEOUT`]; otherwise 503 with a JSON body naming why.
+//!   answers (and takes writes) within [`LEDGER_TIMEOUT`]; otherwise 503 with a JSON body naming why.
 //!   Both answers name the broker node each link is connected to (`broker_nodes`, `host:port`,
-//!   null while down).
+//!   null while down) and the ledger host in use (`ledger_host`); a read-only ledger host (a
+//!   standby) is not ready.
 //!   Each check also sets the `intent_worker_ready` gauge (1/0), which `/metrics` refreshes on
 //!   every scrape, so a worker that stays unready can be alerted on.
 
@@ -33,27 +34,47 @@ pub async fn readyz(links: &LinkState, ledger: &Ledger) -> (StatusCode, Json<Val
         .into_iter()
         .map(|link| format!("broker {link} link is down (reconnecting)"))
         .collect();
-    let ping = sqlx::query("SELECT 1").execute(ledger.pool());
+    // A standby answers `SELECT 1` too: the question is whether the ledger takes writes.
+    let hosts = ledger.hosts();
+    let ping =
+        sqlx::query_scalar::<_, String>("SHOW transaction_read_only").fetch_one(ledger.pool());
     match tokio::time::timeout(LEDGER_TIMEOUT, ping).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => reasons.push(format!("ledger does not answer: {e}")),
-        Err(_) => reasons.push(format!(
-            "ledger does not answer within {} ms",
-            LEDGER_TIMEOUT.as_millis()
+        Ok(Ok(ro)) if ro == "on" && hosts.read_write() => reasons.push(format!(
+            "ledger host {} is read-only (a standby, or a primary being demoted)",
+            hosts.current_name()
         )),
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            hosts.observe(&e);
+            reasons.push(
+                hosts
+                    .trouble()
+                    .unwrap_or_else(|| format!("ledger does not answer: {e}")),
+            );
+        }
+        Err(_) => reasons.push(hosts.trouble().unwrap_or_else(|| {
+            format!(
+                "ledger does not answer within {} ms",
+                LEDGER_TIMEOUT.as_millis()
+            )
+        })),
     }
     metrics::gauge!(super::metrics::READY).set(if reasons.is_empty() { 1.0 } else { 0.0 });
     let [consumer, relay] = links.nodes();
     let nodes = json!({ "consumer": consumer, "relay": relay });
+    let host = hosts.current_name();
     if reasons.is_empty() {
         (
             StatusCode::OK,
-            Json(json!({ "status": "ready", "broker_nodes": nodes })),
+            Json(json!({ "status": "ready", "broker_nodes": nodes, "ledger_host": host })),
         )
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "status": "not_ready", "reasons": reasons, "broker_nodes": nodes })),
+            Json(json!({
+                "status": "not_ready", "reasons": reasons,
+                "broker_nodes": nodes, "ledger_host": host,
+            })),
         )
     }
 }

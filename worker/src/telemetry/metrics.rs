@@ -43,6 +43,7 @@ pub const READY: &str = "intent_worker_ready";
 pub const LOCAL_RESOURCE_ERRORS: &str = "intent_worker_local_resource_errors_total";
 pub const RECEIPTS_KEPT: &str = "intent_worker_receipts_kept";
 pub const RECEIPTS_DROPPED: &str = "intent_worker_receipts_dropped_total";
+pub const LEDGER_FAILOVERS: &str = "intent_worker_ledger_failovers_total";
 
 /// Label values the worker emits, so every series an alert reads exists at 0 from start-up.
 /// A counter born at 1 has no `increase()` over its first sample: the first late-receipt
@@ -167,6 +168,10 @@ fn describe() {
         "Receipts the downstream returned that were never recorded, by reason (age: WORKER_RECEIPT_KEEP_SECS passed, budget: too many kept, shutdown); each is logged with its key and receipt id."
     );
     describe_counter!(
+        LEDGER_FAILOVERS,
+        "Failovers this worker followed: its ledger host turned read-only, or the primary moved to another host of DATABASE_URL."
+    );
+    describe_counter!(
         SWEPT,
         "Rows touched by the retention sweeper, by kind (private_data, tombstone, outbox, redelivery, retry_spend)."
     );
@@ -206,6 +211,7 @@ pub fn install(tools: &[String]) -> Result<PrometheusHandle, String> {
     }
     counter!(STALE_WRITES).absolute(0);
     gauge!(RECEIPTS_KEPT).set(0.0);
+    counter!(LEDGER_FAILOVERS).absolute(0);
     for reason in ["age", "budget", "shutdown"] {
         counter!(RECEIPTS_DROPPED, "reason" => reason).absolute(0);
     }

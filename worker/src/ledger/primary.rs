@@ -1,0 +1,334 @@
+//! Which Postgres server the ledger writes to: the hosts `DATABASE_URL` names (libpq's
+//! multi-host form `postgres://u@h1:5432,h2:5433/db`), the one that is the primary now, and
+//! leaving a server at once when it turns read-only or goes away (a failover, a switchover, a
+//! stale DNS name that points at a standby).
+//!
+//! - Every new pooled connection is checked (`SHOW transaction_read_only`) unless the URL says
+//!   `target_session_attrs=any`: a connection to a standby is refused before any statement, and
+//!   the pool tries again.
+//! - A statement that fails because the server is read-only (SQLSTATE 25006) or is going away
+//!   (57P01–57P03, class 08) retires every connection opened until then: they are closed when
+//!   next taken from the pool instead of failing one statement each for as long as they live.
+//! - With several hosts, such a failure (or a broken connection) starts a search: the hosts are
+//!   tried in the URL's order and the first writable one becomes where new connections go.
+//!
+//! The statement that failed is retried by its caller (the consumer's batch, the recording of
+//! an outcome); an indeterminate commit is safe to repeat because every state change is a
+//! conditional statement on a unique key (docs/design.md).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use metrics::counter;
+use sqlx::postgres::{PgConnectOptions, PgPool};
+use sqlx::Connection as _;
+use tokio::sync::Notify;
+
+use crate::telemetry::metrics as m;
+
+/// How long one host gets to accept a connection during a search.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+/// Pause between two passes over the hosts while none is writable (a promotion takes a moment).
+const SEARCH_PAUSE: Duration = Duration::from_millis(250);
+
+/// The hosts of `DATABASE_URL` and which one is in use.
+pub struct Hosts {
+    candidates: Vec<PgConnectOptions>,
+    names: Vec<String>,
+    /// Only writable servers are kept (`target_session_attrs` other than `any`).
+    read_write: bool,
+    current: AtomicUsize,
+    /// Connections opened before this are retired (see the module doc).
+    retired_before: Mutex<Instant>,
+    searching: AtomicBool,
+    /// Why the ledger is not usable right now, while a search runs (for `/readyz`).
+    trouble: Mutex<Option<String>>,
+    wake: Notify,
+}
+
+/// Why a `DATABASE_URL` cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum HostsError {
+    #[error("target_session_attrs={0} is not supported: the worker writes; use read-write (the default), primary or any")]
+    SessionAttrs(String),
+    #[error("{0}")]
+    Url(#[from] sqlx::Error),
+}
+
+impl Hosts {
+    /// Parses a single- or multi-host URL; `options` builds one host's connect options (TLS
+    /// trust is applied there).
+    pub fn from_url(
+        url: &str,
+        options: impl Fn(&str) -> Result<PgConnectOptions, sqlx::Error>,
+    ) -> Result<Hosts, HostsError> {
+        const ATTRS: &str = "target_session_attrs";
+        let read_write = match kit::url::query_param(url, ATTRS) {
+            None | Some("read-write") | Some("primary") => true,
+            Some("any") => false,
+            Some(other) => return Err(HostsError::SessionAttrs(other.to_string())),
+        };
+        // sqlx does not know the parameter (it would warn on every connection).
+        let url = kit::url::without_param(url, ATTRS);
+        let mut candidates = Vec::new();
+        let mut names = Vec::new();
+        for one in kit::url::split_hosts(&url) {
+            candidates.push(options(&one)?);
+            names.push(kit::url::host_port(&one));
+        }
+        Ok(Hosts::new(candidates, names, read_write))
+    }
+
+    /// One host, checked as `read_write` says (a pool built elsewhere, tests).
+    pub fn single(options: PgConnectOptions, read_write: bool) -> Hosts {
+        let name = format!("{}:{}", options.get_host(), options.get_port());
+        Hosts::new(vec![options], vec![name], read_write)
+    }
+
+    fn new(candidates: Vec<PgConnectOptions>, names: Vec<String>, read_write: bool) -> Hosts {
+        Hosts {
+            candidates,
+            names,
+            read_write,
+            current: AtomicUsize::new(0),
+            retired_before: Mutex::new(Instant::now() - Duration::from_secs(1)),
+            searching: AtomicBool::new(false),
+            trouble: Mutex::new(None),
+            wake: Notify::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.candidates.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.candidates.is_empty()
+    }
+
+    /// Whether connections must be writable.
+    pub fn read_write(&self) -> bool {
+        self.read_write
+    }
+
+    /// Every host's port (for socket options set by port).
+    pub fn ports(&self) -> Vec<u16> {
+        self.candidates.iter().map(|o| o.get_port()).collect()
+    }
+
+    /// Makes host `i` the one new connections go to.
+    pub fn select(&self, i: usize) {
+        self.current.store(i, Ordering::SeqCst);
+    }
+
+    /// The options new connections use now.
+    pub fn current_options(&self) -> PgConnectOptions {
+        self.candidates[self.current.load(Ordering::SeqCst)].clone()
+    }
+
+    /// `host:port` of the server in use.
+    pub fn current_name(&self) -> String {
+        self.names[self.current.load(Ordering::SeqCst)].clone()
+    }
+
+    /// Why the ledger cannot be used right now, while it looks for the primary.
+    pub fn trouble(&self) -> Option<String> {
+        self.trouble
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Whether a pooled connection of age `age` was opened before the last retirement.
+    pub fn is_retired(&self, age: Duration) -> bool {
+        let before = *self
+            .retired_before
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        Instant::now()
+            .checked_sub(age)
+            .is_some_and(|opened| opened < before)
+    }
+
+    /// Checks a fresh connection: Err when it is read-only and only writable servers will do
+    /// (the pool closes it and tries again; with several hosts a search starts).
+    pub async fn check_new(&self, conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+        if !self.read_write {
+            return Ok(());
+        }
+        if read_only(conn).await? {
+            let why = format!(
+                "ledger host {} is read-only (a standby, or a primary being demoted)",
+                self.current_name()
+            );
+            self.set_trouble(Some(why.clone()));
+            self.wake.notify_one();
+            return Err(sqlx::Error::Protocol(why));
+        }
+        if !self.searching.load(Ordering::SeqCst) {
+            self.set_trouble(None);
+        }
+        Ok(())
+    }
+
+    /// Reacts to a failed statement: retires the pool's connections when the server said it is
+    /// read-only or going away, and starts a search among several hosts when the server may be
+    /// gone. Returns whether the error was of that kind.
+    pub fn observe(&self, e: &sqlx::Error) -> bool {
+        let code = match e {
+            sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+            _ => None,
+        };
+        let server_left = code
+            .as_deref()
+            .is_some_and(|c| c == "25006" || c.starts_with("57P") || c.starts_with("08"));
+        let broken = matches!(
+            e,
+            sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut
+        );
+        if server_left {
+            *self
+                .retired_before
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Instant::now();
+            if code.as_deref() == Some("25006") {
+                counter!(m::LEDGER_FAILOVERS).increment(1);
+                tracing::warn!(
+                    host = %self.current_name(),
+                    "the ledger host turned read-only; its pooled connections are retired"
+                );
+            }
+        }
+        if (server_left || broken) && self.len() > 1 {
+            self.wake.notify_one();
+        }
+        server_left || broken
+    }
+
+    fn set_trouble(&self, why: Option<String>) {
+        *self.trouble.lock().unwrap_or_else(|e| e.into_inner()) = why;
+    }
+
+    /// The first host, in the URL's order, that accepts a connection (and is writable when
+    /// that is asked for); Err names what every host said.
+    pub async fn find(&self) -> Result<usize, String> {
+        let mut said = Vec::new();
+        for (i, options) in self.candidates.iter().enumerate() {
+            let probe = async {
+                let mut conn = sqlx::PgConnection::connect_with(options).await?;
+                let ro = if self.read_write {
+                    read_only(&mut conn).await?
+                } else {
+                    false
+                };
+                let _ = conn.close().await;
+                Ok::<bool, sqlx::Error>(ro)
+            };
+            match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
+                Ok(Ok(false)) => return Ok(i),
+                Ok(Ok(true)) => said.push(format!("{}: read-only", self.names[i])),
+                Ok(Err(e)) => said.push(format!("{}: {e}", self.names[i])),
+                Err(_) => said.push(format!(
+                    "{}: no answer within {} s",
+                    self.names[i],
+                    PROBE_TIMEOUT.as_secs()
+                )),
+            }
+        }
+        Err(said.join("; "))
+    }
+
+    /// Searches for the primary whenever asked ([`Hosts::observe`], [`Hosts::check_new`]) and
+    /// points the pool's new connections at it. Runs for the process's life (several hosts
+    /// only).
+    pub async fn follow(self: Arc<Self>, pool: PgPool) {
+        loop {
+            self.wake.notified().await;
+            if self.searching.swap(true, Ordering::SeqCst) {
+                continue;
+            }
+            let before = self.current.load(Ordering::SeqCst);
+            let started = Instant::now();
+            loop {
+                match self.find().await {
+                    Ok(i) => {
+                        self.current.store(i, Ordering::SeqCst);
+                        pool.set_connect_options(self.candidates[i].clone());
+                        if i != before {
+                            // Connections to the old host are of no use any more.
+                            *self
+                                .retired_before
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner()) = Instant::now();
+                            counter!(m::LEDGER_FAILOVERS).increment(1);
+                            tracing::warn!(
+                                from = %self.names[before], to = %self.names[i],
+                                after_ms = started.elapsed().as_millis() as u64,
+                                "the ledger's primary moved; new connections go to it"
+                            );
+                        }
+                        self.set_trouble(None);
+                        break;
+                    }
+                    Err(said) => {
+                        self.set_trouble(Some(format!(
+                            "looking for a writable ledger host among {}: {said}",
+                            self.len()
+                        )));
+                        tokio::time::sleep(SEARCH_PAUSE).await;
+                    }
+                }
+            }
+            self.searching.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Whether the server this connection is on refuses writes.
+pub async fn read_only(conn: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
+    let value: String = sqlx::query_scalar("SHOW transaction_read_only")
+        .fetch_one(conn)
+        .await?;
+    Ok(value == "on")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(url: &str) -> Result<Hosts, HostsError> {
+        Hosts::from_url(url, |u| u.parse())
+    }
+
+    #[test]
+    fn single_and_multi_host_urls() {
+        let h = parse("postgres://u:p@h1:5432,h2:5433/db?sslmode=disable").unwrap();
+        assert_eq!(h.len(), 2);
+        assert!(h.read_write());
+        assert_eq!(h.current_name(), "h1:5432");
+        assert_eq!(h.ports(), vec![5432, 5433]);
+        let h = parse("postgres://u@h/db?target_session_attrs=any").unwrap();
+        assert_eq!(h.len(), 1);
+        assert!(!h.read_write());
+        assert!(parse("postgres://u@h/db?target_session_attrs=read-write").is_ok());
+        assert!(parse("postgres://u@h/db?target_session_attrs=primary").is_ok());
+        let e = parse("postgres://u@h/db?target_session_attrs=standby")
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("standby"), "{e}");
+    }
+
+    #[test]
+    fn a_server_that_left_retires_older_connections_only() {
+        let h = parse("postgres://u@h1,h2/db").unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(!h.is_retired(Duration::from_millis(1)));
+        let err = sqlx::Error::Protocol("x".into());
+        assert!(h.observe(&err), "a broken connection counts");
+        assert!(
+            !h.is_retired(Duration::from_secs(1)),
+            "a broken one alone retires nothing"
+        );
+    }
+}
