@@ -198,3 +198,81 @@ async fn a_server_that_turns_read_only_is_left_at_once_and_rejoined_when_it_take
     drop(w);
     cleanup(env).await;
 }
+
+/// What asynchronous replication loses, measured: the standby falls behind (the primary's WAL
+/// sender is stopped, as a slow network or a busy standby would leave it), the workers keep acking intents
+/// and writing downstream, the primary dies and the standby is promoted. Every intent acked in
+/// the gap is gone from the new primary's ledger, and the downstream holds writes the ledger has
+/// no record of. With synchronous replication the same gap stalls commits instead (nothing is
+/// acked or sent that the standby does not have): the first test of this file.
+#[tokio::test]
+async fn asynchronous_replication_loses_acked_intents_and_this_measures_how_many() {
+    let pair = PgPair::start(PgPairOptions {
+        sync: false,
+        ..Default::default()
+    })
+    .await;
+    let db = pair.create_database("ledger").await;
+    let url = pair.multi_host_url(&db, "target_session_attrs=read-write");
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let w = Worker::start(&env, "w", &opts(&env, ds.port, &url)).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .request(TENANT, "async-0", "refund", json!({"n": 0}))
+        .await;
+    agent.succeeded(TENANT, "async-0").await;
+
+    // The sender, not the receiver: WAL already sent would wait in the receiver's socket
+    // buffer and arrive after all.
+    let sender = pair.psql(0, "SELECT pid FROM pg_stat_replication").await;
+    let sender = sender.trim().to_string();
+    assert!(!sender.is_empty(), "the standby streams");
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([&format!("-{sig}"), &sender])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig} {sender}");
+    };
+    signal("STOP");
+    let gap = 20;
+    for i in 1..=gap {
+        let id = format!("async-{i}");
+        agent.request(TENANT, &id, "refund", json!({"n": i})).await;
+        agent.succeeded(TENANT, &id).await;
+    }
+    signal("KILL");
+    pair.stop_hard(0).await;
+    pair.promote(1).await;
+
+    let mut vanished = 0;
+    let mut unrecorded_writes = 0;
+    for i in 1..=gap {
+        let id = format!("async-{i}");
+        let rows = pair
+            .psql_db(
+                1,
+                &db,
+                &format!("SELECT count(*) FROM operations WHERE action_id = '{id}'"),
+            )
+            .await;
+        if rows == "0" {
+            vanished += 1;
+            if env.mutations(&format!("{TENANT}:{id}")).await == 1 {
+                unrecorded_writes += 1;
+            }
+        }
+    }
+    eprintln!(
+        "asynchronous replication, standby behind by {gap} acked intents: {vanished} of them \
+         vanished from the ledger, {unrecorded_writes} downstream writes have no record"
+    );
+    assert!(
+        vanished > 0,
+        "a standby that had not received them cannot have them"
+    );
+    drop(w);
+    cleanup(env).await;
+}
