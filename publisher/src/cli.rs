@@ -19,6 +19,9 @@ pub mod exit {
     pub const USAGE: i32 = 2;
     /// No answer at all before the timeout (neither the queue nor the status API).
     pub const NO_ANSWER: i32 = 3;
+    /// Handed to the broker, its confirm never arrived: it may or may not be queued; sending it
+    /// again under the same key is safe.
+    pub const IN_DOUBT: i32 = 4;
     pub const PENDING: i32 = 10;
     pub const FAILED: i32 = 11;
     pub const REJECTED: i32 = 12;
@@ -43,6 +46,15 @@ pub fn exit_code(error: &anyhow::Error) -> i32 {
         Some(WaitError::NoAnswer { .. })
     ) {
         exit::NO_ANSWER
+    } else if error
+        .downcast_ref::<PublishError>()
+        .is_some_and(PublishError::in_doubt)
+        || matches!(
+            error.downcast_ref::<WaitError>(),
+            Some(WaitError::Publish(e)) if e.in_doubt()
+        )
+    {
+        exit::IN_DOUBT
     } else if matches!(
         error.downcast_ref::<WaitError>(),
         Some(
@@ -134,7 +146,8 @@ impl HttpLimitArgs {
 #[derive(Debug, Parser)]
 #[command(name = "publisher", version, about)]
 pub struct Cli {
-    /// AMQP URL of the broker.
+    /// AMQP URL of the broker, or one per node of a cluster, comma-separated (tried in a random
+    /// order on each connect).
     #[arg(
         long,
         global = true,
@@ -461,7 +474,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
     let trust = crate::tls::Trust::load(crate::tls::CA_FILE_VAR, cli.ca_file.as_deref())
         .map_err(|e| UsageError(e.to_string()))?;
     crate::tls::set_trust(trust);
-    usable_url("AMQP_URL", &cli.amqp_url, &["amqp", "amqps"])?;
+    kit::url::check_list(&cli.amqp_url, &["amqp", "amqps"]).map_err(|reason| {
+        UsageError(format!(
+            "AMQP_URL={:?} is invalid: {reason}",
+            kit::url::redact_list(&cli.amqp_url)
+        ))
+    })?;
     match cli.command {
         Command::Send(args) => send(&cli.amqp_url, set_user_id, args).await,
         Command::Wait(args) => wait(args).await,
@@ -817,7 +835,24 @@ async fn follow(amqp_url: &str, args: FollowArgs) -> anyhow::Result<()> {
     }
 }
 
-/// The URL without its password, for error messages.
+/// The URL (or each URL of a list) without its password, for error messages.
 pub fn redact(amqp_url: &str) -> String {
-    kit::url::redact(amqp_url)
+    kit::url::redact_list(amqp_url)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_publish_in_doubt_has_its_own_exit_code() {
+        let lost = || lapin::Error::from(lapin::ErrorKind::ChannelsLimitReached);
+        let doubt = anyhow::Error::new(PublishError::InDoubt(lost())).context("publishing");
+        assert_eq!(exit_code(&doubt), exit::IN_DOUBT);
+        let waited = anyhow::Error::new(WaitError::Publish(PublishError::InDoubt(lost())));
+        assert_eq!(exit_code(&waited), exit::IN_DOUBT);
+        let plain = anyhow::Error::new(PublishError::Amqp(lost()));
+        assert_eq!(exit_code(&plain), exit::ERROR);
+        assert_eq!(exit_code(&anyhow::Error::new(PublishError::Nacked)), exit::ERROR);
+    }
 }

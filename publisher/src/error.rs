@@ -23,6 +23,13 @@ pub enum PublishError {
         reply_text: String,
     },
 
+    /// The message was handed to the broker, but the connection or channel failed before its
+    /// confirm arrived (its node died, a link was cut): it may or may not be queued. Sending it
+    /// again under the same key is safe (the worker's inbox answers a repeat from its row), and
+    /// an outbox relay does so. Never a reason to mint a new key.
+    #[error("the broker's confirm never arrived ({0}): the intent may or may not be queued; sending it again under the same key is safe")]
+    InDoubt(lapin::Error),
+
     /// The broker negatively acknowledged the message (basic.nack): it did not take
     /// responsibility for it. Whether to send it again (same key) is the caller's call.
     #[error("the broker did not accept the message (publisher confirm nack)")]
@@ -73,6 +80,14 @@ pub(crate) fn short(
         what,
         len: value.len(),
     })
+}
+
+impl PublishError {
+    /// Whether the message may have been queued although this is an error: only
+    /// [`PublishError::InDoubt`]. Either way, sending it again under the same key is safe.
+    pub fn in_doubt(&self) -> bool {
+        matches!(self, PublishError::InDoubt(_))
+    }
 }
 
 impl From<lapin::Error> for PublishError {

@@ -49,8 +49,9 @@ impl Follower {
         binding_keys: &[String],
         queue: Option<&str>,
     ) -> Result<Follower, PublishError> {
-        let connection =
-            crate::tls::amqp_connect(amqp_url, ConnectionProperties::default()).await?;
+        let connection = crate::tls::amqp_connect_any(amqp_url, ConnectionProperties::default())
+            .await?
+            .0;
         let channel = connection.create_channel().await?;
         topology::ensure_topic_exchange(&connection, results_exchange).await?;
         let queue =

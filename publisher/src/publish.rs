@@ -70,11 +70,14 @@ impl Publisher {
     /// Connects to `amqp_url`, opens a channel in confirm mode and remembers
     /// `exchange`. Declares nothing: the worker owns its topology. Messages carry the
     /// connection's user as `user_id` (see [`Publisher::with_user_id`]).
+    ///
+    /// `amqp_url` may name several nodes of a cluster, comma-separated: they are tried in a
+    /// random order and the first that accepts is used (the user of that URL is `user_id`).
     pub async fn connect(amqp_url: &str, exchange: &str) -> Result<Publisher, PublishError> {
-        let user_id = short("AMQP user (sent as user_id)", &url_user(amqp_url)?)?;
         let exchange_name = short("exchange name", exchange)?;
-        let connection =
-            crate::tls::amqp_connect(amqp_url, ConnectionProperties::default()).await?;
+        let (connection, url) =
+            crate::tls::amqp_connect_any(amqp_url, ConnectionProperties::default()).await?;
+        let user_id = short("AMQP user (sent as user_id)", &url_user(&url)?)?;
         let channel = connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -174,7 +177,7 @@ impl Publisher {
         let mut confirmations = Vec::with_capacity(batch.len());
         for started in pending {
             confirmations.push(match started {
-                Ok(confirm) => confirm.await.map_err(PublishError::from),
+                Ok(confirm) => confirm.await.map_err(PublishError::InDoubt),
                 Err(error) => Err(error),
             });
         }
@@ -302,7 +305,7 @@ impl Publisher {
         routing_key: &str,
         confirm: PublisherConfirm,
     ) -> Result<(), PublishError> {
-        match confirm.await? {
+        match confirm.await.map_err(PublishError::InDoubt)? {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(returned)) => Err(PublishError::Unroutable {
                 exchange: self.exchange.clone(),

@@ -55,6 +55,27 @@ pub async fn amqp_connect(
         })
 }
 
+/// [`amqp_connect`] to the first node of a comma-separated list that accepts, tried in a random
+/// order ([`kit::url::shuffled`]); returns the connection and the URL it used. A refused login
+/// or TLS handshake is the answer of every node and ends the attempt.
+pub async fn amqp_connect_any(
+    urls: &str,
+    properties: ConnectionProperties,
+) -> Result<(Connection, String), PublishError> {
+    let mut last = PublishError::BadUrl("no URL given".into());
+    for url in kit::url::shuffled(urls) {
+        match amqp_connect(&url, properties.clone()).await {
+            Ok(connection) => return Ok((connection, url)),
+            Err(e @ PublishError::Tls { .. }) => return Err(e),
+            Err(e) => {
+                tracing::warn!(node = %kit::url::host_port(&url), error = %e, "RabbitMQ node not reachable; trying the next");
+                last = e;
+            }
+        }
+    }
+    Err(last)
+}
+
 /// Options for a Postgres URL: the URL's `sslrootcert` (or `PGSSLROOTCERT`) when given, else
 /// the extra bundle, on top of the system roots; `sslmode` decides what is checked.
 pub fn postgres(url: &str) -> Result<PgConnectOptions, sqlx::Error> {

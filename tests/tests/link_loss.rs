@@ -745,3 +745,46 @@ async fn a_node_list_survives_the_loss_of_the_node_in_use() {
 async fn body_has_password(w: &Worker) -> bool {
     w.get("/readyz").await.1.contains("guest:guest")
 }
+
+/// A publish whose confirm never arrives because the link died is reported as in doubt ("may
+/// or may not be queued; sending it again under the same key is safe"), never as a plain
+/// failure an agent might answer with a new key, and never as success. Sent again, it is done
+/// once. Before, the library returned a generic AMQP error.
+#[tokio::test]
+async fn a_publish_cut_off_before_its_confirm_is_in_doubt_and_safe_to_send_again() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let w = Worker::start(&env, "w", &base_opts(roomy_tools(&env, ds.port))).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    let proxy = FaultProxy::start(&broker_addr(&env)).await;
+    let publisher = publisher::Publisher::connect(
+        &via(&env.amqp_url, proxy.addr()),
+        &env.topology.intents_exchange,
+    )
+    .await
+    .expect("connect through the proxy");
+    let sent = intent("north-shop", "doubt-1", "ticket", json!({"n": 1}));
+    // The link goes silent, then dies, while the publish waits for its confirm.
+    proxy.blackhole();
+    let pending = tokio::spawn(async move { publisher.publish(&sent).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.cut();
+    let result = tokio::time::timeout(T, pending)
+        .await
+        .expect("the publish ends")
+        .unwrap();
+    let err = result.expect_err("no confirm, no success");
+    assert!(err.in_doubt(), "in doubt, not a plain failure: {err}");
+    assert!(
+        err.to_string().contains("safe"),
+        "says that sending again is safe: {err}"
+    );
+    // Sent again under the same key: done once.
+    agent
+        .request("north-shop", "doubt-1", "ticket", json!({"n": 1}))
+        .await;
+    agent.succeeded("north-shop", "doubt-1").await;
+    assert_eq!(env.mutations("north-shop:doubt-1").await, 1);
+    drop(w);
+    cleanup(env).await;
+}

@@ -295,6 +295,7 @@ class FaultProxy:
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.cut_off = False
+        self.stalled = False
         self.links: set[asyncio.StreamWriter] = set()
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
@@ -318,6 +319,8 @@ class FaultProxy:
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             try:
                 while data := await src.read(65536):
+                    if self.stalled:
+                        continue  # a silent partition: bytes go nowhere
                     dst.write(data)
                     await dst.drain()
             except (OSError, asyncio.IncompleteReadError):
@@ -334,8 +337,13 @@ class FaultProxy:
             link.transport.abort()
         self.links.clear()
 
+    def stall(self) -> None:
+        """Live connections stop moving bytes without closing (only timeouts notice)."""
+        self.stalled = True
+
     def restore(self) -> None:
         self.cut_off = False
+        self.stalled = False
 
     def amqp_url(self) -> str:
         return AMQP_URL.replace(

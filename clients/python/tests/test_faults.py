@@ -14,7 +14,14 @@ from collections.abc import Iterator
 import pytest
 from conftest import AMQP_URL, FaultProxy, World, WorldFactory
 
-from intent_worker_client import Intent, IntentClient, NoAnswer, PublishError, Status
+from intent_worker_client import (
+    Intent,
+    IntentClient,
+    NoAnswer,
+    PublishError,
+    PublishInDoubt,
+    Status,
+)
 
 
 def refund(tenant: str, action_id: str) -> Intent:
@@ -82,6 +89,72 @@ async def test_broker_link_cut_mid_wait_still_yields_the_answer(world: World) ->
         assert world.mutations(f"{world.tenant}:{action}") == 1
     # The intent published while the link was down either never arrived or arrived once.
     assert world.mutations(f"{world.tenant}:during-{unique}") <= 1
+
+
+async def test_a_node_list_connects_to_a_live_node_whatever_the_order(world: World) -> None:
+    """One URL per node: a dead node in the list is skipped, as a list or comma-separated."""
+    dead = AMQP_URL.replace(
+        f"@{urllib.parse.urlsplit(AMQP_URL).netloc.rsplit('@', 1)[-1]}", "@127.0.0.1:1"
+    )
+    unique = uuid.uuid4().hex[:8]
+    for i, urls in enumerate([[dead, AMQP_URL], f"{AMQP_URL},{dead}", [AMQP_URL, dead]] * 2):
+        client = await IntentClient.connect(
+            urls,
+            intents_exchange=world.intents_exchange,
+            results_exchange=world.results_exchange,
+            bind_tenant=True,
+        )
+        try:
+            sent = await client.publish(refund(world.tenant, f"list-{unique}-{i}"))
+            answer = await client.wait_for(world.tenant, sent.action_id, timeout=30)
+            assert answer.status is Status.SUCCEEDED
+        finally:
+            await client.close()
+
+
+async def test_a_publish_cut_off_before_its_confirm_is_in_doubt_and_safe_to_send_again(
+    world: World,
+) -> None:
+    host = urllib.parse.urlsplit(AMQP_URL)
+    proxy = await FaultProxy(host.hostname or "127.0.0.1", host.port or 5672).start()
+    unique = uuid.uuid4().hex[:8]
+    intent = refund(world.tenant, f"doubt-{unique}")
+    try:
+        client = await IntentClient.connect(
+            proxy.amqp_url(),
+            intents_exchange=world.intents_exchange,
+            results_exchange=world.results_exchange,
+        )
+        try:
+            # Bind the results key first (a publish does on its tenant's first intent): the
+            # stall must meet the publish itself.
+            warm = await client.publish(refund(world.tenant, f"warm-{unique}"))
+            assert warm.action_id
+            # The link goes silent while the publish waits for its confirm, then dies.
+            proxy.stall()
+            publish = asyncio.create_task(client.publish(intent, timeout=20))
+            await asyncio.sleep(0.5)
+            proxy.cut()
+            with pytest.raises(PublishInDoubt, match="safe"):
+                await publish
+        finally:
+            await client.close()
+    finally:
+        await proxy.close()
+    # Sent again under the same key, on a healthy link: done once.
+    again = await IntentClient.connect(
+        AMQP_URL,
+        intents_exchange=world.intents_exchange,
+        results_exchange=world.results_exchange,
+        bind_tenant=True,
+    )
+    try:
+        sent = await again.publish(intent)
+        answer = await again.wait_for(world.tenant, sent.action_id, timeout=30)
+        assert answer.status is Status.SUCCEEDED
+    finally:
+        await again.close()
+    assert world.mutations(f"{world.tenant}:{intent.action_id}") == 1
 
 
 def _rabbitmqctl(*args: str) -> None:

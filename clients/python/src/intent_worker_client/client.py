@@ -11,10 +11,12 @@ import collections
 import functools
 import json
 import logging
+import random
 import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -27,7 +29,7 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
-from aio_pika.exceptions import AMQPError, ChannelInvalidStateError
+from aio_pika.exceptions import AMQPError, ChannelInvalidStateError, DeliveryError
 
 from .intent import Intent, InvalidIntent, decode_intent
 from .result import InvalidResultEvent, RejectReason, ResultEvent
@@ -79,6 +81,13 @@ class PublishError(ClientError):
     inbox answers a repeat from the ledger)."""
 
 
+class PublishInDoubt(PublishError):
+    """The intent was handed to the broker but its confirm never arrived (the connection or its
+    node died, or the confirm timed out): it may or may not be queued. Publishing it again under
+    the same key is safe (the worker's inbox answers a repeat from the ledger); never send it
+    under a new action id."""
+
+
 class TopologyMissing(ClientError):
     """An exchange does not exist: no worker has started against this broker and names yet."""
 
@@ -90,6 +99,35 @@ class StatusApiError(ClientError):
 class NoAnswer(ClientError, TimeoutError):
     """Nothing at all was heard about the action before the timeout: not even ``pending``.
     Treat the outcome as unknown and do not submit the action again under a new id."""
+
+
+def _url_list(amqp_url: str | Sequence[str]) -> list[str]:
+    """One URL, a comma-separated list, or a sequence of URLs (one per cluster node)."""
+    items = amqp_url.split(",") if isinstance(amqp_url, str) else list(amqp_url)
+    urls = [u.strip() for u in items if u.strip()]
+    if not urls:
+        raise ValueError("no AMQP URL given")
+    return urls
+
+
+async def _connect_any(urls: list[str], **kwargs: Any) -> AbstractRobustConnection:
+    """A robust connection to the first node, in a random order, that accepts. The connection
+    reconnects to that node; a client whose node is gone for good connects again."""
+    order = random.sample(urls, len(urls))
+    last: BaseException | None = None
+    for url in order:
+        try:
+            connection: AbstractRobustConnection = await aio_pika.connect_robust(url, **kwargs)
+            return connection
+        except (AMQPError, ConnectionError, OSError, asyncio.TimeoutError) as e:
+            log.warning(
+                "RabbitMQ node %s not reachable: %r",
+                urllib.parse.urlsplit(url).netloc.rsplit("@", 1)[-1],
+                e,
+            )
+            last = e
+    assert last is not None
+    raise last
 
 
 class IntentClient:
@@ -138,7 +176,7 @@ class IntentClient:
     @classmethod
     async def connect(
         cls,
-        amqp_url: str = DEFAULT_AMQP_URL,
+        amqp_url: str | Sequence[str] = DEFAULT_AMQP_URL,
         *,
         reply_to: str | None = None,
         intents_exchange: str = "intents",
@@ -161,15 +199,16 @@ class IntentClient:
         reply_to = reply_to or f"agent-{uuid.uuid4().hex[:12]}"
         # Validate reply_to with the contract's own rules before anything is declared.
         Intent("t", "a", "x", {}, reply_to=reply_to).to_json()
+        urls = _url_list(amqp_url)
         if user_id is True:
-            parsed = urllib.parse.urlsplit(amqp_url)
+            parsed = urllib.parse.urlsplit(urls[0])
             user: str | None = urllib.parse.unquote(parsed.username or "guest")
         elif user_id is False:
             user = None
         else:
             user = user_id
-        connection = await aio_pika.connect_robust(
-            amqp_url, client_properties={"connection_name": f"intent-worker-client {reply_to}"}
+        connection = await _connect_any(
+            urls, client_properties={"connection_name": f"intent-worker-client {reply_to}"}
         )
         try:
             publish_channel = await connection.channel(
@@ -234,7 +273,19 @@ class IntentClient:
             intent = replace(intent, reply_to=self.reply_to)
         body = intent.to_json()
         if intent.reply_to == self.reply_to:
-            await self._bind(intent.tenant)
+            try:
+                await asyncio.wait_for(self._bind(intent.tenant), timeout)
+            except (
+                AMQPError,
+                ChannelInvalidStateError,
+                asyncio.TimeoutError,
+                ConnectionError,
+            ) as e:
+                # Nothing was published yet.
+                raise PublishError(
+                    f"intent {intent.message_id} was not sent: binding its results key "
+                    f"failed ({e!r})"
+                ) from e
         await self._publish_body(intent, body, timeout)
         return intent
 
@@ -261,14 +312,20 @@ class IntentClient:
                 ),
                 timeout,
             )
+        except DeliveryError as e:
+            # A nack or a return: the broker answered, and did not queue it.
+            raise PublishError(
+                f"intent {intent.message_id} was not accepted by the broker: {e!r}"
+            ) from e
         except (
             AMQPError,
             ChannelInvalidStateError,
             asyncio.TimeoutError,
             ConnectionError,
         ) as e:
-            raise PublishError(
-                f"intent {intent.message_id} was not confirmed by the broker: {e!r}"
+            raise PublishInDoubt(
+                f"intent {intent.message_id}: the broker's confirm never arrived ({e!r}); it may "
+                "or may not be queued, and publishing it again under the same key is safe"
             ) from e
 
     async def send_and_wait(self, intent: Intent, timeout: float = 30.0) -> ResultEvent:
@@ -459,6 +516,7 @@ __all__ = [
     "InvalidIntent",
     "NoAnswer",
     "PublishError",
+    "PublishInDoubt",
     "StatusApiError",
     "TopologyMissing",
     "fetch_status",
