@@ -70,7 +70,7 @@ impl Agent {
         let conn = worker::amqp::connect(&env.amqp_url, "e2e-setup")
             .await
             .expect("connect");
-        worker::amqp::topology::declare(&conn, &topology)
+        worker::amqp::topology::declare(&conn, &topology, Default::default())
             .await
             .expect("declare topology");
         let _ = conn.close(200, "".into()).await;

@@ -94,7 +94,7 @@ async fn declare_worker_topology(env: &Env) {
     let conn = worker::amqp::connect(&env.amqp_url, "e2e-setup")
         .await
         .unwrap();
-    worker::amqp::topology::declare(&conn, &env.topology)
+    worker::amqp::topology::declare(&conn, &env.topology, Default::default())
         .await
         .expect("declare topology");
     let _ = conn.close(200, "".into()).await;

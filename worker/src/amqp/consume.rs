@@ -64,6 +64,8 @@ pub struct ConsumerConfig {
     /// A delivery over this is dead-lettered unread (`WORKER_MAX_MESSAGE_BYTES`).
     pub max_message_bytes: usize,
     pub auth: TenantAuth,
+    /// The intents queues consumed (`WORKER_INTENT_SHARDS`, `WORKER_DRAIN_SHARDS`).
+    pub shards: super::topology::Shards,
 }
 
 /// Whether [`process`] recorded its batch (and then acked it) or gave it up at shutdown.
@@ -143,12 +145,47 @@ fn delivered(next: Option<lapin::Result<Delivery>>) -> Result<Delivery, AmqpErro
     }
 }
 
-/// The consumer channel (with the prefetch), the dead-letter channel and the consumer.
+/// The deliveries of every consumed queue, in arrival order. One queue is read directly; for
+/// several (shards), a task per consumer forwards into one channel, and a consumer the broker
+/// ends (cancelled, or its channel closed) ends the whole stream, so the link is reopened and
+/// every consumer resubscribed.
+enum Deliveries {
+    One(lapin::Consumer),
+    Merged(tokio::sync::mpsc::Receiver<Option<lapin::Result<Delivery>>>),
+}
+
+impl Deliveries {
+    fn merge(consumers: Vec<lapin::Consumer>, capacity: usize) -> Deliveries {
+        let (tx, rx) = tokio::sync::mpsc::channel(capacity.max(1));
+        for mut consumer in consumers {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                loop {
+                    let next = consumer.next().await;
+                    let end = !matches!(next, Some(Ok(_)));
+                    if tx.send(next).await.is_err() || end {
+                        return;
+                    }
+                }
+            });
+        }
+        Deliveries::Merged(rx)
+    }
+
+    async fn next(&mut self) -> Option<lapin::Result<Delivery>> {
+        match self {
+            Deliveries::One(c) => c.next().await,
+            Deliveries::Merged(rx) => rx.recv().await.flatten(),
+        }
+    }
+}
+
+/// The consumer channel (with the prefetch), the dead-letter channel and the consumers.
 async fn open<'c>(
     connection: &'c Connection,
     ctx: &Context,
     config: &'c ConsumerConfig,
-) -> Result<(Channel, DeadLetters<'c>, lapin::Consumer), AmqpError> {
+) -> Result<(Channel, DeadLetters<'c>, Deliveries), AmqpError> {
     let channel = connection
         .create_channel()
         .await
@@ -159,18 +196,32 @@ async fn open<'c>(
         .map_err(AmqpError::broker("basic.qos"))?;
     // Dead-letter copies go out on their own confirmed channel.
     let dlx = DeadLetters::open(connection, &config.topology).await?;
-    let tag = format!("intent-worker-{}", ctx.worker_id);
-    let consumer = channel
-        .basic_consume(
-            config.topology.intents_queue.as_str().into(),
-            tag.as_str().into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(AmqpError::broker("basic.consume"))?;
-    tracing::info!(queue = %config.topology.intents_queue, prefetch = config.prefetch, "consuming intents");
-    Ok((channel, dlx, consumer))
+    let queues = super::topology::consumed_queues(&config.topology, config.shards);
+    let mut consumers = Vec::with_capacity(queues.len());
+    for (i, queue) in queues.iter().enumerate() {
+        let tag = if queues.len() == 1 {
+            format!("intent-worker-{}", ctx.worker_id)
+        } else {
+            format!("intent-worker-{}-{i}", ctx.worker_id)
+        };
+        let consumer = channel
+            .basic_consume(
+                queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(AmqpError::broker(format!("basic.consume of {queue:?}")))?;
+        consumers.push(consumer);
+    }
+    tracing::info!(queues = ?queues, prefetch = config.prefetch, "consuming intents");
+    let deliveries = if consumers.len() == 1 {
+        Deliveries::One(consumers.pop().expect("one consumer"))
+    } else {
+        Deliveries::merge(consumers, config.prefetch as usize * queues.len())
+    };
+    Ok((channel, dlx, deliveries))
 }
 
 /// Which delivery tags of the consumer channel are settled, so that `multiple` acks are used

@@ -167,6 +167,13 @@ impl Relay {
                 _ = self.ctx.relay_wake.notified() => {}
                 _ = tokio::time::sleep(POLL) => {}
             }
+            // An idle relay publishes nothing that would fail: notice a lost link here, so
+            // `/readyz` and the hand-off do not count on a relay whose node has gone.
+            if !self.channel.status().connected() {
+                return Err(AmqpError::Topology(
+                    "the relay's channel closed (its broker node went away?)".into(),
+                ));
+            }
         }
         while self.step().await? > 0 || self.ctx.completions.handed_waiting() {}
         Ok(())

@@ -5,8 +5,19 @@
 //! used as it is, with a warning. With `WORKER_DECLARE_TOPOLOGY=false` (broker managed as code,
 //! e.g. `deploy/rabbitmq/definitions.json`) [`check`] only verifies, passively, that the objects
 //! the worker uses exist.
+//!
+//! **Shards** (`WORKER_INTENT_SHARDS=N`, [`Shards`]): one quorum queue has one leader, which
+//! bounds the whole pool. With N > 1 the intents exchange is bound to a consistent-hash exchange
+//! `<queue>.hash` (RabbitMQ's `rabbitmq_consistent_hash_exchange` plugin) hashing on the message
+//! id, so every copy of one action key lands in the same shard, and that exchange to N quorum
+//! queues `<queue>.0 … <queue>.N-1`, their leaders spread over the nodes
+//! (`x-queue-leader-locator: balanced`). Publishers are unchanged: topic exchange, routing key =
+//! tenant. While the shard count changes, the queues of the old layout (`WORKER_DRAIN_SHARDS`)
+//! are unbound, so they take no new intents, and consumed until empty.
 
-use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{
+    ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection, ExchangeKind};
 
@@ -25,6 +36,51 @@ fn durable_queue() -> QueueDeclareOptions {
         durable: true,
         ..Default::default()
     }
+}
+
+/// How intents are spread over quorum queues: `count` shards now, and the old layout's shard
+/// count while a change is drained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shards {
+    pub count: u16,
+    pub draining: Option<u16>,
+}
+
+impl Default for Shards {
+    fn default() -> Self {
+        Shards {
+            count: 1,
+            draining: None,
+        }
+    }
+}
+
+/// The intents queues of a layout of `n` shards: the queue itself for one, `<queue>.<i>` for
+/// more.
+pub fn shard_queues(t: &Topology, n: u16) -> Vec<String> {
+    if n <= 1 {
+        vec![t.intents_queue.clone()]
+    } else {
+        (0..n).map(|i| format!("{}.{i}", t.intents_queue)).collect()
+    }
+}
+
+/// The consistent-hash exchange between the intents exchange and the shards.
+pub fn hash_exchange(t: &Topology) -> String {
+    format!("{}.hash", t.intents_queue)
+}
+
+/// Every queue the consumer reads: the shards, then the old layout's queues being drained.
+pub fn consumed_queues(t: &Topology, s: Shards) -> Vec<String> {
+    let mut queues = shard_queues(t, s.count);
+    if let Some(old) = s.draining {
+        for q in shard_queues(t, old) {
+            if !queues.contains(&q) {
+                queues.push(q);
+            }
+        }
+    }
+    queues
 }
 
 /// The intents queue's arguments.
@@ -173,7 +229,7 @@ async fn bind(channel: &Channel, queue: &str, exchange: &str) -> Result<(), Amqp
 }
 
 /// Declares everything (idempotent; every worker does it at start-up).
-pub async fn declare(connection: &Connection, t: &Topology) -> Result<(), AmqpError> {
+pub async fn declare(connection: &Connection, t: &Topology, s: Shards) -> Result<(), AmqpError> {
     let mut channel = connection
         .create_channel()
         .await
@@ -208,46 +264,164 @@ pub async fn declare(connection: &Connection, t: &Topology) -> Result<(), AmqpEr
     )
     .await?;
     bind(&channel, &t.dead_letter_queue, &t.dead_letter_exchange).await?;
-    queue(
-        connection,
-        &mut channel,
-        &t.intents_queue,
-        intents_queue_arguments(t),
-        "intents queue",
-    )
-    .await?;
-    bind(&channel, &t.intents_queue, &t.intents_exchange).await?;
+    if s.count <= 1 {
+        queue(
+            connection,
+            &mut channel,
+            &t.intents_queue,
+            intents_queue_arguments(t),
+            "intents queue",
+        )
+        .await?;
+        bind(&channel, &t.intents_queue, &t.intents_exchange).await?;
+    } else {
+        declare_shards(connection, &mut channel, t, s.count).await?;
+    }
+    if let Some(old) = s.draining.filter(|old| *old != s.count) {
+        unbind_old_layout(connection, t, s.count, old).await?;
+    }
     let _ = channel.close(200, "topology declared".into()).await;
+    Ok(())
+}
+
+/// The hash exchange, its binding from the intents exchange and `n` shard queues bound to it.
+async fn declare_shards(
+    connection: &Connection,
+    channel: &mut Channel,
+    t: &Topology,
+    n: u16,
+) -> Result<(), AmqpError> {
+    let hash = hash_exchange(t);
+    let mut args = FieldTable::default();
+    args.insert(
+        "hash-property".into(),
+        AMQPValue::LongString(LongString::from("message_id")),
+    );
+    channel
+        .exchange_declare(
+            hash.as_str().into(),
+            ExchangeKind::Custom("x-consistent-hash".into()),
+            durable_exchange(),
+            args,
+        )
+        .await
+        .map_err(|e| AmqpError::Broker {
+            what: format!(
+                "declaring the shards' consistent-hash exchange {hash:?} (WORKER_INTENT_SHARDS > 1 \
+                 needs the rabbitmq_consistent_hash_exchange plugin)"
+            ),
+            error: e,
+        })?;
+    channel
+        .exchange_bind(
+            hash.as_str().into(),
+            t.intents_exchange.as_str().into(),
+            "#".into(),
+            ExchangeBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(AmqpError::broker(format!(
+            "binding {hash:?} to {:?}",
+            t.intents_exchange
+        )))?;
+    for name in shard_queues(t, n) {
+        let mut args = intents_queue_arguments(t);
+        args.insert(
+            "x-queue-leader-locator".into(),
+            AMQPValue::LongString(LongString::from("balanced")),
+        );
+        queue(connection, channel, &name, args, "intents shard").await?;
+        channel
+            .queue_bind(
+                name.as_str().into(),
+                hash.as_str().into(),
+                // The binding key of a consistent-hash exchange is the shard's weight.
+                "1".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(AmqpError::broker(format!(
+                "binding shard {name:?} to {hash:?}"
+            )))?;
+    }
+    Ok(())
+}
+
+/// Unbinds the queues of the old layout of `old` shards that the layout of `n` does not use, so
+/// they take no new intents while they are drained. A queue already gone is skipped.
+async fn unbind_old_layout(
+    connection: &Connection,
+    t: &Topology,
+    n: u16,
+    old: u16,
+) -> Result<(), AmqpError> {
+    let current = shard_queues(t, n);
+    let (exchange, key) = if old <= 1 {
+        (t.intents_exchange.clone(), "#")
+    } else {
+        (hash_exchange(t), "1")
+    };
+    for name in shard_queues(t, old) {
+        if current.contains(&name) {
+            continue;
+        }
+        // On its own channel: unbinding from an exchange that is gone closes the channel.
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(AmqpError::broker("opening a channel"))?;
+        match channel
+            .queue_unbind(
+                name.as_str().into(),
+                exchange.as_str().into(),
+                key.into(),
+                FieldTable::default(),
+            )
+            .await
+        {
+            Ok(()) => {
+                tracing::info!(queue = %name, "old intents queue unbound; draining it");
+                let _ = channel.close(200, "unbound".into()).await;
+            }
+            Err(e) => {
+                tracing::info!(queue = %name, error = %e, "old intents queue not unbound (gone already?)")
+            }
+        }
+    }
     Ok(())
 }
 
 /// Passively checks that the exchanges and the queue the worker uses exist, declaring nothing
 /// (`WORKER_DECLARE_TOPOLOGY=false`). A missing one is [`AmqpError::Missing`], naming it; each
 /// check runs on its own channel because a failed passive declaration closes the channel.
-pub async fn check(connection: &Connection, t: &Topology) -> Result<(), AmqpError> {
-    // The queue first: it is what the worker consumes, the most telling name to report.
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(AmqpError::broker("opening a channel"))?;
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    channel
-        .queue_declare(
-            t.intents_queue.as_str().into(),
-            passive,
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| missing_or(e, "intents queue", &t.intents_queue))?;
-    let _ = channel.close(200, "checked".into()).await;
-    let exchanges = [
+pub async fn check(connection: &Connection, t: &Topology, s: Shards) -> Result<(), AmqpError> {
+    // The queues first: they are what the worker consumes, the most telling names to report.
+    for name in shard_queues(t, s.count) {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(AmqpError::broker("opening a channel"))?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        channel
+            .queue_declare(name.as_str().into(), passive, FieldTable::default())
+            .await
+            .map_err(|e| missing_or(e, "intents queue", &name))?;
+        let _ = channel.close(200, "checked".into()).await;
+    }
+    let hash = hash_exchange(t);
+    let mut exchanges = vec![
         (t.intents_exchange.as_str(), "intents exchange"),
         (t.results_exchange.as_str(), "results exchange"),
         (t.dead_letter_exchange.as_str(), "dead-letter exchange"),
     ];
+    if s.count > 1 {
+        exchanges.push((hash.as_str(), "shards' consistent-hash exchange"));
+    }
     for (name, what) in exchanges {
         let channel = connection
             .create_channel()

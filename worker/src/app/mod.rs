@@ -140,6 +140,7 @@ impl Application {
                     prefetch: self.settings.prefetch,
                     max_message_bytes: self.settings.max_message_bytes,
                     auth: self.tools_file.auth.clone(),
+                    shards: self.settings.shards,
                 },
                 declare_topology: self.settings.declare_topology,
                 ever_checked: false,

@@ -234,10 +234,11 @@ impl Session for ConsumerSession {
 
     async fn set_up(&mut self, connection: &Connection) -> Result<(), SetUpError> {
         let topology: &Topology = &self.config.topology;
+        let shards = self.config.shards;
         let ready = if self.declare_topology {
-            amqp::topology::declare(connection, topology).await
+            amqp::topology::declare(connection, topology, shards).await
         } else {
-            amqp::topology::check(connection, topology).await
+            amqp::topology::check(connection, topology, shards).await
         };
         match ready {
             // Missing objects at start-up are a deployment error, not an outage: stop with

@@ -66,6 +66,8 @@ pub struct Settings {
     pub topology: Topology,
     /// How long a claim owns a dispatch before recovery treats it as crashed.
     pub lease: Duration,
+    /// The intents queues consumed (shards, and an old layout being drained).
+    pub shards: crate::amqp::topology::Shards,
     /// How long a receipt the downstream returned is kept in memory while the ledger cannot
     /// record it (past the lease, through the receipt path).
     pub receipt_keep: Duration,
@@ -156,6 +158,18 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_MAX_INFLIGHT_BYTES", value_name = "WORKER_MAX_INFLIGHT_BYTES",
           default_value_t = 64 * 1024 * 1024, value_parser = clap::value_parser!(u64).range(1024..))]
     pub max_inflight_bytes: u64,
+    /// Quorum queues the intents are spread over (1 to 64): 1 is the single queue
+    /// WORKER_INTENTS_QUEUE; N > 1 declares `<queue>.0 … <queue>.N-1` behind a consistent-hash
+    /// exchange on the message id (RabbitMQ's rabbitmq_consistent_hash_exchange plugin). Every
+    /// worker consumes every shard, with WORKER_PREFETCH per shard.
+    #[arg(long, env = "WORKER_INTENT_SHARDS", value_name = "WORKER_INTENT_SHARDS",
+          default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub intent_shards: u16,
+    /// While changing WORKER_INTENT_SHARDS: the old shard count, whose queues are unbound (no
+    /// new intents reach them) and consumed until empty. Unset when no change is under way.
+    #[arg(long, env = "WORKER_DRAIN_SHARDS", value_name = "WORKER_DRAIN_SHARDS",
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub drain_shards: Option<u16>,
     /// Deliveries the worker starts processing before it dead-letters the message itself (its
     /// own count in Postgres; at least 1).
     #[arg(long, env = "WORKER_DELIVERY_LIMIT", value_name = "WORKER_DELIVERY_LIMIT",
@@ -483,10 +497,20 @@ impl Settings {
             "results",
             &mut warnings,
         )?;
+        let shards = crate::amqp::topology::Shards {
+            count: a.intent_shards,
+            draining: a.drain_shards.filter(|old| *old != a.intent_shards),
+        };
+        // The prefetch is per consumed queue: the in-flight bound is shared among them.
+        let queues = match shards.draining {
+            Some(old) if old > 1 && shards.count > 1 => shards.count.max(old),
+            Some(old) => shards.count + old,
+            None => shards.count,
+        } as u64;
         let prefetch = bounded_prefetch(
             a.prefetch,
             a.max_message_bytes,
-            a.max_inflight_bytes,
+            (a.max_inflight_bytes / queues).max(a.max_message_bytes.min(a.max_inflight_bytes)),
             &mut warnings,
         )?;
         if a.receipt_keep_secs < a.lease_secs {
@@ -531,6 +555,7 @@ impl Settings {
                     .unwrap_or_else(|| Topology::default_queue_delivery_limit(a.delivery_limit)),
             },
             lease: Duration::from_secs(a.lease_secs),
+            shards,
             receipt_keep: Duration::from_secs(a.receipt_keep_secs),
             recovery_interval: Duration::from_millis(a.recovery_interval_ms),
             max_in_flight: a.max_in_flight,

@@ -616,6 +616,7 @@ budget = { ratio = 0.2 }
             },
             lease: Duration::from_secs(lease_secs),
             receipt_keep: Duration::from_secs(600),
+            shards: Default::default(),
             recovery_interval: Duration::from_secs(1),
             max_in_flight: 1,
             worker_id: "w".into(),
