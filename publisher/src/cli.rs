@@ -853,6 +853,9 @@ mod tests {
         assert_eq!(exit_code(&waited), exit::IN_DOUBT);
         let plain = anyhow::Error::new(PublishError::Amqp(lost()));
         assert_eq!(exit_code(&plain), exit::ERROR);
-        assert_eq!(exit_code(&anyhow::Error::new(PublishError::Nacked)), exit::ERROR);
+        assert_eq!(
+            exit_code(&anyhow::Error::new(PublishError::Nacked)),
+            exit::ERROR
+        );
     }
 }
