@@ -26,7 +26,9 @@
 //!
 //! `requests.status` is NULL for a request whose connection was dropped on
 //! purpose (or that was still in flight), and `requests.fault` names the fault
-//! it consumed.
+//! it consumed. `requests.replied_at` is when the whole answer was written to a
+//! client that had not hung up; NULL when it was dropped, or the client was gone
+//! first (it timed out or died), so the client never read it.
 //!
 //! # Layout
 //!

@@ -12,7 +12,9 @@
 //!    `drop_after_commit`, `wrong_receipt`, `status_after_commit`,
 //!    `slow_after_commit`;
 //! 7. record the status we answer with, then answer (dropped requests keep a
-//!    NULL status).
+//!    NULL status);
+//! 8. once the whole answer is written to a peer that was still there, record
+//!    `replied_at` (see `server.rs`): NULL means the client never got it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -49,6 +51,12 @@ impl App {
 #[derive(Debug)]
 pub enum Reply {
     Respond(Response),
+    /// The answer to a logged business request: `replied_at` of `requests` row
+    /// `request_id` is set once it is delivered.
+    Logged {
+        response: Response,
+        request_id: i64,
+    },
     /// Close with a reset and send nothing.
     Drop,
 }
@@ -404,5 +412,8 @@ async fn finish(app: &App, log_id: i64, response: Response) -> Reply {
     if let Err(err) = app.store.set_status(log_id, response.status).await {
         tracing::warn!(error = %err, log_id, "could not record response status");
     }
-    Reply::Respond(response)
+    Reply::Logged {
+        response,
+        request_id: log_id,
+    }
 }

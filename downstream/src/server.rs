@@ -99,6 +99,40 @@ async fn connection(app: &App, mut stream: TcpStream) -> std::io::Result<()> {
             }
             Ok(())
         }
+        Reply::Logged {
+            response,
+            request_id,
+        } => {
+            // A client that hung up first (it timed out, or its process died) never reads the
+            // answer, although the write below may still succeed into the closed socket.
+            let gone = peer_gone(&stream);
+            http::write_response(&mut stream, &response).await?;
+            // The moment it was written, not when the update below runs.
+            let written = std::time::SystemTime::now();
+            if !gone {
+                if let Err(err) = app.store.set_replied(request_id, written).await {
+                    tracing::warn!(error = %err, request_id, "could not record the delivered answer");
+                }
+            }
+            if too_large {
+                http::drain(&mut stream).await;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Whether the client has closed its side or reset the connection, without waiting: a
+/// request is one whole read and the client sends nothing after it, so anything readable
+/// now is its end of stream (or, if bytes, a client still there).
+fn peer_gone(stream: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    let mut buf = tokio::io::ReadBuf::new(&mut byte);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match stream.poll_peek(&mut cx, &mut buf) {
+        std::task::Poll::Pending => false,
+        std::task::Poll::Ready(Ok(n)) => n == 0,
+        std::task::Poll::Ready(Err(_)) => true,
     }
 }
 

@@ -35,16 +35,21 @@ CREATE INDEX IF NOT EXISTS mutations_idem_key_idx ON {s}.mutations (idem_key, re
 
 -- Every business request, logged before it is processed. status is NULL while
 -- in flight and stays NULL when the connection was dropped on purpose.
+-- replied_at is set once the whole answer was written to a client that had not
+-- hung up; NULL: dropped, or the client was gone (timed out, killed) first.
 CREATE TABLE IF NOT EXISTS {s}.requests (
-    id        bigserial PRIMARY KEY,
-    kind      text NOT NULL CHECK (kind IN ('write', 'lookup')),
-    mode      text NULL,
-    resource  text NULL,
-    idem_key  text NULL,
-    status    int NULL,
-    fault     text NULL,
-    at        timestamptz NOT NULL DEFAULT now()
+    id          bigserial PRIMARY KEY,
+    kind        text NOT NULL CHECK (kind IN ('write', 'lookup')),
+    mode        text NULL,
+    resource    text NULL,
+    idem_key    text NULL,
+    status      int NULL,
+    fault       text NULL,
+    at          timestamptz NOT NULL DEFAULT now(),
+    replied_at  timestamptz NULL
 );
+-- Schemas created before replied_at existed.
+ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS replied_at timestamptz NULL;
 CREATE INDEX IF NOT EXISTS requests_idem_key_idx ON {s}.requests (idem_key);
 
 -- Durable idempotency keys of replay mode. body is the request body as jsonb,
@@ -148,6 +153,22 @@ impl Store {
             .bind(i32::from(status))
             .execute(&self.pool)
             .await?;
+        Ok(())
+    }
+
+    /// Record that the answer was delivered at `at`: written whole to a client that
+    /// was still connected (see `server.rs`).
+    pub async fn set_replied(&self, request_id: i64, at: std::time::SystemTime) -> Result<()> {
+        let secs = at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        sqlx::query(
+            self.sql("UPDATE {s}.requests SET replied_at = to_timestamp($2) WHERE id = $1"),
+        )
+        .bind(request_id)
+        .bind(secs)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 

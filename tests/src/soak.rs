@@ -9,8 +9,16 @@
 //! tables, the ledger and the events the agent received, and the seeds' measures are
 //! computed.
 //!
-//! Shared by the `soak` binary (long runs) and `tests/tests/soak_short.rs` (a short seeded
-//! run in the test command).
+//! With [`SoakConfig::pg_failover`] the ledger lives on a Postgres primary and synchronous
+//! standby of the soak's own ([`PgPair`]); every worker is given both hosts (libpq's multi-host
+//! `DATABASE_URL`, no proxy: the Postgres link faults are left out, the others stay). At seeded
+//! moments the primary is stopped hard and the standby promoted, and later the old primary
+//! rejoins as the standby and a switchover brings the primary back; the soak measures how long
+//! the workers take to be ready on each new primary. The downstream's tables stay on the shared
+//! Postgres.
+//!
+//! Shared by the `soak` binary (long runs), `tests/tests/soak_short.rs` (a short seeded run in
+//! the test command) and `tests/tests/soak_failover.rs` (the same with a failover).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Write as _};
@@ -19,11 +27,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
+use chrono::{DateTime, Utc};
 use protocol::{ResultEvent, Status};
 use publisher::{Follower, Publisher};
 use serde_json::{json, Value};
+use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio::time::{sleep, Instant};
 
+use crate::pg_failover::{PgPair, PgPairOptions};
+use crate::procs::Output;
 use crate::{cleanup, via, Downstream, Env, FaultProxy, Worker, WorkerOptions};
 
 /// The agent's tenants (one with a dot and an underscore, as the contract allows).
@@ -32,6 +44,10 @@ pub const TENANTS: [&str; 2] = ["soak-north", "soak.south_2"];
 const LEASE_SECS: u64 = 5;
 /// Tool request timeout; `slow` faults straddle it.
 const TIMEOUT_MS: u64 = 1500;
+/// Longest wait for the workers to be ready on a new primary before it counts as a violation.
+const RESUME_CAP: Duration = Duration::from_secs(60);
+/// How long before a delivered answer a SIGKILL of its receiver still counts as having lost it.
+const KILL_RACE: chrono::TimeDelta = chrono::TimeDelta::milliseconds(100);
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -44,6 +60,43 @@ pub struct SoakConfig {
     pub workers: usize,
     /// Longest wait after the faults stop for every action to settle.
     pub settle_secs: u64,
+    /// The ledger on a primary and synchronous standby of the soak's own, failed over and
+    /// switched back during the faults (see the module doc).
+    pub pg_failover: bool,
+}
+
+impl Default for SoakConfig {
+    fn default() -> Self {
+        SoakConfig {
+            seed: 1,
+            intents: 300,
+            seconds: 60,
+            workers: 2,
+            settle_secs: 60,
+            pg_failover: false,
+        }
+    }
+}
+
+/// What the failover of [`SoakConfig::pg_failover`] did and how the workers followed.
+#[derive(Debug, Clone, Default)]
+pub struct FailoverFigures {
+    /// Seconds into the faults at which the primary was stopped hard.
+    pub failed_at: Duration,
+    /// `pg_ctl promote` until the standby left recovery.
+    pub promote_took: Duration,
+    /// From the promotion until every live worker was ready on the new primary (`None`: not
+    /// within the cap).
+    pub resume_after_promotion: Option<Duration>,
+    /// Seconds into the faults at which the old primary began to rejoin.
+    pub rejoined_at: Duration,
+    /// `rejoin_as_standby` (pg_rewind, start, streaming, sync) of the old primary.
+    pub rejoin_took: Duration,
+    pub rewound: bool,
+    /// The switchover back (clean stop, replay, promote, rejoin).
+    pub switchover_took: Duration,
+    /// From the end of the switchover until every live worker was ready on the primary.
+    pub resume_after_switchover: Option<Duration>,
 }
 
 /// A tool's recovery capability; each has one tool in the soak's tools file.
@@ -123,6 +176,17 @@ pub struct SoakReport {
     pub verification_per_action: f64,
     /// `tenant:action_id (tool) state: evidence` of every unresolved key.
     pub unresolved_keys: Vec<String>,
+    /// `held`/`unknown` keys with a committed mutation whose true answer (a 2xx with the
+    /// stored receipt) the downstream delivered to a worker that was not killed before it
+    /// recorded it: the worker had the proof and still did not settle (target 0).
+    pub avoidable_holds: usize,
+    /// The same, but every such answer went to a worker the soak SIGKILLed before that worker
+    /// wrote anything more to the row: the proof died with the process (not a violation).
+    pub holds_lost_with_a_killed_worker: usize,
+    /// `key (tool) state: receivers` of every hold above, avoidable or not.
+    pub held_with_answer_keys: Vec<String>,
+    /// Set in [`SoakConfig::pg_failover`] mode.
+    pub failover: Option<FailoverFigures>,
     pub settled: bool,
     /// From the end of the faults to settled (or to the settle cap).
     pub settle_time: Duration,
@@ -215,6 +279,37 @@ impl fmt::Display for SoakReport {
         }
         if self.unresolved_keys.len() > 12 {
             writeln!(f, "  … {} more", self.unresolved_keys.len() - 12)?;
+        }
+        writeln!(
+            f,
+            "avoidable holds:            {} (answer delivered, still held/unknown; {} more whose answer went to a worker SIGKILLed before it recorded it)",
+            self.avoidable_holds, self.holds_lost_with_a_killed_worker
+        )?;
+        for k in self.held_with_answer_keys.iter().take(12) {
+            writeln!(f, "  {k}")?;
+        }
+        if let Some(fo) = &self.failover {
+            let dur = |d: Option<Duration>| {
+                d.map_or(format!("not within {} s", RESUME_CAP.as_secs()), |d| {
+                    format!("{} ms", d.as_millis())
+                })
+            };
+            writeln!(
+                f,
+                "pg failover: resume after promotion {}, after switchover {}",
+                dur(fo.resume_after_promotion),
+                dur(fo.resume_after_switchover)
+            )?;
+            writeln!(
+                f,
+                "  primary stopped hard at {:.1} s, promote {} ms; rejoin at {:.1} s took {} ms ({}); switchover {} ms",
+                fo.failed_at.as_secs_f64(),
+                fo.promote_took.as_millis(),
+                fo.rejoined_at.as_secs_f64(),
+                fo.rejoin_took.as_millis(),
+                if fo.rewound { "pg_rewind rewound" } else { "no rewind needed" },
+                fo.switchover_took.as_millis()
+            )?;
         }
         writeln!(
             f,
@@ -394,10 +489,11 @@ fn plan(cfg: &SoakConfig, rng: &mut fastrand::Rng) -> (Vec<Action>, Vec<Planned>
     (actions, planned)
 }
 
-/// One worker slot: its links and its current process.
+/// One worker slot: its links and its current process. No Postgres proxy in
+/// [`SoakConfig::pg_failover`] mode (the workers are given both hosts directly).
 struct Slot {
     amqp: FaultProxy,
-    pg: FaultProxy,
+    pg: Option<FaultProxy>,
 }
 
 struct Proc {
@@ -407,23 +503,51 @@ struct Proc {
 }
 
 struct Fleet {
-    env_db_url: String,
+    /// The ledger's URL (the shared test database, or the pair's multi-host URL).
+    ledger_url: String,
     slots: Vec<Slot>,
     procs: Mutex<Vec<Proc>>,
     opts: WorkerOptions,
     unexpected: Mutex<Vec<String>>,
     startup_exits: Mutex<Vec<String>>,
+    /// `WORKER_ID` of every worker the soak SIGKILLed, and when.
+    kills: Mutex<Vec<(String, DateTime<Utc>)>>,
+    /// Every worker's output by `WORKER_ID`, kept after it is gone (for the evidence of an
+    /// avoidable hold).
+    logs: Mutex<HashMap<String, Output>>,
 }
 
 impl Fleet {
     fn spawn(&self, env: &Env, i: usize, generation: u32) -> Worker {
         let slot = &self.slots[i];
+        let ledger = match &slot.pg {
+            Some(pg) => via(&self.ledger_url, pg.addr()),
+            None => self.ledger_url.clone(),
+        };
         let opts = self
             .opts
             .clone()
-            .env("DATABASE_URL", &via(&self.env_db_url, slot.pg.addr()))
+            .env("DATABASE_URL", &ledger)
             .env("AMQP_URL", &via(&env.amqp_url, slot.amqp.addr()));
-        Worker::spawn(env, &format!("w{i}g{generation}"), &opts)
+        let w = Worker::spawn(env, &format!("w{i}g{generation}"), &opts);
+        self.logs
+            .lock()
+            .unwrap()
+            .insert(format!("{}-{}", w.name, env.id), w.output.clone());
+        w
+    }
+
+    /// Metrics ports of the workers that run and have started consuming.
+    fn live_metrics_ports(&self) -> Vec<(String, u16)> {
+        let mut procs = self.procs.lock().unwrap();
+        procs
+            .iter_mut()
+            .filter_map(|p| p.worker.as_mut())
+            .filter_map(|w| {
+                let live = w.is_running() && w.output.contains("consuming intents");
+                Some((w.name.clone(), w.metrics_port.filter(|_| live)?))
+            })
+            .collect()
     }
 
     /// Notices exits the soak did not cause and restarts every worker that is down.
@@ -460,12 +584,16 @@ impl Fleet {
     }
 
     /// SIGKILL; the supervisor restarts it after `down`.
-    fn kill(&self, i: usize, down: Duration) -> bool {
+    fn kill(&self, env: &Env, i: usize, down: Duration) -> bool {
         let mut procs = self.procs.lock().unwrap();
         let p = &mut procs[i];
         match p.worker.take() {
             Some(mut w) => {
                 w.kill();
+                self.kills
+                    .lock()
+                    .unwrap()
+                    .push((format!("{}-{}", w.name, env.id), Utc::now()));
                 p.restart_at = Instant::now() + down;
                 true
             }
@@ -481,12 +609,29 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     let (actions, planned) = plan(cfg, &mut rng);
     let mut report = SoakReport {
         config_line: format!(
-            "--seed {} --intents {} --seconds {} --workers {} (settle up to {} s)",
-            cfg.seed, cfg.intents, cfg.seconds, cfg.workers, cfg.settle_secs
+            "--seed {} --intents {} --seconds {} --workers {} (settle up to {} s){}",
+            cfg.seed,
+            cfg.intents,
+            cfg.seconds,
+            cfg.workers,
+            cfg.settle_secs,
+            if cfg.pg_failover {
+                " --pg-failover"
+            } else {
+                ""
+            }
         ),
         ..SoakReport::default()
     };
 
+    // The ledger's own primary and synchronous standby, before anything uses it.
+    let pair = if cfg.pg_failover {
+        let pair = PgPair::start(PgPairOptions::default()).await;
+        let db = pair.create_database("ledger").await;
+        Some((pair, db))
+    } else {
+        None
+    };
     let env = Arc::new(Env::new().await);
     let downstream = Downstream::start(&env).await;
     let tools = env.write_tools(&tools_toml(downstream.port));
@@ -494,22 +639,35 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     opts.lease_secs = LEASE_SECS;
     opts.recovery_interval_ms = 200;
     opts.prefetch = 16;
+    if pair.is_some() {
+        // `/readyz` names the ledger host in use: how the soak sees a worker follow.
+        opts = opts.with_metrics();
+    }
+    let ledger_url = match &pair {
+        Some((pair, db)) => pair.multi_host_url(db, "target_session_attrs=read-write"),
+        None => env.db_url.clone(),
+    };
     let pg_upstream = authority(&env.db_url);
     let amqp_upstream = authority(&env.amqp_url);
     let mut slots = Vec::new();
     for _ in 0..cfg.workers {
         slots.push(Slot {
             amqp: FaultProxy::start(&amqp_upstream).await,
-            pg: FaultProxy::start(&pg_upstream).await,
+            pg: match pair {
+                Some(_) => None,
+                None => Some(FaultProxy::start(&pg_upstream).await),
+            },
         });
     }
     let fleet = Arc::new(Fleet {
-        env_db_url: env.db_url.clone(),
+        ledger_url,
         slots,
         procs: Mutex::new(Vec::new()),
         opts,
         unexpected: Mutex::new(Vec::new()),
         startup_exits: Mutex::new(Vec::new()),
+        kills: Mutex::new(Vec::new()),
+        logs: Mutex::new(HashMap::new()),
     });
     for i in 0..cfg.workers {
         let w = fleet.spawn(&env, i, 0);
@@ -569,7 +727,8 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         })
     };
 
-    // Publishing and chaos run side by side for `seconds`.
+    // Publishing, chaos and the failover run side by side for `seconds` (a switchover still
+    // under way then is finished first).
     let t0 = Instant::now();
     let publishing = async {
         let mut errors = Vec::new();
@@ -605,20 +764,53 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     let chaos = chaos(
         cfg,
         fastrand::Rng::with_seed(cfg.seed ^ 0x9e37_79b9_7f4a_7c15),
+        &env,
         &fleet,
         &downstream,
         t0,
         &mut report,
     );
-    let (((published, republished), publish_errors), ()) = tokio::join!(publishing, chaos);
+    let failing_over = async {
+        match &pair {
+            Some((pair, _)) => Some(
+                failover(
+                    cfg,
+                    fastrand::Rng::with_seed(cfg.seed ^ 0x5851_f42d_4c95_7f2d),
+                    pair,
+                    &fleet,
+                    t0,
+                )
+                .await,
+            ),
+            None => None,
+        }
+    };
+    let (((published, republished), publish_errors), (), failover) =
+        tokio::join!(publishing, chaos, failing_over);
     report.published = published;
     report.republished = republished;
+    if let Some(fo) = &failover {
+        for (what, resumed) in [
+            ("promotion", fo.resume_after_promotion),
+            ("switchover", fo.resume_after_switchover),
+        ] {
+            if resumed.is_none() {
+                report.violations.push(format!(
+                    "pg failover: the live workers were not all ready on the new primary within {} s of the {what}",
+                    RESUME_CAP.as_secs()
+                ));
+            }
+        }
+    }
+    report.failover = failover;
 
     // Faults stop: links restored, the fault book emptied; the supervisor keeps every worker
     // up.
     for s in &fleet.slots {
         s.amqp.restore();
-        s.pg.restore();
+        if let Some(pg) = &s.pg {
+            pg.restore();
+        }
     }
     let _ = crate::http()
         .delete(format!(
@@ -628,8 +820,18 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         .send()
         .await;
 
+    // The ledger as the invariants read it: the test database, or the pair's primary now
+    // (sqlx does not take the multi-host URL).
+    let ledger = match &pair {
+        Some((pair, db)) => PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&pair.url(pair.primary().await, db))
+            .await
+            .context("connect to the ledger's primary")?,
+        None => env.pool.clone(),
+    };
     let settle_started = Instant::now();
-    report.settled = settle(&env, &actions, &events, cfg.settle_secs).await;
+    report.settled = settle(&ledger, &actions, &events, cfg.settle_secs).await;
     report.settle_time = settle_started.elapsed();
     stop_supervising.store(true, Ordering::SeqCst);
     let _ = supervisor.await;
@@ -642,7 +844,14 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     let events = std::mem::take(&mut *events.lock().unwrap());
     report.unexpected_exits = std::mem::take(&mut *fleet.unexpected.lock().unwrap());
     report.startup_exits = std::mem::take(&mut *fleet.startup_exits.lock().unwrap());
-    check(&env, &actions, &events, &mut report).await?;
+    let kills = std::mem::take(&mut *fleet.kills.lock().unwrap());
+    let logs = std::mem::take(&mut *fleet.logs.lock().unwrap());
+    let seen = Seen {
+        events: &events,
+        kills: &kills,
+        logs: &logs,
+    };
+    check(&env.pool, &ledger, &actions, &seen, &mut report).await?;
     for e in publish_errors.iter().take(5) {
         report
             .violations
@@ -660,6 +869,9 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
             w.kill();
         }
     }
+    if pair.is_some() {
+        ledger.close().await;
+    }
     drop(downstream);
     drop(fleet);
     match Arc::try_unwrap(env) {
@@ -667,8 +879,95 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         // Still shared (cannot happen once the supervisor ended): `Env`'s drop cleans up.
         Err(env) => drop(env),
     }
+    drop(pair);
     report.elapsed = started.elapsed();
     Ok(report)
+}
+
+/// The seeded failover: at 15–35 % of the fault period the primary is stopped hard and the
+/// standby promoted; at 55–75 % (and not before the workers followed) the old primary rejoins
+/// as the synchronous standby and a switchover makes it the primary again. After each switch,
+/// how long until the live workers are ready on the new primary.
+async fn failover(
+    cfg: &SoakConfig,
+    mut rng: fastrand::Rng,
+    pair: &PgPair,
+    fleet: &Fleet,
+    t0: Instant,
+) -> FailoverFigures {
+    let span = cfg.seconds as f64;
+    let fail_at = Duration::from_secs_f64(span * (0.15 + 0.2 * rng.f64()));
+    let back_at = Duration::from_secs_f64(span * (0.55 + 0.2 * rng.f64()));
+    let mut fo = FailoverFigures::default();
+
+    tokio::time::sleep_until(t0 + fail_at).await;
+    fo.failed_at = t0.elapsed();
+    let old = pair.primary().await;
+    let new = pair.other(old);
+    pair.stop_hard(old).await;
+    let promoting = Instant::now();
+    pair.promote(new).await;
+    let promoted = Instant::now();
+    fo.promote_took = promoted - promoting;
+    fo.resume_after_promotion = resumed_on(fleet, pair.port(new), promoted).await;
+
+    tokio::time::sleep_until((t0 + back_at).max(Instant::now() + Duration::from_secs(1))).await;
+    fo.rejoined_at = t0.elapsed();
+    let rejoining = Instant::now();
+    fo.rewound = pair.rejoin_as_standby(old).await;
+    fo.rejoin_took = rejoining.elapsed();
+    let switching = Instant::now();
+    pair.switchover().await;
+    let switched = Instant::now();
+    fo.switchover_took = switched - switching;
+    fo.resume_after_switchover = resumed_on(fleet, pair.port(old), switched).await;
+    fo
+}
+
+/// Polls every live worker's `/readyz` until each names `127.0.0.1:<port>` as its ledger host
+/// and is ready, or unready only for a broker link the chaos cut (the ledger is what this
+/// measures); the time since `since`, or `None` after [`RESUME_CAP`]. Workers that are down or
+/// still starting are not waited for (they connect to whichever host is writable then).
+async fn resumed_on(fleet: &Fleet, port: u16, since: Instant) -> Option<Duration> {
+    let want = format!("127.0.0.1:{port}");
+    let http = crate::http_builder()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .expect("HTTP client");
+    loop {
+        let live = fleet.live_metrics_ports();
+        let mut all = !live.is_empty();
+        for (_, metrics) in &live {
+            let url = format!("http://127.0.0.1:{metrics}/readyz");
+            let answer = match http.get(&url).send().await {
+                Ok(r) => {
+                    let status = r.status().as_u16();
+                    let body: Value = r.json().await.unwrap_or_default();
+                    Some((status, body))
+                }
+                Err(_) => None,
+            };
+            let ready = answer.is_some_and(|(status, body)| {
+                let on_it = body["ledger_host"].as_str() == Some(want.as_str());
+                let only_broker = body["reasons"].as_array().is_some_and(|r| {
+                    r.iter()
+                        .all(|r| r.as_str().is_some_and(|r| r.starts_with("broker ")))
+                });
+                on_it && (status == 200 || (status == 503 && only_broker))
+            });
+            if !ready {
+                all = false;
+                break;
+            }
+        }
+        if all {
+            return Some(since.elapsed());
+        }
+        if since.elapsed() > RESUME_CAP {
+            return None;
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// `host:port` of a URL.
@@ -682,6 +981,7 @@ fn authority(url: &str) -> String {
 async fn chaos(
     cfg: &SoakConfig,
     mut rng: fastrand::Rng,
+    env: &Env,
     fleet: &Arc<Fleet>,
     downstream: &Downstream,
     t0: Instant,
@@ -702,14 +1002,19 @@ async fn chaos(
         let i = rng.usize(..cfg.workers);
         match rng.u8(..12) {
             0 | 1 => {
-                if fleet.kill(i, secs(&mut rng, 0.3, 2.0)) {
+                if fleet.kill(env, i, secs(&mut rng, 0.3, 2.0)) {
                     report.kills += 1;
                 }
             }
             2..=4 => {
                 let slot = &fleet.slots[i];
                 let (link, blackhole) = (rng.bool(), rng.u8(..4) == 0);
-                let proxy = if link { &slot.amqp } else { &slot.pg };
+                // `true`: the broker link (always, when there is no Postgres proxy).
+                let link = link || slot.pg.is_none();
+                let proxy = match &slot.pg {
+                    Some(pg) if !link => pg,
+                    _ => &slot.amqp,
+                };
                 if blackhole {
                     proxy.blackhole();
                     report.link_blackholes += 1;
@@ -722,10 +1027,9 @@ async fn chaos(
                 tokio::spawn(async move {
                     sleep(hold).await;
                     let slot = &fleet.slots[i];
-                    if link {
-                        slot.amqp.restore();
-                    } else {
-                        slot.pg.restore();
+                    match &slot.pg {
+                        Some(pg) if !link => pg.restore(),
+                        _ => slot.amqp.restore(),
                     }
                 });
             }
@@ -769,7 +1073,7 @@ async fn chaos(
 /// `retry_wait`, `unknown`), the outbox is published and the agent holds an event for every
 /// key; or until `settle_secs` passed. Returns whether it settled.
 async fn settle(
-    env: &Env,
+    ledger: &PgPool,
     actions: &[Action],
     events: &Mutex<Vec<ResultEvent>>,
     settle_secs: u64,
@@ -777,19 +1081,19 @@ async fn settle(
     let deadline = Instant::now() + Duration::from_secs(settle_secs);
     loop {
         let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM operations")
-            .fetch_one(&env.pool)
+            .fetch_one(ledger)
             .await
             .unwrap_or(0);
         let moving: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM operations
              WHERE state IN ('prepared', 'dispatching', 'retry_wait', 'unknown')",
         )
-        .fetch_one(&env.pool)
+        .fetch_one(ledger)
         .await
         .unwrap_or(1);
         let unpublished: i64 =
             sqlx::query_scalar("SELECT count(*) FROM result_outbox WHERE published_at IS NULL")
-                .fetch_one(&env.pool)
+                .fetch_one(ledger)
                 .await
                 .unwrap_or(1);
         let answered = {
@@ -837,18 +1141,50 @@ struct DownstreamKey {
     lookups: i64,
     /// HTTP status of each write request in arrival order (`None`: dropped on purpose).
     write_statuses: Vec<Option<i32>>,
+    /// When the downstream finished sending each true answer for the key (a 2xx that is not
+    /// a `wrong_receipt` fault) to a client that was still connected (`requests.replied_at`).
+    delivered: Vec<DateTime<Utc>>,
 }
 
-/// The invariants and measures, from the downstream's tables, the ledger and the events.
+/// A change of a ledger row, as `operation_history` has it.
+#[derive(sqlx::FromRow)]
+struct HistoryRow {
+    at: DateTime<Utc>,
+    from_state: Option<String>,
+    to_state: String,
+    fence: i64,
+    actor: String,
+}
+
+/// An unresolved key whose downstream delivered a true answer.
+struct HeldWithAnswer<'a> {
+    action: &'a Action,
+    state: String,
+    delivered: Vec<DateTime<Utc>>,
+}
+
+/// What the soak saw besides the tables: the agent's events, its SIGKILLs (`WORKER_ID`, when)
+/// and the workers' output by `WORKER_ID`.
+struct Seen<'a> {
+    events: &'a [ResultEvent],
+    kills: &'a [(String, DateTime<Utc>)],
+    logs: &'a HashMap<String, Output>,
+}
+
+/// The invariants and measures, from the downstream's tables (`downstream`), the ledger
+/// (`ledger`), the events and the soak's SIGKILLs.
 async fn check(
-    env: &Env,
+    downstream: &PgPool,
+    ledger: &PgPool,
     actions: &[Action],
-    events: &[ResultEvent],
+    seen: &Seen<'_>,
     report: &mut SoakReport,
 ) -> Result<()> {
+    let events = seen.events;
+    let ledger_pool = ledger;
     let ledger: Vec<LedgerRow> =
         sqlx::query_as("SELECT tenant, action_id, state, receipt, evidence FROM operations")
-            .fetch_all(&env.pool)
+            .fetch_all(ledger_pool)
             .await
             .context("read the ledger")?;
     let ledger: HashMap<(String, String), LedgerRow> = ledger
@@ -864,15 +1200,19 @@ async fn check(
              SELECT idem_key, count(*) FILTER (WHERE kind = 'write') AS writes,
                     coalesce(array_agg(status ORDER BY id) FILTER (WHERE kind = 'write'),
                              '{}') AS write_statuses,
-                    count(*) FILTER (WHERE kind = 'lookup') AS lookups
+                    count(*) FILTER (WHERE kind = 'lookup') AS lookups,
+                    array_agg(replied_at ORDER BY id) FILTER (
+                        WHERE replied_at IS NOT NULL AND status BETWEEN 200 AND 299
+                          AND fault IS DISTINCT FROM 'wrong_receipt') AS delivered
              FROM downstream.requests WHERE idem_key IS NOT NULL GROUP BY idem_key)
          SELECT coalesce(m.idem_key, r.idem_key) AS idem_key,
                 coalesce(m.mutations, 0) AS mutations, m.first_receipt,
                 coalesce(r.writes, 0) AS writes, coalesce(r.lookups, 0) AS lookups,
-                coalesce(r.write_statuses, '{}') AS write_statuses
+                coalesce(r.write_statuses, '{}') AS write_statuses,
+                coalesce(r.delivered, '{}') AS delivered
          FROM m FULL JOIN r ON m.idem_key = r.idem_key",
     )
-    .fetch_all(&env.pool)
+    .fetch_all(downstream)
     .await
     .context("read the downstream's tables")?;
     let downstream: HashMap<String, DownstreamKey> = downstream
@@ -889,6 +1229,7 @@ async fn check(
     report.events = events.len();
 
     let mut verification = 0i64;
+    let mut held_with_answer = Vec::new();
     for a in actions {
         let key = a.key();
         let figures = report.per_capability.entry(a.cap).or_default();
@@ -977,6 +1318,13 @@ async fn check(
                 other => {
                     figures.unresolved += 1;
                     report.unresolved += 1;
+                    if let Some(d) = ds.filter(|d| d.mutations > 0 && !d.delivered.is_empty()) {
+                        held_with_answer.push(HeldWithAnswer {
+                            action: a,
+                            state: other.to_string(),
+                            delivered: d.delivered.clone(),
+                        });
+                    }
                     let evidence = row.evidence.as_deref().unwrap_or("");
                     report.unresolved_keys.push(format!(
                         "{key} ({}) {other}: {}",
@@ -1053,10 +1401,120 @@ async fn check(
     }
     report.recovery_latencies_ms.sort_unstable();
     report.verification_per_action = verification as f64 / actions.len().max(1) as f64;
+    avoidable_holds(ledger_pool, &held_with_answer, seen, report).await?;
     for e in &report.unexpected_exits {
         report
             .violations
             .push(format!("worker exit not caused by the soak: {e}"));
+    }
+    Ok(())
+}
+
+/// Of the unresolved keys whose true answer was delivered: the ones some worker received and
+/// kept living after (avoidable holds, violations), and the ones whose every answer went to a
+/// worker the soak SIGKILLed before that worker changed the row again (the proof died with
+/// it). A delivered answer's receiver is the worker whose claim (the latest fence) the row
+/// had when the downstream finished sending it (`operation_history`, same clock); a kill from
+/// [`KILL_RACE`] before that moment on counts.
+async fn avoidable_holds(
+    ledger: &PgPool,
+    held: &[HeldWithAnswer<'_>],
+    seen: &Seen<'_>,
+    report: &mut SoakReport,
+) -> Result<()> {
+    let kills = seen.kills;
+    for h in held {
+        let a = h.action;
+        let history: Vec<HistoryRow> = sqlx::query_as(
+            "SELECT h.at, h.from_state, h.to_state, h.fence, h.actor FROM operation_history h
+             JOIN operations o ON o.id = h.operation_id
+             WHERE o.tenant = $1 AND o.action_id = $2 ORDER BY h.id",
+        )
+        .bind(a.tenant)
+        .bind(&a.action_id)
+        .fetch_all(ledger)
+        .await
+        .context("read a row's history")?;
+        let mut receivers = Vec::new();
+        let mut avoidable = None;
+        for r in &h.delivered {
+            // The claim in force at `r`: the first change with the latest fence before it.
+            let mut claim: Option<&HistoryRow> = None;
+            for row in history.iter().take_while(|row| row.at <= *r) {
+                if claim.is_none_or(|c| c.fence != row.fence) {
+                    claim = Some(row);
+                }
+            }
+            let receiver = claim.map_or("?", |c| c.actor.as_str());
+            let killed_at = kills
+                .iter()
+                .find(|(id, _)| id == receiver)
+                .map(|(_, at)| at);
+            // A kill just before `r` counts too: the answer was written into a socket whose
+            // process was already going (the downstream checks for a closed peer first, but
+            // the kill can land between that check and the write).
+            let killed = killed_at.is_some_and(|at| *at >= *r - KILL_RACE);
+            let wrote_after = history
+                .iter()
+                .any(|row| row.actor == receiver && row.at > *r);
+            receivers.push(format!(
+                "{receiver} at {}{}",
+                r.format("%H:%M:%S%.3f"),
+                match (killed_at, wrote_after) {
+                    (Some(k), false) => format!(", SIGKILLed at {}", k.format("%H:%M:%S%.3f")),
+                    (Some(k), true) => format!(
+                        ", which changed the row after it (SIGKILLed at {})",
+                        k.format("%H:%M:%S%.3f")
+                    ),
+                    (None, _) => String::new(),
+                }
+            ));
+            if !killed || wrote_after {
+                avoidable.get_or_insert(receiver.to_string());
+            }
+        }
+        let line = format!(
+            "{} ({}) {}, answer delivered to {}",
+            a.key(),
+            a.cap.as_str(),
+            h.state,
+            receivers.join(", ")
+        );
+        report.held_with_answer_keys.push(line.clone());
+        if let Some(receiver) = avoidable {
+            report.avoidable_holds += 1;
+            // The receiver's own words about the key, and the row's history.
+            let text = seen
+                .logs
+                .get(&receiver)
+                .map(|o| strip_ansi(&o.text()))
+                .unwrap_or_default();
+            let said: Vec<&str> = text
+                .lines()
+                .filter(|l| l.contains(a.action_id.as_str()))
+                .take(8)
+                .collect();
+            let changes: Vec<String> = history
+                .iter()
+                .map(|h| {
+                    format!(
+                        "{} {}→{} fence {} by {}",
+                        h.at.format("%H:%M:%S%.3f"),
+                        h.from_state.as_deref().unwrap_or("-"),
+                        h.to_state,
+                        h.fence,
+                        h.actor
+                    )
+                })
+                .collect();
+            report.violations.push(format!(
+                "avoidable hold: the downstream committed and delivered its answer: {line}; history: {}; {receiver} logged: {}",
+                changes.join(" | "),
+                if said.is_empty() { "nothing about the key".to_string() } else { said.join(" | ") }
+            ));
+        } else {
+            report.holds_lost_with_a_killed_worker += 1;
+        }
     }
     Ok(())
 }

@@ -13,6 +13,7 @@ async fn short_seeded_soak_keeps_every_invariant() {
         seconds: 20,
         workers: 2,
         settle_secs: 30,
+        pg_failover: false,
     };
     let report = run(&cfg).await.expect("the soak could not run");
     println!("{report}");

@@ -1,10 +1,13 @@
 //! Chaos soak: real worker processes under seeded SIGKILLs, broker and Postgres link cuts
 //! (each worker's links run through its own fault proxy) and downstream faults, with tools of
 //! all three capabilities; prints the invariants and the seeds' measures (see `e2e::soak`).
+//! `--pg-failover` puts the ledger on a primary and synchronous standby of the soak's own and
+//! fails it over (and switches it back) during the faults, printing how soon the workers
+//! resumed on each new primary.
 //!
 //! ```sh
 //! cargo build --workspace       # the worker (with fault points) and reference-downstream
-//! cargo run -p e2e --bin soak -- --seed 7 --intents 2000 --seconds 300 [--workers 3] [--settle-secs 90]
+//! cargo run -p e2e --bin soak -- --seed 7 --intents 2000 --seconds 300 [--workers 3] [--settle-secs 90] [--pg-failover]
 //! ```
 //!
 //! Exit code 0 when every invariant holds, 1 when one is broken, 2 when the soak could not run.
@@ -14,7 +17,11 @@ use anyhow::{bail, Context as _, Result};
 use e2e::soak::{run, SoakConfig};
 
 const USAGE: &str = "usage: soak [--seed S (time-based)] [--intents N (300)] [--seconds T (60)] \
-[--workers W (2)] [--settle-secs S (60)]
+[--workers W (2)] [--settle-secs S (60)] [--pg-failover]
+
+--pg-failover: the ledger on a Postgres primary and synchronous standby of the soak's own
+(initdb, pg_ctl, pg_rewind from the newest /usr/lib/postgresql/*/bin, PG_BIN_DIR overrides),
+stopped hard and promoted, then switched back, during the faults.
 
 The worker and reference-downstream binaries are taken from INTENT_BIN_DIR, default the directory
 of this executable (run `cargo build --workspace` first).";
@@ -24,12 +31,15 @@ fn parse_args() -> Result<SoakConfig> {
         seed: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_secs()),
-        intents: 300,
-        seconds: 60,
-        workers: 2,
-        settle_secs: 60,
+        ..SoakConfig::default()
     };
-    for (flag, value) in e2e::flags::pairs(USAGE)? {
+    // The one flag without a value.
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(i) = args.iter().position(|a| a == "--pg-failover") {
+        args.remove(i);
+        cfg.pg_failover = true;
+    }
+    for (flag, value) in e2e::flags::pairs_from(args, USAGE)? {
         match flag.as_str() {
             "--seed" => cfg.seed = value.parse().context("--seed")?,
             "--intents" => cfg.intents = value.parse().context("--intents")?,
