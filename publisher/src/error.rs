@@ -83,6 +83,16 @@ pub(crate) fn short(
 }
 
 impl PublishError {
+    /// A confirm that failed: the broker closing the channel with its own reason (a missing
+    /// exchange, a refused `user_id`) refused the message, a plain AMQP error; a lost connection
+    /// or channel leaves it in doubt.
+    pub(crate) fn confirm_lost(error: lapin::Error) -> PublishError {
+        match error.kind() {
+            lapin::ErrorKind::ProtocolError(_) => PublishError::Amqp(error),
+            _ => PublishError::InDoubt(error),
+        }
+    }
+
     /// Whether the message may have been queued although this is an error: only
     /// [`PublishError::InDoubt`]. Either way, sending it again under the same key is safe.
     pub fn in_doubt(&self) -> bool {

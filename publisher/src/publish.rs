@@ -177,7 +177,7 @@ impl Publisher {
         let mut confirmations = Vec::with_capacity(batch.len());
         for started in pending {
             confirmations.push(match started {
-                Ok(confirm) => confirm.await.map_err(PublishError::InDoubt),
+                Ok(confirm) => confirm.await.map_err(PublishError::confirm_lost),
                 Err(error) => Err(error),
             });
         }
@@ -305,7 +305,7 @@ impl Publisher {
         routing_key: &str,
         confirm: PublisherConfirm,
     ) -> Result<(), PublishError> {
-        match confirm.await.map_err(PublishError::InDoubt)? {
+        match confirm.await.map_err(PublishError::confirm_lost)? {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(returned)) => Err(PublishError::Unroutable {
                 exchange: self.exchange.clone(),

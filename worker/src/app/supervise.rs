@@ -184,6 +184,8 @@ async fn connect_until_stopped(
                 {
                     return Err(e)
                 }
+                // Said once per pass below, with its own words (refused, not unreachable).
+                Err(e @ (AmqpError::Refused { .. } | AmqpError::Tls { .. })) => last = Some(e),
                 Err(e) => {
                     tracing::warn!(?link, node = %kit::url::host_port(&url), error = %e, "RabbitMQ node not reachable; trying the next");
                     last = Some(e);
