@@ -119,9 +119,15 @@ impl Env {
     /// The standard three tools (replay `refund`, lookup `ticket`, none `deploy`) against a
     /// downstream at `port`. `extra` is appended to every tool table.
     pub fn standard_tools(&self, port: u16, extra: &str) -> PathBuf {
+        self.standard_tools_timed(port, 2000, extra)
+    }
+
+    /// [`Env::standard_tools`] with another request timeout (a roomier one for tests on a
+    /// loaded machine, whose subject is not a timeout; the worker's lease must exceed it).
+    pub fn standard_tools_timed(&self, port: u16, timeout_ms: u64, extra: &str) -> PathBuf {
         let base = format!("http://127.0.0.1:{port}");
         let common = format!(
-            "receipt_id = \"/receipt_id\"\nreceipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\ntimeout_ms = 2000\nrecovery_attempts = 3\nretry = {{ initial_delay_ms = 100, max_delay_ms = 1000 }}\n{extra}\n"
+            "receipt_id = \"/receipt_id\"\nreceipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\ntimeout_ms = {timeout_ms}\nrecovery_attempts = 3\nretry = {{ initial_delay_ms = 100, max_delay_ms = 1000 }}\n{extra}\n"
         );
         self.write_tools(&format!(
             "[tools.refund]\nurl = \"{base}/replay/refunds\"\nrecovery = \"replay\"\nreplay_window_secs = 3600\nreplay_safety_margin_secs = 60\n{common}\n\

@@ -61,15 +61,7 @@ const T: Duration = Duration::from_secs(60);
 /// loaded 2-core machine (three broker nodes, two workers) a request must neither time out nor
 /// outlive its lease, which is not what this test is about.
 fn roomy_tools(env: &Env, port: u16) -> std::path::PathBuf {
-    let path = env.standard_tools(port, "");
-    let text = std::fs::read_to_string(&path).unwrap();
-    assert!(text.contains("timeout_ms = 2000"));
-    std::fs::write(
-        &path,
-        text.replace("timeout_ms = 2000", "timeout_ms = 8000"),
-    )
-    .unwrap();
-    path
+    env.standard_tools_timed(port, 8000, "")
 }
 
 fn worker_opts(tools: &std::path::Path, amqp_urls: &str) -> WorkerOptions {

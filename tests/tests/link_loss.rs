@@ -66,15 +66,7 @@ const TOOLS: [&str; 3] = ["refund", "ticket", "deploy"];
 /// shared machine a request must not time out or outlive its lease (a `none` tool's dispatch
 /// would end `held`), which is not what these tests are about.
 fn roomy_tools(env: &Env, port: u16) -> std::path::PathBuf {
-    let path = env.standard_tools(port, "");
-    let text = std::fs::read_to_string(&path).unwrap();
-    assert!(text.contains("timeout_ms = 2000"));
-    std::fs::write(
-        &path,
-        text.replace("timeout_ms = 2000", "timeout_ms = 8000"),
-    )
-    .unwrap();
-    path
+    env.standard_tools_timed(port, 8000, "")
 }
 
 fn base_opts(tools: std::path::PathBuf) -> WorkerOptions {

@@ -19,14 +19,7 @@ const TOOLS: [&str; 3] = ["refund", "ticket", "deploy"];
 /// The standard tools with an 8 s timeout and a 20 s lease: the failover, not a slow machine,
 /// is what these tests are about.
 fn opts(env: &Env, port: u16, db_url: &str) -> WorkerOptions {
-    let tools = env.standard_tools(port, "");
-    let text = std::fs::read_to_string(&tools).unwrap();
-    std::fs::write(
-        &tools,
-        text.replace("timeout_ms = 2000", "timeout_ms = 8000"),
-    )
-    .unwrap();
-    let mut o = WorkerOptions::new(tools)
+    let mut o = WorkerOptions::new(env.standard_tools_timed(port, 8000, ""))
         .database_url(db_url)
         .with_metrics();
     o.lease_secs = 20;

@@ -19,14 +19,7 @@ const TENANT: &str = "north-shop";
 /// The standard tools with an 8 s timeout and a 20 s lease: on a slow, shared machine a
 /// (deliberately slowed) request must not time out or outlive its lease.
 fn roomy_opts(env: &Env, port: u16) -> WorkerOptions {
-    let path = env.standard_tools(port, "");
-    let text = std::fs::read_to_string(&path).unwrap();
-    std::fs::write(
-        &path,
-        text.replace("timeout_ms = 2000", "timeout_ms = 8000"),
-    )
-    .unwrap();
-    let mut opts = WorkerOptions::new(path).with_metrics();
+    let mut opts = WorkerOptions::new(env.standard_tools_timed(port, 8000, "")).with_metrics();
     opts.lease_secs = 20;
     opts
 }

@@ -66,13 +66,7 @@ async fn sigterm_under_load_exits_0_within_the_budget_and_loses_nothing() {
     .await;
     // A 5 s tool timeout and an 8 s lease: on a loaded machine a slow write must not time out
     // into `unknown`, whose recovery backoff (not shutdown) would then set the test's length.
-    let tools = env.standard_tools(ds.port, "");
-    let text = std::fs::read_to_string(&tools).unwrap();
-    std::fs::write(
-        &tools,
-        text.replace("timeout_ms = 2000", "timeout_ms = 5000"),
-    )
-    .unwrap();
+    let tools = env.standard_tools_timed(ds.port, 5000, "");
     let mut opts =
         WorkerOptions::new(tools).env("WORKER_SHUTDOWN_GRACE_SECS", &GRACE_SECS.to_string());
     opts.lease_secs = 8;

@@ -55,6 +55,10 @@ def _answers_intent(event: ResultEvent, fingerprint: str | None) -> bool:
     )
 
 
+_LINK_ERRORS = (AMQPError, ChannelInvalidStateError, asyncio.TimeoutError, ConnectionError)
+"""What a broker call raises when the link or the broker fails it (a nack or a return is a
+``DeliveryError``, caught before these where it matters)."""
+
 MAX_ROUTING_KEY_BYTES = 255
 """The longest AMQP routing key (a short string), in bytes."""
 
@@ -275,12 +279,7 @@ class IntentClient:
         if intent.reply_to == self.reply_to:
             try:
                 await asyncio.wait_for(self._bind(intent.tenant), timeout)
-            except (
-                AMQPError,
-                ChannelInvalidStateError,
-                asyncio.TimeoutError,
-                ConnectionError,
-            ) as e:
+            except _LINK_ERRORS as e:
                 # Nothing was published yet.
                 raise PublishError(
                     f"intent {intent.message_id} was not sent: binding its results key "
@@ -317,12 +316,7 @@ class IntentClient:
             raise PublishError(
                 f"intent {intent.message_id} was not accepted by the broker: {e!r}"
             ) from e
-        except (
-            AMQPError,
-            ChannelInvalidStateError,
-            asyncio.TimeoutError,
-            ConnectionError,
-        ) as e:
+        except _LINK_ERRORS as e:
             raise PublishInDoubt(
                 f"intent {intent.message_id}: the broker's confirm never arrived ({e!r}); it may "
                 "or may not be queued, and publishing it again under the same key is safe"
