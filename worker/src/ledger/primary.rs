@@ -285,12 +285,18 @@ impl Hosts {
     }
 }
 
-/// Whether the server this connection is on refuses writes.
-pub async fn read_only(conn: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
-    let value: String = sqlx::query_scalar("SHOW transaction_read_only")
+/// Whether the server this connection is on refuses writes. Sent as a simple query: a named
+/// prepared statement here would run before the start-up probe for a transaction-mode pooler
+/// (PgBouncer < 1.21), collide there, and turn its clear refusal into endless reconnecting.
+pub async fn read_only<'c, E>(conn: E) -> Result<bool, sqlx::Error>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Postgres>,
+{
+    use sqlx::Row as _;
+    let row = sqlx::raw_sql("SHOW transaction_read_only")
         .fetch_one(conn)
         .await?;
-    Ok(value == "on")
+    Ok(row.try_get::<String, _>(0)? == "on")
 }
 
 #[cfg(test)]

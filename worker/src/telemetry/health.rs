@@ -36,10 +36,9 @@ pub async fn readyz(links: &LinkState, ledger: &Ledger) -> (StatusCode, Json<Val
         .collect();
     // A standby answers `SELECT 1` too: the question is whether the ledger takes writes.
     let hosts = ledger.hosts();
-    let ping =
-        sqlx::query_scalar::<_, String>("SHOW transaction_read_only").fetch_one(ledger.pool());
+    let ping = crate::ledger::primary::read_only(ledger.pool());
     match tokio::time::timeout(LEDGER_TIMEOUT, ping).await {
-        Ok(Ok(ro)) if ro == "on" && hosts.read_write() => reasons.push(format!(
+        Ok(Ok(true)) if hosts.read_write() => reasons.push(format!(
             "ledger host {} is read-only (a standby, or a primary being demoted)",
             hosts.current_name()
         )),
