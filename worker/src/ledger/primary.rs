@@ -287,7 +287,8 @@ impl Hosts {
 
 /// Whether the server this connection is on refuses writes. Sent as a simple query: a named
 /// prepared statement here would run before the start-up probe for a transaction-mode pooler
-/// (PgBouncer < 1.21), collide there, and turn its clear refusal into endless reconnecting.
+/// (PgBouncer < 1.21), collide there, and turn its clear refusal into reconnecting until the
+/// start-up deadline.
 pub async fn read_only<'c, E>(conn: E) -> Result<bool, sqlx::Error>
 where
     E: sqlx::Executor<'c, Database = sqlx::Postgres>,
