@@ -3,7 +3,8 @@
 //! contract stays in `protocol`, which depends on nothing of this.
 //!
 //! The feature `server` (on by default) adds what only a long-running binary needs: `http`,
-//! `metrics` and `logs`; a library linked into an agent (the publisher's) goes without.
+//! `metrics` and `logs`; a library linked into an agent (the publisher's) goes without. The
+//! feature `pg` adds [`pg`], for the processes that write to Postgres.
 //!
 //! # Layout
 //! - [`tls`]: the one TLS trust (system roots plus an extra PEM bundle, one crypto provider) and
@@ -23,6 +24,8 @@
 //! - [`fault`]: how a fault point stops the process for a crash test.
 //! - [`secret`]: comparing bearer tokens in constant time.
 //! - [`url`]: service URLs as settings: redacted for logs, refused when they can never work.
+//! - [`pg`] (feature `pg`): a Postgres URL with several hosts, the primary among them, and
+//!   leaving a server that turned read-only or went away.
 
 pub mod backoff;
 pub mod errors;
@@ -34,6 +37,8 @@ pub mod http;
 pub mod logs;
 #[cfg(feature = "server")]
 pub mod metrics;
+#[cfg(feature = "pg")]
+pub mod pg;
 pub mod secret;
 pub mod signal;
 pub mod tls;

@@ -2,6 +2,7 @@
 //! `relay`, `mcp` and `demo`, and the exit codes scripts rely on.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -485,7 +486,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Wait(args) => wait(args).await,
         Command::Follow(args) => follow(&cli.amqp_url, args).await.map(|()| 0),
         Command::Migrate(args) => {
-            let pool = connect_db(&args.database_url, 1).await?;
+            let (pool, _) = connect_db(&args.database_url, 1).await?;
             Outbox::migrate(&pool).await?;
             println!("intent_outbox is ready");
             Ok(0)
@@ -536,30 +537,37 @@ fn usable_url(name: &str, url: &str, schemes: &[&str]) -> Result<(), UsageError>
     })
 }
 
-async fn connect_db(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool> {
+/// The agent database, to the host search: its name in messages, its setting, its counter.
+const AGENT_DB: kit::pg::Role = kit::pg::Role {
+    what: "agent database",
+    var: "PUBLISHER_DATABASE_URL",
+    failovers: crate::metrics::DB_FAILOVERS,
+};
+
+/// Connects to the agent database: one host, or the primary among several (libpq's
+/// multi-host URL, [`kit::pg`]); the hosts are returned for the pool's users to
+/// [`kit::pg::Hosts::observe`] failed statements.
+async fn connect_db(url: &str, max: u32) -> anyhow::Result<(sqlx::PgPool, Arc<kit::pg::Hosts>)> {
     usable_url("PUBLISHER_DATABASE_URL", url, &["postgres", "postgresql"])?;
-    let options = crate::tls::postgres(url)
+    let hosts = kit::pg::Hosts::from_url(url, AGENT_DB, crate::tls::postgres)
         .map_err(|e| UsageError(format!("invalid PUBLISHER_DATABASE_URL: {e}")))?;
-    let port = options.get_port();
-    sqlx::postgres::PgPoolOptions::new()
-        .after_connect(move |_conn, _meta| {
-            Box::pin(async move {
-                // sqlx 0.9.0 sets no TCP_NODELAY (see the function).
-                kit::tls::set_nodelay_on_sockets_to(port);
-                Ok(())
-            })
-        })
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect_with(options)
-        .await
-        .map_err(|e| match crate::tls::postgres_failure(&e) {
+    let hosts = Arc::new(hosts);
+    let settings = kit::pg::PoolSettings {
+        max_connections: max,
+        min_connections: 0,
+        acquire_timeout: Duration::from_secs(10),
+        ping_if_idle_for: Duration::from_secs(1),
+    };
+    match kit::pg::pool(hosts.clone(), settings).await {
+        Ok(pool) => Ok((pool, hosts)),
+        Err(e) => Err(match crate::tls::postgres_failure(&e) {
             Some(reason) => anyhow::anyhow!(
                 "cannot connect to the agent database (PUBLISHER_DATABASE_URL): TLS handshake failed: {reason}"
             ),
             None => anyhow::Error::new(e)
                 .context("cannot connect to the agent database (PUBLISHER_DATABASE_URL)"),
-        })
+        }),
+    }
 }
 
 async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Result<()> {
@@ -589,7 +597,7 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
         "publisher relay",
         &budget.add("broker (PUBLISHER_CONCURRENCY)", u64::from(concurrency)),
     );
-    let pool = connect_db(&args.db.database_url, concurrency + 2).await?;
+    let (pool, hosts) = connect_db(&args.db.database_url, concurrency + 2).await?;
     match crate::relay::check_table(&pool).await {
         Err(e @ crate::relay::TableError::NotMigrated(_)) => {
             return Err(UsageError(e.to_string()).into())
@@ -640,7 +648,8 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
         let publisher = connect()
             .await
             .with_context(|| format!("cannot connect to the broker at {}", redact(amqp_url)))?;
-        let mut relay = Relay::new(pool.clone(), publisher, config.clone());
+        let mut relay =
+            Relay::new(pool.clone(), publisher, config.clone()).following(hosts.clone());
         let stop = stopped();
         loops.spawn(async move { relay.run(stop, connect).await });
     }
@@ -669,9 +678,9 @@ async fn mcp(amqp_url: String, set_user_id: bool, args: McpArgs) -> anyhow::Resu
     kit::fd::prepare("publisher mcp", &budget.add("broker", 2));
     let outbox = match &args.database_url {
         Some(url) => {
-            let pool = connect_db(url, 8).await?;
+            let (pool, hosts) = connect_db(url, 8).await?;
             Outbox::migrate(&pool).await?;
-            Some(pool)
+            Some(mcp::OutboxDb { pool, hosts })
         }
         None => None,
     };

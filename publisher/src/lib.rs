@@ -49,6 +49,10 @@ pub mod tls;
 pub mod topology;
 pub mod wait;
 
+/// A Postgres URL with several hosts and the primary among them (the agent database's pool:
+/// [`pg::pool`], then [`Relay::following`]).
+pub use kit::pg;
+
 pub use error::PublishError;
 pub use follow::Follower;
 pub use outbox::{Outbox, OutboxError};

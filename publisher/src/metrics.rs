@@ -14,6 +14,7 @@ pub const ROWS_SENT: &str = "intent_publisher_rows_sent_total";
 pub const ROWS_SWEPT: &str = "intent_publisher_rows_swept_total";
 pub const ROWS_FAILED: &str = "intent_publisher_rows_failed_total";
 pub const FAILED_ROWS: &str = "intent_publisher_outbox_failed_rows";
+pub const DB_FAILOVERS: &str = "intent_publisher_db_failovers_total";
 
 /// The recorder and the listener: the `publisher` binary's (feature `cli`).
 #[cfg(feature = "cli")]
@@ -58,6 +59,10 @@ mod exporter {
             FAILED_ROWS,
             "intent_outbox rows marked failed (all relays); they stay until repaired or deleted."
         );
+        describe_counter!(
+            DB_FAILOVERS,
+            "Failovers of the agent database seen: its primary turned read-only, or new connections moved to another host of PUBLISHER_DATABASE_URL."
+        );
         for reason in REASONS {
             counter!(PUBLISH_FAILURES, "reason" => reason).absolute(0);
         }
@@ -66,6 +71,7 @@ mod exporter {
         }
         counter!(ROWS_SENT).absolute(0);
         counter!(ROWS_SWEPT).absolute(0);
+        counter!(DB_FAILOVERS).absolute(0);
         Ok(handle)
     }
 

@@ -19,6 +19,7 @@
 //! (`failed_at`, `failure`) and never claimed again, so it cannot stop the rows behind it.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::counter;
@@ -107,6 +108,7 @@ pub struct Relay {
     pool: PgPool,
     publisher: Publisher,
     config: RelayConfig,
+    hosts: Option<Arc<kit::pg::Hosts>>,
 }
 
 impl Relay {
@@ -115,6 +117,21 @@ impl Relay {
             pool,
             publisher,
             config,
+            hosts: None,
+        }
+    }
+
+    /// Tells `hosts` (the pool's, from [`kit::pg::pool`]) about every failed statement, so a
+    /// primary that turned read-only or went away is left at once and, with several hosts,
+    /// the new primary is looked for.
+    pub fn following(mut self, hosts: Arc<kit::pg::Hosts>) -> Relay {
+        self.hosts = Some(hosts);
+        self
+    }
+
+    fn observe(&self, error: &RelayError) {
+        if let (Some(hosts), RelayError::Db(e)) = (&self.hosts, error) {
+            hosts.observe(e);
         }
     }
 
@@ -314,12 +331,16 @@ impl Relay {
                 match self.sweep().await {
                     Ok(0) => {}
                     Ok(n) => info!(swept = n, "swept sent outbox rows"),
-                    Err(error) => warn!(%error, "outbox sweep failed"),
+                    Err(error) => {
+                        self.observe(&error);
+                        warn!(%error, "outbox sweep failed");
+                    }
                 }
             }
             let report = match self.step().await {
                 Ok(report) => report,
                 Err(error) => {
+                    self.observe(&error);
                     warn!(%error, "relay step failed; retrying");
                     StepReport::default()
                 }

@@ -2,11 +2,10 @@
 //! file, killed when the handle drops, restartable on the same port.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::procs::{bin_dir, Output};
+use crate::procs::Output;
 
 /// A running `publisher mcp --transport http`.
 pub struct McpGateway {
@@ -25,9 +24,7 @@ impl McpGateway {
     /// Starts `publisher mcp` with `env` (AMQP_URL, PUBLISHER_MCP_TOOLS, ... ) on `port`, and
     /// waits until it listens.
     pub async fn start(port: u16, env: BTreeMap<String, String>) -> McpGateway {
-        let bin = std::env::var_os("PUBLISHER_BIN")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| bin_dir().join("publisher"));
+        let bin = crate::procs::publisher_bin();
         let mut child = Command::new(&bin)
             .arg("mcp")
             .envs(&env)

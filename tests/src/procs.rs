@@ -36,6 +36,20 @@ pub fn bin_dir() -> PathBuf {
     dir
 }
 
+/// The `publisher` binary: `PUBLISHER_BIN` when set (e.g. a release build, for the throughput
+/// figure), else the one beside the worker in [`bin_dir`].
+pub fn publisher_bin() -> PathBuf {
+    let bin = std::env::var_os("PUBLISHER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| bin_dir().join("publisher"));
+    assert!(
+        bin.exists(),
+        "{} missing: cargo build --workspace",
+        bin.display()
+    );
+    bin
+}
+
 /// A port nothing listens on (yet).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

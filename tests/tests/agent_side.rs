@@ -23,20 +23,6 @@ use serde_json::json;
 const T: Duration = Duration::from_secs(20);
 const TENANT_TOKEN: &str = "north-shop-token-1";
 
-/// The `publisher` binary: `PUBLISHER_BIN` (e.g. a release build, for the throughput figure)
-/// or the workspace's debug build.
-fn publisher_bin() -> PathBuf {
-    let bin = std::env::var_os("PUBLISHER_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| e2e::procs::bin_dir().join("publisher"));
-    assert!(
-        bin.exists(),
-        "{} missing: cargo build --workspace",
-        bin.display()
-    );
-    bin
-}
-
 /// A worker with the status API (tenant token for north-shop) and the reference downstream.
 async fn setup(tools_extra: &str) -> (Env, Downstream, Worker) {
     let env = Env::new().await;
@@ -195,7 +181,7 @@ struct RelayProc {
 impl RelayProc {
     fn spawn(env: &Env, name: &str, extra: &[(&str, &str)]) -> RelayProc {
         let log = env.dir.join(format!("{name}.log"));
-        let mut cmd = Command::new(publisher_bin());
+        let mut cmd = Command::new(e2e::procs::publisher_bin());
         cmd.arg("relay")
             .env_clear()
             .env("RUST_LOG", "info,lapin=warn,sqlx=warn")
@@ -873,7 +859,7 @@ async fn send_and_wait_returns_pending_at_the_timeout_and_falls_back_to_the_stat
 }
 
 fn run_cli(env: &Env, w: &Worker, args: &[&str]) -> Output {
-    Command::new(publisher_bin())
+    Command::new(e2e::procs::publisher_bin())
         .args(args)
         .env_clear()
         .env("RUST_LOG", "warn")
@@ -904,7 +890,7 @@ async fn cli_send_wait_and_wait_exit_with_the_answer_status() {
             "--args".into(),
             r#"{"order":"o-{1}\"q","amount_cents":18446744073709551615}"#.into(),
         ];
-        let out = Command::new(publisher_bin())
+        let out = Command::new(e2e::procs::publisher_bin())
             .args(&args)
             .env_clear()
             .env("RUST_LOG", "warn")
@@ -987,7 +973,7 @@ async fn cli_send_wait_and_wait_exit_with_the_answer_status() {
         ],
     );
     assert_eq!(out.status.code(), Some(2));
-    let out = Command::new(publisher_bin())
+    let out = Command::new(e2e::procs::publisher_bin())
         .args(["wait", "--tenant", "t", "--action-id", "a"])
         .env_clear()
         .output()

@@ -26,16 +26,6 @@ fn repo() -> PathBuf {
         .expect("repository root")
 }
 
-fn publisher_bin() -> PathBuf {
-    let bin = e2e::procs::bin_dir().join("publisher");
-    assert!(
-        bin.exists(),
-        "{} missing: cargo build --workspace",
-        bin.display()
-    );
-    bin
-}
-
 /// A child killed (and reaped) on drop.
 struct Proc(Child);
 
@@ -48,7 +38,7 @@ impl Drop for Proc {
 
 /// `publisher <args>` with a clean environment, the test's broker names and `extra`.
 fn publisher(env: &Env, args: &[&str], extra: &[(&str, String)]) -> Command {
-    let mut cmd = Command::new(publisher_bin());
+    let mut cmd = Command::new(e2e::procs::publisher_bin());
     cmd.args(args)
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())

@@ -75,15 +75,9 @@ async fn world() -> (Env, Downstream, Worker) {
     (env, ds, w)
 }
 
-fn publisher_bin() -> PathBuf {
-    std::env::var_os("PUBLISHER_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| e2e::procs::bin_dir().join("publisher"))
-}
-
 /// `publisher <args>` against the test's broker names: (exit code, stdout, stderr).
 fn publisher(env: &Env, args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(publisher_bin())
+    let out = Command::new(e2e::procs::publisher_bin())
         .args(args)
         .env_clear()
         .env("RUST_LOG", "warn")
@@ -163,7 +157,7 @@ struct RelayProc {
 impl RelayProc {
     fn spawn(env: &Env, metrics_addr: &str) -> RelayProc {
         let log = env.dir.join("relay.log");
-        let child = Command::new(publisher_bin())
+        let child = Command::new(e2e::procs::publisher_bin())
             .arg("relay")
             .env_clear()
             .env("RUST_LOG", "info,lapin=warn,sqlx=warn")
@@ -587,7 +581,7 @@ async fn a_relay_on_a_table_without_the_failure_columns_stops_with_a_hint() {
         .await
         .expect("0001 only");
     let relay = |args: &[&str]| {
-        Command::new(publisher_bin())
+        Command::new(e2e::procs::publisher_bin())
             .args(args)
             .env_clear()
             .env("RUST_LOG", "info,lapin=warn,sqlx=warn")

@@ -269,3 +269,117 @@ async fn asynchronous_replication_loses_acked_intents_and_this_measures_how_many
     drop(w);
     cleanup(env).await;
 }
+
+/// The agent side through the same failover: `publisher relay` given both hosts of the agent
+/// database (`PUBLISHER_DATABASE_URL`) keeps publishing outbox rows when the primary is stopped
+/// hard and the standby promoted, rows enqueued before and after alike; each is carried out
+/// once downstream and its row is marked sent on the new primary.
+#[tokio::test]
+async fn the_outbox_relay_follows_the_agent_databases_primary() {
+    use publisher::Outbox;
+    use sqlx::Connection as _;
+
+    let pair = PgPair::start(PgPairOptions::default()).await;
+    let db = pair.create_database("agent").await;
+    let url = pair.multi_host_url(&db, "target_session_attrs=read-write");
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let w = Worker::start(&env, "w", &opts(&env, ds.port, &env.db_url)).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    let pool = sqlx::PgPool::connect(&pair.url(0, &db)).await.unwrap();
+    Outbox::migrate(&pool).await.unwrap();
+    pool.close().await;
+    let enqueue = |node: usize, id: String, tool: &'static str| {
+        let url = pair.url(node, &db);
+        async move {
+            let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+            let mut tx = conn.begin().await.unwrap();
+            let intent = e2e::intent(TENANT, &id, tool, json!({"id": id}));
+            Outbox::enqueue(&mut tx, &intent).await.unwrap();
+            tx.commit().await.unwrap();
+        }
+    };
+    let log = env.dir.join("relay.log");
+    let mut relay = std::process::Command::new(e2e::procs::publisher_bin())
+        .arg("relay")
+        .env_clear()
+        .env("RUST_LOG", "info,lapin=warn,sqlx=warn")
+        .env("AMQP_URL", &env.amqp_url)
+        .env("PUBLISHER_DATABASE_URL", &url)
+        .env("INTENTS_EXCHANGE", &env.topology.intents_exchange)
+        .env("PUBLISHER_LEASE", "3s")
+        .env("PUBLISHER_IDLE_POLL", "50ms")
+        .env("PUBLISHER_METRICS_ADDR", "off")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("spawn publisher relay");
+
+    let n = 30;
+    let ids: Vec<String> = (0..n).map(|i| format!("relay-fo-{i}")).collect();
+    for (i, id) in ids[..n / 2].iter().enumerate() {
+        enqueue(0, id.clone(), TOOLS[i % 3]).await;
+    }
+    // The relay is publishing (a first answer came back) when the primary dies.
+    let mut finals = BTreeMap::new();
+    let deadline = Instant::now() + T;
+    let mut failed_over = None;
+    while finals.len() < n && Instant::now() < deadline {
+        if failed_over.is_none() && !finals.is_empty() {
+            pair.stop_hard(0).await;
+            pair.promote(1).await;
+            failed_over = Some(Instant::now());
+            for (i, id) in ids.iter().enumerate().skip(n / 2) {
+                enqueue(1, id.clone(), TOOLS[i % 3]).await;
+            }
+        }
+        if let Some(ev) = agent.try_next(TENANT, Duration::from_secs(5)).await {
+            if ev.status != protocol::Status::Pending {
+                finals.insert(ev.action_id.clone(), ev.status);
+            }
+        }
+    }
+    let answered_after = failed_over.map(|t| t.elapsed());
+    assert!(failed_over.is_some(), "no first answer before the failover");
+    let output = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = relay.kill();
+    let _ = relay.wait();
+    let missing: Vec<_> = ids.iter().filter(|id| !finals.contains_key(*id)).collect();
+    assert!(
+        missing.is_empty(),
+        "every outbox row reaches the worker; unanswered: {missing:?}\nrelay log:\n{output}"
+    );
+    assert!(
+        finals.values().all(|s| *s == protocol::Status::Succeeded),
+        "{finals:?}"
+    );
+    for id in &ids {
+        assert_eq!(
+            env.mutations(&format!("{TENANT}:{id}")).await,
+            1,
+            "one mutation for {id}"
+        );
+    }
+    let unsent = wait_for("every row marked sent on the new primary", T, || async {
+        let unsent = pair
+            .psql_db(
+                1,
+                &db,
+                "SELECT count(*) FROM intent_outbox WHERE sent_at IS NULL",
+            )
+            .await;
+        (unsent == "0").then_some(unsent)
+    })
+    .await;
+    assert_eq!(unsent, "0");
+    assert!(
+        output.contains("primary moved"),
+        "the relay says where it went:\n{output}"
+    );
+    eprintln!(
+        "relay through a failover: {n} of {n} answered, the last {:?} after promotion",
+        answered_after
+    );
+    drop(w);
+    cleanup(env).await;
+}

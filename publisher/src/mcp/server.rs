@@ -41,6 +41,13 @@ pub enum ActionIdMode {
     Argument,
 }
 
+/// The agent database the gateway enqueues into, and its hosts ([`kit::pg`]), told of every
+/// failed statement so a primary that went away is left at once.
+pub struct OutboxDb {
+    pub pool: sqlx::PgPool,
+    pub hosts: Arc<kit::pg::Hosts>,
+}
+
 /// Everything a call needs; shared by every request the gateway serves.
 pub struct GatewayConfig {
     pub catalog: ToolCatalog,
@@ -50,7 +57,7 @@ pub struct GatewayConfig {
     pub results_exchange: String,
     pub status_api: Option<StatusApi>,
     /// The agent database with `intent_outbox`; `None` publishes directly with confirms.
-    pub outbox: Option<sqlx::PgPool>,
+    pub outbox: Option<OutboxDb>,
     /// How long a call waits for its answer.
     pub budget: Duration,
     pub action_id_mode: ActionIdMode,
@@ -234,7 +241,13 @@ impl Gateway {
     /// Hands the intent to the broker (confirmed) or to the outbox (committed).
     async fn send(&self, publisher: &Publisher, intent: protocol::Intent) -> Result<(), WaitError> {
         match &self.config.outbox {
-            Some(pool) => enqueue(pool, &intent).await,
+            Some(db) => {
+                let done = enqueue(&db.pool, &intent).await;
+                if let Err(WaitError::Outbox(crate::OutboxError::Db(e))) = &done {
+                    db.hosts.observe(e);
+                }
+                done
+            }
             None => Ok(publisher.publish(&intent).await?),
         }
     }

@@ -16,7 +16,8 @@ mod complete;
 mod guard;
 pub mod operator;
 pub mod outbox;
-pub mod primary;
+/// Finding the primary among `DATABASE_URL`'s hosts: kit's, shared with the publisher.
+pub use kit::pg as primary;
 pub mod queries;
 pub mod retention;
 pub mod startup;
@@ -30,7 +31,7 @@ pub use retention::SweepReport;
 pub use states::State;
 
 use chrono::{DateTime, Utc};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPool;
 
 /// Errors from the ledger.
 #[derive(Debug, thiserror::Error)]
@@ -127,6 +128,13 @@ pub(crate) const OPERATION_COLUMNS: &str = "id, tenant, action_id, tool, fingerp
      first_dispatch_at, replay_deadline, receipt, receipt_id, evidence, last_reported, created_at, \
      updated_at, state_since, swept_at";
 
+/// The ledger, to the host search: its name in messages, its setting, its failover counter.
+pub const ROLE: primary::Role = primary::Role {
+    what: "ledger",
+    var: "DATABASE_URL",
+    failovers: crate::telemetry::metrics::LEDGER_FAILOVERS,
+};
+
 /// A pooled connection idle for less than this is handed out without a ping
 /// ([`Ledger::connect_hosts`]).
 const PING_IF_IDLE_FOR: std::time::Duration = std::time::Duration::from_secs(1);
@@ -156,7 +164,7 @@ impl Ledger {
         pool_size: u32,
         acquire_timeout: std::time::Duration,
     ) -> Result<Ledger, LedgerError> {
-        let hosts = primary::Hosts::single(options, true);
+        let hosts = primary::Hosts::single(ROLE, options, true);
         Ledger::connect_hosts(std::sync::Arc::new(hosts), pool_size, acquire_timeout).await
     }
 
@@ -169,56 +177,20 @@ impl Ledger {
         pool_size: u32,
         acquire_timeout: std::time::Duration,
     ) -> Result<Ledger, LedgerError> {
-        if hosts.len() > 1 {
-            let i = hosts.find().await.map_err(|said| {
-                LedgerError::Db(sqlx::Error::Configuration(
-                    format!("no writable host in DATABASE_URL: {said}").into(),
-                ))
-            })?;
-            hosts.select(i);
-        }
-        // sqlx pings every connection it hands out by default: one more round trip (and a
-        // wake-up of the backend) before each statement. A connection used within the last
-        // second has just proven itself; only longer-idle ones are pinged. A connection that
-        // broke since its last use fails its statement, which every caller already survives.
-        let ports = hosts.ports();
-        let (on_connect, on_acquire) = (hosts.clone(), hosts.clone());
-        let pool = PgPoolOptions::new()
-            .after_connect(move |conn, _meta| {
-                let hosts = on_connect.clone();
-                let ports = ports.clone();
-                Box::pin(async move {
-                    // sqlx 0.9.0 sets no TCP_NODELAY (see the function).
-                    for port in ports {
-                        kit::tls::set_nodelay_on_sockets_to(port);
-                    }
-                    hosts.check_new(conn).await
-                })
-            })
-            .max_connections(pool_size)
-            // Opened at start (and kept): a connection opened on demand costs a TLS handshake,
-            // authentication and fresh statement preparation in the middle of the first burst
-            // of load, which showed as a ~100 ms stall when a burst met a freshly started worker.
-            .min_connections(pool_size)
-            .acquire_timeout(acquire_timeout)
-            .test_before_acquire(false)
-            .before_acquire(move |conn, meta| {
-                let retired = on_acquire.is_retired(meta.age);
-                Box::pin(async move {
-                    if retired {
-                        return Ok(false);
-                    }
-                    if meta.idle_for < PING_IF_IDLE_FOR {
-                        return Ok(true);
-                    }
-                    sqlx::Connection::ping(conn).await.map(|()| true)
-                })
-            })
-            .connect_with(hosts.current_options())
-            .await?;
-        if hosts.len() > 1 {
-            tokio::spawn(hosts.clone().follow(pool.clone()));
-        }
+        let pool = primary::pool(
+            hosts.clone(),
+            primary::PoolSettings {
+                max_connections: pool_size,
+                // Opened at start (and kept): a connection opened on demand costs a TLS
+                // handshake, authentication and fresh statement preparation in the middle of
+                // the first burst of load, which showed as a ~100 ms stall when a burst met a
+                // freshly started worker.
+                min_connections: pool_size,
+                acquire_timeout,
+                ping_if_idle_for: PING_IF_IDLE_FOR,
+            },
+        )
+        .await?;
         Ok(Ledger { pool, hosts })
     }
 
@@ -244,7 +216,7 @@ impl Ledger {
 
     /// A ledger on a pool built elsewhere (tests); its connections are not checked writable.
     pub fn from_pool(pool: PgPool) -> Ledger {
-        let hosts = primary::Hosts::single((*pool.connect_options()).clone(), false);
+        let hosts = primary::Hosts::single(ROLE, (*pool.connect_options()).clone(), false);
         Ledger {
             pool,
             hosts: std::sync::Arc::new(hosts),

@@ -27,9 +27,10 @@ pub async fn connect_retrying(
     pool_size: u32,
     acquire_timeout: Duration,
 ) -> anyhow::Result<Ledger> {
-    let hosts =
-        super::primary::Hosts::from_url(database_url, |url| crate::tls::postgres(url, trust))
-            .context("invalid DATABASE_URL")?;
+    let hosts = super::primary::Hosts::from_url(database_url, super::ROLE, |url| {
+        crate::tls::postgres(url, trust)
+    })
+    .context("invalid DATABASE_URL")?;
     let hosts = std::sync::Arc::new(hosts);
     let options = hosts.current_options();
     let mut attempt = 0u32;

@@ -1,7 +1,10 @@
-//! Which Postgres server the ledger writes to: the hosts `DATABASE_URL` names (libpq's
-//! multi-host form `postgres://u@h1:5432,h2:5433/db`), the one that is the primary now, and
-//! leaving a server at once when it turns read-only or goes away (a failover, a switchover, a
-//! stale DNS name that points at a standby).
+//! Which Postgres server a process writes to (the worker's ledger, the publisher's agent
+//! database): the hosts its URL names (libpq's multi-host form `postgres://u@h1:5432,h2:5433/db`),
+//! the one that is the primary now, and leaving a server at once when it turns read-only or goes
+//! away (a failover, a switchover, a stale DNS name that points at a standby).
+//!
+//! [`pool`] builds the pool with these rules wired in; [`Hosts::observe`] is what its users call
+//! with every failed statement.
 //!
 //! - Every new pooled connection is checked (`SHOW transaction_read_only`) unless the URL says
 //!   `target_session_attrs=any`: a connection to a standby is refused before any statement, and
@@ -12,28 +15,38 @@
 //! - With several hosts, such a failure (or a broken connection) starts a search: the hosts are
 //!   tried in the URL's order and the first writable one becomes where new connections go.
 //!
-//! The statement that failed is retried by its caller (the consumer's batch, the recording of
-//! an outcome); an indeterminate commit is safe to repeat because every state change is a
-//! conditional statement on a unique key (docs/design.md).
+//! The statement that failed is retried by its caller (the worker's batch or outcome, the
+//! relay's next step); an indeterminate commit is safe to repeat because every state change is
+//! a conditional statement on a unique key (docs/design.md).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use metrics::counter;
-use sqlx::postgres::{PgConnectOptions, PgPool};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::Connection as _;
 use tokio::sync::Notify;
-
-use crate::telemetry::metrics as m;
 
 /// How long one host gets to accept a connection during a search.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Pause between two passes over the hosts while none is writable (a promotion takes a moment).
 const SEARCH_PAUSE: Duration = Duration::from_millis(250);
 
-/// The hosts of `DATABASE_URL` and which one is in use.
+/// Whose database it is, for messages and the failover counter.
+#[derive(Clone, Copy, Debug)]
+pub struct Role {
+    /// What the database is to its user, in messages: "ledger", "agent database".
+    pub what: &'static str,
+    /// The setting that names it: `DATABASE_URL`, `PUBLISHER_DATABASE_URL`.
+    pub var: &'static str,
+    /// Counter of failovers seen (a primary that turned read-only, a move to another host).
+    pub failovers: &'static str,
+}
+
+/// The hosts of one database URL and which one is in use.
 pub struct Hosts {
+    role: Role,
     candidates: Vec<PgConnectOptions>,
     names: Vec<String>,
     /// Only writable servers are kept (`target_session_attrs` other than `any`).
@@ -47,10 +60,10 @@ pub struct Hosts {
     wake: Notify,
 }
 
-/// Why a `DATABASE_URL` cannot be used.
+/// Why a database URL cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum HostsError {
-    #[error("target_session_attrs={0} is not supported: the worker writes; use read-write (the default), primary or any")]
+    #[error("target_session_attrs={0} is not supported: this process writes; use read-write (the default), primary or any")]
     SessionAttrs(String),
     #[error("{0}")]
     Url(#[from] sqlx::Error),
@@ -61,33 +74,40 @@ impl Hosts {
     /// trust is applied there).
     pub fn from_url(
         url: &str,
+        role: Role,
         options: impl Fn(&str) -> Result<PgConnectOptions, sqlx::Error>,
     ) -> Result<Hosts, HostsError> {
         const ATTRS: &str = "target_session_attrs";
-        let read_write = match kit::url::query_param(url, ATTRS) {
+        let read_write = match crate::url::query_param(url, ATTRS) {
             None | Some("read-write") | Some("primary") => true,
             Some("any") => false,
             Some(other) => return Err(HostsError::SessionAttrs(other.to_string())),
         };
         // sqlx does not know the parameter (it would warn on every connection).
-        let url = kit::url::without_param(url, ATTRS);
+        let url = crate::url::without_param(url, ATTRS);
         let mut candidates = Vec::new();
         let mut names = Vec::new();
-        for one in kit::url::split_hosts(&url) {
+        for one in crate::url::split_hosts(&url) {
             candidates.push(options(&one)?);
-            names.push(kit::url::host_port(&one));
+            names.push(crate::url::host_port(&one));
         }
-        Ok(Hosts::new(candidates, names, read_write))
+        Ok(Hosts::new(role, candidates, names, read_write))
     }
 
     /// One host, checked as `read_write` says (a pool built elsewhere, tests).
-    pub fn single(options: PgConnectOptions, read_write: bool) -> Hosts {
+    pub fn single(role: Role, options: PgConnectOptions, read_write: bool) -> Hosts {
         let name = format!("{}:{}", options.get_host(), options.get_port());
-        Hosts::new(vec![options], vec![name], read_write)
+        Hosts::new(role, vec![options], vec![name], read_write)
     }
 
-    fn new(candidates: Vec<PgConnectOptions>, names: Vec<String>, read_write: bool) -> Hosts {
+    fn new(
+        role: Role,
+        candidates: Vec<PgConnectOptions>,
+        names: Vec<String>,
+        read_write: bool,
+    ) -> Hosts {
         Hosts {
+            role,
             candidates,
             names,
             read_write,
@@ -97,6 +117,10 @@ impl Hosts {
             trouble: Mutex::new(None),
             wake: Notify::new(),
         }
+    }
+
+    pub fn role(&self) -> Role {
+        self.role
     }
 
     pub fn len(&self) -> usize {
@@ -132,7 +156,7 @@ impl Hosts {
         self.names[self.current.load(Ordering::SeqCst)].clone()
     }
 
-    /// Why the ledger cannot be used right now, while it looks for the primary.
+    /// Why the database cannot be used right now, while it looks for the primary.
     pub fn trouble(&self) -> Option<String> {
         self.trouble
             .lock()
@@ -159,7 +183,8 @@ impl Hosts {
         }
         if read_only(conn).await? {
             let why = format!(
-                "ledger host {} is read-only (a standby, or a primary being demoted)",
+                "{} host {} is read-only (a standby, or a primary being demoted)",
+                self.role.what,
                 self.current_name()
             );
             self.set_trouble(Some(why.clone()));
@@ -193,10 +218,11 @@ impl Hosts {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner()) = Instant::now();
             if code.as_deref() == Some("25006") {
-                counter!(m::LEDGER_FAILOVERS).increment(1);
+                counter!(self.role.failovers).increment(1);
                 tracing::warn!(
                     host = %self.current_name(),
-                    "the ledger host turned read-only; its pooled connections are retired"
+                    "the {} host turned read-only; its pooled connections are retired",
+                    self.role.what
                 );
             }
         }
@@ -261,11 +287,12 @@ impl Hosts {
                                 .retired_before
                                 .lock()
                                 .unwrap_or_else(|p| p.into_inner()) = Instant::now();
-                            counter!(m::LEDGER_FAILOVERS).increment(1);
+                            counter!(self.role.failovers).increment(1);
                             tracing::warn!(
                                 from = %self.names[before], to = %self.names[i],
                                 after_ms = started.elapsed().as_millis() as u64,
-                                "the ledger's primary moved; new connections go to it"
+                                "the {}'s primary moved; new connections go to it",
+                                self.role.what
                             );
                         }
                         self.set_trouble(None);
@@ -273,7 +300,8 @@ impl Hosts {
                     }
                     Err(said) => {
                         self.set_trouble(Some(format!(
-                            "looking for a writable ledger host among {}: {said}",
+                            "looking for a writable {} host among {}: {said}",
+                            self.role.what,
                             self.len()
                         )));
                         tokio::time::sleep(SEARCH_PAUSE).await;
@@ -283,6 +311,74 @@ impl Hosts {
             self.searching.store(false, Ordering::SeqCst);
         }
     }
+}
+
+/// The pool's size and how it hands out connections.
+#[derive(Clone, Copy, Debug)]
+pub struct PoolSettings {
+    pub max_connections: u32,
+    /// Opened at start and kept.
+    pub min_connections: u32,
+    /// How long a task waits for a free connection before its call fails.
+    pub acquire_timeout: Duration,
+    /// A pooled connection idle for less than this is handed out without a ping.
+    pub ping_if_idle_for: Duration,
+}
+
+/// Connects a pool to the primary among `hosts` with the rules of this module: new connections
+/// checked ([`Hosts::check_new`]), retired ones closed when taken ([`Hosts::is_retired`]), and,
+/// with several hosts, the first writable host found first and then followed for the pool's life
+/// ([`Hosts::follow`]).
+pub async fn pool(hosts: Arc<Hosts>, settings: PoolSettings) -> Result<PgPool, sqlx::Error> {
+    if hosts.len() > 1 {
+        let i = hosts.find().await.map_err(|said| {
+            sqlx::Error::Configuration(
+                format!("no writable host in {}: {said}", hosts.role.var).into(),
+            )
+        })?;
+        hosts.select(i);
+    }
+    // sqlx pings every connection it hands out by default: one more round trip (and a wake-up
+    // of the backend) before each statement. A connection used within `ping_if_idle_for` has
+    // just proven itself; only longer-idle ones are pinged. A connection that broke since its
+    // last use fails its statement, which every caller already survives.
+    let ports = hosts.ports();
+    let (on_connect, on_acquire) = (hosts.clone(), hosts.clone());
+    let ping_if_idle_for = settings.ping_if_idle_for;
+    let pool = PgPoolOptions::new()
+        .after_connect(move |conn, _meta| {
+            let hosts = on_connect.clone();
+            let ports = ports.clone();
+            Box::pin(async move {
+                // sqlx 0.9.0 sets no TCP_NODELAY (see the function).
+                for port in ports {
+                    crate::tls::set_nodelay_on_sockets_to(port);
+                }
+                hosts.check_new(conn).await
+            })
+        })
+        .max_connections(settings.max_connections)
+        .min_connections(settings.min_connections)
+        .acquire_timeout(settings.acquire_timeout)
+        .test_before_acquire(false)
+        .before_acquire(move |conn, meta| {
+            let retired = on_acquire.is_retired(meta.age);
+            Box::pin(async move {
+                if retired {
+                    return Ok(false);
+                }
+                if meta.idle_for < ping_if_idle_for {
+                    return Ok(true);
+                }
+                sqlx::Connection::ping(conn).await.map(|()| true)
+            })
+        })
+        .connect_with(hosts.current_options())
+        .await?;
+    if hosts.len() > 1 {
+        tokio::spawn(hosts.clone().follow(pool.clone()));
+    }
+    Ok(pool)
 }
 
 /// Whether the server this connection is on refuses writes. Sent as a simple query: a named
@@ -305,7 +401,12 @@ mod tests {
     use super::*;
 
     fn parse(url: &str) -> Result<Hosts, HostsError> {
-        Hosts::from_url(url, |u| u.parse())
+        const ROLE: Role = Role {
+            what: "ledger",
+            var: "DATABASE_URL",
+            failovers: "failovers_total",
+        };
+        Hosts::from_url(url, ROLE, |u| u.parse())
     }
 
     #[test]
