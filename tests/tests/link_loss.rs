@@ -780,3 +780,89 @@ async fn a_publish_cut_off_before_its_confirm_is_in_doubt_and_safe_to_send_again
     drop(w);
     cleanup(env).await;
 }
+
+/// Backends of the test's database asleep in `pg_sleep` (a commit held by the trigger below).
+async fn sleeping_commits(env: &Env) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event = 'PgSleep'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap()
+}
+
+/// A commit whose reply never arrives: Postgres committed, the worker cannot know. A deferred
+/// constraint trigger holds the commit of one admission (a `replay` tool) and of one recorded
+/// outcome (a `none` tool, which can never be sent again) for 3 s; the ledger link is cut while
+/// it sleeps, so the commit lands and its reply is lost, then restored. The worker's retry of
+/// the same conditional statements on a fresh connection must find its own work done: each
+/// action is carried out once downstream and answered `succeeded`. What the worker did not see
+/// commit waits for its lease (a 6 s one here) to run out: the admitted row for the recovery
+/// scheduler; the result events held for the worker's own relay are released when its retry
+/// finds the outcome already stored, instead of waiting out the relay hold.
+#[tokio::test]
+async fn a_commit_whose_reply_was_lost_is_retried_safely() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let pg = FaultProxy::start(&host_port(&env.db_url)).await;
+    let mut opts = WorkerOptions::new(env.standard_tools_timed(ds.port, 3000, ""))
+        .database_url(&via(&env.db_url, pg.addr()));
+    opts.lease_secs = 6;
+    let mut w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    for sql in [
+        "CREATE FUNCTION e2e_slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$",
+        "CREATE CONSTRAINT TRIGGER e2e_slow_admission AFTER INSERT ON operations
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+         WHEN (NEW.action_id = 'lost-admission') EXECUTE FUNCTION e2e_slow_commit()",
+        "CREATE CONSTRAINT TRIGGER e2e_slow_outcome AFTER UPDATE ON operations
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
+         WHEN (NEW.action_id = 'lost-outcome' AND NEW.state = 'succeeded'
+               AND OLD.state IS DISTINCT FROM 'succeeded')
+         EXECUTE FUNCTION e2e_slow_commit()",
+    ] {
+        sqlx::query(sql).execute(&env.pool).await.expect(sql);
+    }
+    for (id, tool) in [("lost-admission", "refund"), ("lost-outcome", "deploy")] {
+        agent
+            .request("north-shop", id, tool, json!({"order": id}))
+            .await;
+        wait_for("the commit held by the trigger", T, || async {
+            (sleeping_commits(&env).await > 0).then_some(())
+        })
+        .await;
+        pg.cut();
+        wait_for("the held commit to finish", T, || async {
+            (sleeping_commits(&env).await == 0).then_some(())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        pg.restore();
+        let restored = std::time::Instant::now();
+        let ev = agent.succeeded("north-shop", id).await;
+        let took = restored.elapsed();
+        eprintln!("{id}: answered {took:?} after the link came back");
+        // The lease is 6 s; a held result event would wait out the 30 s relay hold.
+        assert!(
+            took < Duration::from_secs(15),
+            "{id}: answered after {took:?}"
+        );
+        assert_eq!(ev.status, protocol::Status::Succeeded, "{id}");
+        assert_eq!(
+            env.mutations(&format!("north-shop:{id}")).await,
+            1,
+            "{id}: one mutation"
+        );
+        assert_eq!(env.state("north-shop", id).await, "succeeded", "{id}");
+    }
+    // Nothing more arrives for either (a second dispatch would show as a second mutation).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for id in ["lost-admission", "lost-outcome"] {
+        assert_eq!(env.mutations(&format!("north-shop:{id}")).await, 1, "{id}");
+    }
+    assert!(w.is_running());
+    drop(w);
+    cleanup(env).await;
+}

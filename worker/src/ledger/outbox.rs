@@ -231,6 +231,22 @@ impl Ledger {
         Ok(())
     }
 
+    /// Gives back the unpublished events of `operation_id` held for `owner`'s relay, so a relay
+    /// takes them at its next poll instead of after the hold: for a completion this worker
+    /// committed without seeing the commit's reply (the events were never handed over in
+    /// memory). Returns how many were held.
+    pub async fn release_held(&self, operation_id: i64, owner: &str) -> Result<u64, LedgerError> {
+        let done = sqlx::query(
+            "UPDATE result_outbox SET relay_owner = NULL, relay_until = NULL
+             WHERE operation_id = $1 AND relay_owner = $2 AND published_at IS NULL",
+        )
+        .bind(operation_id)
+        .bind(owner)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+
     /// Unpublished events: the relay backlog.
     pub async fn relay_backlog(&self) -> Result<i64, LedgerError> {
         Ok(
