@@ -4,10 +4,13 @@
 #   scripts/test.sh [extra cargo-nextest args, e.g. -E 'test(claim)']
 #
 # Steps: services (Postgres, RabbitMQ; started, or installed with apt-get as root, when missing)
-# -> tools (promtool, cargo-nextest) -> fmt -> clippy -> alert rules (check + unit tests) ->
-# compose file -> cargo build -> demo (scripts/demo.sh --once) -> Python client (virtualenv,
-# ruff, mypy, pytest against the built worker) -> API schema (schemathesis against a built
-# worker) -> MCP examples' virtualenv -> cargo nextest (whole workspace).
+# -> tools (promtool, cargo-nextest) -> virtualenvs (python3 found or installed; the three Python
+# steps' virtualenvs are then filled by pip in the background, alongside the steps that follow) ->
+# fmt -> clippy -> publisher library alone -> alert rules (check + unit tests) -> kubernetes
+# manifests -> compose file -> cargo build -> demo (scripts/demo.sh --once) -> Python client
+# (ruff, mypy, pytest against the built worker) -> API schema (schemathesis against a built
+# worker) -> MCP examples (ruff; exports MCP_PYTHON) -> cargo nextest (whole workspace).
+# Each Python step first waits for the virtualenvs (and prints the pip log once).
 #
 # Environment:
 #   TEST_DATABASE_URL  Postgres the tests use   (default postgres://postgres@127.0.0.1:5432/postgres)
@@ -81,6 +84,116 @@ check_tools() {
     fi
 }
 
+# ---- (b2) virtualenvs ----------------------------------------------------------------------------
+# The Python steps (g, g2, h) each run in a virtualenv of their own (never the system Python) under
+# the cargo target dir, refreshed from PyPI each run (pip skips what is already installed). Filling
+# them is mostly network (about a minute of pip on a cold cache) while clippy and cargo build are
+# CPU bound, so one background job, started right after the tools step, fills all three while the
+# main shell compiles; each Python step first waits for it (await_venvs), then only runs its checks.
+# The job fills them one after another: pips in parallel would fight over pip's cache.
+
+# python_usable PYTHON: a python3 >= 3.10 with venv and ensurepip.
+python_usable() {
+    [ -n "$1" ] && "$1" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null
+}
+
+# find_python: sets PYTHON, installing python3 and python3-venv (as root, apt-get) when missing.
+find_python() {
+    PYTHON=$(command -v python3 || true)
+    if ! python_usable "$PYTHON"; then
+        { apt_install python3 && apt_install python3-venv; } || true
+        PYTHON=$(command -v python3 || true)
+    fi
+    if ! python_usable "$PYTHON"; then
+        echo "ERROR: the Python client's tests need python3 >= 3.10 with venv/ensurepip (apt-get install python3 python3-venv)" >&2
+        return 2
+    fi
+    say "python3: $("$PYTHON" --version 2>&1) ($PYTHON)"
+}
+
+# venv NAME PIP_ARGS...: creates $VENV_ROOT/NAME with $PYTHON unless its python runs, then pip
+# installs PIP_ARGS into it.
+venv() {
+    local name=$1 t0=$SECONDS rc=0
+    shift
+    if ! "$VENV_ROOT/$name/bin/python" -c 'import sys' 2>/dev/null; then
+        rm -rf "${VENV_ROOT:?}/$name"
+        "$PYTHON" -m venv "$VENV_ROOT/$name" || rc=$?
+    fi
+    [ "$rc" -ne 0 ] || "$VENV_ROOT/$name/bin/python" -m pip install -q --disable-pip-version-check "$@" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        say "FAILED: $name: pip install $* (exit $rc, $((SECONDS - t0))s)"
+        return 1
+    fi
+    say "$name: pip install $* ($((SECONDS - t0))s)"
+}
+
+# fill_venvs: the background job (its output goes to $VENVS_LOG); stops at the first failure.
+# Commands are checked one by one: the job may run where `set -e` is ignored (inside `step`).
+fill_venvs() {
+    say "filling the virtualenvs in $VENV_ROOT with $PYTHON"
+    # Python client (g): a current pip first, as for a fresh virtualenv's bundled one.
+    venv pyenv --upgrade pip || return 1
+    venv pyenv -e 'clients/python[test]' || return 1
+    # API schema (h): SCHEMATHESIS_PINS is defined with that step.
+    venv schemathesis-venv "${SCHEMATHESIS_PINS[@]}" || return 1
+    # MCP examples (g2).
+    venv mcp-venv -r examples/mcp/requirements.txt 'ruff>=0.5' || return 1
+}
+
+VENV_ROOT='' VENVS_LOG='' VENVS_PID='' VENVS_RC=''
+
+# start_venvs: finds python3 (in the main shell: it may apt-get install), then starts fill_venvs.
+start_venvs() {
+    find_python || return
+    mkdir -p "${CARGO_TARGET_DIR:-target}" || return 1
+    VENV_ROOT=$(cd "${CARGO_TARGET_DIR:-target}" && pwd) || return 1
+    VENVS_LOG=$VENV_ROOT/venvs.log
+    fill_venvs >"$VENVS_LOG" 2>&1 </dev/null &
+    VENVS_PID=$!
+    say "virtualenvs filling in the background (pid $VENVS_PID, log $VENVS_LOG)"
+}
+
+# await_venvs: the first call waits for the job and prints its log; every call returns 2 when the
+# fill failed.
+await_venvs() {
+    if [ -z "$VENVS_RC" ]; then
+        if [ -z "$VENVS_PID" ]; then
+            echo "ERROR: the virtualenvs were never started (start_venvs)" >&2
+            return 2
+        fi
+        local t0=$SECONDS rc=0
+        wait "$VENVS_PID" || rc=$?
+        VENVS_RC=$rc
+        say "virtualenvs (waited $((SECONDS - t0))s), $VENVS_LOG:"
+        sed 's/^/    /' "$VENVS_LOG" || true
+    fi
+    if [ "$VENVS_RC" -ne 0 ]; then
+        echo "ERROR: filling the virtualenvs failed (exit $VENVS_RC): see the pip output above ($VENVS_LOG)" >&2
+        return 2
+    fi
+}
+
+# kill_tree PID: PID, then its descendants (pip and whatever pip started). Children are listed
+# before their parent is killed: the parent can then not start new ones.
+kill_tree() {
+    local children child
+    children=$(pgrep -P "$1" 2>/dev/null || true)
+    kill "$1" 2>/dev/null || true
+    for child in $children; do
+        kill_tree "$child"
+    done
+}
+
+# On any exit (a failed step exits at once) the background job must not outlive the script. The
+# trap keeps the script's exit status.
+stop_venvs() {
+    if [ -n "$VENVS_PID" ] && [ -z "$VENVS_RC" ] && kill -0 "$VENVS_PID" 2>/dev/null; then
+        kill_tree "$VENVS_PID"
+    fi
+}
+trap stop_venvs EXIT
+
 # ---- (f) compose file ---------------------------------------------------------------------------
 check_compose() {
     if command -v docker-compose >/dev/null 2>&1; then
@@ -93,28 +206,11 @@ check_compose() {
 }
 
 # ---- (g) Python client -------------------------------------------------------------------------
-# clients/python's tests run in a virtualenv of their own (never the system Python), created under
-# the cargo target dir and refreshed from PyPI each run (pip skips what is already installed).
+# clients/python's tests, in $VENV_ROOT/pyenv (filled in the background: section b2).
 python_client_tests() {
-    local venv python
-    mkdir -p "${CARGO_TARGET_DIR:-target}"
-    venv="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/pyenv"
-    python=$(command -v python3 || true)
-    if [ -z "$python" ] || ! "$python" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-        apt_install python3 && apt_install python3-venv || true
-        python=$(command -v python3 || true)
-    fi
-    if [ -z "$python" ] || ! "$python" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-        echo "ERROR: the Python client's tests need python3 >= 3.10 with venv/ensurepip (apt-get install python3 python3-venv)" >&2
-        return 2
-    fi
-    if ! "$venv/bin/python" -c 'import sys' 2>/dev/null; then
-        rm -rf "$venv"
-        "$python" -m venv "$venv" || return 2
-    fi
+    await_venvs || return
+    local venv=$VENV_ROOT/pyenv
     say "python: $("$venv/bin/python" --version 2>&1) in $venv"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip || return 2
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e 'clients/python[test]' || return 2
     (cd clients/python && "$venv/bin/python" -m ruff format --check src tests &&
         "$venv/bin/python" -m ruff check src tests && "$venv/bin/python" -m mypy) || return 1
     # pytest exits 5 when it collected no tests: that must fail the step, never pass it.
@@ -129,44 +225,35 @@ python_client_tests() {
 
 # ---- (g2) MCP examples ---------------------------------------------------------------------------
 # The Python MCP examples (examples/mcp/: the `mcp` package and the OpenAI Agents SDK, pinned in
-# examples/mcp/requirements.txt) get a virtualenv of their own; tests/tests/mcp_gateway.rs runs them
-# against a real gateway when MCP_PYTHON names its interpreter (exported for cargo nextest).
+# examples/mcp/requirements.txt) get a virtualenv of their own, $VENV_ROOT/mcp-venv (filled in the
+# background: section b2); tests/tests/mcp_gateway.rs runs them against a real gateway when
+# MCP_PYTHON names its interpreter (exported here, in the main shell, for cargo nextest).
 mcp_examples_venv() {
-    local venv
-    mkdir -p "${CARGO_TARGET_DIR:-target}"
-    venv="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/mcp-venv"
-    if ! "$venv/bin/python" -c 'import sys' 2>/dev/null; then
-        rm -rf "$venv"
-        python3 -m venv "$venv" || return 2
-    fi
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check -r examples/mcp/requirements.txt || return 2
-    (cd examples/mcp && "$venv/bin/python" -m pip install -q --disable-pip-version-check 'ruff>=0.5' &&
-        "$venv/bin/python" -m ruff format --check --line-length 100 . &&
+    await_venvs || return
+    local venv=$VENV_ROOT/mcp-venv
+    (cd examples/mcp && "$venv/bin/python" -m ruff format --check --line-length 100 . &&
         "$venv/bin/python" -m ruff check --line-length 100 --select F,E,W,B,I,UP .) || return 1
     export MCP_PYTHON="$venv/bin/python"
     say "MCP examples: $("$MCP_PYTHON" -m pip freeze 2>/dev/null | grep -E '^(mcp|openai-agents)==' | tr '\n' ' ')"
 }
 
 # ---- (h) API schema --------------------------------------------------------------------------
-# schemathesis (PyPI, pinned) in a virtualenv of its own under the cargo target dir, run against a
-# real worker's admin API (scripts/api_schema_check.py builds and removes the world), bounded and
-# seeded. hypothesis is pinned because schemathesis 3.39 breaks with newer releases.
+# schemathesis (PyPI, pinned) in a virtualenv of its own, $VENV_ROOT/schemathesis-venv (filled in
+# the background: section b2), run against a real worker's admin API (scripts/api_schema_check.py
+# builds and removes the world), bounded and seeded. hypothesis is pinned because schemathesis 3.39
+# breaks with newer releases.
 SCHEMATHESIS_PINS=(schemathesis==3.39.16 hypothesis==6.120.0 'psycopg[binary]>=3.1,<4' 'aio-pika>=9.4,<11')
 api_schema_tests() {
-    local venv
-    mkdir -p "${CARGO_TARGET_DIR:-target}"
-    venv="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/schemathesis-venv"
-    if ! "$venv/bin/python" -c 'import sys' 2>/dev/null; then
-        rm -rf "$venv"
-        python3 -m venv "$venv" || return 2
-    fi
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "${SCHEMATHESIS_PINS[@]}" || return 2
+    await_venvs || return
+    local venv=$VENV_ROOT/schemathesis-venv
     say "schemathesis: $("$venv/bin/schemathesis" --version 2>&1 | head -n 1)"
     "$venv/bin/python" scripts/api_schema_check.py "$venv/bin/schemathesis"
 }
 
 step "services (PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ $MQ_HOST:$MQ_PORT)" check_services
 step "tools" check_tools
+# Network-bound pip from here on, in the background, alongside CPU-bound clippy and cargo build.
+step "virtualenvs (python3; pip fills them in the background)" start_venvs
 step "cargo fmt --check" cargo fmt --all -- --check
 step "cargo clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
 step "publisher library alone (no CLI crates)" cargo check --locked -p intent-publisher --no-default-features --lib
@@ -180,9 +267,9 @@ step "cargo build" cargo build --workspace --locked
 # worker has fault points; the release build would add minutes): its summary against the
 # downstream's own table.
 step "demo (scripts/demo.sh --once)" scripts/demo.sh --once --bin-dir "${CARGO_TARGET_DIR:-target}/debug"
-step "python client (virtualenv, ruff, mypy, pytest)" python_client_tests
+step "python client (ruff, mypy, pytest)" python_client_tests
 step "API schema (schemathesis against docs/openapi.yaml)" api_schema_tests
-step "MCP examples (virtualenv, ruff; exports MCP_PYTHON)" mcp_examples_venv
+step "MCP examples (ruff; exports MCP_PYTHON)" mcp_examples_venv
 # slowest_tests: the ten slowest tests of the last nextest run, from its JUnit report.
 slowest_tests() {
     local report="${CARGO_TARGET_DIR:-target}/nextest/default/junit.xml"
