@@ -64,6 +64,8 @@ pub struct Publisher {
     pub(crate) answers: crate::wait::AnswerConfig,
     /// Held while a publish (or a batch) awaits its confirms, so returns are attributed right.
     in_flight: tokio::sync::Mutex<()>,
+    /// `host:port` of the broker node this publisher is connected to.
+    node: String,
 }
 
 impl Publisher {
@@ -90,7 +92,13 @@ impl Publisher {
             user_id: Some(user_id),
             answers: crate::wait::AnswerConfig::default(),
             in_flight: tokio::sync::Mutex::new(()),
+            node: kit::url::host_port(&url),
         })
+    }
+
+    /// `host:port` of the broker node in use (one of a comma-separated `AMQP_URL`'s nodes).
+    pub fn node(&self) -> &str {
+        &self.node
     }
 
     /// Whether messages carry the connection's user as AMQP `user_id` (on by default).

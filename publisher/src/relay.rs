@@ -324,7 +324,7 @@ impl Relay {
     {
         tokio::pin!(shutdown);
         let mut last_sweep = tokio::time::Instant::now() - self.config.sweep_interval;
-        info!(batch = self.config.batch, "relay running");
+        info!(batch = self.config.batch, node = %self.publisher.node(), "relay running");
         loop {
             if last_sweep.elapsed() >= self.config.sweep_interval {
                 last_sweep = tokio::time::Instant::now();
@@ -354,7 +354,7 @@ impl Relay {
                         next = reconnect() => match next {
                             Ok(publisher) => {
                                 self.publisher = publisher;
-                                info!("relay reconnected");
+                                info!(node = %self.publisher.node(), "relay reconnected");
                                 break;
                             }
                             Err(error) => {

@@ -65,7 +65,10 @@ pub async fn amqp_connect_any(
     let mut last = PublishError::BadUrl("no URL given".into());
     for url in kit::url::shuffled(urls) {
         match amqp_connect(&url, properties.clone()).await {
-            Ok(connection) => return Ok((connection, url)),
+            Ok(connection) => {
+                tracing::debug!(node = %kit::url::host_port(&url), "connected to RabbitMQ");
+                return Ok((connection, url));
+            }
             Err(e @ PublishError::Tls { .. }) => return Err(e),
             Err(e) => {
                 tracing::warn!(node = %kit::url::host_port(&url), error = %e, "RabbitMQ node not reachable; trying the next");

@@ -17,8 +17,17 @@
 //! the workers take to be ready on each new primary. The downstream's tables stay on the shared
 //! Postgres.
 //!
+//! With [`SoakConfig::cluster`] the broker is a 3-node RabbitMQ cluster of the soak's own
+//! ([`RabbitCluster`]); every worker is given the three nodes' URLs (no proxy: the broker link
+//! faults are left out, the others stay). At seeded moments one of nodes 0 and 1 is SIGKILLed —
+//! the leader of the intents queue when it is one of them — and started again a few seconds
+//! later; the soak measures how long the live workers take to be ready again after each loss.
+//! The agent publishes and reads its results through node 2, which is never killed (its results
+//! queues are not replicated), so one node down never costs the cluster its quorum.
+//!
 //! Shared by the `soak` binary (long runs), `tests/tests/soak_short.rs` (a short seeded run in
-//! the test command) and `tests/tests/soak_failover.rs` (the same with a failover).
+//! the test command), `tests/tests/soak_failover.rs` (the same with a failover) and
+//! `tests/tests/soak_cluster.rs` (the same on a cluster).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Write as _};
@@ -36,6 +45,7 @@ use tokio::time::{sleep, Instant};
 
 use crate::pg_failover::{PgPair, PgPairOptions};
 use crate::procs::Output;
+use crate::rabbit_cluster::{RabbitCluster, RabbitClusterOptions};
 use crate::{cleanup, via, Downstream, Env, FaultProxy, Worker, WorkerOptions};
 
 /// The agent's tenants (one with a dot and an underscore, as the contract allows).
@@ -63,6 +73,9 @@ pub struct SoakConfig {
     /// The ledger on a primary and synchronous standby of the soak's own, failed over and
     /// switched back during the faults (see the module doc).
     pub pg_failover: bool,
+    /// The broker a 3-node cluster of the soak's own, nodes SIGKILLed and restarted during the
+    /// faults (see the module doc).
+    pub cluster: bool,
 }
 
 impl Default for SoakConfig {
@@ -74,6 +87,7 @@ impl Default for SoakConfig {
             workers: 2,
             settle_secs: 60,
             pg_failover: false,
+            cluster: false,
         }
     }
 }
@@ -97,6 +111,23 @@ pub struct FailoverFigures {
     pub switchover_took: Duration,
     /// From the end of the switchover until every live worker was ready on the primary.
     pub resume_after_switchover: Option<Duration>,
+}
+
+/// The node the agent uses in [`SoakConfig::cluster`] mode; never killed.
+const AGENT_NODE: usize = 2;
+
+/// One node loss of [`SoakConfig::cluster`] mode.
+#[derive(Debug, Clone)]
+pub struct NodeLoss {
+    /// Seconds into the faults at which the node was SIGKILLed.
+    pub at: Duration,
+    pub node: usize,
+    /// Whether it led the intents queue then.
+    pub was_leader: bool,
+    /// From the kill until every live worker was ready again (`None`: not within the cap).
+    pub resume: Option<Duration>,
+    /// How long the node took to start and rejoin.
+    pub restart_took: Duration,
 }
 
 /// A tool's recovery capability; each has one tool in the soak's tools file.
@@ -187,6 +218,8 @@ pub struct SoakReport {
     pub held_with_answer_keys: Vec<String>,
     /// Set in [`SoakConfig::pg_failover`] mode.
     pub failover: Option<FailoverFigures>,
+    /// Set in [`SoakConfig::cluster`] mode.
+    pub node_losses: Vec<NodeLoss>,
     pub settled: bool,
     /// From the end of the faults to settled (or to the settle cap).
     pub settle_time: Duration,
@@ -309,6 +342,24 @@ impl fmt::Display for SoakReport {
                 fo.rejoin_took.as_millis(),
                 if fo.rewound { "pg_rewind rewound" } else { "no rewind needed" },
                 fo.switchover_took.as_millis()
+            )?;
+        }
+        for loss in &self.node_losses {
+            writeln!(
+                f,
+                "node loss at {:.1} s: node {}{}, live workers ready again {}; restarted in {} ms",
+                loss.at.as_secs_f64(),
+                loss.node,
+                if loss.was_leader {
+                    " (the intents queue's leader)"
+                } else {
+                    ""
+                },
+                loss.resume.map_or(
+                    format!("not within {} s", RESUME_CAP.as_secs()),
+                    |d| format!("after {} ms", d.as_millis())
+                ),
+                loss.restart_took.as_millis()
             )?;
         }
         writeln!(
@@ -492,7 +543,7 @@ fn plan(cfg: &SoakConfig, rng: &mut fastrand::Rng) -> (Vec<Action>, Vec<Planned>
 /// One worker slot: its links and its current process. No Postgres proxy in
 /// [`SoakConfig::pg_failover`] mode (the workers are given both hosts directly).
 struct Slot {
-    amqp: FaultProxy,
+    amqp: Option<FaultProxy>,
     pg: Option<FaultProxy>,
 }
 
@@ -505,6 +556,8 @@ struct Proc {
 struct Fleet {
     /// The ledger's URL (the shared test database, or the pair's multi-host URL).
     ledger_url: String,
+    /// The cluster's node list, for workers without a broker proxy ([`SoakConfig::cluster`]).
+    broker_urls: String,
     slots: Vec<Slot>,
     procs: Mutex<Vec<Proc>>,
     opts: WorkerOptions,
@@ -524,11 +577,15 @@ impl Fleet {
             Some(pg) => via(&self.ledger_url, pg.addr()),
             None => self.ledger_url.clone(),
         };
+        let broker = match &slot.amqp {
+            Some(amqp) => via(&env.amqp_url, amqp.addr()),
+            None => self.broker_urls.clone(),
+        };
         let opts = self
             .opts
             .clone()
             .env("DATABASE_URL", &ledger)
-            .env("AMQP_URL", &via(&env.amqp_url, slot.amqp.addr()));
+            .env("AMQP_URL", &broker);
         let w = Worker::spawn(env, &format!("w{i}g{generation}"), &opts);
         self.logs
             .lock()
@@ -609,7 +666,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     let (actions, planned) = plan(cfg, &mut rng);
     let mut report = SoakReport {
         config_line: format!(
-            "--seed {} --intents {} --seconds {} --workers {} (settle up to {} s){}",
+            "--seed {} --intents {} --seconds {} --workers {} (settle up to {} s){}{}",
             cfg.seed,
             cfg.intents,
             cfg.seconds,
@@ -619,7 +676,8 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
                 " --pg-failover"
             } else {
                 ""
-            }
+            },
+            if cfg.cluster { " --cluster" } else { "" }
         ),
         ..SoakReport::default()
     };
@@ -632,15 +690,27 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     } else {
         None
     };
-    let env = Arc::new(Env::new().await);
+    // The broker's own cluster likewise (the soak's names are declared on it by the workers
+    // and the agent; the harness cleans them up through the agent's node).
+    let cluster = if cfg.cluster {
+        Some(RabbitCluster::start(RabbitClusterOptions::default()).await)
+    } else {
+        None
+    };
+    let mut env = Env::new().await;
+    if let Some(cluster) = &cluster {
+        env.amqp_url = cluster.amqp_url(AGENT_NODE);
+    }
+    let env = Arc::new(env);
     let downstream = Downstream::start(&env).await;
     let tools = env.write_tools(&tools_toml(downstream.port));
     let mut opts = WorkerOptions::new(tools);
     opts.lease_secs = LEASE_SECS;
     opts.recovery_interval_ms = 200;
     opts.prefetch = 16;
-    if pair.is_some() {
-        // `/readyz` names the ledger host in use: how the soak sees a worker follow.
+    if pair.is_some() || cluster.is_some() {
+        // `/readyz` names the ledger host and the broker nodes in use: how the soak sees a
+        // worker follow.
         opts = opts.with_metrics();
     }
     let ledger_url = match &pair {
@@ -652,7 +722,10 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     let mut slots = Vec::new();
     for _ in 0..cfg.workers {
         slots.push(Slot {
-            amqp: FaultProxy::start(&amqp_upstream).await,
+            amqp: match cluster {
+                Some(_) => None,
+                None => Some(FaultProxy::start(&amqp_upstream).await),
+            },
             pg: match pair {
                 Some(_) => None,
                 None => Some(FaultProxy::start(&pg_upstream).await),
@@ -661,6 +734,9 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     }
     let fleet = Arc::new(Fleet {
         ledger_url,
+        broker_urls: cluster
+            .as_ref()
+            .map_or_else(String::new, RabbitCluster::amqp_urls),
         slots,
         procs: Mutex::new(Vec::new()),
         opts,
@@ -785,8 +861,35 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
             None => None,
         }
     };
-    let (((published, republished), publish_errors), (), failover) =
-        tokio::join!(publishing, chaos, failing_over);
+    let losing_nodes = async {
+        match &cluster {
+            Some(cluster) => {
+                node_losses(
+                    cfg,
+                    fastrand::Rng::with_seed(cfg.seed ^ 0x2545_f491_4f6c_dd1d),
+                    cluster,
+                    &env.topology.intents_queue,
+                    &fleet,
+                    t0,
+                )
+                .await
+            }
+            None => Vec::new(),
+        }
+    };
+    let (((published, republished), publish_errors), (), failover, node_losses) =
+        tokio::join!(publishing, chaos, failing_over, losing_nodes);
+    for loss in &node_losses {
+        if loss.resume.is_none() {
+            report.violations.push(format!(
+                "cluster: the live workers were not all ready within {} s of losing node {} at {:.1} s",
+                RESUME_CAP.as_secs(),
+                loss.node,
+                loss.at.as_secs_f64()
+            ));
+        }
+    }
+    report.node_losses = node_losses;
     report.published = published;
     report.republished = republished;
     if let Some(fo) = &failover {
@@ -807,7 +910,9 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     // Faults stop: links restored, the fault book emptied; the supervisor keeps every worker
     // up.
     for s in &fleet.slots {
-        s.amqp.restore();
+        if let Some(amqp) = &s.amqp {
+            amqp.restore();
+        }
         if let Some(pg) = &s.pg {
             pg.restore();
         }
@@ -880,6 +985,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         Err(env) => drop(env),
     }
     drop(pair);
+    drop(cluster);
     report.elapsed = started.elapsed();
     Ok(report)
 }
@@ -970,6 +1076,90 @@ async fn resumed_on(fleet: &Fleet, port: u16, since: Instant) -> Option<Duration
     }
 }
 
+/// The seeded node losses of [`SoakConfig::cluster`] mode: a first at 10–25 % of the fault
+/// period, then one every 25–35 % while time is left, each of node 0 or 1 — the intents queue's
+/// leader when it is one of them, else either — SIGKILLed, started again 2–5 s later and
+/// waited for before the next. After each kill, how long until the live workers are ready again.
+async fn node_losses(
+    cfg: &SoakConfig,
+    mut rng: fastrand::Rng,
+    cluster: &RabbitCluster,
+    intents_queue: &str,
+    fleet: &Fleet,
+    t0: Instant,
+) -> Vec<NodeLoss> {
+    let span = cfg.seconds as f64;
+    let end = t0 + Duration::from_secs(cfg.seconds);
+    let mut next = t0 + Duration::from_secs_f64(span * (0.10 + 0.15 * rng.f64()));
+    let mut losses = Vec::new();
+    while next < end {
+        tokio::time::sleep_until(next).await;
+        let leader = cluster.try_leader_of(intents_queue).await;
+        let (node, was_leader) = match leader {
+            Some(l) if l != AGENT_NODE => (l, true),
+            _ => (rng.usize(..AGENT_NODE), false),
+        };
+        let at = t0.elapsed();
+        cluster.kill(node);
+        let killed = Instant::now();
+        let resume = ready_again(fleet, killed).await;
+        tokio::time::sleep_until(killed + Duration::from_secs_f64(2.0 + 3.0 * rng.f64())).await;
+        let restarting = Instant::now();
+        cluster.start_node(node).await;
+        losses.push(NodeLoss {
+            at,
+            node,
+            was_leader,
+            resume,
+            restart_took: restarting.elapsed(),
+        });
+        next = Instant::now().max(next) + Duration::from_secs_f64(span * (0.25 + 0.10 * rng.f64()));
+    }
+    losses
+}
+
+/// Polls every live worker's `/readyz` until each is ready, or unready only for a ledger link
+/// the chaos cut (the broker is what this measures); the time since `since`, or `None` after
+/// [`RESUME_CAP`]. A worker ready on a node that was just killed has not noticed yet, so the
+/// first 500 ms are not looked at.
+async fn ready_again(fleet: &Fleet, since: Instant) -> Option<Duration> {
+    let http = crate::http_builder()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .expect("HTTP client");
+    sleep(Duration::from_millis(500)).await;
+    loop {
+        let live = fleet.live_metrics_ports();
+        let mut all = !live.is_empty();
+        for (_, metrics) in &live {
+            let url = format!("http://127.0.0.1:{metrics}/readyz");
+            let ready = match http.get(&url).send().await {
+                Ok(r) => {
+                    let status = r.status().as_u16();
+                    let body: Value = r.json().await.unwrap_or_default();
+                    let broker_fine = body["reasons"].as_array().is_some_and(|r| {
+                        r.iter()
+                            .all(|r| r.as_str().is_some_and(|r| !r.starts_with("broker ")))
+                    });
+                    status == 200 || (status == 503 && broker_fine)
+                }
+                Err(_) => false,
+            };
+            if !ready {
+                all = false;
+                break;
+            }
+        }
+        if all {
+            return Some(since.elapsed());
+        }
+        if since.elapsed() > RESUME_CAP {
+            return None;
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// `host:port` of a URL.
 fn authority(url: &str) -> String {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
@@ -1009,11 +1199,14 @@ async fn chaos(
             2..=4 => {
                 let slot = &fleet.slots[i];
                 let (link, blackhole) = (rng.bool(), rng.u8(..4) == 0);
-                // `true`: the broker link (always, when there is no Postgres proxy).
-                let link = link || slot.pg.is_none();
-                let proxy = match &slot.pg {
-                    Some(pg) if !link => pg,
-                    _ => &slot.amqp,
+                // `true`: the broker link (always, when there is no Postgres proxy; never
+                // without a broker proxy).
+                let link = (link || slot.pg.is_none()) && slot.amqp.is_some();
+                let proxy = match (&slot.pg, &slot.amqp) {
+                    (Some(pg), _) if !link => pg,
+                    (_, Some(amqp)) => amqp,
+                    // Neither link has a proxy (cluster and ledger failover together).
+                    _ => continue,
                 };
                 if blackhole {
                     proxy.blackhole();
@@ -1027,9 +1220,10 @@ async fn chaos(
                 tokio::spawn(async move {
                     sleep(hold).await;
                     let slot = &fleet.slots[i];
-                    match &slot.pg {
-                        Some(pg) if !link => pg.restore(),
-                        _ => slot.amqp.restore(),
+                    match (&slot.pg, &slot.amqp) {
+                        (Some(pg), _) if !link => pg.restore(),
+                        (_, Some(amqp)) => amqp.restore(),
+                        _ => {}
                     }
                 });
             }

@@ -504,6 +504,37 @@ async fn a_pipelined_batch_marks_exactly_the_routed_rows_sent() {
     cleanup(env).await;
 }
 
+/// `AMQP_URL` as a node list with a dead node in it: the relay connects to the live one (the
+/// list is tried in a shuffled order, so sometimes after the dead one) and its log names the
+/// node in use, never the password.
+#[tokio::test]
+async fn relay_on_a_node_list_names_the_node_it_uses() {
+    let env = Env::new().await;
+    declare_worker_topology(&env).await;
+    Outbox::migrate(&env.pool).await.unwrap();
+    let live = e2e::host_port(&env.amqp_url);
+    let dead_port = e2e::free_port();
+    let dead = env
+        .amqp_url
+        .replacen(&live, &format!("127.0.0.1:{dead_port}"), 1);
+    for (name, list) in [
+        ("relay-a", format!("{dead},{}", env.amqp_url)),
+        ("relay-b", format!("{},{dead}", env.amqp_url)),
+    ] {
+        let mut relay = RelayProc::spawn(&env, name, &[("AMQP_URL", list.as_str())]);
+        relay.wait_output("relay running").await;
+        let out = relay.output();
+        let line = out.lines().find(|l| l.contains("relay running")).unwrap();
+        assert!(line.contains(&format!("node={live}")), "{line}");
+        assert!(
+            !out.contains("guest:guest"),
+            "no credentials in the log:\n{out}"
+        );
+        relay.kill();
+    }
+    cleanup(env).await;
+}
+
 #[tokio::test]
 async fn relay_survives_a_cut_broker_link_and_stops_on_sigterm_mid_outage() {
     let env = Env::new().await;

@@ -14,6 +14,7 @@ async fn short_seeded_soak_keeps_every_invariant() {
         workers: 2,
         settle_secs: 30,
         pg_failover: false,
+        cluster: false,
     };
     let report = run(&cfg).await.expect("the soak could not run");
     println!("{report}");

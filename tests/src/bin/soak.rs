@@ -3,11 +3,13 @@
 //! all three capabilities; prints the invariants and the seeds' measures (see `e2e::soak`).
 //! `--pg-failover` puts the ledger on a primary and synchronous standby of the soak's own and
 //! fails it over (and switches it back) during the faults, printing how soon the workers
-//! resumed on each new primary.
+//! resumed on each new primary. `--cluster` puts the broker on a 3-node RabbitMQ cluster of the
+//! soak's own and SIGKILLs (and restarts) nodes during the faults, printing how soon the workers
+//! were ready again after each loss.
 //!
 //! ```sh
 //! cargo build --workspace       # the worker (with fault points) and reference-downstream
-//! cargo run -p e2e --bin soak -- --seed 7 --intents 2000 --seconds 300 [--workers 3] [--settle-secs 90] [--pg-failover]
+//! cargo run -p e2e --bin soak -- --seed 7 --intents 2000 --seconds 300 [--workers 3] [--settle-secs 90] [--pg-failover] [--cluster]
 //! ```
 //!
 //! Exit code 0 when every invariant holds, 1 when one is broken, 2 when the soak could not run.
@@ -17,11 +19,15 @@ use anyhow::{bail, Context as _, Result};
 use e2e::soak::{run, SoakConfig};
 
 const USAGE: &str = "usage: soak [--seed S (time-based)] [--intents N (300)] [--seconds T (60)] \
-[--workers W (2)] [--settle-secs S (60)] [--pg-failover]
+[--workers W (2)] [--settle-secs S (60)] [--pg-failover] [--cluster]
 
 --pg-failover: the ledger on a Postgres primary and synchronous standby of the soak's own
 (initdb, pg_ctl, pg_rewind from the newest /usr/lib/postgresql/*/bin, PG_BIN_DIR overrides),
 stopped hard and promoted, then switched back, during the faults.
+
+--cluster: the broker a 3-node RabbitMQ cluster of the soak's own (Debian's rabbitmq-server,
+see e2e::rabbit_cluster); one of nodes 0 and 1 at a time (the intents queue's leader when it is
+one of them) SIGKILLed and restarted during the faults; the agent uses node 2.
 
 The worker and reference-downstream binaries are taken from INTENT_BIN_DIR, default the directory
 of this executable (run `cargo build --workspace` first).";
@@ -33,11 +39,15 @@ fn parse_args() -> Result<SoakConfig> {
             .map_or(1, |d| d.as_secs()),
         ..SoakConfig::default()
     };
-    // The one flag without a value.
+    // The flags without a value.
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     if let Some(i) = args.iter().position(|a| a == "--pg-failover") {
         args.remove(i);
         cfg.pg_failover = true;
+    }
+    if let Some(i) = args.iter().position(|a| a == "--cluster") {
+        args.remove(i);
+        cfg.cluster = true;
     }
     for (flag, value) in e2e::flags::pairs_from(args, USAGE)? {
         match flag.as_str() {
