@@ -19,11 +19,13 @@
 //!
 //! With [`SoakConfig::cluster`] the broker is a 3-node RabbitMQ cluster of the soak's own
 //! ([`RabbitCluster`]); every worker is given the three nodes' URLs (no proxy: the broker link
-//! faults are left out, the others stay). At seeded moments one of nodes 0 and 1 is SIGKILLed —
-//! the leader of the intents queue when it is one of them — and started again a few seconds
-//! later; the soak measures how long the live workers take to be ready again after each loss.
-//! The agent publishes and reads its results through node 2, which is never killed (its results
-//! queues are not replicated), so one node down never costs the cluster its quorum.
+//! faults are left out, the others stay). At seeded moments one of the two nodes the agent does
+//! not use is SIGKILLed — the leader of the intents queue when it is one of them — and started
+//! again a few seconds later; the soak measures how long the live workers take to be ready again after each loss.
+//! The agent publishes and reads its results through one node that is never killed (its results
+//! queues are not replicated): node 2, or node 0 when node 2 leads the intents queue once the
+//! workers declared it, so that the leader can be lost. One node down at a time never costs the
+//! cluster its quorum.
 //!
 //! Shared by the `soak` binary (long runs), `tests/tests/soak_short.rs` (a short seeded run in
 //! the test command), `tests/tests/soak_failover.rs` (the same with a failover) and
@@ -113,7 +115,8 @@ pub struct FailoverFigures {
     pub resume_after_switchover: Option<Duration>,
 }
 
-/// The node the agent uses in [`SoakConfig::cluster`] mode; never killed.
+/// The node the agent uses in [`SoakConfig::cluster`] mode (and never killed) unless it leads
+/// the intents queue once the workers declared it: then the next one.
 const AGENT_NODE: usize = 2;
 
 /// One node loss of [`SoakConfig::cluster`] mode.
@@ -755,13 +758,26 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         });
     }
 
+    // In cluster mode the agent keeps off the intents queue's leader, so that losing the leader
+    // is among the node losses.
+    let agent_node = match &cluster {
+        Some(c) => match c.try_leader_of(&env.topology.intents_queue).await {
+            Some(leader) if leader == AGENT_NODE => (AGENT_NODE + 1) % crate::rabbit_cluster::NODES,
+            _ => AGENT_NODE,
+        },
+        None => AGENT_NODE,
+    };
+    let agent_url = match &cluster {
+        Some(c) => c.amqp_url(agent_node),
+        None => env.amqp_url.clone(),
+    };
     // The agent: results first, so no event is missed.
     let events: Arc<Mutex<Vec<ResultEvent>>> = Arc::default();
     let follow_errors: Arc<Mutex<Vec<String>>> = Arc::default();
     let stop_following = Arc::new(AtomicBool::new(false));
     let mut followers = Vec::new();
     for tenant in TENANTS {
-        let mut f = Follower::follow(&env.amqp_url, &env.topology.results_exchange, tenant, None)
+        let mut f = Follower::follow(&agent_url, &env.topology.results_exchange, tenant, None)
             .await
             .context("follow results")?;
         let (events, errors, stop) = (
@@ -786,7 +802,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
             let _ = f.close().await;
         }));
     }
-    let publisher = Publisher::connect(&env.amqp_url, &env.topology.intents_exchange)
+    let publisher = Publisher::connect(&agent_url, &env.topology.intents_exchange)
         .await
         .context("publisher connect")?;
 
@@ -868,6 +884,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
                     cfg,
                     fastrand::Rng::with_seed(cfg.seed ^ 0x2545_f491_4f6c_dd1d),
                     cluster,
+                    agent_node,
                     &env.topology.intents_queue,
                     &fleet,
                     t0,
@@ -1077,17 +1094,21 @@ async fn resumed_on(fleet: &Fleet, port: u16, since: Instant) -> Option<Duration
 }
 
 /// The seeded node losses of [`SoakConfig::cluster`] mode: a first at 10–25 % of the fault
-/// period, then one every 25–35 % while time is left, each of node 0 or 1 — the intents queue's
-/// leader when it is one of them, else either — SIGKILLed, started again 2–5 s later and
+/// period, then one every 25–35 % while time is left, each of the two nodes other than
+/// `agent_node` — the intents queue's leader when it is one of them, else either — SIGKILLed, started again 2–5 s later and
 /// waited for before the next. After each kill, how long until the live workers are ready again.
 async fn node_losses(
     cfg: &SoakConfig,
     mut rng: fastrand::Rng,
     cluster: &RabbitCluster,
+    agent_node: usize,
     intents_queue: &str,
     fleet: &Fleet,
     t0: Instant,
 ) -> Vec<NodeLoss> {
+    let others: Vec<usize> = (0..crate::rabbit_cluster::NODES)
+        .filter(|&i| i != agent_node)
+        .collect();
     let span = cfg.seconds as f64;
     let end = t0 + Duration::from_secs(cfg.seconds);
     let mut next = t0 + Duration::from_secs_f64(span * (0.10 + 0.15 * rng.f64()));
@@ -1096,8 +1117,8 @@ async fn node_losses(
         tokio::time::sleep_until(next).await;
         let leader = cluster.try_leader_of(intents_queue).await;
         let (node, was_leader) = match leader {
-            Some(l) if l != AGENT_NODE => (l, true),
-            _ => (rng.usize(..AGENT_NODE), false),
+            Some(l) if l != agent_node => (l, true),
+            _ => (others[rng.usize(..others.len())], false),
         };
         let at = t0.elapsed();
         cluster.kill(node);

@@ -26,8 +26,9 @@ const USAGE: &str = "usage: soak [--seed S (time-based)] [--intents N (300)] [--
 stopped hard and promoted, then switched back, during the faults.
 
 --cluster: the broker a 3-node RabbitMQ cluster of the soak's own (Debian's rabbitmq-server,
-see e2e::rabbit_cluster); one of nodes 0 and 1 at a time (the intents queue's leader when it is
-one of them) SIGKILLed and restarted during the faults; the agent uses node 2.
+see e2e::rabbit_cluster); one of the two nodes the agent does not use at a time (the intents
+queue's leader when it is one of them) SIGKILLed and restarted during the faults; the agent uses
+a node that does not lead the intents queue.
 
 The worker and reference-downstream binaries are taken from INTENT_BIN_DIR, default the directory
 of this executable (run `cargo build --workspace` first).";

@@ -4,8 +4,16 @@
 //! ```sh
 //! cargo build --release --workspace          # worker binary (fault points compiled in, inert)
 //! INTENT_BIN_DIR=target/release \
-//!   cargo run --release -p e2e --bin throughput -- [--intents N] [--workers 1,2] [--prefetch P]
+//!   cargo run --release -p e2e --bin throughput -- [--intents N] [--workers 1,2] [--prefetch P] \
+//!     [--cluster] [--shards 1,3]
 //! ```
+//!
+//! `--cluster` runs every phase on a 3-node RabbitMQ cluster of the benchmark's own
+//! (`e2e::rabbit_cluster`, with the consistent-hash exchange plugin) instead of the shared
+//! broker: the baseline's quorum queue and the agent's connections on node 0, the workers given
+//! all three nodes. `--shards S[,S...]` runs every worker count once per shard count
+//! (`WORKER_INTENT_SHARDS`): S quorum queues fed by the consistent-hash exchange, their leaders
+//! spread over the nodes.
 //!
 //! Needs Postgres and RabbitMQ as the e2e suites do (`TEST_DATABASE_URL`, `TEST_AMQP_URL`).
 //! Without `INTENT_BIN_DIR` the directory of this executable is used (target/release under
@@ -66,13 +74,17 @@ const CLK_TCK: f64 = 100.0;
 
 const USAGE: &str = "usage: throughput [--intents N (5000)] [--workers K[,K...] (1,2)] \
 [--prefetch P (64)] [--timeout-secs S (60, per phase)] [--latency-secs S (5; 0 = skip)] \
-[--large-ledger] [--statements]
+[--large-ledger] [--statements] [--cluster] [--shards S[,S...] (1)]
 
 --large-ledger  pre-load 5,000,000 finished operations (with history and outbox rows as
                 retention leaves them) into each run's ledger before measuring.
 --statements    count the statements the workers send to Postgres (one round trip each) from
                 the server log: sets log_min_duration_statement = 0 on the run's own database
                 only; needs the log readable at PG_LOG (/var/log/postgresql/postgresql-15-main.log).
+--cluster       every phase on a 3-node RabbitMQ cluster of the benchmark's own (Debian's
+                rabbitmq-server binaries, see e2e::rabbit_cluster) instead of TEST_AMQP_URL.
+--shards S,...  each worker count once per shard count (WORKER_INTENT_SHARDS); more than one
+                shard needs the rabbitmq_consistent_hash_exchange plugin (on with --cluster).
 
 Set INTENT_BIN_DIR to the directory holding the release `worker` binary (default: the
 directory of this executable). Postgres/RabbitMQ: TEST_DATABASE_URL / TEST_AMQP_URL.";
@@ -85,6 +97,16 @@ struct Args {
     latency_secs: u64,
     large_ledger: bool,
     statements: bool,
+    cluster: bool,
+    shards: Vec<u16>,
+}
+
+/// Where the phases meet the broker.
+struct Broker {
+    /// The agent's side: the baseline, the benchmark's publisher and follower.
+    agent_url: String,
+    /// What the workers are given (`AMQP_URL`): one URL, or every node of the cluster.
+    worker_url: String,
 }
 
 fn parse_args() -> Result<Args> {
@@ -96,6 +118,8 @@ fn parse_args() -> Result<Args> {
         latency_secs: 5,
         large_ledger: false,
         statements: false,
+        cluster: false,
+        shards: vec![1],
     };
     // Switches without a value, then the `--flag value` pairs.
     let mut raw: Vec<String> = std::env::args().skip(1).collect();
@@ -106,6 +130,10 @@ fn parse_args() -> Result<Args> {
         }
         "--statements" => {
             args.statements = true;
+            false
+        }
+        "--cluster" => {
+            args.cluster = true;
             false
         }
         _ => true,
@@ -125,6 +153,13 @@ fn parse_args() -> Result<Args> {
                     .collect::<Result<_, _>>()
                     .context("--workers: comma-separated counts")?
             }
+            "--shards" => {
+                args.shards = value
+                    .split(',')
+                    .map(|s| s.trim().parse::<u16>())
+                    .collect::<Result<_, _>>()
+                    .context("--shards: comma-separated counts")?
+            }
             other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
@@ -133,6 +168,10 @@ fn parse_args() -> Result<Args> {
     ensure!(
         !args.workers.is_empty() && args.workers.iter().all(|&k| (1..=16).contains(&k)),
         "--workers: each count between 1 and 16"
+    );
+    ensure!(
+        !args.shards.is_empty() && args.shards.iter().all(|&s| (1..=64).contains(&s)),
+        "--shards: each count between 1 and 64"
     );
     Ok(args)
 }
@@ -193,9 +232,15 @@ impl Phase {
 async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
     let n = args.intents;
     println!(
-        "throughput: N={n} P={} workers={:?} worker binary={} started={}",
+        "throughput: N={n} P={} workers={:?} shards={:?}{} worker binary={} started={}",
         args.prefetch,
         args.workers,
+        args.shards,
+        if args.cluster {
+            " on a 3-node cluster"
+        } else {
+            ""
+        },
         bin_dir.join("worker").display(),
         chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
     );
@@ -204,7 +249,28 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
     println!("intent body ≈ {body_len} bytes");
 
     let downstream = NullDownstream::start().await?;
-    let amqp_url = e2e::env::amqp_url();
+    let cluster = if args.cluster {
+        let c =
+            e2e::rabbit_cluster::RabbitCluster::start(e2e::rabbit_cluster::RabbitClusterOptions {
+                plugins: &["rabbitmq_consistent_hash_exchange"],
+            })
+            .await;
+        println!("cluster started in {:.1} s", c.start_time.as_secs_f64());
+        Some(c)
+    } else {
+        None
+    };
+    let broker = match &cluster {
+        Some(c) => Broker {
+            agent_url: c.amqp_url(0),
+            worker_url: c.amqp_urls(),
+        },
+        None => Broker {
+            agent_url: e2e::env::amqp_url(),
+            worker_url: e2e::env::amqp_url(),
+        },
+    };
+    let amqp_url = broker.agent_url.clone();
 
     let mut phases = Vec::new();
     let pre = baseline(&amqp_url, &messages, args.prefetch, args.phase_timeout)
@@ -213,22 +279,24 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
     report(&pre, None);
     phases.push(pre);
     let mut runs = Vec::new();
-    for &k in &args.workers {
-        let phase = worker_run(k, &messages, &downstream, &args)
-            .await
-            .with_context(|| format!("worker run K={k}"))?;
-        report(&phase, None);
-        runs.push(phase);
+    for &shards in &args.shards {
+        for &k in &args.workers {
+            let phase = worker_run(k, shards, &broker, &messages, &downstream, &args)
+                .await
+                .with_context(|| format!("worker run K={k} shards={shards}"))?;
+            report(&phase, None);
+            runs.push(phase);
+        }
     }
     let mut latencies = Vec::new();
     if args.latency_secs > 0 {
         // Light load, then half of the one-worker maximum measured above (if K=1 ran).
         let mut rates = vec![200.0];
-        if let Some(p) = runs.iter().find(|p| p.label == "worker K=1") {
+        if let Some(p) = runs.iter().find(|p| p.label.starts_with("worker K=1")) {
             rates.push((p.rate() / 2.0).round());
         }
         for rate in rates {
-            let (floor, l) = latency_run(rate, args.latency_secs, &downstream, &args)
+            let (floor, l) = latency_run(rate, args.latency_secs, &broker, &downstream, &args)
                 .await
                 .with_context(|| format!("latency at {rate}/s"))?;
             floor.print();
@@ -620,19 +688,62 @@ async fn baseline_on(
 
 async fn worker_run(
     k: usize,
+    shards: u16,
+    broker: &Broker,
     messages: &Arc<Vec<(String, Vec<u8>)>>,
     downstream: &NullDownstream,
     args: &Args,
 ) -> Result<Phase> {
-    let env = Env::new().await;
-    let result = worker_run_in(&env, k, messages, downstream, args).await;
+    let mut env = Env::new().await;
+    env.amqp_url = broker.agent_url.clone();
+    let result = worker_run_in(
+        &env,
+        k,
+        shards,
+        &broker.worker_url,
+        messages,
+        downstream,
+        args,
+    )
+    .await;
+    if shards > 1 {
+        // The harness removes the single-queue layout's names; the shards and their exchange
+        // are this run's own.
+        delete_shards(&env.amqp_url, &env.topology, shards).await;
+    }
     cleanup(env).await;
-    result
+    result.map(|mut phase| {
+        if shards > 1 || args.shards.len() > 1 {
+            phase.label = format!("{} S={shards}", phase.label);
+        }
+        phase
+    })
+}
+
+/// Deletes the shard queues and the hash exchange of a run with `shards` > 1.
+async fn delete_shards(amqp_url: &str, t: &e2e::Topology, shards: u16) {
+    let Ok(conn) = Connection::connect(amqp_url, ConnectionProperties::default()).await else {
+        return;
+    };
+    if let Ok(ch) = conn.create_channel().await {
+        for q in worker::amqp::topology::shard_queues(t, shards) {
+            let _ = ch
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+        let x = worker::amqp::topology::hash_exchange(t);
+        let _ = ch
+            .exchange_delete(x.as_str().into(), Default::default())
+            .await;
+    }
+    let _ = conn.close(200, "".into()).await;
 }
 
 async fn worker_run_in(
     env: &Env,
     k: usize,
+    shards: u16,
+    worker_url: &str,
     messages: &Arc<Vec<(String, Vec<u8>)>>,
     downstream: &NullDownstream,
     args: &Args,
@@ -644,7 +755,9 @@ async fn worker_run_in(
          recovery = \"none\"\ntimeout_ms = 5000\n",
         downstream.port
     ));
-    let mut opts = WorkerOptions::new(tools);
+    let mut opts = WorkerOptions::new(tools)
+        .amqp_url(worker_url)
+        .env("WORKER_INTENT_SHARDS", &shards.to_string());
     opts.prefetch = args.prefetch;
     opts.lease_secs = 30;
     opts.recovery_interval_ms = 1000; // the production default
@@ -947,14 +1060,16 @@ async fn publish_open_loop(
 async fn latency_run(
     rate: f64,
     secs: u64,
+    broker: &Broker,
     downstream: &NullDownstream,
     args: &Args,
 ) -> Result<(Latency, Latency)> {
-    let floor = broker_floor(&e2e::env::amqp_url(), rate, secs, args)
+    let floor = broker_floor(&broker.agent_url, rate, secs, args)
         .await
         .context("broker floor")?;
-    let env = Env::new().await;
-    let result = latency_run_in(&env, rate, secs, downstream, args).await;
+    let mut env = Env::new().await;
+    env.amqp_url = broker.agent_url.clone();
+    let result = latency_run_in(&env, rate, secs, &broker.worker_url, downstream, args).await;
     cleanup(env).await;
     Ok((floor, result?))
 }
@@ -963,6 +1078,7 @@ async fn latency_run_in(
     env: &Env,
     rate: f64,
     secs: u64,
+    worker_url: &str,
     downstream: &NullDownstream,
     args: &Args,
 ) -> Result<Latency> {
@@ -974,7 +1090,7 @@ async fn latency_run_in(
          recovery = \"none\"\ntimeout_ms = 5000\n",
         downstream.port
     ));
-    let mut opts = WorkerOptions::new(tools);
+    let mut opts = WorkerOptions::new(tools).amqp_url(worker_url);
     opts.prefetch = args.prefetch;
     opts.lease_secs = 30;
     opts.recovery_interval_ms = 1000;
