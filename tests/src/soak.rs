@@ -1053,6 +1053,29 @@ async fn failover(
 /// still starting are not waited for (they connect to whichever host is writable then).
 async fn resumed_on(fleet: &Fleet, port: u16, since: Instant) -> Option<Duration> {
     let want = format!("127.0.0.1:{port}");
+    until_all_ready(fleet, since, |status, body| {
+        let on_it = body["ledger_host"].as_str() == Some(want.as_str());
+        on_it
+            && (status == 200 || (status == 503 && all_reasons(body, |r| r.starts_with("broker "))))
+    })
+    .await
+}
+
+/// Whether `/readyz` answered with every reason in `reasons` matching `what`.
+fn all_reasons(body: &Value, what: impl Fn(&str) -> bool) -> bool {
+    body["reasons"]
+        .as_array()
+        .is_some_and(|r| r.iter().all(|r| r.as_str().is_some_and(&what)))
+}
+
+/// Polls every live worker's `/readyz` (status and body) until `ready` holds for each; the time
+/// since `since`, or `None` after [`RESUME_CAP`]. Workers that are down or still starting are not
+/// waited for.
+async fn until_all_ready(
+    fleet: &Fleet,
+    since: Instant,
+    ready: impl Fn(u16, &Value) -> bool,
+) -> Option<Duration> {
     let http = crate::http_builder()
         .timeout(Duration::from_secs(3))
         .build()
@@ -1070,15 +1093,7 @@ async fn resumed_on(fleet: &Fleet, port: u16, since: Instant) -> Option<Duration
                 }
                 Err(_) => None,
             };
-            let ready = answer.is_some_and(|(status, body)| {
-                let on_it = body["ledger_host"].as_str() == Some(want.as_str());
-                let only_broker = body["reasons"].as_array().is_some_and(|r| {
-                    r.iter()
-                        .all(|r| r.as_str().is_some_and(|r| r.starts_with("broker ")))
-                });
-                on_it && (status == 200 || (status == 503 && only_broker))
-            });
-            if !ready {
+            if !answer.is_some_and(|(status, body)| ready(status, &body)) {
                 all = false;
                 break;
             }
@@ -1095,8 +1110,9 @@ async fn resumed_on(fleet: &Fleet, port: u16, since: Instant) -> Option<Duration
 
 /// The seeded node losses of [`SoakConfig::cluster`] mode: a first at 10–25 % of the fault
 /// period, then one every 25–35 % while time is left, each of the two nodes other than
-/// `agent_node` — the intents queue's leader when it is one of them, else either — SIGKILLed, started again 2–5 s later and
-/// waited for before the next. After each kill, how long until the live workers are ready again.
+/// `agent_node` (the intents queue's leader when it is one of them, else either) SIGKILLed,
+/// started again 2–5 s later and waited for before the next. After each kill, how long until
+/// the live workers are ready again.
 async fn node_losses(
     cfg: &SoakConfig,
     mut rng: fastrand::Rng,
@@ -1144,41 +1160,11 @@ async fn node_losses(
 /// [`RESUME_CAP`]. A worker ready on a node that was just killed has not noticed yet, so the
 /// first 500 ms are not looked at.
 async fn ready_again(fleet: &Fleet, since: Instant) -> Option<Duration> {
-    let http = crate::http_builder()
-        .timeout(Duration::from_secs(3))
-        .build()
-        .expect("HTTP client");
     sleep(Duration::from_millis(500)).await;
-    loop {
-        let live = fleet.live_metrics_ports();
-        let mut all = !live.is_empty();
-        for (_, metrics) in &live {
-            let url = format!("http://127.0.0.1:{metrics}/readyz");
-            let ready = match http.get(&url).send().await {
-                Ok(r) => {
-                    let status = r.status().as_u16();
-                    let body: Value = r.json().await.unwrap_or_default();
-                    let broker_fine = body["reasons"].as_array().is_some_and(|r| {
-                        r.iter()
-                            .all(|r| r.as_str().is_some_and(|r| !r.starts_with("broker ")))
-                    });
-                    status == 200 || (status == 503 && broker_fine)
-                }
-                Err(_) => false,
-            };
-            if !ready {
-                all = false;
-                break;
-            }
-        }
-        if all {
-            return Some(since.elapsed());
-        }
-        if since.elapsed() > RESUME_CAP {
-            return None;
-        }
-        sleep(Duration::from_millis(100)).await;
-    }
+    until_all_ready(fleet, since, |status, body| {
+        status == 200 || (status == 503 && all_reasons(body, |r| !r.starts_with("broker ")))
+    })
+    .await
 }
 
 /// `host:port` of a URL.

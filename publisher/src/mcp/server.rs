@@ -102,6 +102,7 @@ impl Gateway {
                 reply_to: self.reply_to.to_string(),
                 status_api: self.config.status_api.clone(),
             });
+        tracing::info!(node = %publisher.node(), "the MCP gateway is connected to RabbitMQ");
         let publisher = Arc::new(publisher);
         *slot = Some(publisher.clone());
         Ok(publisher)
