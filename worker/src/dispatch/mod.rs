@@ -281,6 +281,19 @@ fn record_retry() -> RetryPolicy {
     }
 }
 
+/// After a late receipt that matches: often this worker's own commit, whose reply was lost, so
+/// its result events are held for a hand-over that never came. Releasing them may at worst
+/// publish an event twice (same event_id), which agents already tolerate.
+async fn release_held_events(ctx: &Context, operation_id: i64) {
+    match ctx.ledger.release_held(operation_id, &ctx.worker_id).await {
+        Ok(0) => {}
+        Ok(_) => ctx.relay_wake.notify_one(),
+        Err(error) => {
+            tracing::warn!(%error, "cannot release held result events; they wait for the relay hold")
+        }
+    }
+}
+
 /// Records a transition and reacts to what the ledger did.
 pub async fn finish(
     ctx: &Context,
@@ -339,16 +352,7 @@ pub async fn finish(
         Ok(Applied::LateReceiptMatches(current)) => {
             counter!(m::LATE_RECEIPTS, "outcome" => "matches").increment(1);
             tracing::info!(tenant = %op.tenant, action_id = %op.action_id, "late receipt equals the stored one");
-            // Often this worker's own commit, whose reply was lost: its result events are held
-            // for a hand-over that never came. Releasing them may at worst publish an event
-            // twice (same event_id), which agents already tolerate.
-            match ctx.ledger.release_held(op.id, &ctx.worker_id).await {
-                Ok(0) => {}
-                Ok(_) => ctx.relay_wake.notify_one(),
-                Err(error) => {
-                    tracing::warn!(%error, "cannot release held result events; they wait for the relay hold")
-                }
-            }
+            release_held_events(ctx, op.id).await;
             Some(current)
         }
         Ok(Applied::LateReceiptConflict(current)) => {

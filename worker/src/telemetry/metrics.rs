@@ -67,6 +67,12 @@ const LATENCY_BUCKETS: &[f64] = &[
 ];
 
 fn describe() {
+    describe_intake();
+    describe_work();
+}
+
+/// Intake, the broker links and the ledger's states.
+fn describe_intake() {
     describe_counter!(
         INTENTS_RECEIVED,
         "Intent deliveries taken from the intents queue."
@@ -92,6 +98,10 @@ fn describe() {
         HELD,
         "Operations held for reconciliation by a person, per tool."
     );
+}
+
+/// Sends, recoveries, results, retries, receipts and the ledger's own health.
+fn describe_work() {
     describe_histogram!(
         DOWNSTREAM_DURATION,
         Unit::Seconds,
