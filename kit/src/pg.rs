@@ -119,10 +119,6 @@ impl Hosts {
         }
     }
 
-    pub fn role(&self) -> Role {
-        self.role
-    }
-
     pub fn len(&self) -> usize {
         self.candidates.len()
     }
@@ -205,13 +201,8 @@ impl Hosts {
             sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
             _ => None,
         };
-        let server_left = code
-            .as_deref()
-            .is_some_and(|c| c == "25006" || c.starts_with("57P") || c.starts_with("08"));
-        let broken = matches!(
-            e,
-            sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut
-        );
+        let server_left = code.as_deref().is_some_and(server_left);
+        let broken = broken(e);
         if server_left {
             *self
                 .retired_before
@@ -311,6 +302,29 @@ impl Hosts {
             self.searching.store(false, Ordering::SeqCst);
         }
     }
+}
+
+/// SQLSTATEs that say the server refuses writes or is going away: 25006 (read-only: a standby,
+/// a demoted primary), 57P01–57P03 (shutting down or restarting), class 08 (connection
+/// exception).
+fn server_left(code: &str) -> bool {
+    code == "25006" || code.starts_with("57P") || code.starts_with("08")
+}
+
+/// A connection that broke, or none to be had, as opposed to an answer from the server.
+fn broken(e: &sqlx::Error) -> bool {
+    matches!(
+        e,
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::PoolTimedOut
+    )
+}
+
+/// Whether `e` says the database could not be reached or left mid-statement (the kinds
+/// [`Hosts::observe`] reacts to), as opposed to a statement the database refused: worth another
+/// try on a fresh connection.
+pub fn unreachable(e: &sqlx::Error) -> bool {
+    broken(e)
+        || matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| server_left(&c)))
 }
 
 /// The pool's size and how it hands out connections.

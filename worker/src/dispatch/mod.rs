@@ -210,7 +210,9 @@ async fn record(ctx: &Context, key: &str, completion: Completion) -> Result<Appl
     let mut attempt = 0;
     let result = loop {
         match ctx.completions.complete(completion.clone()).await {
-            Err(LedgerError::Db(e)) if unreachable(&e) => {
+            // Unreachable, gone, or read-only (the connection is retired and the next try takes
+            // a fresh one): worth another try; a statement the database refused is not.
+            Err(LedgerError::Db(e)) if crate::ledger::primary::unreachable(&e) => {
                 let now = tokio::time::Instant::now();
                 if now >= lease_end && !keeping {
                     if let Some(receipt_id) = &receipt_id {
@@ -253,21 +255,6 @@ async fn record(ctx: &Context, key: &str, completion: Completion) -> Result<Appl
         ctx.receipts.release(completion.operation_id, None);
     }
     result
-}
-
-/// Errors that say the ledger could not be reached or went away mid-statement (worth another
-/// try), as opposed to a statement the database refused (not worth one).
-fn unreachable(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Protocol(_) => true,
-        // Class 08: connection exception; 57P01-03: the server is shutting down or restarting;
-        // 25006: a read-only server (a standby, a demoted primary): the connection is retired
-        // and the next try takes a fresh one (ledger::primary).
-        sqlx::Error::Database(db) => db
-            .code()
-            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c == "25006"),
-        _ => false,
-    }
 }
 
 /// Back-off between tries of [`record`]: 100 ms doubling to 2 s, ±50 %.
