@@ -50,6 +50,71 @@ pub fn publisher_bin() -> PathBuf {
     bin
 }
 
+/// `publisher relay` as a child process against the test's broker names and database
+/// (`extra` overrides or adds variables); stderr goes to `<name>.log` in the test's directory.
+/// Resumed (if stopped) and killed on drop.
+pub struct RelayProc {
+    pub child: Child,
+    log: PathBuf,
+}
+
+impl RelayProc {
+    pub fn spawn(env: &Env, name: &str, extra: &[(&str, &str)]) -> RelayProc {
+        let log = env.dir.join(format!("{name}.log"));
+        let mut cmd = Command::new(publisher_bin());
+        cmd.arg("relay")
+            .env_clear()
+            .env("RUST_LOG", "info,lapin=warn,sqlx=warn")
+            .env("AMQP_URL", &env.amqp_url)
+            .env("PUBLISHER_DATABASE_URL", &env.db_url)
+            .env("INTENTS_EXCHANGE", &env.topology.intents_exchange)
+            .env("PUBLISHER_LEASE", "2s")
+            .env("PUBLISHER_IDLE_POLL", "20ms")
+            .env("PUBLISHER_METRICS_ADDR", "off")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        RelayProc {
+            child: cmd.spawn().expect("spawn publisher relay"),
+            log,
+        }
+    }
+
+    /// Everything the relay logged so far.
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the log contains `needle`; panics with the log after `timeout`.
+    pub async fn wait_output(&self, needle: &str, timeout: Duration) {
+        let deadline = std::time::Instant::now() + timeout;
+        while !self.output().contains(needle) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "relay did not print {needle:?}:\n{}",
+                self.output()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for RelayProc {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status();
+        self.kill();
+    }
+}
+
 /// A port nothing listens on (yet).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -4,10 +4,10 @@
 //! and reference downstream; counts come from the downstream's tables and the broker.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use e2e::procs::RelayProc;
 use e2e::{
     cleanup, intent, metric_value, Agent, BrokerUser, Downstream, Env, Worker, WorkerOptions,
 };
@@ -170,67 +170,6 @@ async fn enqueue(env: &Env, intent: &protocol::Intent) -> i64 {
     let id = Outbox::enqueue(&mut tx, intent).await.expect("enqueue");
     tx.commit().await.unwrap();
     id
-}
-
-/// `publisher relay` as a child process; stderr goes to a file in the test's directory.
-struct RelayProc {
-    child: Child,
-    log: PathBuf,
-}
-
-impl RelayProc {
-    fn spawn(env: &Env, name: &str, extra: &[(&str, &str)]) -> RelayProc {
-        let log = env.dir.join(format!("{name}.log"));
-        let mut cmd = Command::new(e2e::procs::publisher_bin());
-        cmd.arg("relay")
-            .env_clear()
-            .env("RUST_LOG", "info,lapin=warn,sqlx=warn")
-            .env("AMQP_URL", &env.amqp_url)
-            .env("PUBLISHER_DATABASE_URL", &env.db_url)
-            .env("INTENTS_EXCHANGE", &env.topology.intents_exchange)
-            .env("PUBLISHER_LEASE", "2s")
-            .env("PUBLISHER_IDLE_POLL", "20ms")
-            .env("PUBLISHER_METRICS_ADDR", "off")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap());
-        for (k, v) in extra {
-            cmd.env(k, v);
-        }
-        RelayProc {
-            child: cmd.spawn().expect("spawn publisher relay"),
-            log,
-        }
-    }
-
-    fn output(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    async fn wait_output(&self, needle: &str) {
-        let deadline = Instant::now() + T;
-        while !self.output().contains(needle) {
-            assert!(
-                Instant::now() < deadline,
-                "relay did not print {needle:?}:\n{}",
-                self.output()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for RelayProc {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-CONT", &self.child.id().to_string()])
-            .status();
-        self.kill();
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -522,7 +461,7 @@ async fn relay_on_a_node_list_names_the_node_it_uses() {
         ("relay-b", format!("{},{dead}", env.amqp_url)),
     ] {
         let mut relay = RelayProc::spawn(&env, name, &[("AMQP_URL", list.as_str())]);
-        relay.wait_output("relay running").await;
+        relay.wait_output("relay running", T).await;
         let out = relay.output();
         let line = out.lines().find(|l| l.contains("relay running")).unwrap();
         assert!(line.contains(&format!("node={live}")), "{line}");
@@ -553,7 +492,7 @@ async fn relay_survives_a_cut_broker_link_and_stops_on_sigterm_mid_outage() {
             ("PUBLISHER_BACKOFF_INITIAL", "200ms"),
         ],
     );
-    relay.wait_output("relay running").await;
+    relay.wait_output("relay running", T).await;
     let first = enqueue(&env, &refund("north-shop", "cut-0")).await;
     e2e::wait_for("the first row sent", T, || async {
         outbox_row(&env, first).await.sent.then_some(())
@@ -634,7 +573,7 @@ async fn relay_killed_between_publish_and_mark_publishes_again_and_the_inbox_sup
         &[("PUBLISHER_FAULT_POINT", "after_publish")],
     );
     first
-        .wait_output("fault point reached: after_publish")
+        .wait_output("fault point reached: after_publish", T)
         .await;
     first.kill(); // SIGKILL after the confirm, before the row was marked sent
     assert!(!outbox_row(&env, id).await.sent, "never marked sent");

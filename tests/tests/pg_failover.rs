@@ -299,21 +299,15 @@ async fn the_outbox_relay_follows_the_agent_databases_primary() {
             tx.commit().await.unwrap();
         }
     };
-    let log = env.dir.join("relay.log");
-    let mut relay = std::process::Command::new(e2e::procs::publisher_bin())
-        .arg("relay")
-        .env_clear()
-        .env("RUST_LOG", "info,lapin=warn,sqlx=warn")
-        .env("AMQP_URL", &env.amqp_url)
-        .env("PUBLISHER_DATABASE_URL", &url)
-        .env("INTENTS_EXCHANGE", &env.topology.intents_exchange)
-        .env("PUBLISHER_LEASE", "3s")
-        .env("PUBLISHER_IDLE_POLL", "50ms")
-        .env("PUBLISHER_METRICS_ADDR", "off")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .expect("spawn publisher relay");
+    let relay = e2e::procs::RelayProc::spawn(
+        &env,
+        "relay",
+        &[
+            ("PUBLISHER_DATABASE_URL", url.as_str()),
+            ("PUBLISHER_LEASE", "3s"),
+            ("PUBLISHER_IDLE_POLL", "50ms"),
+        ],
+    );
 
     let n = 30;
     let ids: Vec<String> = (0..n).map(|i| format!("relay-fo-{i}")).collect();
@@ -341,9 +335,8 @@ async fn the_outbox_relay_follows_the_agent_databases_primary() {
     }
     let answered_after = failed_over.map(|t| t.elapsed());
     assert!(failed_over.is_some(), "no first answer before the failover");
-    let output = std::fs::read_to_string(&log).unwrap_or_default();
-    let _ = relay.kill();
-    let _ = relay.wait();
+    let output = relay.output();
+    drop(relay);
     let missing: Vec<_> = ids.iter().filter(|id| !finals.contains_key(*id)).collect();
     assert!(
         missing.is_empty(),
