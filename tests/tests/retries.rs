@@ -132,10 +132,21 @@ async fn retry_after_is_honoured() {
         .await;
     let schedule = retry_schedule(&env, "refund-429").await;
     assert_eq!(schedule.len(), 1);
-    let scheduled = (schedule[0].next_attempt_at.unwrap() - schedule[0].at).num_milliseconds();
+    // Retry-After counts from the answer: measured from when the downstream finished writing the
+    // 429, not from the history row's clock, which is read later in the recording transaction
+    // (the next attempt time is taken from that transaction's start).
+    let answered: DateTime<Utc> = sqlx::query_scalar(
+        "SELECT replied_at FROM downstream.requests WHERE kind = 'write' AND idem_key = $1
+         ORDER BY id LIMIT 1",
+    )
+    .bind(key("refund-429"))
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    let scheduled = (schedule[0].next_attempt_at.unwrap() - answered).num_milliseconds();
     assert!(
         scheduled >= 1990,
-        "Retry-After: 2 scheduled only {scheduled} ms ahead"
+        "Retry-After: 2 scheduled only {scheduled} ms after the answer"
     );
     let ats: Vec<DateTime<Utc>> = sqlx::query_scalar(
         "SELECT at FROM downstream.requests WHERE kind = 'write' AND idem_key = $1 ORDER BY id",
