@@ -24,6 +24,8 @@
 //! - [`fault`]: how a fault point stops the process for a crash test.
 //! - [`secret`]: comparing bearer tokens in constant time.
 //! - [`url`]: service URLs as settings: redacted for logs, refused when they can never work.
+//! - [`otel`] (feature `otel`): W3C trace context on `tracing` spans (parents, links, what to
+//!   send onward); with `otel-export`, span export over OTLP/HTTP from the standard variables.
 //! - [`pg`] (feature `pg`): a Postgres URL with several hosts, the primary among them, and
 //!   leaving a server that turned read-only or went away.
 
@@ -37,6 +39,8 @@ pub mod http;
 pub mod logs;
 #[cfg(feature = "server")]
 pub mod metrics;
+#[cfg(feature = "otel")]
+pub mod otel;
 #[cfg(feature = "pg")]
 pub mod pg;
 pub mod secret;

@@ -10,25 +10,159 @@
 use tracing::{Level, Metadata};
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::{EnvFilter, Layer as _};
 
 /// Installs the global log subscriber on stderr: `RUST_LOG` (else `default_filter`) selects
 /// what is logged, [`payload_free`] always applies, `json` writes one JSON object a line. A
 /// second call (tests, a library user with its own subscriber) changes nothing.
 pub fn init(json: bool, ansi: bool, default_filter: &str) {
+    init_with(json, ansi, default_filter, Traces::Off);
+}
+
+/// Whether spans are exported as well as logs.
+pub enum Traces<'a> {
+    Off,
+    /// Our spans go to this exporter (`RUST_LOG` does not select them: it is about logs), and
+    /// every log line inside a recorded span carries its `trace_id` and `span_id`.
+    #[cfg(feature = "otel-export")]
+    Export(&'a crate::otel::export::Export),
+    #[doc(hidden)]
+    _Lifetime(std::marker::PhantomData<&'a ()>),
+}
+
+/// [`init`], with span export when `traces` says so.
+pub fn init_with(json: bool, ansi: bool, default_filter: &str, traces: Traces<'_>) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let registry = tracing_subscriber::registry()
-        .with(filter)
-        .with(tracing_subscriber::filter::filter_fn(payload_free));
     let text = tracing_subscriber::fmt::layer()
         .with_ansi(ansi)
         .with_writer(std::io::stderr);
-    let _ = if json {
-        registry.with(text.json().flatten_event(true)).try_init()
+    let logs = if json {
+        text.json()
+            .flatten_event(true)
+            .map_event_format(|f| ids::WithTraceIds {
+                inner: f,
+                json: true,
+            })
+            .with_filter(filter)
+            .boxed()
     } else {
-        registry.with(text).try_init()
+        text.map_event_format(|f| ids::WithTraceIds {
+            inner: f,
+            json: false,
+        })
+        .with_filter(filter)
+        .boxed()
     };
+    #[cfg(feature = "otel-export")]
+    let spans = match traces {
+        Traces::Export(export) => Some(
+            tracing_opentelemetry::layer()
+                .with_tracer(export.tracer())
+                .with_location(false)
+                .with_filter(tracing_subscriber::filter::filter_fn(exported)),
+        ),
+        _ => None,
+    };
+    #[cfg(not(feature = "otel-export"))]
+    let spans = {
+        let _ = traces;
+        None::<tracing_subscriber::layer::Identity>
+    };
+    let _ = tracing_subscriber::registry()
+        .with(tracing_subscriber::filter::filter_fn(payload_free))
+        .with(logs)
+        .with(spans)
+        .try_init();
+}
+
+/// What the span exporter records: our own spans at INFO and above (not the libraries'), and
+/// our warnings and errors as span events.
+#[cfg_attr(not(feature = "otel-export"), allow(dead_code))]
+fn exported(meta: &Metadata<'_>) -> bool {
+    let ours = ["worker", "publisher", "kit"]
+        .iter()
+        .any(|crate_name| meta.target().starts_with(crate_name));
+    ours && if meta.is_span() {
+        *meta.level() <= Level::INFO
+    } else {
+        *meta.level() <= Level::WARN
+    }
+}
+
+mod ids {
+    //! Log lines that carry the ids of the span they were written in.
+    use std::fmt;
+
+    use tracing::{Event, Subscriber};
+    use tracing_subscriber::fmt::format::Writer;
+    use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+    use tracing_subscriber::registry::LookupSpan;
+
+    /// Adds `trace_id` and `span_id` of the current span (when an OpenTelemetry layer records
+    /// it) to the line `inner` writes: JSON lines get two more fields, text lines start with
+    /// them.
+    pub struct WithTraceIds<F> {
+        pub inner: F,
+        pub json: bool,
+    }
+
+    impl<S, N, F> FormatEvent<S, N> for WithTraceIds<F>
+    where
+        S: Subscriber + for<'a> LookupSpan<'a>,
+        N: for<'a> FormatFields<'a> + 'static,
+        F: FormatEvent<S, N>,
+    {
+        fn format_event(
+            &self,
+            ctx: &FmtContext<'_, S, N>,
+            mut writer: Writer<'_>,
+            event: &Event<'_>,
+        ) -> fmt::Result {
+            let Some((trace_id, span_id)) = current_ids(ctx) else {
+                return self.inner.format_event(ctx, writer, event);
+            };
+            if !self.json {
+                write!(writer, "trace_id={trace_id} span_id={span_id} ")?;
+                return self.inner.format_event(ctx, writer, event);
+            }
+            let mut line = String::new();
+            self.inner
+                .format_event(ctx, Writer::new(&mut line), event)?;
+            match line.trim_end().strip_suffix('}') {
+                Some(head) => writeln!(
+                    writer,
+                    "{head},\"trace_id\":\"{trace_id}\",\"span_id\":\"{span_id}\"}}"
+                ),
+                None => writer.write_str(&line),
+            }
+        }
+    }
+
+    #[cfg(feature = "otel-export")]
+    fn current_ids<S, N>(ctx: &FmtContext<'_, S, N>) -> Option<(String, String)>
+    where
+        S: Subscriber + for<'a> LookupSpan<'a>,
+        N: for<'a> FormatFields<'a> + 'static,
+    {
+        use opentelemetry::trace::TraceContextExt as _;
+        let id = ctx.lookup_current()?.id();
+        let cx =
+            tracing::dispatcher::get_default(|d| tracing_opentelemetry::get_otel_context(&id, d))?;
+        let span = cx.span();
+        let sc = span.span_context();
+        sc.is_valid()
+            .then(|| (sc.trace_id().to_string(), sc.span_id().to_string()))
+    }
+
+    #[cfg(not(feature = "otel-export"))]
+    fn current_ids<S, N>(_: &FmtContext<'_, S, N>) -> Option<(String, String)>
+    where
+        S: Subscriber + for<'a> LookupSpan<'a>,
+        N: for<'a> FormatFields<'a> + 'static,
+    {
+        None
+    }
 }
 
 /// Whether an event or span may be recorded: `false` for the library call sites that print

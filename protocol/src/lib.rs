@@ -11,11 +11,13 @@
 //! - [`error`]: [`DecodeError`], with a human message and a stable machine code.
 //! - [`fingerprint`](mod@fingerprint): RFC 8785 canonical JSON and the SHA-256 intent fingerprint.
 //! - [`result`]: [`ResultEvent`] with its [`Status`] and [`RejectReason`].
+//! - [`trace`]: W3C Trace Context (`traceparent`, `tracestate`) as intents and results carry it.
 
 pub mod error;
 pub mod fingerprint;
 pub mod intent;
 pub mod result;
+pub mod trace;
 
 pub use error::DecodeError;
 pub use fingerprint::{canonical_json, fingerprint};
