@@ -69,11 +69,18 @@ pub fn init_with(json: bool, ansi: bool, default_filter: &str, traces: Traces<'_
         let _ = traces;
         None::<tracing_subscriber::layer::Identity>
     };
-    let _ = tracing_subscriber::registry()
+    let recording = spans.is_some();
+    let installed = tracing_subscriber::registry()
         .with(tracing_subscriber::filter::filter_fn(payload_free))
         .with(logs)
         .with(spans)
         .try_init();
+    #[cfg(feature = "otel")]
+    if recording && installed.is_ok() {
+        crate::otel::set_recording();
+    }
+    #[cfg(not(feature = "otel"))]
+    let _ = (recording, installed);
 }
 
 /// What the span exporter records: our own spans at INFO and above (not the libraries'), and
@@ -101,7 +108,8 @@ mod ids {
 
     /// Adds `trace_id` and `span_id` of the current span (when an OpenTelemetry layer records
     /// it) to the line `inner` writes: JSON lines get two more fields, text lines start with
-    /// them.
+    /// them. The current span is read from the dispatcher, not from the log layer's context,
+    /// which sees no spans.
     pub struct WithTraceIds<F> {
         pub inner: F,
         pub json: bool,
@@ -140,19 +148,13 @@ mod ids {
     }
 
     #[cfg(feature = "otel-export")]
-    fn current_ids<S, N>(ctx: &FmtContext<'_, S, N>) -> Option<(String, String)>
+    fn current_ids<S, N>(_: &FmtContext<'_, S, N>) -> Option<(String, String)>
     where
         S: Subscriber + for<'a> LookupSpan<'a>,
         N: for<'a> FormatFields<'a> + 'static,
     {
-        use opentelemetry::trace::TraceContextExt as _;
-        let id = ctx.lookup_current()?.id();
-        let cx =
-            tracing::dispatcher::get_default(|d| tracing_opentelemetry::get_otel_context(&id, d))?;
-        let span = cx.span();
-        let sc = span.span_context();
-        sc.is_valid()
-            .then(|| (sc.trace_id().to_string(), sc.span_id().to_string()))
+        let cx = crate::otel::context_of(&tracing::Span::current())?;
+        Some((cx.parent.trace_id_hex(), cx.parent.parent_id_hex()))
     }
 
     #[cfg(not(feature = "otel-export"))]

@@ -26,6 +26,20 @@ use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 #[cfg(feature = "otel-export")]
 pub mod export;
 
+static RECORDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether an OpenTelemetry layer records this process's spans (set when the log subscriber
+/// installs one). Hot paths create their spans only then: with export off a span would cost
+/// its allocation and record nothing.
+pub fn recording() -> bool {
+    RECORDING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Marks spans as recorded from now on (the subscriber with the span layer is installed).
+pub fn set_recording() {
+    RECORDING.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// The OpenTelemetry span context for a received W3C context (remote).
 pub fn span_context(cx: &TraceContext) -> SpanContext {
     let state = cx

@@ -81,6 +81,7 @@ async fn workers_racing_on_prepared_operations_dispatch_each_once() {
                 arguments: protocol::canonical_json(&args),
                 call_id: None,
                 reply_to: None,
+                trace: None,
             });
         }
     }

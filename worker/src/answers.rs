@@ -87,6 +87,7 @@ pub fn operation_event(op: &Operation, status: Status, message: String) -> NewEv
             occurred_at: now_rfc3339(),
         },
         reply_to: op.reply_to.clone(),
+        trace: op.trace(),
     }
 }
 
@@ -119,6 +120,7 @@ pub fn rejected_event(
             occurred_at: now_rfc3339(),
         },
         reply_to: None,
+        trace: None,
     }
 }
 

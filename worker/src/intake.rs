@@ -17,7 +17,9 @@
 use std::collections::{BTreeMap, HashMap};
 
 use metrics::counter;
+use protocol::trace::TraceContext;
 use protocol::{DecodeError, Intent, RejectReason};
+use tracing::{Instrument as _, Span};
 
 use crate::answers::{self, DeadLetterReason};
 use crate::context::Context;
@@ -58,6 +60,27 @@ pub struct Incoming {
     pub redelivered: bool,
     /// The broker-validated AMQP `user_id` property, if the publisher set one.
     pub user_id: Option<String>,
+    /// The trace context the message carried (a malformed one was dropped and counted).
+    pub trace: Option<TraceContext>,
+    /// The delivery's `process intents` span ([`Span::none`] when spans are not recorded):
+    /// the parent of its first send, and what answers to this delivery carry.
+    pub span: Span,
+}
+
+impl Incoming {
+    /// The trace context answers to this delivery carry: its span's when recorded, else the
+    /// one it came with.
+    fn answer_trace(&self) -> Option<TraceContext> {
+        kit::otel::outgoing(&self.span, self.trace.as_ref())
+    }
+}
+
+/// An operation claimed for its first dispatch, with the span of the delivery it came from.
+#[derive(Debug)]
+pub struct Claimed {
+    pub operation: Operation,
+    /// The delivery's span: the parent of the send.
+    pub parent: Span,
 }
 
 /// A delivery to copy to the dead-letter exchange before acking.
@@ -76,7 +99,7 @@ pub struct DeadLetter {
 #[derive(Debug, Default)]
 pub struct StepOutcome {
     pub dead_letters: Vec<DeadLetter>,
-    pub claimed: Vec<Operation>,
+    pub claimed: Vec<Claimed>,
     /// Result events committed (rejections and answers to duplicates).
     pub answered: usize,
 }
@@ -127,6 +150,8 @@ pub struct Refusal {
     pub action_id: String,
     /// The delivery's own `reply_to`: where its answer goes.
     pub reply_to: Option<String>,
+    /// The trace context its answer carries.
+    pub answer_trace: Option<TraceContext>,
     pub kind: RefusalKind,
 }
 
@@ -141,8 +166,12 @@ pub enum RefusalKind {
 /// An intent that passed stages 1 and 2, with where it came from.
 #[derive(Debug, Clone)]
 pub struct Valid {
+    /// Its index in the batch.
+    pub index: usize,
     pub redelivered: bool,
     pub new: NewOperation,
+    /// The trace context answers to this delivery carry.
+    pub answer_trace: Option<TraceContext>,
 }
 
 /// Stages 1 and 2: decode, then prove the tenant the message names before anything about it
@@ -181,6 +210,7 @@ pub fn triage(
                 tenant,
                 action_id,
                 reply_to,
+                answer_trace: incoming.answer_trace(),
                 kind: RefusalKind::Invalid {
                     code: error.code(),
                     error: error.to_string(),
@@ -204,6 +234,7 @@ pub fn triage(
                     tenant: intent.tenant,
                     action_id: intent.action_id,
                     reply_to: intent.reply_to,
+                    answer_trace: incoming.answer_trace(),
                     kind: RefusalKind::UnknownTool {
                         tool: intent.tool,
                         fingerprint,
@@ -212,6 +243,7 @@ pub fn triage(
             }
             let intent = *intent;
             Triage::Admit(Valid {
+                index,
                 redelivered: incoming.redelivered,
                 new: NewOperation {
                     arguments: intent.canonical_arguments(),
@@ -221,7 +253,9 @@ pub fn triage(
                     fingerprint,
                     call_id: intent.call_id,
                     reply_to: intent.reply_to,
+                    trace: incoming.trace.clone(),
                 },
+                answer_trace: incoming.answer_trace(),
             })
         }
     }
@@ -290,7 +324,12 @@ pub fn refusal_answer(r: &Refusal, row: Option<&Operation>) -> (NewEvent, &'stat
             RejectReason::IntentConflict.as_str(),
         ),
     };
-    (event.answering(r.reply_to.as_deref()), label)
+    (
+        event
+            .answering(r.reply_to.as_deref())
+            .with_trace(r.answer_trace.clone()),
+        label,
+    )
 }
 
 /// Processes one batch. On a ledger error nothing was acked and the caller retries the same
@@ -308,6 +347,14 @@ pub async fn step(
     // Stage 3: admit, then look up the refused keys (after admitting, so a key first
     // recorded in this very batch is seen too).
     let (unique, later) = fold_duplicates(&valid);
+    let span = crate::telemetry::spans::ledger_batch(
+        "admit",
+        batch.len(),
+        valid
+            .iter()
+            .filter_map(|v| v.answer_trace.as_ref())
+            .chain(refusals.iter().filter_map(|r| r.answer_trace.as_ref())),
+    );
     let admitted = ctx
         .ledger
         .admit_claimed(
@@ -316,6 +363,7 @@ pub async fn step(
             ctx.lease,
             &ctx.windows,
         )
+        .instrument(span.clone())
         .await?;
     if let Some(a) = admitted.iter().find(|a| a.inserted) {
         fault::point("after_prepared", &a.operation.action_id);
@@ -326,7 +374,7 @@ pub async fn step(
         let mut keys: Vec<(String, String)> = refusals.iter().map(Refusal::key).collect();
         keys.sort();
         keys.dedup();
-        ctx.ledger.find_keys(&keys).await?
+        ctx.ledger.find_keys(&keys).instrument(span.clone()).await?
     };
 
     // Stage 4.
@@ -339,7 +387,7 @@ pub async fn step(
     // statement in all.
     let (claimed, answered) = if answers.to_claim.is_empty() {
         events.extend(answers.after_claim(&[], &later));
-        ctx.ledger.emit(&events).await?;
+        ctx.ledger.emit(&events).instrument(span).await?;
         (Vec::new(), events.len())
     } else {
         ctx.ledger
@@ -353,17 +401,28 @@ pub async fn step(
                     events
                 },
             )
+            .instrument(span)
             .await?
     };
     out.answered = answered;
+    let parent_of = |id: i64| {
+        admitted
+            .iter()
+            .position(|a| a.operation.id == id)
+            .map_or_else(Span::none, |u| batch[unique[u].index].span.clone())
+    };
     out.claimed = admitted
         .iter()
         .filter(|a| a.inserted)
         .map(|a| a.operation.clone())
         .chain(claimed)
+        .map(|operation| Claimed {
+            parent: parent_of(operation.id),
+            operation,
+        })
         .collect();
-    if let Some(op) = out.claimed.first() {
-        fault::point("after_dispatching", &op.action_id);
+    if let Some(c) = out.claimed.first() {
+        fault::point("after_dispatching", &c.operation.action_id);
     }
     Ok(out)
 }
@@ -394,12 +453,27 @@ fn sort(
             continue;
         }
         match triage(index, incoming, auth, |tool| ctx.tools.get(tool).is_some()) {
-            Triage::Drop(dl) => dead_letters.push(dl),
+            Triage::Drop(dl) => {
+                incoming
+                    .span
+                    .record("intent_worker.outcome", dl.reason.as_str());
+                dead_letters.push(dl)
+            }
             Triage::Refuse(r) => {
+                let span = &incoming.span;
+                span.record("intent_worker.tenant", r.tenant.as_str());
+                span.record("intent_worker.action_id", r.action_id.as_str());
+                span.record("intent_worker.outcome", r.dead_letter().reason.as_str());
                 dead_letters.push(r.dead_letter());
                 refusals.push(r);
             }
-            Triage::Admit(v) => valid.push(v),
+            Triage::Admit(v) => {
+                let span = &incoming.span;
+                span.record("intent_worker.tenant", v.new.tenant.as_str());
+                span.record("intent_worker.action_id", v.new.action_id.as_str());
+                span.record("intent_worker.tool", v.new.tool.as_str());
+                valid.push(v)
+            }
         }
     }
     (refusals, valid)
@@ -467,7 +541,8 @@ impl<'a> Answers<'a> {
             if adm.inserted {
                 // Claimed by its own insert: dispatched, not answered.
             } else if op.fingerprint != v.new.fingerprint {
-                a.conflicts.push(conflict_event(&v.new, op));
+                a.conflicts
+                    .push(conflict_event(&v.new, op).with_trace(v.answer_trace.clone()));
                 duplicate("conflict");
             } else if op.state() == State::Prepared {
                 a.to_claim.push(op.id);
@@ -489,24 +564,32 @@ impl<'a> Answers<'a> {
         let mut events = Vec::new();
         for (u, a) in self.admitted.iter().enumerate() {
             let op = &a.operation;
-            let delivery = &self.unique[u].new;
+            let delivery = self.unique[u];
+            let answer = |e: NewEvent| {
+                e.answering(delivery.new.reply_to.as_deref())
+                    .with_trace(delivery.answer_trace.clone())
+            };
             if self.to_claim.contains(&op.id) && !claimed.iter().any(|c| c.id == op.id) {
                 // A prepared row someone else claimed first: it is in flight.
-                duplicate(reason(self.unique[u].redelivered, op));
-                events.push(answers::pending(op).answering(delivery.reply_to.as_deref()));
+                duplicate(reason(delivery.redelivered, op));
+                events.push(answer(answers::pending(op)));
             } else if let Some(op) = self.answer_from[u] {
-                events.push(answers::stored_result(op).answering(delivery.reply_to.as_deref()));
+                events.push(answer(answers::stored_result(op)));
             }
         }
         for (v, u) in later {
             let first = &self.admitted[*u].operation;
             if first.fingerprint != v.new.fingerprint {
-                events.push(conflict_event(&v.new, first));
+                events.push(conflict_event(&v.new, first).with_trace(v.answer_trace.clone()));
                 duplicate("conflict");
             } else {
                 let current = claimed.iter().find(|c| c.id == first.id).unwrap_or(first);
                 duplicate(reason(v.redelivered, current));
-                events.push(answers::stored_result(current).answering(v.new.reply_to.as_deref()));
+                events.push(
+                    answers::stored_result(current)
+                        .answering(v.new.reply_to.as_deref())
+                        .with_trace(v.answer_trace.clone()),
+                );
             }
         }
         events
@@ -555,6 +638,8 @@ mod tests {
             body: body.as_bytes().to_vec(),
             redelivered: false,
             user_id: user.map(str::to_string),
+            trace: None,
+            span: Span::none(),
         }
     }
 
@@ -595,6 +680,8 @@ mod tests {
             updated_at: now,
             state_since: now,
             swept_at: None,
+            traceparent: None,
+            tracestate: None,
         }
     }
 
@@ -724,6 +811,7 @@ mod tests {
 
     fn valid(action_id: &str, fingerprint: &str, reply_to: Option<&str>) -> Valid {
         Valid {
+            index: 0,
             redelivered: false,
             new: NewOperation {
                 tenant: "tenant-a".into(),
@@ -733,7 +821,9 @@ mod tests {
                 arguments: "{}".into(),
                 call_id: None,
                 reply_to: reply_to.map(str::to_string),
+                trace: None,
             },
+            answer_trace: None,
         }
     }
 
@@ -777,6 +867,7 @@ mod tests {
     #[test]
     fn in_batch_duplicates_fold_onto_the_first_of_their_key() {
         let v = |id: &str| Valid {
+            index: 0,
             redelivered: false,
             new: NewOperation {
                 tenant: "t".into(),
@@ -786,7 +877,9 @@ mod tests {
                 arguments: "{}".into(),
                 call_id: None,
                 reply_to: None,
+                trace: None,
             },
+            answer_trace: None,
         };
         let batch = [v("a"), v("b"), v("a"), v("a")];
         let (unique, later) = fold_duplicates(&batch);

@@ -89,7 +89,20 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    worker::telemetry::init_logs(settings.log_json);
+    let export = match worker::telemetry::trace_export(settings.ca_file.as_deref()) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!(
+                "worker: configuration error: {}",
+                worker::telemetry::chain(e.as_ref())
+            );
+            return ExitCode::from(2);
+        }
+    };
+    worker::telemetry::init_logs(settings.log_json, export.as_ref());
+    if let Some(template) = &settings.trace_url {
+        worker::ops::actions::set_trace_url_template(template);
+    }
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
@@ -98,6 +111,9 @@ async fn main() -> ExitCode {
         Job::Migrate => worker::app::migrate(&settings).await,
         Job::Ops(cmd) => worker::ops::cli::run(&settings, cmd).await,
     };
+    if let Some(export) = export {
+        export.shutdown(worker::telemetry::EXPORT_FLUSH).await;
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

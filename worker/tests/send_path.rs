@@ -224,11 +224,14 @@ async fn a_batched_fence_checks_each_row_on_its_own() {
     // Through the worker's batcher: the same answer.
     assert!(ctx
         .fences
-        .fence_send(SendFence {
-            id: live.id,
-            fence: live.fence,
-            timeout: TIMEOUT,
-        })
+        .fence_send(
+            SendFence {
+                id: live.id,
+                fence: live.fence,
+                timeout: TIMEOUT,
+            },
+            None
+        )
         .await
         .unwrap());
     db.drop_db().await;
@@ -252,6 +255,7 @@ async fn a_completion_batch_records_each_row_as_if_alone() {
             receipt_id: id.into(),
             evidence: format!("receipt {id}"),
         },
+        trace: None,
     };
     let batch = vec![
         receipt(&a, "r-a"),
@@ -264,6 +268,7 @@ async fn a_completion_batch_records_each_row_as_if_alone() {
                 delay: Duration::ZERO,
                 evidence: "timeout".into(),
             },
+            trace: None,
         },
         receipt(&late, "r-other"),
         receipt(&b, "r-b"),

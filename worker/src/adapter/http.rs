@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime};
 
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use reqwest::{Method, StatusCode};
+use tracing::{Instrument as _, Span};
 
 use super::{receipt, BoxFuture, Outcome, Request, ToolAdapter};
 use crate::config::ToolConfig;
@@ -89,7 +90,19 @@ impl HttpAdapter {
         self.lookup_answer(request).await
     }
 
+    /// The write in its `POST` (the tool's method) client span, whose context the request
+    /// carries.
     async fn write(&self, request: &Request, with_key: bool) -> Answer {
+        let span = client_span(self.method.as_str(), &self.config.url);
+        let answer = self
+            .write_in(request, with_key, &span)
+            .instrument(span.clone())
+            .await;
+        record_answer(&span, &answer);
+        answer
+    }
+
+    async fn write_in(&self, request: &Request, with_key: bool, span: &Span) -> Answer {
         if let Err(evidence) = self.request_ref(request) {
             return Answer::bare(Outcome::Rejected {
                 status: 0,
@@ -103,6 +116,7 @@ impl HttpAdapter {
                 HeaderValue::from_str(&request.idempotency_key).expect("checked above"),
             );
         }
+        trace_headers(&mut headers, span, request);
         let sent = self
             .client
             .request(self.method.clone(), &self.config.url)
@@ -184,9 +198,20 @@ impl HttpAdapter {
             });
         };
         let url = receipt::fill(url_template, request, true);
+        let span = client_span("GET", &url);
+        let answer = self
+            .lookup_in(request, &url, &span)
+            .instrument(span.clone())
+            .await;
+        record_answer(&span, &answer);
+        answer
+    }
+
+    async fn lookup_in(&self, request: &Request, url: &str, span: &Span) -> Answer {
         let mut headers = self.headers.clone();
         headers.remove(CONTENT_TYPE);
-        let response = match self.client.get(&url).headers(headers).send().await {
+        trace_headers(&mut headers, span, request);
+        let response = match self.client.get(url).headers(headers).send().await {
             Ok(r) => r,
             Err(e) if e.is_connect() && kit::fd::local_exhaustion(&e).is_some() => {
                 return Answer::bare(local_exhaustion(&e, &self.config, "lookup"));
@@ -250,6 +275,60 @@ impl Answer {
             status: None,
             content_type: None,
         }
+    }
+}
+
+/// The client span of a request to `url` (its query and credentials left out: they may carry
+/// secrets from the tools file).
+fn client_span(method: &str, url: &str) -> Span {
+    if !kit::otel::recording() {
+        return Span::none();
+    }
+    match reqwest::Url::parse(url) {
+        Ok(mut u) => {
+            u.set_query(None);
+            u.set_fragment(None);
+            let _ = u.set_username("");
+            let _ = u.set_password(None);
+            crate::telemetry::spans::http_client(method, &u)
+        }
+        Err(_) => Span::none(),
+    }
+}
+
+/// `traceparent` / `tracestate` of the request: the client span's context when it is
+/// recorded, else the intent's own, unchanged.
+fn trace_headers(headers: &mut HeaderMap, span: &Span, request: &Request) {
+    let Some(cx) = kit::otel::outgoing(span, request.trace.as_ref()) else {
+        return;
+    };
+    if let Ok(v) = HeaderValue::from_str(&cx.traceparent()) {
+        headers.insert(HeaderName::from_static(protocol::trace::TRACEPARENT), v);
+    }
+    if let Some(v) = cx
+        .state
+        .as_deref()
+        .and_then(|s| HeaderValue::from_str(s).ok())
+    {
+        headers.insert(HeaderName::from_static(protocol::trace::TRACESTATE), v);
+    }
+}
+
+/// The HTTP conventions' answer attributes: the status, and `error.type` (the status for 4xx
+/// and 5xx, else what went wrong when no answer came).
+fn record_answer(span: &Span, answer: &Answer) {
+    if span.is_none() {
+        return;
+    }
+    if let Some(status) = answer.status {
+        span.record("http.response.status_code", i64::from(status));
+        if status >= 400 {
+            span.record("error.type", status.to_string().as_str());
+            span.record("otel.status_code", "ERROR");
+        }
+    } else {
+        span.record("error.type", answer.outcome.label());
+        span.record("otel.status_code", "ERROR");
     }
 }
 

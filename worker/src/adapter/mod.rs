@@ -31,6 +31,9 @@ pub struct Request {
     pub idempotency_key: String,
     /// The canonical JSON arguments, byte for byte as first recorded.
     pub body: String,
+    /// The trace context of the intent. An adapter sends the context of its own request span
+    /// when spans are recorded ([`kit::otel::outgoing`]), else this one unchanged.
+    pub trace: Option<protocol::trace::TraceContext>,
 }
 
 /// What one downstream call established.

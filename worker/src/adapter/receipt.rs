@@ -107,6 +107,7 @@ mod tests {
             tool: "refund".into(),
             idempotency_key: "north-shop:refund/204 x".into(),
             body: "{}".into(),
+            trace: None,
         }
     }
 
@@ -130,6 +131,7 @@ mod tests {
             tool: "ticket".into(),
             idempotency_key: "t{tool}:brace{tool}-1{key}".into(),
             body: "{}".into(),
+            trace: None,
         };
         assert_eq!(
             fill("{tenant}:{action_id}", &r, false),
@@ -172,6 +174,7 @@ mod tests {
                 action_id,
                 tool: "ticket".into(),
                 body: "{}".into(),
+                trace: None,
             };
             let url = fill("http://h/a/{tenant}/b/{action_id}/c/{key}?tool={tool}", &r, true);
             let (path, query) = url.split_once('?').unwrap();

@@ -310,8 +310,10 @@ async fn process(
     // The poison guard's count for a redelivered delivery, taken once: retrying the batch through
     // a ledger outage is still one delivery, not one per attempt.
     let mut counted: Option<u32> = None;
+    // Read once per delivery: a batch retried through an outage is still one delivery (one span).
+    let received: Vec<Received> = batch.iter().map(Received::of).collect();
     loop {
-        match try_process(dlx, ctx, config, &batch, &mut counted).await {
+        match try_process(dlx, ctx, config, &batch, &received, &mut counted).await {
             Ok(Recorded {
                 claimed,
                 broken: Some(e),
@@ -320,8 +322,9 @@ async fn process(
                 // The claims are committed; the link broke while dead-lettering. Dispatch them
                 // (they need no broker) and leave the deliveries unacked: they come back
                 // redelivered and the inbox answers them from their rows.
-                for op in claimed {
-                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, op)).await;
+                for c in claimed {
+                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, c.operation, Some(c.parent)))
+                        .await;
                 }
                 return Err(e);
             }
@@ -336,8 +339,9 @@ async fn process(
                 // The claims are committed: they are dispatched first, so no send waits on the
                 // broker (if the link has just gone, the ack is lost and the redelivery is
                 // answered from the inbox).
-                for op in claimed {
-                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, op)).await;
+                for c in claimed {
+                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, c.operation, Some(c.parent)))
+                        .await;
                 }
                 let mut settled = Ok(());
                 let mut rejected = Vec::new();
@@ -393,11 +397,25 @@ enum Failure {
 /// dead-letter copy the broker refused, to be rejected without requeue, and whether the broker
 /// connection broke while dead-lettering (then nothing is acked).
 struct Recorded {
-    claimed: Vec<crate::ledger::Operation>,
+    claimed: Vec<intake::Claimed>,
     /// Result events the step committed (answers to duplicates and rejections).
     answered: usize,
     refused: Vec<usize>,
     broken: Option<AmqpError>,
+}
+
+/// What a delivery carried for tracing: its trace context and its `process intents` span.
+struct Received {
+    trace: Option<protocol::trace::TraceContext>,
+    span: tracing::Span,
+}
+
+impl Received {
+    fn of(d: &Delivery) -> Received {
+        let trace = super::trace::received(d.properties.headers().as_ref());
+        let span = super::trace::process_span(d, trace.as_ref());
+        Received { trace, span }
+    }
 }
 
 async fn try_process(
@@ -405,6 +423,7 @@ async fn try_process(
     ctx: &Arc<Context>,
     config: &ConsumerConfig,
     batch: &[Delivery],
+    received: &[Received],
     counted: &mut Option<u32>,
 ) -> Result<Recorded, Failure> {
     let limit = config.topology.delivery_limit;
@@ -446,7 +465,8 @@ async fn try_process(
     }
     let incoming: Vec<Incoming> = batch
         .iter()
-        .map(|d| Incoming {
+        .zip(received)
+        .map(|(d, r)| Incoming {
             body: d.data.clone(),
             redelivered: d.redelivered,
             user_id: d
@@ -454,6 +474,8 @@ async fn try_process(
                 .user_id()
                 .as_ref()
                 .map(|u| u.as_str().to_string()),
+            trace: r.trace.clone(),
+            span: r.span.clone(),
         })
         .collect();
     let outcome = intake::step(ctx, &config.auth, config.max_message_bytes, &incoming)

@@ -8,6 +8,7 @@
 pub mod consume;
 pub mod relay;
 pub mod topology;
+pub mod trace;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

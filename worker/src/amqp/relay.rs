@@ -15,12 +15,15 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Connection};
 use lapin::{Confirmation, PublisherConfirm};
 use metrics::counter;
+use protocol::trace::TraceContext;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use super::AmqpError;
 use crate::context::Context;
 use crate::ledger::outbox::OutboxRow;
 use crate::telemetry::metrics as m;
+use crate::telemetry::spans;
 
 /// Events published per round.
 const BATCH: i64 = 256;
@@ -70,11 +73,17 @@ impl Relay {
         if rows.is_empty() {
             return Ok(0);
         }
-        let mut pending = Vec::with_capacity(rows.len());
-        for row in &rows {
-            pending.push((row, self.publish(row).await));
+        let traces: Vec<TraceContext> = rows.iter().filter_map(row_trace).collect();
+        let span = spans::publish_results(&self.exchange, rows.len(), &traces);
+        let settled = async {
+            let mut pending = Vec::with_capacity(rows.len());
+            for row in &rows {
+                pending.push((row, self.publish(row).await));
+            }
+            settle(pending).await
         }
-        let settled = settle(pending).await;
+        .instrument(span)
+        .await;
         if let Err(e) = self.ctx.ledger.mark_published(&settled.published).await {
             // They will be published again after the hold: agents dedupe by event_id.
             tracing::warn!(error = %e, "cannot mark events published");
@@ -136,11 +145,16 @@ impl Relay {
             .get("event_id")
             .and_then(|v| v.as_str())
             .unwrap_or_default();
-        let props = BasicProperties::default()
+        let mut props = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_delivery_mode(2)
             .with_message_id(event_id.into())
             .with_type(row.status.as_str().into());
+        if let Some(cx) = row_trace(row) {
+            let mut headers = lapin::types::FieldTable::default();
+            super::trace::write(&mut headers, &cx);
+            props = props.with_headers(headers);
+        }
         self.channel
             .basic_publish(
                 self.exchange.as_str().into(),
@@ -178,6 +192,15 @@ impl Relay {
         while self.step().await? > 0 || self.ctx.completions.handed_waiting() {}
         Ok(())
     }
+}
+
+/// The trace context an event is sent with (the span that decided it, or the intent's).
+fn row_trace(row: &OutboxRow) -> Option<TraceContext> {
+    let parent = protocol::trace::TraceParent::parse(row.traceparent.as_deref()?).ok()?;
+    Some(TraceContext {
+        parent,
+        state: row.tracestate.clone(),
+    })
 }
 
 /// What the broker's confirms said about a round's events.

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::error::{TryRecvError, TrySendError};
 use tokio::sync::{mpsc, oneshot, Notify};
+use tracing::Instrument as _;
 
 use super::{run_batches, Tasks};
 use crate::ledger::outbox::OutboxRow;
@@ -163,16 +164,25 @@ async fn complete_batch(
     // the hold: the freshness limit below is conservative on either clock.
     let started = Instant::now();
     let held = handoff.attached.load(Ordering::SeqCst);
-    let done = if held {
-        ledger
-            .complete_held(&worker_id, &completions, handoff.hold)
-            .await
-    } else {
-        Completed {
-            results: ledger.complete(&worker_id, &completions).await,
-            events: Vec::new(),
+    let span = crate::telemetry::spans::ledger_batch(
+        "complete",
+        completions.len(),
+        completions.iter().filter_map(|c| c.trace.as_ref()),
+    );
+    let done = async {
+        if held {
+            ledger
+                .complete_held(&worker_id, &completions, handoff.hold)
+                .await
+        } else {
+            Completed {
+                results: ledger.complete(&worker_id, &completions).await,
+                events: Vec::new(),
+            }
         }
-    };
+    }
+    .instrument(span)
+    .await;
     // `complete_held` returns after the commit: the relay never sees an uncommitted row.
     // Half the hold is the margin: a row the relay reaches later than that is left to the
     // database path, which takes it once the hold has passed (another relay may by then).

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument as _;
 
 use super::{run_batches, Tasks};
 use crate::ledger::{Ledger, SendFence};
@@ -18,7 +19,12 @@ const FENCE_BATCH: usize = 256;
 #[error("{0}")]
 pub struct FenceError(String);
 
-type Request = (SendFence, oneshot::Sender<Result<bool, FenceError>>);
+/// A fence, the context of the send it guards (for the batch span's links) and the reply.
+type Request = (
+    SendFence,
+    Option<protocol::trace::TraceContext>,
+    oneshot::Sender<Result<bool, FenceError>>,
+);
 
 /// The handle callers use; the batching task runs on [`Tasks`].
 pub struct FenceBatcher {
@@ -48,10 +54,15 @@ impl FenceBatcher {
     }
 
     /// Whether `send` may leave: batched with the fences requested meanwhile, or alone once the
-    /// batcher has stopped (shutdown).
-    pub async fn fence_send(&self, send: SendFence) -> Result<bool, FenceError> {
+    /// batcher has stopped (shutdown). `trace` is the context of the send's span, linked from
+    /// the batch's span.
+    pub async fn fence_send(
+        &self,
+        send: SendFence,
+        trace: Option<protocol::trace::TraceContext>,
+    ) -> Result<bool, FenceError> {
         let (tx, rx) = oneshot::channel();
-        if self.tx.send((send, tx)).await.is_err() {
+        if self.tx.send((send, trace, tx)).await.is_err() {
             return self
                 .ledger
                 .fence_send(
@@ -74,8 +85,20 @@ impl FenceBatcher {
 
 /// One group fence: every row checked against its own predicate in one statement.
 async fn fence_batch(ledger: Ledger, worker_id: String, lease: Duration, batch: Vec<Request>) {
-    let (sends, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
-    match ledger.fence_sends(&sends, &worker_id, lease).await {
+    let mut sends = Vec::with_capacity(batch.len());
+    let mut traces = Vec::new();
+    let mut replies = Vec::with_capacity(batch.len());
+    for (send, trace, reply) in batch {
+        sends.push(send);
+        traces.extend(trace);
+        replies.push(reply);
+    }
+    let span = crate::telemetry::spans::ledger_batch("fence", sends.len(), &traces);
+    match ledger
+        .fence_sends(&sends, &worker_id, lease)
+        .instrument(span)
+        .await
+    {
         Ok(passed) => {
             for (reply, ok) in replies.into_iter().zip(passed) {
                 let _ = reply.send(Ok(ok));

@@ -92,6 +92,8 @@ pub struct Settings {
     pub migrate: bool,
     /// Log format: "text" or "json".
     pub log_json: bool,
+    /// `WORKER_TRACE_URL`: the trace viewer template, with `{trace_id}`.
+    pub trace_url: Option<String>,
     /// AMQP heartbeat asked of the broker, seconds (0 = off): how soon a silent link is lost.
     pub amqp_heartbeat_secs: u16,
     /// Declare the broker topology at start-up (`WORKER_DECLARE_TOPOLOGY`, default true); with
@@ -342,6 +344,12 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_LOG_FORMAT", value_name = "WORKER_LOG_FORMAT", default_value = "text",
           value_parser = ["text", "json"])]
     pub log_format: String,
+    /// The trace viewer's address for one trace, with `{trace_id}` where the id goes (e.g.
+    /// `http://jaeger:16686/trace/{trace_id}`): the status and admin API and `worker ops` then
+    /// give a link beside each operation's `trace_id`. Unset: the id alone.
+    #[arg(long, env = "WORKER_TRACE_URL", value_name = "WORKER_TRACE_URL",
+          value_parser = parse_trace_url)]
+    pub trace_url: Option<String>,
 }
 
 /// A listener address, or none (`off`, `none`).
@@ -358,6 +366,18 @@ fn parse_listen(raw: &str) -> Result<Listen, String> {
                 format!("{e} (expected host:port, off or none)")
             }),
     }
+}
+
+/// A trace viewer template: an http(s) URL naming `{trace_id}`.
+fn parse_trace_url(v: &str) -> Result<String, String> {
+    let v = v.trim();
+    if !(v.starts_with("http://") || v.starts_with("https://")) {
+        return Err("must be an http:// or https:// URL".into());
+    }
+    if !v.contains("{trace_id}") {
+        return Err("must contain {trace_id}, where the trace id goes".into());
+    }
+    Ok(v.to_string())
 }
 
 fn parse_bool(raw: &str) -> Result<bool, String> {
@@ -567,6 +587,7 @@ impl Settings {
             db_acquire_timeout: Duration::from_secs(a.db_acquire_timeout_secs),
             migrate: a.migrate,
             log_json: a.log_format == "json",
+            trace_url: a.trace_url,
             amqp_heartbeat_secs: a.amqp_heartbeat_secs,
             declare_topology: a.declare_topology,
             warnings,

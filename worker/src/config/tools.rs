@@ -631,6 +631,7 @@ budget = { ratio = 0.2 }
             amqp_heartbeat_secs: 10,
             declare_topology: true,
             log_json: false,
+            trace_url: None,
         }
     }
 

@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use chrono::Utc;
 use metrics::{counter, gauge, histogram};
+use tracing::{Instrument as _, Span};
 
 use crate::adapter::{Outcome, Request, Tool};
 use crate::config::ToolConfig;
@@ -30,6 +31,7 @@ use crate::ledger::{
 use crate::retry::RetryPolicy;
 use crate::retry::{budget_delta, retry_delay, WriteKind};
 use crate::telemetry::metrics as m;
+use crate::telemetry::spans;
 
 /// The adapter request for an operation: its stable key and its stored canonical body.
 pub fn request_for(op: &Operation) -> Option<Request> {
@@ -39,6 +41,7 @@ pub fn request_for(op: &Operation) -> Option<Request> {
         tool: op.tool.clone(),
         idempotency_key: op.idempotency_key(),
         body: op.arguments.clone()?,
+        trace: op.trace(),
     })
 }
 
@@ -102,8 +105,14 @@ async fn unsendable(ctx: &Context, op: &Operation, evidence: String) {
 }
 
 /// Sends an operation this worker holds in `dispatching` (at `op.fence`) and records the
-/// outcome.
-pub async fn run(ctx: Arc<Context>, op: Operation) {
+/// outcome, in a `send <tool>` span: the child of `parent` (the span of the delivery that
+/// brought it), or without one (the scheduler's sends) a root in the action's trace.
+pub async fn run(ctx: Arc<Context>, op: Operation, parent: Option<Span>) {
+    let span = spans::send(&op, parent.as_ref());
+    send(ctx, op).instrument(span).await
+}
+
+async fn send(ctx: Arc<Context>, op: Operation) {
     let _in_flight = InFlight::enter();
     let Some(tool) = ctx.tools.get(&op.tool).cloned() else {
         // Committed `dispatching` counts as possibly sent (docs/design.md section 4).
@@ -128,6 +137,7 @@ pub async fn run(ctx: Arc<Context>, op: Operation) {
     }
     fault::point("after_send_fence", &op.action_id);
     let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
+    Span::current().record("intent_worker.outcome", outcome.label());
     account(&ctx, &tool.config, kind, &outcome);
     fault::point("after_response", &op.action_id);
     let transition = after_dispatch(&op, &tool.config, outcome, Utc::now());
@@ -146,7 +156,11 @@ async fn send_fence(ctx: &Context, op: &Operation, tool: &ToolConfig, kind: Writ
         fence: op.fence,
         timeout: tool.timeout,
     };
-    match ctx.fences.fence_send(send).await {
+    match ctx
+        .fences
+        .fence_send(send, kit::otel::context_of(&Span::current()))
+        .await
+    {
         Ok(true) => true,
         Ok(false) => {
             abandoned(ctx, op, kind, "the lease was lost before the request left");
@@ -281,7 +295,9 @@ async fn release_held_events(ctx: &Context, operation_id: i64) {
     }
 }
 
-/// Records a transition and reacts to what the ledger did.
+/// Records a transition and reacts to what the ledger did. The result event it causes carries
+/// the context of the current span (the send, recovery or operator span that decided it), or
+/// the intent's own when spans are not recorded.
 pub async fn finish(
     ctx: &Context,
     op: &Operation,
@@ -297,6 +313,7 @@ pub async fn finish(
             fence: op.fence,
             phase,
             transition: transition.clone(),
+            trace: kit::otel::outgoing(&Span::current(), op.trace().as_ref()),
         },
     )
     .await;

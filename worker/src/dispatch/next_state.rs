@@ -244,6 +244,8 @@ mod tests {
             updated_at: now,
             state_since: now,
             swept_at: None,
+            traceparent: None,
+            tracestate: None,
         }
     }
 

@@ -18,6 +18,8 @@ pub struct NewOperation {
     pub arguments: String,
     pub call_id: Option<String>,
     pub reply_to: Option<String>,
+    /// The intent's trace context (stored with the row; later spans link to it).
+    pub trace: Option<protocol::trace::TraceContext>,
 }
 
 /// The row an intent landed on.
@@ -40,7 +42,7 @@ impl Ledger {
         worker_id: &str,
         prepared_grace: Duration,
     ) -> Result<Vec<Admitted>, LedgerError> {
-        let values = "'prepared', $8, now() + make_interval(secs => $9)";
+        let values = "'prepared', $10, now() + make_interval(secs => $11)";
         let columns = "state, changed_by, next_attempt_at";
         self.admit_with(intents, columns, values, |q| {
             q.bind(worker_id.to_string())
@@ -68,9 +70,10 @@ impl Ledger {
     ) -> Result<Vec<Admitted>, LedgerError> {
         let columns = "state, changed_by, fence, unsent_fence, lease_owner, lease_until, \
                        attempts, first_dispatch_at, replay_deadline";
-        let values = "'dispatching', $8, 1, 1, $8, now() + make_interval(secs => $9), 1, now(), \
-                      now() + make_interval(secs => (SELECT w.secs FROM unnest($10::text[], \
-                      $11::float8[]) AS w(tool, secs) WHERE w.tool = input.tool))";
+        let values =
+            "'dispatching', $10, 1, 1, $10, now() + make_interval(secs => $11), 1, now(), \
+                      now() + make_interval(secs => (SELECT w.secs FROM unnest($12::text[], \
+                      $13::float8[]) AS w(tool, secs) WHERE w.tool = input.tool))";
         self.admit_with(intents, columns, values, |q| {
             q.bind(worker_id.to_string())
                 .bind(lease.as_secs_f64())
@@ -81,7 +84,7 @@ impl Ledger {
     }
 
     /// The inbox statement: insert what is new (`columns` set to `values`, whose parameters
-    /// from `$8` on are bound by `bind_rest`), load what exists.
+    /// from `$10` on are bound by `bind_rest`), load what exists.
     async fn admit_with<'q>(
         &self,
         intents: &[NewOperation],
@@ -97,13 +100,14 @@ impl Ledger {
         let sql = format!(
             "WITH input AS (
                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
-                                     $6::text[], $7::text[])
-                    AS i(tenant, action_id, tool, fingerprint, arguments, call_id, reply_to)
+                                     $6::text[], $7::text[], $8::text[], $9::text[])
+                    AS i(tenant, action_id, tool, fingerprint, arguments, call_id, reply_to,
+                         traceparent, tracestate)
              ), inserted AS (
                 INSERT INTO operations (tenant, action_id, tool, fingerprint, arguments, call_id,
-                                        reply_to, {columns})
+                                        reply_to, traceparent, tracestate, {columns})
                 SELECT tenant, action_id, tool, fingerprint, arguments, call_id, reply_to,
-                       {values}
+                       traceparent, tracestate, {values}
                 FROM input
                 ON CONFLICT (tenant, action_id) DO NOTHING
                 RETURNING {OPERATION_COLUMNS}
@@ -123,7 +127,9 @@ impl Ledger {
             .bind(col(|i| Some(i.fingerprint.clone())))
             .bind(col(|i| Some(i.arguments.clone())))
             .bind(col(|i| i.call_id.clone()))
-            .bind(col(|i| i.reply_to.clone()));
+            .bind(col(|i| i.reply_to.clone()))
+            .bind(col(|i| i.trace.as_ref().map(|t| t.traceparent())))
+            .bind(col(|i| i.trace.as_ref().and_then(|t| t.state.clone())));
         let rows: Vec<AdmittedRow> = bind_rest(query).fetch_all(&self.pool).await?;
         let mut by_key: HashMap<(String, String), Admitted> = rows
             .into_iter()

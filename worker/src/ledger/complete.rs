@@ -58,6 +58,8 @@ pub struct Completion {
     pub fence: i64,
     pub phase: Phase,
     pub transition: Transition,
+    /// The context the result event carries (the deciding span's); None: the intent's own.
+    pub trace: Option<protocol::trace::TraceContext>,
 }
 
 /// What recording a completion did.
@@ -195,7 +197,11 @@ async fn apply_batch(
         for &i in &receipts {
             let id = completions[i].operation_id;
             if let Some(row) = rows.iter().find(|r| r.op.id == id) {
-                events.extend(event_for(&row.op, row.prev_reported.as_deref()));
+                events.extend(event_for(
+                    &row.op,
+                    row.prev_reported.as_deref(),
+                    &completions[i],
+                ));
                 out[i] = Some(Applied::Done(row.op.clone()));
             }
         }
@@ -285,7 +291,7 @@ async fn apply(
     let Some(row) = update_one(conn, worker_id, c).await? else {
         return Ok((refused(conn, c).await?, None));
     };
-    let event = event_for(&row.op, row.prev_reported.as_deref());
+    let event = event_for(&row.op, row.prev_reported.as_deref(), c);
     Ok((Applied::Done(row.op), event))
 }
 
@@ -421,15 +427,16 @@ fn fenced(cols: &str, set: &str) -> String {
 
 /// The event a new state owes the agent: the truth once final, `pending` once per unresolved
 /// stretch (so an agent never waits without an answer, and is not told `pending` repeatedly).
-fn event_for(op: &Operation, prev_reported: Option<&str>) -> Option<NewEvent> {
-    match op.state() {
+fn event_for(op: &Operation, prev_reported: Option<&str>, c: &Completion) -> Option<NewEvent> {
+    let event = match op.state() {
         State::Succeeded => Some(answers::succeeded(op)),
         State::Failed => Some(answers::failed(op)),
         State::RetryWait | State::Unknown | State::Held if prev_reported != Some("pending") => {
             Some(answers::pending(op))
         }
         _ => None,
-    }
+    }?;
+    Some(event.with_trace(c.trace.clone().or_else(|| op.trace())))
 }
 
 async fn current(conn: &mut PgConnection, id: i64) -> Result<Option<Operation>, LedgerError> {

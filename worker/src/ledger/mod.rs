@@ -90,6 +90,10 @@ pub struct Operation {
     pub updated_at: DateTime<Utc>,
     pub state_since: DateTime<Utc>,
     pub swept_at: Option<DateTime<Utc>>,
+    /// The W3C trace context of the intent that created the row, as it arrived (None when it
+    /// had none, or a malformed one).
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 /// A state read from the database (sqlx needs a type it can build from a string).
@@ -110,6 +114,16 @@ impl Operation {
         self.state.0
     }
 
+    /// The trace context of the intent that created the row. A stored value that no longer
+    /// parses (written by hand) counts as none.
+    pub fn trace(&self) -> Option<protocol::trace::TraceContext> {
+        let parent = protocol::trace::TraceParent::parse(self.traceparent.as_deref()?).ok()?;
+        Some(protocol::trace::TraceContext {
+            parent,
+            state: self.tracestate.clone(),
+        })
+    }
+
     /// The downstream idempotency key: derived from the stable key, the same on every
     /// attempt, replay and recovery (docs/design.md section 3).
     pub fn idempotency_key(&self) -> String {
@@ -126,7 +140,7 @@ pub fn idempotency_key(tenant: &str, action_id: &str) -> String {
 pub(crate) const OPERATION_COLUMNS: &str = "id, tenant, action_id, tool, fingerprint, arguments, call_id, \
      reply_to, state, fence, lease_owner, lease_until, attempts, recovery_attempts, next_attempt_at, \
      first_dispatch_at, replay_deadline, receipt, receipt_id, evidence, last_reported, created_at, \
-     updated_at, state_since, swept_at";
+     updated_at, state_since, swept_at, traceparent, tracestate";
 
 /// The ledger, to the host search: its name in messages, its setting, its failover counter.
 pub const ROLE: primary::Role = primary::Role {

@@ -218,7 +218,9 @@ impl Ledger {
             OperatorChange::Recheck { .. } => None,
         };
         if let Some(event) = event {
-            outbox::insert_events(&mut tx, &[event]).await?;
+            // The operator's span (current here) decided it, when spans are recorded.
+            let trace = kit::otel::outgoing(&tracing::Span::current(), op.trace().as_ref());
+            outbox::insert_events(&mut tx, &[event.with_trace(trace)]).await?;
         }
         let history: Vec<HistoryEntry> = sqlx::query_as(
             "SELECT at, from_state, to_state, fence, actor, evidence, attempts, next_attempt_at

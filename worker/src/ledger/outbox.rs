@@ -45,6 +45,9 @@ pub struct NewEvent {
     /// Selects the routing key ([`NewEvent::routing_key`]): the operation's stored `reply_to`
     /// for events about its progress, the delivery's own for answers to a delivery.
     pub reply_to: Option<String>,
+    /// Sent as the event's `traceparent`/`tracestate` headers: the context of the span that
+    /// decided the event (export on), else the context of the intent it is about.
+    pub trace: Option<protocol::trace::TraceContext>,
 }
 
 impl NewEvent {
@@ -52,6 +55,13 @@ impl NewEvent {
     /// key when it had none), not to whoever sent the operation's first intent.
     pub fn answering(mut self, reply_to: Option<&str>) -> NewEvent {
         self.reply_to = reply_to.map(str::to_string);
+        self
+    }
+
+    /// Sends the event with `trace`: the context of the span that decided it
+    /// ([`kit::otel::outgoing`]), or of the delivery it answers.
+    pub fn with_trace(mut self, trace: Option<protocol::trace::TraceContext>) -> NewEvent {
+        self.trace = trace;
         self
     }
 
@@ -68,6 +78,8 @@ pub struct OutboxRow {
     pub routing_key: String,
     pub status: String,
     pub payload: serde_json::Value,
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 /// The columns of one insert, in `unnest` order.
@@ -77,6 +89,8 @@ struct EventColumns {
     keys: Vec<String>,
     statuses: Vec<String>,
     payloads: Vec<serde_json::Value>,
+    traceparents: Vec<Option<String>>,
+    tracestates: Vec<Option<String>>,
 }
 
 fn columns(events: &[NewEvent]) -> EventColumns {
@@ -86,6 +100,8 @@ fn columns(events: &[NewEvent]) -> EventColumns {
         keys: Vec::with_capacity(events.len()),
         statuses: Vec::with_capacity(events.len()),
         payloads: Vec::with_capacity(events.len()),
+        traceparents: Vec::with_capacity(events.len()),
+        tracestates: Vec::with_capacity(events.len()),
     };
     for e in events {
         c.ids.push(
@@ -96,6 +112,10 @@ fn columns(events: &[NewEvent]) -> EventColumns {
         c.statuses.push(e.event.status.as_str().to_string());
         c.payloads
             .push(serde_json::to_value(&e.event).expect("result events serialize"));
+        c.traceparents
+            .push(e.trace.as_ref().map(|t| t.traceparent()));
+        c.tracestates
+            .push(e.trace.as_ref().and_then(|t| t.state.clone()));
     }
     c
 }
@@ -111,14 +131,18 @@ pub async fn insert_events(
     }
     let c = columns(events);
     sqlx::query(
-        "INSERT INTO result_outbox (event_id, operation_id, routing_key, status, payload)
-         SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[])",
+        "INSERT INTO result_outbox (event_id, operation_id, routing_key, status, payload,
+                                    traceparent, tracestate)
+         SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[],
+                              $6::text[], $7::text[])",
     )
     .bind(&c.ids)
     .bind(&c.op_ids)
     .bind(&c.keys)
     .bind(&c.statuses)
     .bind(&c.payloads)
+    .bind(&c.traceparents)
+    .bind(&c.tracestates)
     .execute(conn)
     .await?;
     Ok(())
@@ -141,16 +165,20 @@ pub async fn insert_held_events(
     let c = columns(events);
     let mut rows: Vec<OutboxRow> = sqlx::query_as(
         "INSERT INTO result_outbox
-                (event_id, operation_id, routing_key, status, payload, relay_owner, relay_until)
-         SELECT e.*, $6, now() + make_interval(secs => $7)
-         FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[]) AS e
-         RETURNING id, routing_key, status, payload",
+                (event_id, operation_id, routing_key, status, payload, traceparent, tracestate,
+                 relay_owner, relay_until)
+         SELECT e.*, $8, now() + make_interval(secs => $9)
+         FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[], $6::text[],
+                     $7::text[]) AS e
+         RETURNING id, routing_key, status, payload, traceparent, tracestate",
     )
     .bind(&c.ids)
     .bind(&c.op_ids)
     .bind(&c.keys)
     .bind(&c.statuses)
     .bind(&c.payloads)
+    .bind(&c.traceparents)
+    .bind(&c.tracestates)
     .bind(relay_owner)
     .bind(hold.as_secs_f64())
     .fetch_all(conn)
@@ -187,7 +215,7 @@ impl Ledger {
              )
              UPDATE result_outbox r SET relay_owner = $1, relay_until = now() + make_interval(secs => $3)
              FROM batch WHERE r.id = batch.id
-             RETURNING r.id, r.routing_key, r.status, r.payload",
+             RETURNING r.id, r.routing_key, r.status, r.payload, r.traceparent, r.tracestate",
         )
         .bind(relay_owner)
         .bind(limit)

@@ -16,6 +16,8 @@ use crate::ledger::{
     UnresolvedFilter,
 };
 use crate::recovery::scheduler;
+use crate::telemetry::spans;
+use tracing::Instrument as _;
 
 /// Default page size of the listing.
 pub const DEFAULT_LIMIT: i64 = 50;
@@ -84,7 +86,25 @@ pub struct OperationView {
     pub updated_at: DateTime<Utc>,
     pub state_since: DateTime<Utc>,
     pub swept_at: Option<DateTime<Utc>>,
+    /// The trace id of the intent that created the operation (32 hex characters), if it
+    /// carried a trace context.
+    pub trace_id: Option<String>,
+    /// `trace_id` in the trace viewer (`WORKER_TRACE_URL`), when that is configured.
+    pub trace_url: Option<String>,
     pub history: Vec<HistoryView>,
+}
+
+/// `WORKER_TRACE_URL`: the trace viewer's address for one trace, with `{trace_id}`.
+static TRACE_URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Sets the trace viewer template (`WORKER_TRACE_URL`) once, at start-up.
+pub fn set_trace_url_template(template: &str) {
+    let _ = TRACE_URL.set(template.to_string());
+}
+
+/// The trace viewer's link for `trace_id`, when a template is configured.
+pub fn trace_url(trace_id: &str) -> Option<String> {
+    TRACE_URL.get().map(|t| t.replace("{trace_id}", trace_id))
 }
 
 /// One history entry: who (`actor`), when (`at`), why (`evidence`), and the schedule.
@@ -118,6 +138,8 @@ impl OperationView {
             updated_at: op.updated_at,
             state_since: op.state_since,
             swept_at: op.swept_at,
+            trace_id: op.trace().map(|t| t.parent.trace_id_hex()),
+            trace_url: op.trace().and_then(|t| trace_url(&t.parent.trace_id_hex())),
             history,
         }
     }
@@ -329,6 +351,11 @@ pub async fn status(
     let op = find(ledger, tenant, action_id).await?;
     let event = stored_result(&op).event;
     let mut body = serde_json::to_value(&event).expect("result events serialize");
+    let trace_id = op.trace().map(|t| t.parent.trace_id_hex());
+    if let Some(url) = trace_id.as_deref().and_then(trace_url) {
+        body["trace_url"] = url.into();
+    }
+    body["trace_id"] = trace_id.into();
     if with_operation {
         let history = ledger.history(op.id).await?;
         body["operation"] = OperationView::new(&op, history).to_json();
@@ -344,6 +371,7 @@ fn receipt_request(op: &Operation) -> Request {
         tool: op.tool.clone(),
         idempotency_key: op.idempotency_key(),
         body: op.arguments.clone().unwrap_or_default(),
+        trace: op.trace(),
     }
 }
 
@@ -443,6 +471,7 @@ pub async fn resolve(
         receipt,
         receipt_id,
     };
+    let span = spans::operator(&op, "resolve", &request.operator);
     apply_final(
         ctx,
         op.id,
@@ -450,6 +479,7 @@ pub async fn resolve(
         &change,
         "held, unknown, retry_wait or dispatching",
     )
+    .instrument(span)
     .await
 }
 
@@ -476,6 +506,7 @@ pub async fn fail(
         reason: evidence.clone(),
     };
     let change = OperatorChange::Fail { evidence };
+    let span = spans::operator(&op, "fail", &request.operator);
     apply_final(
         ctx,
         op.id,
@@ -483,6 +514,7 @@ pub async fn fail(
         &change,
         "held, retry_wait, or unknown while no recovery round is running",
     )
+    .instrument(span)
     .await
 }
 
@@ -541,6 +573,7 @@ pub async fn recheck(
             },
             respond,
         )
+        .instrument(spans::operator(&op, "recheck", &request.operator))
         .await?;
     let (response, applied) = answer(
         outcome,

@@ -230,6 +230,7 @@ impl Checker {
             action_id,
             tool: self.tool.clone(),
             body: body.into(),
+            trace: None,
         }
     }
 

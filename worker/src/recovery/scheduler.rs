@@ -10,6 +10,7 @@ use std::time::Duration;
 use chrono::Utc;
 use metrics::{counter, gauge};
 use tokio_util::sync::CancellationToken;
+use tracing::{Instrument as _, Span};
 
 use super::choose::{choose, facts, Action};
 use super::Capability;
@@ -19,6 +20,7 @@ use crate::fault;
 use crate::ledger::{ClaimKind, Claimed, Phase, State, Transition};
 use crate::retry::WriteKind;
 use crate::telemetry::metrics as m;
+use crate::telemetry::spans;
 
 /// Rows leased per scheduler pass.
 const LEASE_BATCH: i64 = 128;
@@ -130,7 +132,7 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
             {
                 Ok(Some(op)) => {
                     fault::point("after_dispatching", &op.action_id);
-                    dispatch::run(ctx, op).await;
+                    dispatch::run(ctx, op, None).await;
                 }
                 Ok(None) => {
                     tracing::debug!(action_id = %op.action_id, "prepared row taken by another worker")
@@ -169,7 +171,7 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
                 )
                 .await
             {
-                Ok(Some(op)) => dispatch::run(ctx, op).await,
+                Ok(Some(op)) => dispatch::run(ctx, op, None).await,
                 Ok(None) => {
                     ctx.budget.add(&op.tool, 1.0);
                     tracing::debug!(action_id = %op.action_id, "retry taken by another worker")
@@ -205,8 +207,14 @@ pub async fn recover_now(
     ctx.ledger.get(operation_id).await
 }
 
-/// One recovery round on a leased `unknown` row.
+/// One recovery round on a leased `unknown` row, in a `recover <tool>` span (a root in the
+/// action's trace, linked to its intent).
 async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
+    let span = spans::recover(&op);
+    recover_round(ctx, op).instrument(span).await
+}
+
+async fn recover_round(ctx: Arc<Context>, op: crate::ledger::Operation) {
     let _in_flight = InFlight::enter();
     let phase = Phase::Leased(State::Unknown);
     let Some(tool) = ctx.tools.get(&op.tool).cloned() else {
@@ -226,6 +234,7 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
         Utc::now(),
     ));
     counter!(m::RECOVERIES, "tool" => op.tool.clone(), "action" => action.label()).increment(1);
+    Span::current().record("intent_worker.recovery", action.label());
     tracing::info!(
         tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool,
         round = op.recovery_attempts, action = action.label(), "recovering unknown outcome"
@@ -252,6 +261,7 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
         Action::Hold { reason } => Transition::Held { evidence: reason },
         Action::LookupOriginalReceipt => {
             let outcome = timed(&tool, "lookup", tool.adapter.lookup(&request)).await;
+            Span::current().record("intent_worker.outcome", outcome.label());
             after_recovery(&op, config, outcome)
         }
         Action::ReplayOriginalRequest => match replay(&ctx, &op, &tool, &request, phase).await {
@@ -316,6 +326,7 @@ async fn replay(
         }
     }
     let outcome = timed(tool, "write", tool.adapter.execute(request)).await;
+    Span::current().record("intent_worker.outcome", outcome.label());
     dispatch::account(ctx, config, WriteKind::Retry, &outcome);
     Some(after_recovery(op, config, outcome))
 }

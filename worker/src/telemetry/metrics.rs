@@ -44,6 +44,7 @@ pub const LOCAL_RESOURCE_ERRORS: &str = "intent_worker_local_resource_errors_tot
 pub const RECEIPTS_KEPT: &str = "intent_worker_receipts_kept";
 pub const RECEIPTS_DROPPED: &str = "intent_worker_receipts_dropped_total";
 pub const LEDGER_FAILOVERS: &str = "intent_worker_ledger_failovers_total";
+pub const TRACE_CONTEXT_INVALID: &str = "intent_worker_trace_context_invalid_total";
 
 /// Label values the worker emits, so every series an alert reads exists at 0 from start-up.
 /// A counter born at 1 has no `increase()` over its first sample: the first late-receipt
@@ -90,6 +91,10 @@ fn describe_intake() {
     describe_counter!(
         BROKER_RECONNECTS,
         "Broker links lost and reopened, by link (consumer, relay)."
+    );
+    describe_counter!(
+        TRACE_CONTEXT_INVALID,
+        "Intents whose trace context header broke the W3C format and was ignored (the intent was processed as if it had none), by header (traceparent, tracestate)."
     );
     describe_gauge!(OPERATIONS, "Operations in the ledger by state.");
     describe_gauge!(OLDEST_UNRESOLVED, Unit::Seconds, "Age since recording of the oldest unresolved operation per tool and state (dispatching counts only when its lease expired); 0 when none.");
@@ -202,6 +207,9 @@ pub fn install(tools: &[String]) -> Result<PrometheusHandle, String> {
     describe();
     // Counters that alerts and dashboards read start at 0 rather than being absent.
     counter!(INTENTS_RECEIVED).absolute(0);
+    for header in ["traceparent", "tracestate"] {
+        counter!(TRACE_CONTEXT_INVALID, "header" => header).absolute(0);
+    }
     for reason in ["redelivery", "completed", "in_flight", "conflict"] {
         counter!(DUPLICATES, "reason" => reason).absolute(0);
     }

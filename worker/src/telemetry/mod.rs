@@ -1,18 +1,41 @@
-//! Telemetry: the tracing subscriber (text or JSON logs on stderr), Prometheus metrics and the
-//! health endpoints.
+//! Telemetry: the tracing subscriber (text or JSON logs on stderr, spans exported over OTLP
+//! when the standard `OTEL_*` variables ask for it), Prometheus metrics and the health
+//! endpoints.
 
 pub mod health;
 pub mod metrics;
+pub mod spans;
 
-/// Installs the global log subscriber. `RUST_LOG` filters (default `info`, lapin and sqlx
-/// quieter); message payloads are never logged ([`kit::logs`]).
-pub fn init_logs(json: bool) {
+pub use kit::otel::export::{Export, ExportError};
+
+/// How long the trace exporter may take to flush at exit, after the relay's final round.
+pub const EXPORT_FLUSH: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The span exporter the standard `OTEL_*` variables ask for (`None`: export off, the
+/// default), trusting what the worker's other TLS clients trust.
+pub fn trace_export(ca_file: Option<&std::path::Path>) -> anyhow::Result<Option<Export>> {
+    let trust = crate::tls::load(ca_file)?;
+    Ok(kit::otel::export::from_env("intent-worker", &trust)?)
+}
+
+/// Installs the global log subscriber, with `export` recording our spans when given.
+/// `RUST_LOG` filters logs (default `info`, lapin and sqlx quieter); message payloads are never
+/// logged ([`kit::logs`]).
+pub fn init_logs(json: bool, export: Option<&Export>) {
     use std::io::IsTerminal as _;
-    kit::logs::init(
+    let traces = match export {
+        Some(e) => kit::logs::Traces::Export(e),
+        None => kit::logs::Traces::Off,
+    };
+    kit::logs::init_with(
         json,
         std::io::stderr().is_terminal(),
         "info,lapin=warn,sqlx=warn",
+        traces,
     );
+    if let Some(e) = export {
+        tracing::info!(endpoint = %e.endpoint, service = %e.service, "exporting spans over OTLP/HTTP");
+    }
 }
 
 /// Formats an error with its whole cause chain, each cause once ([`kit::errors::chain`]).

@@ -148,6 +148,7 @@ pub fn new_operation(tenant: &str, action_id: &str, tool: &str) -> NewOperation 
         arguments: format!(r#"{{"amount_cents":4850,"order":"{action_id}"}}"#),
         call_id: Some("model-call-1".into()),
         reply_to: Some(tenant.to_string()),
+        trace: None,
     }
 }
 
@@ -159,6 +160,7 @@ async fn complete(ctx: &Context, op: &Operation, transition: Transition) -> Oper
             fence: op.fence,
             phase: Phase::Dispatch,
             transition,
+            trace: None,
         })
         .await
         .expect("complete")
