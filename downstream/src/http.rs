@@ -38,6 +38,21 @@ impl Request {
             .find(|(k, _)| *k == name)
             .map(|(_, v)| v.as_str())
     }
+
+    /// Every field line with this (case-insensitive) name, joined with `,` as HTTP combines
+    /// repeated fields; `None` when there is none. For headers such as `tracestate`, which a
+    /// sender may split over several lines, and to keep a repeat visible where only one is
+    /// allowed.
+    pub fn combined_header(&self, name: &str) -> Option<String> {
+        let name = name.to_ascii_lowercase();
+        let values: Vec<&str> = self
+            .headers
+            .iter()
+            .filter(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_str())
+            .collect();
+        (!values.is_empty()).then(|| values.join(","))
+    }
 }
 
 /// Why a request could not be read.
@@ -261,6 +276,29 @@ mod tests {
         );
         assert_eq!(percent_decode("%zz"), None);
         assert_eq!(percent_decode("%2"), None);
+    }
+
+    #[test]
+    fn repeated_fields_are_combined() {
+        let request = Request {
+            method: "POST".into(),
+            path: "/".into(),
+            headers: vec![
+                ("tracestate".into(), "a=1".into()),
+                ("idempotency-key".into(), "k".into()),
+                ("tracestate".into(), "b=2".into()),
+            ],
+            body: Vec::new(),
+        };
+        assert_eq!(
+            request.combined_header("TraceState").as_deref(),
+            Some("a=1,b=2")
+        );
+        assert_eq!(
+            request.combined_header("idempotency-key").as_deref(),
+            Some("k")
+        );
+        assert_eq!(request.combined_header("traceparent"), None);
     }
 
     #[test]

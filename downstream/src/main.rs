@@ -22,6 +22,9 @@
 //! SELECT count(*) FROM <schema>.requests WHERE kind = 'write' AND idem_key = $1;
 //! -- lookups received for one key
 //! SELECT count(*) FROM <schema>.requests WHERE kind = 'lookup' AND idem_key = $1;
+//! -- the W3C trace context each send for one key carried (NULL: none)
+//! SELECT traceparent, tracestate FROM <schema>.requests
+//!  WHERE kind = 'write' AND idem_key = $1 ORDER BY id;
 //! ```
 //!
 //! `requests.status` is NULL for a request whose connection was dropped on

@@ -4,7 +4,8 @@
 //! 1. classify and validate the request (pure: a 400/404 consumes no fault);
 //! 2. take the first matching fault from the book;
 //! 3. log the request in `requests` in its own committed insert, *before*
-//!    anything else happens, so dropped and faulted requests are counted too;
+//!    anything else happens, so dropped and faulted requests are counted too
+//!    (with the trace context headers it carried);
 //! 4. before-commit faults: `drop_before_commit`, `status`, `slow`,
 //!    `lookup_miss`;
 //! 5. do the work (the write commits, or the lookup reads);
@@ -25,7 +26,7 @@ use crate::control;
 use crate::faults::{Direction, Fault, FaultBook, FaultKind};
 use crate::http::{percent_decode, Request, Response};
 use crate::receipt;
-use crate::store::{Replay, Store};
+use crate::store::{Replay, Store, TraceHeaders};
 
 /// Shared state of the running service.
 #[derive(Debug)]
@@ -138,6 +139,7 @@ struct Call {
     mode: Option<String>,
     resource: Option<String>,
     key: Option<String>,
+    trace: TraceHeaders,
 }
 
 /// Entry point for every parsed request. `too_large` is set when the body was
@@ -174,6 +176,7 @@ async fn business(app: &App, req: &Request, segments: &[&str], too_large: bool) 
             call.resource.as_deref(),
             call.key.as_deref(),
             fault.as_ref().map(|f| f.kind.as_str()),
+            &call.trace,
         )
         .await;
     let log_id = match logged {
@@ -247,6 +250,10 @@ fn classify(req: &Request, segments: &[&str]) -> (Call, Result<Op, Response>) {
         mode: mode_text,
         resource: resource.clone(),
         key: if is_get { None } else { header_key.clone() },
+        trace: TraceHeaders {
+            traceparent: req.combined_header("traceparent"),
+            tracestate: req.combined_header("tracestate"),
+        },
     };
     let resource = resource.filter(|r| !r.is_empty());
 

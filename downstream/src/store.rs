@@ -37,6 +37,9 @@ CREATE INDEX IF NOT EXISTS mutations_idem_key_idx ON {s}.mutations (idem_key, re
 -- in flight and stays NULL when the connection was dropped on purpose.
 -- replied_at is set once the whole answer was written to a client that had not
 -- hung up; NULL: dropped, or the client was gone (timed out, killed) first.
+-- traceparent and tracestate are the W3C trace context headers as received
+-- (repeated fields joined with ','), NULL when the request had none: tests read
+-- which trace each send belonged to from here.
 CREATE TABLE IF NOT EXISTS {s}.requests (
     id          bigserial PRIMARY KEY,
     kind        text NOT NULL CHECK (kind IN ('write', 'lookup')),
@@ -46,10 +49,14 @@ CREATE TABLE IF NOT EXISTS {s}.requests (
     status      int NULL,
     fault       text NULL,
     at          timestamptz NOT NULL DEFAULT now(),
-    replied_at  timestamptz NULL
+    replied_at  timestamptz NULL,
+    traceparent text NULL,
+    tracestate  text NULL
 );
--- Schemas created before replied_at existed.
+-- Schemas created before these columns existed.
 ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS replied_at timestamptz NULL;
+ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS traceparent text NULL;
+ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS tracestate text NULL;
 CREATE INDEX IF NOT EXISTS requests_idem_key_idx ON {s}.requests (idem_key);
 
 -- Durable idempotency keys of replay mode. body is the request body as jsonb,
@@ -61,6 +68,14 @@ CREATE TABLE IF NOT EXISTS {s}.replay_keys (
     created_at   timestamptz NOT NULL DEFAULT now()
 );
 "#;
+
+/// The W3C trace context headers of a request, exactly as received (not validated: a test
+/// must see a malformed header too), `None` when absent.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TraceHeaders {
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
+}
 
 /// Outcome of a replay-mode write.
 #[derive(Debug)]
@@ -131,16 +146,20 @@ impl Store {
         resource: Option<&str>,
         idem_key: Option<&str>,
         fault: Option<&str>,
+        trace: &TraceHeaders,
     ) -> Result<i64> {
         let id = sqlx::query_scalar(self.sql(
-            "INSERT INTO {s}.requests (kind, mode, resource, idem_key, fault)
-             VALUES ($1, $2, $3, $4, $5) RETURNING id",
+            "INSERT INTO {s}.requests
+                 (kind, mode, resource, idem_key, fault, traceparent, tracestate)
+             VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id",
         ))
         .bind(kind)
         .bind(mode)
         .bind(resource)
         .bind(idem_key)
         .bind(fault)
+        .bind(trace.traceparent.as_deref())
+        .bind(trace.tracestate.as_deref())
         .fetch_one(&self.pool)
         .await?;
         Ok(id)

@@ -203,6 +203,36 @@ impl Env {
         .await
     }
 
+    /// The `traceparent` header each write request (send) for a key carried, in arrival
+    /// order; `None` for a send without one.
+    pub async fn traceparents_for(&self, key: &str) -> Vec<Option<String>> {
+        self.trace_contexts(key)
+            .await
+            .into_iter()
+            .filter(|r| r.kind == "write")
+            .map(|r| r.traceparent)
+            .collect()
+    }
+
+    /// The trace context headers of every request (writes and lookups) the downstream got for
+    /// a key, in arrival order.
+    pub async fn trace_contexts(&self, key: &str) -> Vec<SeenTraceContext> {
+        match sqlx::query_as(
+            "SELECT kind, traceparent, tracestate FROM downstream.requests
+             WHERE idem_key = $1 ORDER BY id",
+        )
+        .bind(key)
+        .fetch_all(&self.pool)
+        .await
+        {
+            Ok(rows) => rows,
+            // Before the downstream created its schema, nothing was received; any other error
+            // (a downstream binary without these columns) must not read as "no trace context".
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => Vec::new(),
+            Err(e) => panic!("reading the downstream's request log for {key:?}: {e}"),
+        }
+    }
+
     /// The receipt the downstream stored for a key's first mutation.
     pub async fn downstream_receipt(&self, key: &str) -> Option<serde_json::Value> {
         sqlx::query_scalar(
@@ -235,6 +265,15 @@ impl Env {
         .await
         .unwrap_or_default()
     }
+}
+
+/// The trace context headers one request to the downstream carried (`downstream.requests`).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct SeenTraceContext {
+    /// `write` or `lookup`.
+    pub kind: String,
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 /// A row of `operations`, as tests read it.

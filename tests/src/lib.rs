@@ -10,6 +10,7 @@
 //! - [`agent`]: publishing intents and reading result events as an agent would.
 //! - [`flags`]: command-line flags of the e2e binaries.
 //! - [`mcp_gateway`]: `publisher mcp` as a child process.
+//! - [`otlp`]: an OTLP/HTTP trace receiver that keeps every span exported to it.
 //! - [`proxy`]: a TCP fault proxy that cuts or black-holes one link (broker, Postgres).
 //! - [`soak`]: the seeded chaos soak (the `soak` binary and `tests/soak_short.rs`).
 //! - [`wait`]: polling with deadlines.
@@ -21,6 +22,7 @@ pub mod broker_user;
 pub mod env;
 pub mod flags;
 pub mod mcp_gateway;
+pub mod otlp;
 pub mod pg_failover;
 pub mod procs;
 pub mod proxy;
@@ -33,6 +35,7 @@ pub use agent::{cleanup, intent, Agent};
 pub use broker_user::{publish_as, rabbitmqctl, BrokerUser};
 pub use env::{Env, Topology};
 pub use mcp_gateway::McpGateway;
+pub use otlp::OtlpReceiver;
 pub use procs::{free_port, metric_value, Downstream, Worker, WorkerOptions};
 pub use proxy::{host_port, via, FaultProxy};
 pub use wait::wait_for;

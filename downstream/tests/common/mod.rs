@@ -105,6 +105,18 @@ impl TestDb {
     }
 }
 
+/// (kind, traceparent, tracestate) of every request for one key, oldest first.
+pub async fn trace_log(db: &TestDb, key: &str) -> Vec<(String, Option<String>, Option<String>)> {
+    sqlx::query_as(
+        "SELECT kind, traceparent, tracestate FROM downstream.requests
+         WHERE idem_key = $1 ORDER BY id",
+    )
+    .bind(key)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
 /// The service as a child process.
 pub struct Downstream {
     pub child: Child,
