@@ -53,6 +53,10 @@ pub struct OtlpReceiver {
 #[derive(Default)]
 struct Shared {
     spans: Mutex<Vec<Span>>,
+    /// Spans accepted (kept or not).
+    accepted: AtomicUsize,
+    /// Counting only: decoded and counted, not kept (a benchmark's long run).
+    discard: bool,
     requests: AtomicUsize,
     refusals: Mutex<Vec<String>>,
 }
@@ -265,12 +269,25 @@ impl OtlpReceiver {
     /// Binds a free port on 127.0.0.1 and serves until dropped. Needs no runtime: it runs
     /// its own, so it may be started from a plain `#[test]` as well as from `#[tokio::test]`.
     pub fn start() -> OtlpReceiver {
+        OtlpReceiver::serve(Shared::default())
+    }
+
+    /// A receiver that decodes and counts spans but keeps none ([`OtlpReceiver::spans`] stays
+    /// empty): a collector stand-in for benchmarks that export hundreds of thousands of spans.
+    pub fn start_counting() -> OtlpReceiver {
+        OtlpReceiver::serve(Shared {
+            discard: true,
+            ..Shared::default()
+        })
+    }
+
+    fn serve(shared: Shared) -> OtlpReceiver {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the OTLP receiver");
         listener
             .set_nonblocking(true)
             .expect("non-blocking OTLP listener");
         let addr = listener.local_addr().expect("OTLP receiver address");
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(shared);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let app = Router::new()
             .route("/v1/traces", axum::routing::any(export))
@@ -319,6 +336,11 @@ impl OtlpReceiver {
     /// Every span received so far, in arrival order.
     pub fn spans(&self) -> Vec<Span> {
         self.shared.spans.lock().unwrap().clone()
+    }
+
+    /// Spans accepted so far (kept, or only counted by [`OtlpReceiver::start_counting`]).
+    pub fn span_count(&self) -> usize {
+        self.shared.accepted.load(Ordering::SeqCst)
     }
 
     /// Every HTTP request received so far, accepted or refused, on any path.
@@ -500,7 +522,10 @@ async fn export(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         Ok(spans) => spans,
         Err(reason) => return refuse(&shared, HttpStatus::BAD_REQUEST, reason),
     };
-    shared.spans.lock().unwrap().extend(spans);
+    shared.accepted.fetch_add(spans.len(), Ordering::SeqCst);
+    if !shared.discard {
+        shared.spans.lock().unwrap().extend(spans);
+    }
     Response::builder()
         .status(HttpStatus::OK)
         .header(header::CONTENT_TYPE, "application/x-protobuf")

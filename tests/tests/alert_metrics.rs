@@ -299,8 +299,10 @@ fn every_alert_has_a_runbook_url_into_the_runbook() {
     }
 }
 
-/// The dashboard is portable: a datasource variable used by every panel, and job, instance and
-/// tool variables; the panels for what an alert reads exist.
+/// The dashboard is portable: datasource variables used by every panel (Prometheus, and the
+/// ledger for the held operations' table), job, instance and tool variables, and the trace
+/// viewer's address; the panels for what an alert reads exist, and held operations link to
+/// their traces.
 #[test]
 fn dashboard_has_variables_and_the_alert_panels() {
     let d: serde_json::Value = serde_json::from_str(&repo_file("deploy/grafana/dashboard.json"))
@@ -311,20 +313,46 @@ fn dashboard_has_variables_and_the_alert_panels() {
         .iter()
         .filter_map(|v| v["name"].as_str())
         .collect();
-    assert_eq!(vars, ["datasource", "job", "instance", "tool"]);
+    assert_eq!(
+        vars,
+        [
+            "datasource",
+            "job",
+            "instance",
+            "tool",
+            "ledger",
+            "trace_viewer"
+        ]
+    );
     let panels = d["panels"].as_array().unwrap();
     let mut exprs = String::new();
+    let mut sql = String::new();
     for p in panels.iter().filter(|p| p["type"] != "row") {
-        assert_eq!(
-            p["datasource"]["uid"], "${datasource}",
-            "panel {} does not use the datasource variable",
+        let uid = p["datasource"]["uid"].as_str().unwrap_or_default();
+        assert!(
+            uid == "${datasource}" || uid == "${ledger}",
+            "panel {} does not use a datasource variable",
             p["title"]
         );
         for t in p["targets"].as_array().unwrap() {
-            exprs.push_str(t["expr"].as_str().unwrap());
+            if uid == "${ledger}" {
+                sql.push_str(t["rawSql"].as_str().unwrap());
+            } else {
+                exprs.push_str(t["expr"].as_str().unwrap());
+            }
             exprs.push('\n');
         }
     }
+    // The ledger is read through a role granted only these columns (docker-compose.yml).
+    for private in ["arguments", "receipt", "evidence", "call_id"] {
+        assert!(!sql.contains(private), "the ledger panel reads {private}");
+    }
+    let held = panels
+        .iter()
+        .find(|p| p["title"] == "Held and unknown operations")
+        .expect("the held operations table");
+    let links = held["fieldConfig"]["overrides"].to_string();
+    assert!(links.contains("${trace_viewer}${__value.raw}"), "{links}");
     for metric in [
         "intent_worker_ledger_errors_total",
         "intent_worker_late_receipts_total",

@@ -5,7 +5,7 @@
 //! cargo build --release --workspace          # worker binary (fault points compiled in, inert)
 //! INTENT_BIN_DIR=target/release \
 //!   cargo run --release -p e2e --bin throughput -- [--intents N] [--workers 1,2] [--prefetch P] \
-//!     [--cluster] [--shards 1,3]
+//!     [--cluster] [--shards 1,3] [--tracing off,0.01,1]
 //! ```
 //!
 //! `--cluster` runs every phase on a 3-node RabbitMQ cluster of the benchmark's own
@@ -14,6 +14,12 @@
 //! all three nodes. `--shards S[,S...]` runs every worker count once per shard count
 //! (`WORKER_INTENT_SHARDS`): S quorum queues fed by the consistent-hash exchange, their leaders
 //! spread over the nodes.
+//!
+//! `--tracing M[,M...]` runs every worker count once per tracing mode: `off` (no exporter, the
+//! default), or a sampling ratio (`0.01`, `1`): span export over OTLP/HTTP to a receiver in this
+//! process that decodes and counts the spans (`e2e::OtlpReceiver::start_counting`), with
+//! `OTEL_TRACES_SAMPLER=parentbased_traceidratio` at that ratio (the benchmark's intents carry
+//! no trace context, so each is a root sampled at the ratio).
 //!
 //! Needs Postgres and RabbitMQ as the e2e suites do (`TEST_DATABASE_URL`, `TEST_AMQP_URL`).
 //! Without `INTENT_BIN_DIR` the directory of this executable is used (target/release under
@@ -74,7 +80,7 @@ const CLK_TCK: f64 = 100.0;
 
 const USAGE: &str = "usage: throughput [--intents N (5000)] [--workers K[,K...] (1,2)] \
 [--prefetch P (64)] [--timeout-secs S (60, per phase)] [--latency-secs S (5; 0 = skip)] \
-[--large-ledger] [--statements] [--cluster] [--shards S[,S...] (1)]
+[--large-ledger] [--statements] [--cluster] [--shards S[,S...] (1)] [--tracing M[,M...] (off)]
 
 --large-ledger  pre-load 5,000,000 finished operations (with history and outbox rows as
                 retention leaves them) into each run's ledger before measuring.
@@ -85,6 +91,8 @@ const USAGE: &str = "usage: throughput [--intents N (5000)] [--workers K[,K...] 
                 rabbitmq-server binaries, see e2e::rabbit_cluster) instead of TEST_AMQP_URL.
 --shards S,...  each worker count once per shard count (WORKER_INTENT_SHARDS); more than one
                 shard needs the rabbitmq_consistent_hash_exchange plugin (on with --cluster).
+--tracing M,... each worker count once per tracing mode: off, or a sampling ratio in (0, 1]
+                (spans exported over OTLP/HTTP to a counting receiver in this process).
 
 Set INTENT_BIN_DIR to the directory holding the release `worker` binary (default: the
 directory of this executable). Postgres/RabbitMQ: TEST_DATABASE_URL / TEST_AMQP_URL.";
@@ -99,6 +107,8 @@ struct Args {
     statements: bool,
     cluster: bool,
     shards: Vec<u16>,
+    /// Span export per run: None = off, Some(ratio).
+    tracing: Vec<Option<f64>>,
 }
 
 /// Where the phases meet the broker.
@@ -120,6 +130,7 @@ fn parse_args() -> Result<Args> {
         statements: false,
         cluster: false,
         shards: vec![1],
+        tracing: vec![None],
     };
     // Switches without a value, then the `--flag value` pairs.
     let mut raw: Vec<String> = std::env::args().skip(1).collect();
@@ -159,6 +170,22 @@ fn parse_args() -> Result<Args> {
                     .map(|s| s.trim().parse::<u16>())
                     .collect::<Result<_, _>>()
                     .context("--shards: comma-separated counts")?
+            }
+            "--tracing" => {
+                args.tracing = value
+                    .split(',')
+                    .map(|m| match m.trim() {
+                        "off" => Ok(None),
+                        r => r
+                            .parse::<f64>()
+                            .ok()
+                            .filter(|r| *r > 0.0 && *r <= 1.0)
+                            .map(Some)
+                            .with_context(|| {
+                                format!("--tracing: {r:?} is not off or a ratio in (0, 1]")
+                            }),
+                    })
+                    .collect::<Result<_>>()?
             }
             other => bail!("unknown argument {other}\n{USAGE}"),
         }
@@ -279,13 +306,21 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
     report(&pre, None);
     phases.push(pre);
     let mut runs = Vec::new();
+    let receiver = args
+        .tracing
+        .iter()
+        .any(Option::is_some)
+        .then(e2e::OtlpReceiver::start_counting);
     for &shards in &args.shards {
         for &k in &args.workers {
-            let phase = worker_run(k, shards, &broker, &messages, &downstream, &args)
-                .await
-                .with_context(|| format!("worker run K={k} shards={shards}"))?;
-            report(&phase, None);
-            runs.push(phase);
+            for &tracing in &args.tracing {
+                let export = tracing.zip(receiver.as_ref());
+                let phase = worker_run(k, shards, export, &broker, &messages, &downstream, &args)
+                    .await
+                    .with_context(|| format!("worker run K={k} shards={shards}"))?;
+                report(&phase, None);
+                runs.push(phase);
+            }
         }
     }
     let mut latencies = Vec::new();
@@ -689,6 +724,7 @@ async fn baseline_on(
 async fn worker_run(
     k: usize,
     shards: u16,
+    export: Option<(f64, &e2e::OtlpReceiver)>,
     broker: &Broker,
     messages: &Arc<Vec<(String, Vec<u8>)>>,
     downstream: &NullDownstream,
@@ -700,6 +736,7 @@ async fn worker_run(
         &env,
         k,
         shards,
+        export,
         &broker.worker_url,
         messages,
         downstream,
@@ -715,6 +752,10 @@ async fn worker_run(
     result.map(|mut phase| {
         if shards > 1 || args.shards.len() > 1 {
             phase.label = format!("{} S={shards}", phase.label);
+        }
+        if args.tracing.len() > 1 || export.is_some() {
+            let mode = export.map_or("off".to_string(), |(r, _)| r.to_string());
+            phase.label = format!("{} tr={mode}", phase.label);
         }
         phase
     })
@@ -739,10 +780,12 @@ async fn delete_shards(amqp_url: &str, t: &e2e::Topology, shards: u16) {
     let _ = conn.close(200, "".into()).await;
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn worker_run_in(
     env: &Env,
     k: usize,
     shards: u16,
+    export: Option<(f64, &e2e::OtlpReceiver)>,
     worker_url: &str,
     messages: &Arc<Vec<(String, Vec<u8>)>>,
     downstream: &NullDownstream,
@@ -758,6 +801,12 @@ async fn worker_run_in(
     let mut opts = WorkerOptions::new(tools)
         .amqp_url(worker_url)
         .env("WORKER_INTENT_SHARDS", &shards.to_string());
+    if let Some((ratio, receiver)) = export {
+        opts = opts
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint())
+            .env("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+            .env("OTEL_TRACES_SAMPLER_ARG", &ratio.to_string());
+    }
     opts.prefetch = args.prefetch;
     opts.lease_secs = 30;
     opts.recovery_interval_ms = 1000; // the production default
@@ -806,6 +855,7 @@ async fn worker_run_in(
     if args.statements {
         log = Some(StatementLog::open()?);
     }
+    let spans_before = export.map(|(_, r)| r.span_count());
     let cpu_before = CpuSample::take(&worker_pids);
     let started = Instant::now();
     let deadline = started + args.phase_timeout;
@@ -898,6 +948,14 @@ async fn worker_run_in(
         ensure!(w.is_running(), "worker {} exited during the run", w.name);
     }
     let rss_kib = worker_pids.iter().filter_map(|&p| peak_rss_kib(p)).max();
+    if let (Some((ratio, receiver)), Some(before)) = (export, spans_before) {
+        // Batches still queued in the workers when they stop are not counted.
+        let spans = receiver.span_count() - before;
+        println!(
+            "  tracing at {ratio}: {spans} spans received by the end of the run ({:.2} per intent)",
+            spans as f64 / n as f64
+        );
+    }
     drop(workers);
     if let Some(counts) = statements {
         print_statements(k, n, &counts?);
