@@ -269,6 +269,9 @@ pub struct McpArgs {
     /// instead of publishing directly.
     #[arg(long, env = "PUBLISHER_DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
+    /// Prometheus `/metrics` listener of the gateway; `off` (the default) disables it.
+    #[arg(long, env = "PUBLISHER_MCP_METRICS_ADDR", default_value = "off")]
+    pub metrics_addr: String,
     #[command(flatten)]
     pub answers: AnswerArgs,
 }
@@ -303,6 +306,14 @@ pub struct SendArgs {
     /// How long `--wait` waits (e.g. 30s, 500ms, 2m).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub timeout: Duration,
+    /// W3C trace context to send with the intent (`00-<trace id>-<parent id>-<flags>`), e.g.
+    /// the calling script's; without it, none (or this command's own span when spans are
+    /// exported). A value that does not parse is sent as given, with a warning.
+    #[arg(long, value_name = "TRACEPARENT")]
+    pub traceparent: Option<String>,
+    /// Vendor trace state sent with `--traceparent` (`key=value,...`).
+    #[arg(long, value_name = "TRACESTATE", requires = "traceparent")]
+    pub tracestate: Option<String>,
     #[command(flatten)]
     pub answers: AnswerArgs,
 }
@@ -468,13 +479,30 @@ pub struct DemoArgs {
     pub status_token: Option<String>,
 }
 
+/// The process's TLS trust (`PUBLISHER_CA_FILE`, set for every client of the process) and the
+/// span exporter the standard `OTEL_*` variables ask for (`None`: export is off). `main` calls
+/// it before logging starts, so that the log subscriber can carry the span layer. An unusable
+/// CA file or `OTEL_*` setting is a [`UsageError`] naming the variable.
+pub fn prepare(cli: &Cli) -> anyhow::Result<Option<kit::otel::export::Export>> {
+    let trust = load_trust(cli)?;
+    let export = kit::otel::export::from_env("intent-publisher", &trust)
+        .map_err(|e| UsageError(format!("trace export: {e}")))?;
+    crate::tls::set_trust(trust);
+    Ok(export)
+}
+
+fn load_trust(cli: &Cli) -> Result<crate::tls::Trust, UsageError> {
+    crate::tls::Trust::load(crate::tls::CA_FILE_VAR, cli.ca_file.as_deref())
+        .map_err(|e| UsageError(e.to_string()))
+}
+
 /// Runs the parsed command and returns the process exit code. An `Err` is printed by
 /// `main` and exits with [`exit_code`].
 pub async fn run(cli: Cli) -> anyhow::Result<i32> {
     let set_user_id = cli.set_user_id;
-    let trust = crate::tls::Trust::load(crate::tls::CA_FILE_VAR, cli.ca_file.as_deref())
-        .map_err(|e| UsageError(e.to_string()))?;
-    crate::tls::set_trust(trust);
+    // Already set by `prepare` in the binary (then this changes nothing); a caller that runs a
+    // command without it still gets PUBLISHER_CA_FILE.
+    crate::tls::set_trust(load_trust(&cli)?);
     kit::url::check_list(&cli.amqp_url, &["amqp", "amqps"]).map_err(|reason| {
         UsageError(format!(
             "AMQP_URL={:?} is invalid: {reason}",
@@ -570,17 +598,22 @@ async fn connect_db(url: &str, max: u32) -> anyhow::Result<(sqlx::PgPool, Arc<ki
     }
 }
 
+/// A metrics listener address setting: `None` for `off`, `none` or empty.
+fn metrics_addr(var: &str, text: &str) -> Result<Option<SocketAddr>, UsageError> {
+    match text.trim() {
+        "off" | "none" | "" => Ok(None),
+        addr => addr
+            .parse()
+            .map(Some)
+            .map_err(|e| UsageError(format!("{var} {addr:?}: {e}"))),
+    }
+}
+
 async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Result<()> {
     if args.batch < 1 {
         return Err(UsageError("--batch must be at least 1".into()).into());
     }
-    let metrics_addr: Option<SocketAddr> = match args.metrics_addr.as_str() {
-        "off" | "none" | "" => None,
-        addr => Some(
-            addr.parse()
-                .map_err(|e| UsageError(format!("PUBLISHER_METRICS_ADDR {addr:?}: {e}")))?,
-        ),
-    };
+    let metrics_addr = metrics_addr("PUBLISHER_METRICS_ADDR", &args.metrics_addr)?;
     let concurrency = args.concurrency.max(1);
     let limits = args.http.limits();
     let mut budget = kit::fd::Budget::new().add(
@@ -612,8 +645,9 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
         }
     };
     if let Some(addr) = metrics_addr {
-        let handle = crate::metrics::install().map_err(|e| anyhow::anyhow!(e))?;
-        let listener = crate::metrics::serve(addr, limits, handle, pool.clone(), stopped());
+        let handle = crate::metrics::install(crate::metrics::RELAY_TRACE_SOURCES)
+            .map_err(|e| anyhow::anyhow!(e))?;
+        let listener = crate::metrics::serve(addr, limits, handle, Some(pool.clone()), stopped());
         tokio::spawn(async move {
             if let Err(error) = listener.await {
                 tracing::error!(%error, "metrics listener failed");
@@ -665,9 +699,16 @@ async fn mcp(amqp_url: String, set_user_id: bool, args: McpArgs) -> anyhow::Resu
     let allowed_origins = mcp::AllowedOrigins::parse(&args.allowed_origins)
         .map_err(|e| UsageError(format!("PUBLISHER_MCP_ALLOWED_ORIGINS: {e}")))?;
     let limits = args.http.limits();
+    let metrics_addr = metrics_addr("PUBLISHER_MCP_METRICS_ADDR", &args.metrics_addr)?;
     let mut budget = kit::fd::Budget::new();
     if args.database_url.is_some() {
         budget = budget.add("database pool", 8);
+    }
+    if metrics_addr.is_some() {
+        budget = budget.add(
+            "metrics listener (PUBLISHER_HTTP_MAX_CONNECTIONS)",
+            limits.max_connections as u64 + 1,
+        );
     }
     if args.transport == McpTransport::Http {
         let cap = limits.max_connections as u64;
@@ -724,6 +765,16 @@ async fn mcp(amqp_url: String, set_user_id: bool, args: McpArgs) -> anyhow::Resu
         .connect()
         .await
         .with_context(|| format!("cannot connect to the broker at {}", redact(&amqp_url)))?;
+    if let Some(addr) = metrics_addr {
+        let handle = crate::metrics::install(crate::metrics::MCP_TRACE_SOURCES)
+            .map_err(|e| anyhow::anyhow!(e))?;
+        let listener = crate::metrics::serve(addr, limits, handle, None, shutdown_signal());
+        tokio::spawn(async move {
+            if let Err(error) = listener.await {
+                tracing::error!(%error, "metrics listener failed");
+            }
+        });
+    }
     match tokens {
         Some(tokens) => {
             let options = mcp::HttpOptions {
@@ -777,6 +828,7 @@ async fn send(amqp_url: &str, set_user_id: bool, args: SendArgs) -> anyhow::Resu
     let intent = protocol::decode_intent(&body)
         .map_err(|error| UsageError(format!("invalid intent: {error}")))?;
     let fingerprint = protocol::fingerprint(&intent.tool, &intent.arguments);
+    let options = send_trace(args.traceparent.as_deref(), args.tracestate.as_deref());
 
     let publisher = Publisher::connect(amqp_url, &args.exchange)
         .await
@@ -789,24 +841,59 @@ async fn send(amqp_url: &str, set_user_id: bool, args: SendArgs) -> anyhow::Resu
             ..AnswerConfig::default()
         };
         let publisher = publisher.with_answers(answers);
-        let answer = publisher.send_and_wait(&intent, args.timeout).await;
+        let answer = publisher
+            .send_and_wait_with(&intent, args.timeout, &options)
+            .await;
         publisher.close().await.ok();
         let answer = answer?;
         println!("{}", serde_json::to_string(&answer.event)?);
         return Ok(answer_code(&answer));
     }
-    publisher.publish(&intent).await.with_context(|| {
-        format!(
-            "publishing {}:{} to exchange {:?}",
-            intent.tenant, intent.action_id, args.exchange
-        )
-    })?;
+    publisher
+        .publish_with(&intent, &options)
+        .await
+        .with_context(|| {
+            format!(
+                "publishing {}:{} to exchange {:?}",
+                intent.tenant, intent.action_id, args.exchange
+            )
+        })?;
     println!(
         "published {}:{} fingerprint={fingerprint}",
         intent.tenant, intent.action_id
     );
     publisher.close().await.ok();
     Ok(0)
+}
+
+/// The trace context of `publisher send --traceparent [--tracestate]`. A value that does not
+/// parse is sent as given, with a warning on stderr: receivers ignore it, and a test needs a
+/// way to deliver one.
+fn send_trace(traceparent: Option<&str>, tracestate: Option<&str>) -> crate::PublishOptions {
+    let options = crate::PublishOptions::new();
+    let Some(traceparent) = traceparent else {
+        return options;
+    };
+    match protocol::trace::TraceContext::read(Some(traceparent), tracestate) {
+        protocol::trace::Incoming::Context {
+            context,
+            state_dropped: false,
+        } => options.with_trace(Some(context)),
+        protocol::trace::Incoming::Context { .. } => {
+            eprintln!(
+                "warning: --tracestate {tracestate:?} is not a valid W3C tracestate; sent as given, receivers drop it"
+            );
+            options.with_verbatim_trace(traceparent, tracestate.map(str::to_owned))
+        }
+        protocol::trace::Incoming::Malformed(reason) => {
+            eprintln!(
+                "warning: --traceparent {traceparent:?} is not a valid W3C traceparent; sent as given, receivers ignore it ({reason})"
+            );
+            options.with_verbatim_trace(traceparent, tracestate.map(str::to_owned))
+        }
+        // Only without a traceparent, which returned above.
+        protocol::trace::Incoming::Absent => options,
+    }
 }
 
 async fn follow(amqp_url: &str, args: FollowArgs) -> anyhow::Result<()> {

@@ -25,12 +25,16 @@
 //! agent's `intent_outbox` in the same transaction as its own record of the request
 //! (`demo_refund_requests`), and `publisher relay` publishes it. Either way the agent binds
 //! its own results queue (`<tenant>.@.<reply_to>`) first and prints every answer it gets.
+//!
+//! Each intent is sent from an `agent turn` span, the stand-in for the request an agent serves:
+//! with span export on (the compose demo exports to Jaeger) the intent's trace starts there,
+//! through the publish (or the outbox row and the relay's publish) into the worker.
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
-use tracing::{info, warn};
+use tracing::{info, warn, Instrument as _};
 
 use crate::{cli::redact, Follower, Outbox, PublishError, Publisher};
 
@@ -219,10 +223,13 @@ impl Stream<'_> {
 
     /// Enqueues through the outbox or publishes; returns the intent's fingerprint.
     async fn send(&self, body: &str, i: u64) -> anyhow::Result<String> {
-        match self.outbox {
-            Some(pool) => enqueue(pool, body, i).await,
-            None => publish_checked(self.publisher, body, self.deadline).await,
-        }
+        let sent = async {
+            match self.outbox {
+                Some(pool) => enqueue(pool, body, i).await,
+                None => publish_checked(self.publisher, body, self.deadline).await,
+            }
+        };
+        sent.instrument(agent_turn(body)).await
     }
 }
 
@@ -608,10 +615,13 @@ impl Tour<'_> {
         record: Option<(u64, u64)>,
         what: &str,
     ) -> anyhow::Result<()> {
-        let fingerprint = match self.outbox {
-            Some(pool) => enqueue_raw(pool, body, record).await?,
-            None => publish_checked(self.publisher, body, self.deadline).await?,
+        let sent = async {
+            match self.outbox {
+                Some(pool) => enqueue_raw(pool, body, record).await,
+                None => publish_checked(self.publisher, body, self.deadline).await,
+            }
         };
+        let fingerprint = sent.instrument(agent_turn(body)).await?;
         self.tally.intents_sent += 1;
         let intent = protocol::decode_intent(body.as_bytes())
             .map_err(|error| anyhow::anyhow!("demo built an invalid intent: {error}"))?;
@@ -707,6 +717,14 @@ impl Tour<'_> {
     }
 }
 
+/// The span one intent is sent from (the request an agent would be serving).
+fn agent_turn(body: &str) -> tracing::Span {
+    let key = protocol::decode_intent(body.as_bytes())
+        .map(|intent| protocol::action_key(&intent.tenant, &intent.action_id))
+        .unwrap_or_default();
+    tracing::info_span!("agent turn", intent_worker.action_key = %key)
+}
+
 /// Pause between status API requests.
 const STATUS_POLL: Duration = Duration::from_millis(250);
 
@@ -732,12 +750,19 @@ async fn enqueue_raw(
         .execute(&mut *tx)
         .await?;
     }
-    sqlx::query("INSERT INTO intent_outbox (tenant, action_id, body) VALUES ($1, $2, $3)")
-        .bind(&intent.tenant)
-        .bind(&intent.action_id)
-        .bind(body)
-        .execute(&mut *tx)
-        .await?;
+    // The current trace context, as `Outbox::enqueue` keeps it.
+    let (traceparent, tracestate) = crate::PublishOptions::default().stored();
+    sqlx::query(
+        "INSERT INTO intent_outbox (tenant, action_id, body, traceparent, tracestate)
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(&intent.tenant)
+    .bind(&intent.action_id)
+    .bind(body)
+    .bind(traceparent)
+    .bind(tracestate)
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     Ok(intent.fingerprint())
 }

@@ -98,6 +98,23 @@ impl PublishError {
     pub fn in_doubt(&self) -> bool {
         matches!(self, PublishError::InDoubt(_))
     }
+
+    /// The error's kind in a word (`error.type` of a failed publish span).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PublishError::Amqp(_) => "amqp",
+            PublishError::Unroutable { .. } => "unroutable",
+            PublishError::InDoubt(_) => "in_doubt",
+            PublishError::Nacked => "nacked",
+            PublishError::NotConfirmed => "not_confirmed",
+            PublishError::Tls { .. } => "tls",
+            PublishError::BadUrl(_) => "bad_url",
+            PublishError::BadResult(_) => "bad_result",
+            PublishError::ConsumerClosed => "consumer_closed",
+            PublishError::InvalidIntent(_) => "invalid_intent",
+            PublishError::TooLong { .. } => "too_long",
+        }
+    }
 }
 
 impl From<lapin::Error> for PublishError {

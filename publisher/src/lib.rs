@@ -12,13 +12,19 @@
 //!
 //! # Layout
 //! - `publish.rs` ([`publish`]): [`Publisher`]: connect in confirm mode, `publish`,
-//!   `publish_encoded`, pipelined `publish_batch`, `publish_raw`; tenant proof (`user_id`).
+//!   `publish_encoded`, pipelined `publish_batch` (each with a `*_with` form taking
+//!   [`PublishOptions`]), `publish_raw`; tenant proof (`user_id`).
+//! - `trace.rs` ([`trace`]): the W3C trace context every intent carries (`traceparent` and
+//!   `tracestate` headers): the caller's, else the current one (feature `otel`); the
+//!   `publish intents` producer span; reading and counting a received context.
 //! - `wait.rs` ([`wait`]): `Publisher::send_and_wait` on a queue bound to the agent's own
 //!   routing key, [`StatusApi`] fallback, [`Answer`], [`WaitError`].
 //! - `outbox.rs` ([`outbox`]): the agent-side `intent_outbox` table (`migrations/`) and
-//!   [`Outbox::enqueue`] in the caller's transaction.
-//! - `relay.rs` ([`relay`]): [`Relay`]: claim due outbox rows, publish, settle, sweep.
-//! - `metrics.rs` ([`metrics`]): the relay's Prometheus metrics and `/metrics` listener.
+//!   [`Outbox::enqueue`] in the caller's transaction (with the intent's trace context).
+//! - `relay.rs` ([`relay`]): [`Relay`]: claim due outbox rows, publish (each with its row's
+//!   trace context), settle, sweep.
+//! - `metrics.rs` ([`metrics`]): the Prometheus metrics of the relay and the MCP gateway and
+//!   their `/metrics` listener.
 //! - `follow.rs` ([`follow`]): [`Follower`]: a results queue bound to the tenant (or to given
 //!   keys), `next` with a timeout.
 //! - `topology.rs` ([`topology`]): the only declarations this side makes (results
@@ -31,7 +37,13 @@
 //!   arguments and calls [`cli::run`].
 //! - `demo.rs` ([`demo`]): the demo agent for docker compose.
 //! - `mcp/` ([`mcp`]): `publisher mcp`, the MCP gateway (tools file, bearer token → tenant,
-//!   action id from the request `_meta`, answers and tasks from the ledger).
+//!   action id and trace context from the request `_meta`, answers and tasks from the ledger).
+//!
+//! # Features
+//! - `cli` (default): the `publisher` binary, with span export over OTLP (`OTEL_*` variables).
+//! - `otel` (default, implied by `cli`): the current `tracing`/OpenTelemetry context on every
+//!   publish and a producer span around it. Off with `default-features = false`, where only a
+//!   context passed explicitly ([`PublishOptions::with_trace`]) is sent.
 
 #[cfg(feature = "cli")]
 pub mod cli;
@@ -47,6 +59,7 @@ pub mod publish;
 pub mod relay;
 pub mod tls;
 pub mod topology;
+pub mod trace;
 pub mod wait;
 
 /// A Postgres URL with several hosts and the primary among them (the agent database's pool:
@@ -56,6 +69,7 @@ pub use kit::pg;
 pub use error::PublishError;
 pub use follow::Follower;
 pub use outbox::{Outbox, OutboxError};
-pub use publish::{action_key, Publisher};
+pub use protocol::trace::{TraceContext, TraceParent};
+pub use publish::{action_key, PublishOptions, Publisher, Traced};
 pub use relay::{Relay, RelayConfig};
 pub use wait::{Answer, AnswerConfig, StatusApi, WaitError};

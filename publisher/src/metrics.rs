@@ -1,8 +1,9 @@
-//! Prometheus metrics of `publisher relay`: names, the recorder and the `/metrics` listener
-//! (`PUBLISHER_METRICS_ADDR`).
+//! Prometheus metrics of `publisher relay` and `publisher mcp`: names, the recorder and the
+//! `/metrics` listener (`PUBLISHER_METRICS_ADDR`, `PUBLISHER_MCP_METRICS_ADDR`).
 //!
 //! The backlog gauges come from the outbox table and are refreshed on every scrape, so every
-//! relay reports the same global figure: alert rules aggregate them with `max()`.
+//! relay reports the same global figure: alert rules aggregate them with `max()`. The gateway's
+//! listener has no pool and reports the counters only.
 
 #[cfg(feature = "cli")]
 pub use exporter::{install, serve};
@@ -15,6 +16,14 @@ pub const ROWS_SWEPT: &str = "intent_publisher_rows_swept_total";
 pub const ROWS_FAILED: &str = "intent_publisher_rows_failed_total";
 pub const FAILED_ROWS: &str = "intent_publisher_outbox_failed_rows";
 pub const DB_FAILOVERS: &str = "intent_publisher_db_failovers_total";
+/// Malformed trace context received on the agent side, by `source` (`outbox`, `mcp_meta`,
+/// `http_header`) and `header` (`traceparent`: ignored, `tracestate`: dropped alone).
+pub const TRACE_CONTEXT_INVALID: &str = "intent_publisher_trace_context_invalid_total";
+
+/// The `source` labels of [`TRACE_CONTEXT_INVALID`] in `publisher relay`.
+pub const RELAY_TRACE_SOURCES: &[&str] = &["outbox"];
+/// The `source` labels of [`TRACE_CONTEXT_INVALID`] in `publisher mcp`.
+pub const MCP_TRACE_SOURCES: &[&str] = &["mcp_meta", "http_header"];
 
 /// The recorder and the listener: the `publisher` binary's (feature `cli`).
 #[cfg(feature = "cli")]
@@ -33,7 +42,9 @@ mod exporter {
     const REFUSALS: [&str; 3] = ["key_too_long", "invalid_intent", "key_mismatch"];
 
     /// Installs the global recorder; returns the handle that renders the exposition text.
-    pub fn install() -> Result<PrometheusHandle, String> {
+    /// `trace_sources` are the [`TRACE_CONTEXT_INVALID`] sources this process can count,
+    /// pre-registered at 0.
+    pub fn install(trace_sources: &[&'static str]) -> Result<PrometheusHandle, String> {
         let handle = PrometheusBuilder::new()
             .install_recorder()
             .map_err(|e| e.to_string())?;
@@ -63,6 +74,16 @@ mod exporter {
             DB_FAILOVERS,
             "Failovers of the agent database seen: its primary turned read-only, or new connections moved to another host of PUBLISHER_DATABASE_URL."
         );
+        describe_counter!(
+            TRACE_CONTEXT_INVALID,
+            "Malformed W3C trace context received, by source and header: a traceparent is ignored, a tracestate dropped alone; never a reason to refuse an intent."
+        );
+        for source in trace_sources {
+            for header in ["traceparent", "tracestate"] {
+                counter!(TRACE_CONTEXT_INVALID, "source" => *source, "header" => header)
+                    .absolute(0);
+            }
+        }
         for reason in REASONS {
             counter!(PUBLISH_FAILURES, "reason" => reason).absolute(0);
         }
@@ -76,11 +97,12 @@ mod exporter {
     }
 
     /// Serves `GET /metrics` with the listener `limits` ([`kit::http`]) until `shutdown` resolves.
+    /// With `pool` (the relay's), the outbox gauges are measured on every scrape.
     pub async fn serve(
         addr: SocketAddr,
         limits: kit::http::Limits,
         handle: PrometheusHandle,
-        pool: PgPool,
+        pool: Option<PgPool>,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         use axum::routing::get;
@@ -91,6 +113,9 @@ mod exporter {
                 let handle = handle.clone();
                 let pool = pool.clone();
                 async move {
+                    let Some(pool) = pool else {
+                        return kit::metrics::exposition(&handle);
+                    };
                     match crate::relay::backlog(&pool).await {
                         Ok((count, oldest)) => {
                             gauge!(BACKLOG).set(count as f64);

@@ -12,6 +12,11 @@
 //! from the AMQP URL, `guest` when it names none). RabbitMQ refuses a `user_id` that is not
 //! the connection's user, so a worker in `[auth] mode = "user_id"` can trust it.
 //! [`Publisher::with_user_id`] turns this off (for a broker user whose name must not be sent).
+//!
+//! Trace context: every intent publish carries the `traceparent`/`tracestate` headers of the
+//! context [`crate::trace`] chooses (the caller's through the `*_with` methods and
+//! [`PublishOptions`], else with the feature `otel` the current one, else none) and, with
+//! `otel`, runs in a `publish intents` producer span.
 
 use std::collections::HashMap;
 
@@ -21,9 +26,12 @@ use lapin::{
     uri::AMQPUri,
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, PublisherConfirm,
 };
+use tracing::Instrument as _;
 
 use crate::error::{short, PublishError};
 use crate::topology;
+pub use crate::trace::PublishOptions;
+use crate::trace::{self, Names};
 
 /// Content type of every intent.
 pub const JSON: &str = "application/json";
@@ -49,6 +57,27 @@ pub struct Encoded<'a> {
     pub tenant: &'a str,
     pub action_id: &'a str,
     pub body: &'a [u8],
+}
+
+/// One intent of a [`Publisher::publish_batch_with`]: an encoded intent and what to send with
+/// it (each intent of a batch may continue another trace, as outbox rows do).
+#[derive(Debug, Clone)]
+pub struct Traced<'a> {
+    pub intent: Encoded<'a>,
+    /// The intent's tool, named on its publish span (`None`: not named).
+    pub tool: Option<&'a str>,
+    pub options: PublishOptions,
+}
+
+impl<'a> From<Encoded<'a>> for Traced<'a> {
+    /// The default options: the current context (feature `otel`).
+    fn from(intent: Encoded<'a>) -> Traced<'a> {
+        Traced {
+            intent,
+            tool: None,
+            options: PublishOptions::default(),
+        }
+    }
 }
 
 /// A connection and a confirm-mode channel bound to one exchange.
@@ -146,10 +175,28 @@ impl Publisher {
 
     /// Publishes `intent` (body `intent.to_json()`, routing key = tenant, persistent,
     /// `message_id` = `<tenant>:<action_id>`) and waits for the broker's confirm. A key over
-    /// 255 bytes is [`PublishError::InvalidIntent`] (`key_too_long`), and nothing is sent.
+    /// 255 bytes is [`PublishError::InvalidIntent`] (`key_too_long`), and nothing is sent. The
+    /// trace context is the current one (feature `otel`); [`Publisher::publish_with`] passes
+    /// another.
     pub async fn publish(&self, intent: &protocol::Intent) -> Result<(), PublishError> {
-        self.publish_encoded(&intent.tenant, &intent.action_id, &intent.to_json())
-            .await
+        self.publish_with(intent, &PublishOptions::default()).await
+    }
+
+    /// [`Publisher::publish`] with `options`: the trace context to send (the caller's, e.g. the
+    /// one an incoming request carried), see [`PublishOptions`].
+    pub async fn publish_with(
+        &self,
+        intent: &protocol::Intent,
+        options: &PublishOptions,
+    ) -> Result<(), PublishError> {
+        self.publish_one(
+            &intent.tenant,
+            &intent.action_id,
+            Some(&intent.tool),
+            &intent.to_json(),
+            options,
+        )
+        .await
     }
 
     /// Publishes an already-encoded intent body under the key `(tenant, action_id)`
@@ -162,25 +209,98 @@ impl Publisher {
         action_id: &str,
         body: &[u8],
     ) -> Result<(), PublishError> {
-        self.send(tenant, body, self.intent_properties(tenant, action_id)?)
+        self.publish_encoded_with(tenant, action_id, body, &PublishOptions::default())
             .await
+    }
+
+    /// [`Publisher::publish_encoded`] with `options` (the trace context to send).
+    pub async fn publish_encoded_with(
+        &self,
+        tenant: &str,
+        action_id: &str,
+        body: &[u8],
+        options: &PublishOptions,
+    ) -> Result<(), PublishError> {
+        self.publish_one(tenant, action_id, None, body, options)
+            .await
+    }
+
+    /// One intent: its properties, its span and trace headers, the publish and its confirm.
+    async fn publish_one(
+        &self,
+        tenant: &str,
+        action_id: &str,
+        tool: Option<&str>,
+        body: &[u8],
+        options: &PublishOptions,
+    ) -> Result<(), PublishError> {
+        let (properties, message_id) = self.intent_properties(tenant, action_id)?;
+        let out = trace::outgoing(&self.names(tenant, action_id, &message_id, tool), options);
+        let properties = with_headers(properties, out.headers);
+        let sent = self
+            .send(tenant, body, properties)
+            .instrument(out.span.clone())
+            .await;
+        if let Err(error) = &sent {
+            trace::failed(&out.span, error);
+        }
+        sent
+    }
+
+    fn names<'a>(
+        &'a self,
+        tenant: &'a str,
+        action_id: &'a str,
+        message_id: &'a str,
+        tool: Option<&'a str>,
+    ) -> Names<'a> {
+        Names {
+            exchange: &self.exchange,
+            tenant,
+            action_id,
+            message_id,
+            tool,
+        }
     }
 
     /// Publishes every intent of `batch` (same properties as [`Publisher::publish_encoded`])
     /// and only then awaits the confirms, so the broker confirms the batch as a pipeline
     /// rather than one round trip per message. Returns one result per intent, in order; a
     /// channel error fails the intents not yet sent or confirmed. An intent whose key does not
-    /// fit a message id fails alone ([`PublishError::InvalidIntent`]) and is never sent.
+    /// fit a message id fails alone ([`PublishError::InvalidIntent`]) and is never sent. Each
+    /// intent carries the current trace context (feature `otel`).
     pub async fn publish_batch(&self, batch: &[Encoded<'_>]) -> Vec<Result<(), PublishError>> {
+        let batch: Vec<Traced<'_>> = batch.iter().map(|e| Traced::from(*e)).collect();
+        self.publish_batch_with(&batch).await
+    }
+
+    /// [`Publisher::publish_batch`] with options per intent: each its own trace context and
+    /// publish span (outbox rows were enqueued in different traces).
+    pub async fn publish_batch_with(&self, batch: &[Traced<'_>]) -> Vec<Result<(), PublishError>> {
         let _one_at_a_time = self.in_flight.lock().await;
         let mut pending = Vec::with_capacity(batch.len());
-        for intent in batch {
-            pending.push(
+        // Each intent's span lives until its confirm is known (a failure is recorded on it).
+        let mut spans = Vec::with_capacity(batch.len());
+        for traced in batch {
+            let intent = &traced.intent;
+            let (properties, message_id) =
                 match self.intent_properties(intent.tenant, intent.action_id) {
-                    Ok(properties) => self.start(intent.tenant, intent.body, properties).await,
-                    Err(error) => Err(error),
-                },
+                    Ok(properties) => properties,
+                    Err(error) => {
+                        pending.push(Err(error));
+                        spans.push(tracing::Span::none());
+                        continue;
+                    }
+                };
+            let names = self.names(intent.tenant, intent.action_id, &message_id, traced.tool);
+            let out = trace::outgoing(&names, &traced.options);
+            let properties = with_headers(properties, out.headers);
+            pending.push(
+                self.start(intent.tenant, intent.body, properties)
+                    .instrument(out.span.clone())
+                    .await,
             );
+            spans.push(out.span);
         }
         let mut confirmations = Vec::with_capacity(batch.len());
         for started in pending {
@@ -216,42 +336,54 @@ impl Publisher {
         batch
             .iter()
             .zip(confirmations)
-            .map(|(intent, confirmation)| match confirmation? {
-                Confirmation::Ack(_) => {
-                    let key = action_key(intent.tenant, intent.action_id);
-                    match returned.get_mut(&key).and_then(Vec::pop) {
-                        Some(reply_text) => Err(PublishError::Unroutable {
-                            exchange: self.exchange.clone(),
-                            routing_key: intent.tenant.to_owned(),
-                            reply_text,
-                        }),
-                        None => Ok(()),
+            .zip(spans)
+            .map(|((traced, confirmation), span)| {
+                let intent = &traced.intent;
+                let result = confirmation.and_then(|confirmation| match confirmation {
+                    Confirmation::Ack(_) => {
+                        let key = action_key(intent.tenant, intent.action_id);
+                        match returned.get_mut(&key).and_then(Vec::pop) {
+                            Some(reply_text) => Err(PublishError::Unroutable {
+                                exchange: self.exchange.clone(),
+                                routing_key: intent.tenant.to_owned(),
+                                reply_text,
+                            }),
+                            None => Ok(()),
+                        }
                     }
+                    Confirmation::Nack(_) => Err(PublishError::Nacked),
+                    Confirmation::NotRequested => Err(PublishError::NotConfirmed),
+                });
+                if let Err(error) = &result {
+                    trace::failed(&span, error);
                 }
-                Confirmation::Nack(_) => Err(PublishError::Nacked),
-                Confirmation::NotRequested => Err(PublishError::NotConfirmed),
+                result
             })
             .collect()
     }
 
+    /// The properties of an intent message, and its message id (the action key).
     fn intent_properties(
         &self,
         tenant: &str,
         action_id: &str,
-    ) -> Result<BasicProperties, PublishError> {
+    ) -> Result<(BasicProperties, String), PublishError> {
         protocol::check_action_key(tenant, action_id)?;
+        let message_id = action_key(tenant, action_id);
         let properties = BasicProperties::default()
             .with_content_type(JSON.into())
             .with_delivery_mode(PERSISTENT)
-            .with_message_id(short("message id", &action_key(tenant, action_id))?);
-        Ok(match &self.user_id {
+            .with_message_id(short("message id", &message_id)?);
+        let properties = match &self.user_id {
             Some(user) => properties.with_user_id(user.clone()),
             None => properties,
-        })
+        };
+        Ok((properties, message_id))
     }
 
     /// Publishes an arbitrary body (mandatory, persistent, with confirm) and no
-    /// message id. Used by tests to send malformed messages.
+    /// message id, and no trace context: exactly what it is given. Used by tests to send
+    /// malformed messages.
     pub async fn publish_raw(
         &self,
         routing_key: &str,
@@ -323,5 +455,16 @@ impl Publisher {
             Confirmation::Nack(_) => Err(PublishError::Nacked),
             Confirmation::NotRequested => Err(PublishError::NotConfirmed),
         }
+    }
+}
+
+/// `properties` with the trace headers, when there are any.
+fn with_headers(
+    properties: BasicProperties,
+    headers: Option<lapin::types::FieldTable>,
+) -> BasicProperties {
+    match headers {
+        Some(headers) => properties.with_headers(headers),
+        None => properties,
     }
 }

@@ -17,6 +17,12 @@
 //! published ([`refusal`]: its key is over the 255 bytes of a message id, its body is not an
 //! intent the worker's decoder accepts, or the body's key is not the row's) is marked failed
 //! (`failed_at`, `failure`) and never claimed again, so it cannot stop the rows behind it.
+//!
+//! Each row is published with the trace context stored with it ([`crate::trace`]): its
+//! `traceparent`/`tracestate` become the parent of the row's publish span and, unless that span
+//! is exported, the message's headers. A row without one is published without a parent (never
+//! under whatever span runs the relay); a malformed stored `traceparent` is ignored and counted
+//! (`source="outbox"`), like any context received on the agent side.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -27,8 +33,8 @@ use sqlx::PgPool;
 use tracing::{info, warn};
 
 use crate::metrics as m;
-use crate::publish::Encoded;
-use crate::{PublishError, Publisher};
+use crate::publish::{Encoded, Traced};
+use crate::{PublishError, PublishOptions, Publisher};
 
 /// Waits between reconnects to the broker: from 500 ms doubling to 10 s, ±50 % so relays that
 /// lost the broker together do not return in lockstep.
@@ -88,6 +94,26 @@ pub struct Claimed {
     pub tenant: String,
     pub action_id: String,
     pub body: String,
+    /// The trace context the intent was enqueued in (either may be NULL).
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
+    /// The body's tool once [`Relay::step`] has decoded it (named on the publish span).
+    #[sqlx(skip)]
+    pub tool: Option<String>,
+}
+
+impl Claimed {
+    /// How to publish this row: with its stored trace context as the parent, or with none.
+    fn options(&self) -> PublishOptions {
+        match crate::trace::receive(
+            "outbox",
+            self.traceparent.as_deref(),
+            self.tracestate.as_deref(),
+        ) {
+            Some(cx) => PublishOptions::new().with_trace(Some(cx)),
+            None => PublishOptions::detached(),
+        }
+    }
 }
 
 /// What one step did.
@@ -151,7 +177,7 @@ impl Relay {
              WHERE id IN (SELECT id FROM intent_outbox
                           WHERE sent_at IS NULL AND failed_at IS NULL AND next_attempt_at <= now()
                           ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
-             RETURNING id, tenant, action_id, body",
+             RETURNING id, tenant, action_id, body, traceparent, tracestate",
         )
         .bind(self.config.batch)
         .bind(self.config.lease.as_secs_f64())
@@ -161,17 +187,22 @@ impl Relay {
         Ok(rows)
     }
 
-    /// Publishes claimed rows as one pipelined batch; one result per row, in order.
+    /// Publishes claimed rows as one pipelined batch, each with its own trace context; one
+    /// result per row, in order.
     pub async fn publish(&self, rows: &[Claimed]) -> Vec<Result<(), PublishError>> {
-        let batch: Vec<Encoded<'_>> = rows
+        let batch: Vec<Traced<'_>> = rows
             .iter()
-            .map(|r| Encoded {
-                tenant: &r.tenant,
-                action_id: &r.action_id,
-                body: r.body.as_bytes(),
+            .map(|r| Traced {
+                intent: Encoded {
+                    tenant: &r.tenant,
+                    action_id: &r.action_id,
+                    body: r.body.as_bytes(),
+                },
+                tool: r.tool.as_deref(),
+                options: r.options(),
             })
             .collect();
-        self.publisher.publish_batch(&batch).await
+        self.publisher.publish_batch_with(&batch).await
     }
 
     /// Records the outcome of a publish: sent rows in one statement, failed rows (with their
@@ -280,9 +311,12 @@ impl Relay {
         }
         let (mut rows, mut refused) = (Vec::with_capacity(claimed.len()), Vec::new());
         for row in &claimed {
-            match refusal(row) {
-                Some(why) => refused.push((row, why)),
-                None => rows.push(row.clone()),
+            match checked(row) {
+                Err(why) => refused.push((row, why)),
+                Ok(tool) => rows.push(Claimed {
+                    tool: Some(tool),
+                    ..row.clone()
+                }),
             }
         }
         self.mark_failed(&refused).await?;
@@ -389,9 +423,10 @@ impl Relay {
 #[derive(Debug, thiserror::Error)]
 pub enum TableError {
     /// The table, or a column the relay reads, is missing (a table made from migration 0001
-    /// alone lacks `failed_at` and `failure`).
+    /// alone lacks `failed_at` and `failure`; one older than migration 0003 lacks
+    /// `traceparent` and `tracestate`).
     #[error(
-        "intent_outbox is not ready for this relay ({0}): run `publisher migrate` (it creates the table, or adds the columns failed_at and failure of migration 0002)"
+        "intent_outbox is not ready for this relay ({0}): run `publisher migrate` (it creates the table, or adds the columns of later migrations: failed_at and failure of 0002, traceparent and tracestate of 0003)"
     )]
     NotMigrated(sqlx::Error),
     #[error("database error: {0}")]
@@ -401,7 +436,8 @@ pub enum TableError {
 /// Checks that `intent_outbox` has every column the relay reads, so a table that was not
 /// migrated stops start-up with a hint instead of failing every claim.
 pub async fn check_table(pool: &PgPool) -> Result<(), TableError> {
-    let probe = "SELECT id, tenant, action_id, body, failed_at, failure FROM intent_outbox LIMIT 0";
+    let probe = "SELECT id, tenant, action_id, body, failed_at, failure, traceparent, tracestate
+                 FROM intent_outbox LIMIT 0";
     match sqlx::query(probe).execute(pool).await {
         Ok(_) => Ok(()),
         // undefined_column, undefined_table
@@ -457,20 +493,25 @@ impl std::fmt::Display for Refusal {
 /// - `key_mismatch`: the body's `tenant`/`action_id` are not the row's, so the message id
 ///   would name another action than the body.
 pub fn refusal(row: &Claimed) -> Option<Refusal> {
+    checked(row).err()
+}
+
+/// [`refusal`], and the body's tool when the row can be published.
+fn checked(row: &Claimed) -> Result<String, Refusal> {
     if let Err(error) = protocol::check_action_key(&row.tenant, &row.action_id) {
-        return Some(Refusal::new("key_too_long", error.to_string()));
+        return Err(Refusal::new("key_too_long", error.to_string()));
     }
     let intent = match protocol::decode_intent(row.body.as_bytes()) {
         Ok(intent) => intent,
         Err(error) => {
-            return Some(Refusal::new(
+            return Err(Refusal::new(
                 "invalid_intent",
                 format!("{} ({error})", error.code()),
             ))
         }
     };
     if intent.tenant != row.tenant || intent.action_id != row.action_id {
-        return Some(Refusal::new(
+        return Err(Refusal::new(
             "key_mismatch",
             format!(
                 "the body's key {:?} is not the row's {:?}",
@@ -479,7 +520,7 @@ pub fn refusal(row: &Claimed) -> Option<Refusal> {
             ),
         ));
     }
-    None
+    Ok(intent.tool)
 }
 
 /// A key short enough to log (a row's columns are unbounded text).
@@ -521,6 +562,9 @@ mod tests {
             tenant: tenant.into(),
             action_id: action_id.into(),
             body: body.into(),
+            traceparent: None,
+            tracestate: None,
+            tool: None,
         }
     }
 

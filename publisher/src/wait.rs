@@ -235,8 +235,21 @@ impl Publisher {
         intent: &Intent,
         timeout: Duration,
     ) -> Result<Answer, WaitError> {
+        self.send_and_wait_with(intent, timeout, &crate::PublishOptions::default())
+            .await
+    }
+
+    /// [`Publisher::send_and_wait`] with `options` for the publish (the trace context to send).
+    pub async fn send_and_wait_with(
+        &self,
+        intent: &Intent,
+        timeout: Duration,
+        options: &crate::PublishOptions,
+    ) -> Result<Answer, WaitError> {
         self.send_and_wait_via(intent, timeout, |intent| async move {
-            self.publish(&intent).await.map_err(WaitError::from)
+            self.publish_with(&intent, options)
+                .await
+                .map_err(WaitError::from)
         })
         .await
     }

@@ -98,13 +98,14 @@ async def test_a_key_over_255_bytes_is_refused_before_publishing_or_inserting(
 
 
 def test_the_outbox_ddl_is_the_publishers_migrations() -> None:
-    # create_outbox makes the same table as `publisher migrate`, failed_at and failure included,
-    # so `publisher relay` (which skips rows marked failed) can run against it.
+    # create_outbox makes the same table as `publisher migrate`, failed_at and failure included
+    # (so `publisher relay`, which skips rows marked failed, can run against it) and the trace
+    # context columns the relay reads.
     def statements(sql: str) -> list[str]:
         sql = re.sub(r"--[^\n]*", "", sql)
         return [" ".join(s.split()) for s in sql.split(";") if s.strip()]
 
     migrations = sorted((Path(__file__).resolve().parents[3] / "publisher/migrations").iterdir())
-    assert [m.name[:4] for m in migrations] == ["0001", "0002"]
+    assert [m.name[:4] for m in migrations] == ["0001", "0002", "0003"]
     expected = [s for m in migrations for s in statements(m.read_text())]
     assert statements(OUTBOX_DDL) == expected

@@ -5,10 +5,18 @@
 //! arguments valid against the tool's schema, intent valid for the worker's decoder. Only then
 //! is the intent published (or enqueued in the outbox) under `(tenant, action_id)`, with the
 //! tenant taken from the authenticated caller, never from the arguments.
+//!
+//! Trace context: a call continues the W3C context of the request's `_meta.traceparent` and
+//! `_meta.tracestate` (SEP-414), else of the HTTP request's `traceparent`/`tracestate` headers
+//! ([`received_trace`]). A malformed one is ignored (a malformed `tracestate` dropped alone) and
+//! counted, never a reason to refuse the call. Each call runs in a `tools/call <tool>` server
+//! span whose parent is that context; the intent carries the span's context when spans are
+//! exported, else the received context unchanged (through the outbox too).
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use protocol::trace::{TraceContext, TRACEPARENT, TRACESTATE};
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, CancelTaskParams, CreateTaskResult,
     GetTaskParams, GetTaskResult, Implementation, JsonObject, ListToolsResult,
@@ -17,11 +25,12 @@ use rmcp::model::{
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData as McpError, ServerHandler};
 use serde_json::Value;
+use tracing::Instrument as _;
 
 use super::answer::{self, Check};
 use super::tools::{self, ToolCatalog, STATUS_TOOL};
 use crate::wait::{AnswerConfig, StatusApi, WaitError};
-use crate::{Outbox, Publisher};
+use crate::{Outbox, PublishOptions, Publisher};
 
 /// The request `_meta` key that carries the application's action id.
 pub const ACTION_ID_META: &str = "io.intent-worker/action_id";
@@ -239,18 +248,49 @@ impl Gateway {
         })
     }
 
-    /// Hands the intent to the broker (confirmed) or to the outbox (committed).
-    async fn send(&self, publisher: &Publisher, intent: protocol::Intent) -> Result<(), WaitError> {
+    /// Hands the intent to the broker (confirmed) or to the outbox (committed), with the trace
+    /// context in `options`.
+    async fn send(
+        &self,
+        publisher: &Publisher,
+        intent: protocol::Intent,
+        options: &PublishOptions,
+    ) -> Result<(), WaitError> {
         match &self.config.outbox {
             Some(db) => {
-                let done = enqueue(&db.pool, &intent).await;
+                let done = enqueue(&db.pool, &intent, options).await;
                 if let Err(WaitError::Outbox(crate::OutboxError::Db(e))) = &done {
                     db.hosts.observe(e);
                 }
                 done
             }
-            None => Ok(publisher.publish(&intent).await?),
+            None => Ok(publisher.publish_with(&intent, options).await?),
         }
+    }
+
+    /// The server span of one `tools/call`. The tool is named only when it is one this
+    /// gateway offers: the name comes from the client, and an unknown one is refused anyway.
+    fn call_span(&self, tool: &str, tenant: &str) -> tracing::Span {
+        let known = self.config.catalog.get(tool).is_some()
+            || (tool == STATUS_TOOL && self.config.status_api.is_some());
+        let tool = known.then_some(tool);
+        let name = match tool {
+            Some(tool) => format!("tools/call {tool}"),
+            None => "tools/call".to_owned(),
+        };
+        // No parent from whatever span rmcp runs the handler in: the call's parent is the
+        // context the client sent, set by the caller.
+        tracing::info_span!(
+            parent: None,
+            "tools/call",
+            otel.name = %name,
+            otel.kind = "server",
+            mcp.method.name = "tools/call",
+            gen_ai.operation.name = "execute_tool",
+            gen_ai.tool.name = tool,
+            intent_worker.tenant = %tenant,
+            error.type = tracing::field::Empty,
+        )
     }
 
     async fn call(
@@ -258,7 +298,9 @@ impl Gateway {
         tenant: &str,
         request: CallToolRequestParams,
         context: &RequestContext<RoleServer>,
+        trace: Option<TraceContext>,
     ) -> Result<CallToolResponse, McpError> {
+        let options = PublishOptions::new().with_trace(trace);
         if request.name == STATUS_TOOL {
             let arguments = request.arguments.unwrap_or_default();
             return Ok(self.status_tool(tenant, &arguments).await.into());
@@ -282,7 +324,7 @@ impl Gateway {
                 .is_some_and(|caps| caps.supports_tasks());
         if tasks {
             let (tenant, action_id) = (intent.tenant.clone(), intent.action_id.clone());
-            if let Err(error) = self.send(&publisher, intent).await {
+            if let Err(error) = self.send(&publisher, intent, &options).await {
                 return Ok(not_sent(&action_id, &error).into());
             }
             let now = chrono::Utc::now().to_rfc3339();
@@ -292,7 +334,7 @@ impl Gateway {
         let action_id = intent.action_id.clone();
         let answer = publisher
             .send_and_wait_via(&intent, self.config.budget, |intent| {
-                self.send(&publisher, intent)
+                self.send(&publisher, intent, &options)
             })
             .await;
         Ok(match answer {
@@ -312,11 +354,79 @@ fn not_sent(action_id: &str, error: &WaitError) -> CallToolResult {
     ))
 }
 
-async fn enqueue(pool: &sqlx::PgPool, intent: &protocol::Intent) -> Result<(), WaitError> {
+async fn enqueue(
+    pool: &sqlx::PgPool,
+    intent: &protocol::Intent,
+    options: &PublishOptions,
+) -> Result<(), WaitError> {
     let mut tx = pool.begin().await.map_err(crate::OutboxError::Db)?;
-    Outbox::enqueue(&mut tx, intent).await?;
+    Outbox::enqueue_with(&mut tx, intent, options).await?;
     tx.commit().await.map_err(crate::OutboxError::Db)?;
     Ok(())
+}
+
+/// The W3C trace context a call continues (SEP-414): the request's `_meta.traceparent` and
+/// `_meta.tracestate`, else (streamable HTTP) the HTTP request's `traceparent` and `tracestate`
+/// headers. A malformed `traceparent` is ignored as if absent (so a valid header still counts),
+/// a malformed `tracestate` dropped alone; each is counted in
+/// `intent_publisher_trace_context_invalid_total` (`source` = `mcp_meta` or `http_header`).
+pub fn received_trace(
+    request: &CallToolRequestParams,
+    context: &RequestContext<RoleServer>,
+) -> Option<TraceContext> {
+    let meta = request
+        .meta
+        .iter()
+        .map(|meta| &meta.0 .0)
+        .chain(std::iter::once(&context.meta.0 .0))
+        .find(|meta| meta.contains_key(TRACEPARENT));
+    if let Some(meta) = meta {
+        let state = match meta.get(TRACESTATE) {
+            None => None,
+            Some(Value::String(state)) => Some(state.as_str()),
+            Some(_) => {
+                crate::trace::invalid("mcp_meta", TRACESTATE);
+                None
+            }
+        };
+        match meta.get(TRACEPARENT) {
+            Some(Value::String(parent)) => {
+                if let Some(cx) = crate::trace::receive("mcp_meta", Some(parent), state) {
+                    return Some(cx);
+                }
+            }
+            _ => crate::trace::invalid("mcp_meta", TRACEPARENT),
+        }
+    }
+    let headers = &context
+        .extensions
+        .get::<axum::http::request::Parts>()?
+        .headers;
+    let mut parents = headers.get_all(TRACEPARENT).iter();
+    let parent = parents.next()?;
+    // Two traceparent headers cannot be told apart: the specification ignores both.
+    let parent = match (parents.next(), parent.to_str()) {
+        (None, Ok(parent)) => parent,
+        _ => {
+            crate::trace::invalid("http_header", TRACEPARENT);
+            return None;
+        }
+    };
+    // Several tracestate headers are one list, joined in order.
+    let states: Result<Vec<&str>, _> = headers
+        .get_all(TRACESTATE)
+        .iter()
+        .map(|v| v.to_str())
+        .collect();
+    let state = match states {
+        Ok(states) if states.is_empty() => None,
+        Ok(states) => Some(states.join(",")),
+        Err(_) => {
+            crate::trace::invalid("http_header", TRACESTATE);
+            None
+        }
+    };
+    crate::trace::receive("http_header", Some(parent), state.as_deref())
 }
 
 fn object(schema: Value) -> Arc<JsonObject> {
@@ -356,7 +466,23 @@ impl ServerHandler for Gateway {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
         let tenant = self.tenant(&context)?;
-        self.call(&tenant, request, &context).await
+        let received = received_trace(&request, &context);
+        let span = self.call_span(&request.name, &tenant);
+        if let Some(cx) = &received {
+            kit::otel::set_remote_parent(&span, cx);
+        }
+        // The call span's own context when exported, else the received one unchanged.
+        let trace = kit::otel::outgoing(&span, received.as_ref());
+        let response = self
+            .call(&tenant, request, &context, trace)
+            .instrument(span.clone())
+            .await;
+        if let Ok(CallToolResponse::Complete(result)) = &response {
+            if result.is_error == Some(true) {
+                span.record("error.type", "tool_error");
+            }
+        }
+        response
     }
 
     async fn get_task(

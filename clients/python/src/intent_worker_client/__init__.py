@@ -7,9 +7,13 @@
 - :class:`IntentClient`: ``publish``, ``wait_for``, ``send_and_wait`` over RabbitMQ, with the
   status API (``GET /v1/operations/{tenant}/{action_id}``) as fallback.
 - :func:`enqueue`, :func:`create_outbox`: the agent-side transactional outbox (psycopg 3).
+- :mod:`~intent_worker_client.trace_context`: the W3C trace context every publish and outbox
+  row carries (explicit ``traceparent=``/``tracestate=``, else the current OpenTelemetry
+  context with the ``otel`` extra).
 - :func:`intent_tool`, :func:`action_scope`: tools for agent frameworks.
 """
 
+from . import trace_context
 from .client import (
     ClientError,
     IntentClient,
@@ -81,4 +85,5 @@ __all__ = [
     "intent_tool",
     "parameters_schema",
     "result_routing_key",
+    "trace_context",
 ]

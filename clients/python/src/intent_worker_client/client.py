@@ -33,6 +33,7 @@ from aio_pika.exceptions import AMQPError, ChannelInvalidStateError, DeliveryErr
 
 from .intent import Intent, InvalidIntent, decode_intent
 from .result import InvalidResultEvent, RejectReason, ResultEvent
+from .trace_context import explicit_headers, publish_span
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +269,23 @@ class IntentClient:
 
     # ---- publishing ---------------------------------------------------------------------------
 
-    async def publish(self, intent: Intent, *, timeout: float | None = 30.0) -> Intent:
+    async def publish(
+        self,
+        intent: Intent,
+        *,
+        timeout: float | None = 30.0,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> Intent:
         """Validates the intent as the worker will, binds this agent's results key for its
         tenant (before publishing, so the answer cannot come first), and publishes it with
         confirms. An intent without ``reply_to`` gets this client's. Returns the intent as
-        sent. Raises :class:`InvalidIntent` (nothing sent) or :class:`PublishError`."""
+        sent. Raises :class:`InvalidIntent` (nothing sent) or :class:`PublishError`.
+
+        Trace context (:mod:`~intent_worker_client.trace_context`): ``traceparent`` and
+        ``tracestate`` are sent as the message's headers when given; otherwise, with the
+        ``otel`` extra, the current OpenTelemetry context is."""
+        explicit_headers(traceparent, tracestate)  # a tracestate alone: before anything is sent
         if intent.reply_to is None:
             intent = replace(intent, reply_to=self.reply_to)
         body = intent.to_json()
@@ -285,23 +298,52 @@ class IntentClient:
                     f"intent {intent.message_id} was not sent: binding its results key "
                     f"failed ({e!r})"
                 ) from e
-        await self._publish_body(intent, body, timeout)
+        await self._publish_body(intent, body, timeout, traceparent, tracestate)
         return intent
 
-    async def publish_body(self, body: bytes, *, timeout: float | None = 30.0) -> Intent:
+    async def publish_body(
+        self,
+        body: bytes,
+        *,
+        timeout: float | None = 30.0,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> Intent:
         """Publishes an already serialized intent (an outbox row's ``body``) byte for byte,
-        after validating it. For relays; agents use :meth:`publish`."""
+        after validating it, with the row's trace context when given. For relays; agents use
+        :meth:`publish`."""
         intent = decode_intent(body)
-        await self._publish_body(intent, body, timeout)
+        await self._publish_body(intent, body, timeout, traceparent, tracestate)
         return intent
 
-    async def _publish_body(self, intent: Intent, body: bytes, timeout: float | None) -> None:
+    async def _publish_body(
+        self,
+        intent: Intent,
+        body: bytes,
+        timeout: float | None,
+        traceparent: str | None,
+        tracestate: str | None,
+    ) -> None:
+        with publish_span(
+            exchange=self._intents.name,
+            tenant=intent.tenant,
+            action_id=intent.action_id,
+            tool=intent.tool,
+            traceparent=traceparent,
+            tracestate=tracestate,
+        ) as headers:
+            await self._send(intent, body, timeout, headers)
+
+    async def _send(
+        self, intent: Intent, body: bytes, timeout: float | None, headers: dict[str, str]
+    ) -> None:
         message = aio_pika.Message(
             body,
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=intent.message_id,
             user_id=self.user_id,
+            headers=dict(headers) or None,
         )
         try:
             # The outer bound also covers a robust channel that is still reconnecting.
@@ -322,9 +364,17 @@ class IntentClient:
                 "or may not be queued, and publishing it again under the same key is safe"
             ) from e
 
-    async def send_and_wait(self, intent: Intent, timeout: float = 30.0) -> ResultEvent:
-        """:meth:`publish` then :meth:`wait_for` the same action."""
-        sent = await self.publish(intent)
+    async def send_and_wait(
+        self,
+        intent: Intent,
+        timeout: float = 30.0,
+        *,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> ResultEvent:
+        """:meth:`publish` (with the trace context, as there) then :meth:`wait_for` the same
+        action."""
+        sent = await self.publish(intent, traceparent=traceparent, tracestate=tracestate)
         return await self.wait_for(
             sent.tenant, sent.action_id, timeout, fingerprint=sent.fingerprint()
         )
