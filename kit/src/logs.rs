@@ -57,9 +57,17 @@ pub fn init_with(json: bool, ansi: bool, default_filter: &str, traces: Traces<'_
     #[cfg(feature = "otel-export")]
     let spans = match traces {
         Traces::Export(export) => Some(
+            // Only what the spans are for: no source location, thread, target or busy/idle
+            // timings (each an attribute or a clock read on every span or every poll), and no
+            // OpenTelemetry context attached on every poll (our code reads a span's context
+            // from the span itself).
             tracing_opentelemetry::layer()
                 .with_tracer(export.tracer())
                 .with_location(false)
+                .with_threads(false)
+                .with_target(false)
+                .with_tracked_inactivity(false)
+                .with_context_activation(false)
                 .with_filter(tracing_subscriber::filter::filter_fn(exported)),
         ),
         _ => None,

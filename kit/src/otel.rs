@@ -113,6 +113,86 @@ pub fn outgoing(span: &Span, received: Option<&TraceContext>) -> Option<TraceCon
     context_of(span).or_else(|| received.cloned())
 }
 
+/// A span for work on a message that carried `parent` (None: it carried no context), made by
+/// `make` only if it will be recorded: nothing when spans are not recorded or the sampler drops
+/// this trace (see [`export::decide`]); else the span, as the child of `parent` or as a root.
+/// Without span export in this build every span is made (an application's own layer decides).
+pub fn child_span(parent: Option<&TraceContext>, make: impl FnOnce() -> Span) -> Span {
+    if !recording() {
+        return Span::none();
+    }
+    #[cfg(feature = "otel-export")]
+    {
+        match export::decide(parent) {
+            export::Decision::Drop => Span::none(),
+            export::Decision::Child => {
+                let span = make();
+                if let Some(p) = parent {
+                    set_remote_parent(&span, p);
+                }
+                span
+            }
+            export::Decision::Root(trace_id) => {
+                let span = make();
+                export::with_trace_id(trace_id, || {
+                    let _ = span.context();
+                });
+                span
+            }
+        }
+    }
+    #[cfg(not(feature = "otel-export"))]
+    {
+        let span = make();
+        if let Some(p) = parent {
+            set_remote_parent(&span, p);
+        }
+        span
+    }
+}
+
+/// A root span (made by `make` with `parent: None`) that links to `links`, made only if it will
+/// be recorded: when one of them is sampled (a commit batch or a relay round carrying a
+/// recorded action).
+pub fn linked_span<'a>(
+    links: impl IntoIterator<Item = &'a TraceContext> + Clone,
+    kind: &'static str,
+    make: impl FnOnce() -> Span,
+) -> Span {
+    if !recording() {
+        return Span::none();
+    }
+    #[cfg(feature = "otel-export")]
+    if !export::any_sampled(links.clone()) {
+        return Span::none();
+    }
+    let span = make();
+    for cx in links {
+        link(&span, cx, kind);
+    }
+    span
+}
+
+/// A span (made by `make` with `parent: None`) for later work on an action whose intent
+/// carried `origin`: a new root in the action's trace, linked to the intent
+/// ([`root_in_trace`]), made only if the action's trace is recorded. Without `origin`, a root of
+/// its own, made as [`child_span`] decides.
+pub fn action_span(origin: Option<&TraceContext>, make: impl FnOnce() -> Span) -> Span {
+    let Some(origin) = origin else {
+        return child_span(None, make);
+    };
+    if !recording() {
+        return Span::none();
+    }
+    #[cfg(feature = "otel-export")]
+    if !export::any_sampled([origin]) {
+        return Span::none();
+    }
+    let span = make();
+    root_in_trace(&span, origin, "intent");
+    span
+}
+
 /// Starts `span` (created with `parent: None`) as a new root in the trace of `origin`, linked
 /// to it: a recovery round, an operator action or a lease expiry, hours after the span that
 /// started the action ended, stays in the action's trace without becoming the child of a

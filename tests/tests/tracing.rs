@@ -49,6 +49,8 @@ struct RawAgent {
     channel: lapin::Channel,
     exchange: String,
     results: lapin::Consumer,
+    /// Results read while waiting for another one.
+    seen: Vec<Delivered>,
 }
 
 /// One result event and the AMQP headers it arrived with.
@@ -105,6 +107,7 @@ impl RawAgent {
             channel,
             exchange: env.topology.intents_exchange.clone(),
             results,
+            seen: Vec::new(),
         }
     }
 
@@ -153,8 +156,13 @@ impl RawAgent {
             .unwrap();
     }
 
-    /// Reads results until one about `action` has `status`; returns that one.
+    /// The first result about `action` with `status`, read from the queue until it comes;
+    /// results about other actions are kept for later calls.
     async fn until(&mut self, action: &str, status: &str) -> Delivered {
+        let wanted = |d: &Delivered| d.body["action_id"] == action && d.body["status"] == status;
+        if let Some(i) = self.seen.iter().position(wanted) {
+            return self.seen.remove(i);
+        }
         let deadline = tokio::time::Instant::now() + T;
         loop {
             let next = tokio::time::timeout_at(deadline, self.results.next())
@@ -164,18 +172,20 @@ impl RawAgent {
                 .expect("result delivery");
             next.ack(BasicAckOptions::default()).await.unwrap();
             let body: Value = serde_json::from_slice(&next.data).unwrap();
-            if body["action_id"] == action && body["status"] == status {
-                let traceparent = next
-                    .properties
-                    .headers()
-                    .as_ref()
-                    .and_then(|h| h.inner().get("traceparent").cloned())
-                    .map(|v| match v {
-                        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into(),
-                        other => panic!("traceparent of unexpected type: {other:?}"),
-                    });
-                return Delivered { body, traceparent };
+            let traceparent = next
+                .properties
+                .headers()
+                .as_ref()
+                .and_then(|h| h.inner().get("traceparent").cloned())
+                .map(|v| match v {
+                    AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into(),
+                    other => panic!("traceparent of unexpected type: {other:?}"),
+                });
+            let delivered = Delivered { body, traceparent };
+            if wanted(&delivered) {
+                return delivered;
             }
+            self.seen.push(delivered);
         }
     }
 
@@ -248,17 +258,12 @@ async fn an_intents_trace_runs_through_the_worker_to_the_downstream_and_back() {
 
     // The spans of the action, by the conventions.
     let spans = receiver
-        .wait_for(
-            "the consume, send and request spans of the trace",
-            T,
-            |all| {
-                let t = in_trace(all, &trace_id);
-                (t.iter().any(|s| s.name == "process intents")
-                    && t.iter().any(|s| s.name == "send refund")
-                    && t.iter().any(|s| s.kind == SpanKind::Client))
-                .then(|| all.to_vec())
-            },
-        )
+        .wait_for("the consume and dispatch spans of the trace", T, |all| {
+            let t = in_trace(all, &trace_id);
+            (t.iter().any(|s| s.name == "process intents")
+                && t.iter().any(|s| s.kind == SpanKind::Client))
+            .then(|| all.to_vec())
+        })
         .await;
     let trace = in_trace(&spans, &trace_id);
     let process = *named(&spans, "process intents")
@@ -283,22 +288,27 @@ async fn an_intents_trace_runs_through_the_worker_to_the_downstream_and_back() {
     ] {
         assert_eq!(process.attr_str(k), Some(v), "{k} on {process:?}");
     }
-    let send = trace.iter().find(|s| s.name == "send refund").unwrap();
-    assert_eq!(send.kind, SpanKind::Internal);
+    // One dispatch span per send attempt: an HTTP client span with the action's attributes.
+    let send = *trace.iter().find(|s| s.kind == SpanKind::Client).unwrap();
+    let client = send;
+    assert_eq!(send.name, "POST");
     assert_eq!(
         send.parent_span_id.as_deref(),
         Some(process.span_id.as_str())
     );
     assert_eq!(send.attr_str("intent_worker.outcome"), Some("succeeded"));
     assert_eq!(
+        send.attr_str("intent_worker.action_id"),
+        Some("refund-traced")
+    );
+    assert_eq!(
         send.attr("intent_worker.attempt").and_then(|a| a.as_i64()),
         Some(1)
     );
-    let client = trace.iter().find(|s| s.kind == SpanKind::Client).unwrap();
-    assert_eq!(client.name, "POST");
     assert_eq!(
-        client.parent_span_id.as_deref(),
-        Some(send.span_id.as_str())
+        trace.iter().filter(|s| s.kind == SpanKind::Client).count(),
+        1,
+        "one send attempt, one dispatch span"
     );
     assert_eq!(client.attr_str("http.request.method"), Some("POST"));
     assert_eq!(client.attr_str("server.address"), Some("127.0.0.1"));
@@ -461,8 +471,13 @@ async fn a_recovery_round_and_an_operator_resolve_are_linked_roots_of_the_action
     );
     let send = spans
         .iter()
-        .find(|s| s.name == "send ticket" && s.trace_id == trace_id)
-        .expect("the first send's span");
+        .find(|s| {
+            s.kind == SpanKind::Client
+                && s.trace_id == trace_id
+                && s.attr_str("intent_worker.tool") == Some("ticket")
+        })
+        .expect("the first send's dispatch span");
+    assert_eq!(send.name, "POST");
     assert_eq!(send.attr_str("intent_worker.outcome"), Some("unknown"));
     // Each answer carries the context of the span that decided it, all in the agent's trace.
     assert_eq!(
@@ -602,4 +617,64 @@ async fn with_export_off_nothing_is_exported_and_the_context_passes_through_unch
     agent.close().await;
     drop(w);
     cleanup(env).await;
+}
+
+/// The sampler decides before any span exists: an intent whose agent did not sample its trace
+/// (flags 00), or a root the ratio drops, gets no span of the worker's, and its context goes on
+/// to the downstream and back unchanged, as with export off.
+#[tokio::test]
+async fn an_unsampled_trace_gets_no_span_and_its_context_passes_through() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let receiver = OtlpReceiver::start();
+    let opts = traced(
+        WorkerOptions::new(env.standard_tools(ds.port, "")),
+        &receiver,
+    )
+    .env("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    .env("OTEL_TRACES_SAMPLER_ARG", "0");
+    let w = Worker::start(&env, "w", &opts).await;
+    let mut agent = RawAgent::new(&env).await;
+    let (sampled, sampled_trace, _) = agent_context();
+    let unsampled = sampled.replace("-01", "-00");
+    agent
+        .send("refund-unsampled", "refund", Some(&unsampled), None)
+        .await;
+    agent.send("refund-root", "refund", None, None).await;
+    agent
+        .send("refund-sampled", "refund", Some(&sampled), None)
+        .await;
+    let quiet = agent.until("refund-unsampled", "succeeded").await;
+    assert_eq!(quiet.traceparent.as_deref(), Some(unsampled.as_str()));
+    assert_eq!(
+        env.traceparents_for(&key("refund-unsampled")).await,
+        vec![Some(unsampled.clone())]
+    );
+    let root = agent.until("refund-root", "succeeded").await;
+    assert_eq!(root.traceparent, None, "a dropped root sends no context");
+    // The agent's sampled trace is still recorded (parent-based), with the commit batches that
+    // carried it.
+    agent.until("refund-sampled", "succeeded").await;
+    receiver
+        .wait_for("the sampled intent's spans", T, |all| {
+            let t = in_trace(all, &sampled_trace);
+            (t.iter().any(|s| s.name == "process intents")
+                && t.iter().any(|s| s.kind == SpanKind::Client))
+            .then_some(())
+        })
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let spans = receiver.spans();
+    let stray: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.trace_id != sampled_trace && !links_to_trace(s, &sampled_trace))
+        .collect();
+    assert!(stray.is_empty(), "spans of unsampled traces: {stray:#?}");
+    agent.close().await;
+    drop(w);
+    cleanup(env).await;
+}
+
+fn links_to_trace(span: &Span, trace_id: &str) -> bool {
+    span.links.iter().any(|l| l.trace_id == trace_id)
 }

@@ -347,14 +347,11 @@ pub async fn step(
     // Stage 3: admit, then look up the refused keys (after admitting, so a key first
     // recorded in this very batch is seen too).
     let (unique, later) = fold_duplicates(&valid);
-    let span = crate::telemetry::spans::ledger_batch(
-        "admit",
-        batch.len(),
-        valid
-            .iter()
-            .filter_map(|v| v.answer_trace.as_ref())
-            .chain(refusals.iter().filter_map(|r| r.answer_trace.as_ref())),
-    );
+    let recorded: Vec<TraceContext> = batch
+        .iter()
+        .filter_map(|d| kit::otel::context_of(&d.span))
+        .collect();
+    let span = crate::telemetry::spans::ledger_batch("admit", batch.len(), &recorded);
     let admitted = ctx
         .ledger
         .admit_claimed(

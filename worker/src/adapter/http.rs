@@ -278,22 +278,10 @@ impl Answer {
     }
 }
 
-/// The client span of a request to `url` (its query and credentials left out: they may carry
-/// secrets from the tools file).
+/// The client span of a request to `url`: the dispatch span when the request is a send, else
+/// a span of its own ([`crate::telemetry::spans::http_client`]).
 fn client_span(method: &str, url: &str) -> Span {
-    if !kit::otel::recording() {
-        return Span::none();
-    }
-    match reqwest::Url::parse(url) {
-        Ok(mut u) => {
-            u.set_query(None);
-            u.set_fragment(None);
-            let _ = u.set_username("");
-            let _ = u.set_password(None);
-            crate::telemetry::spans::http_client(method, &u)
-        }
-        Err(_) => Span::none(),
-    }
+    crate::telemetry::spans::http_client(method, url)
 }
 
 /// `traceparent` / `tracestate` of the request: the client span's context when it is

@@ -67,39 +67,35 @@ fn invalid(header: &'static str, why: &str) {
 }
 
 /// The `process intents` span of one delivery (OpenTelemetry messaging conventions, consumer
-/// side), a child of the context the intent carried; [`Span::none`] when spans are not
-/// recorded. The intake step fills in the `intent_worker.*` fields once the body is decoded.
+/// side), a child of the context the intent carried; [`Span::none`] when it will not be
+/// recorded ([`kit::otel::child_span`]). The intake step fills in the `intent_worker.*` fields
+/// once the body is decoded.
 pub fn process_span(d: &Delivery, parent: Option<&TraceContext>) -> Span {
-    if !kit::otel::recording() {
-        return Span::none();
-    }
-    let message_id = d
-        .properties
-        .message_id()
-        .as_ref()
-        .map(ShortString::as_str)
-        .unwrap_or("");
-    let span = tracing::info_span!(
-        "process intents",
-        otel.kind = "consumer",
-        messaging.system = "rabbitmq",
-        messaging.operation.type = "process",
-        messaging.operation.name = "process",
-        messaging.destination.name = d.exchange.as_str(),
-        messaging.rabbitmq.destination.routing_key = d.routing_key.as_str(),
-        messaging.rabbitmq.message.delivery_tag = d.delivery_tag as i64,
-        messaging.message.id = message_id,
-        messaging.message.body.size = d.data.len() as i64,
-        intent_worker.redelivered = d.redelivered,
-        intent_worker.tenant = tracing::field::Empty,
-        intent_worker.action_id = tracing::field::Empty,
-        intent_worker.tool = tracing::field::Empty,
-        intent_worker.outcome = tracing::field::Empty,
-    );
-    if let Some(parent) = parent {
-        kit::otel::set_remote_parent(&span, parent);
-    }
-    span
+    kit::otel::child_span(parent, || {
+        let message_id = d
+            .properties
+            .message_id()
+            .as_ref()
+            .map(ShortString::as_str)
+            .unwrap_or("");
+        tracing::info_span!(
+            "process intents",
+            otel.kind = "consumer",
+            messaging.system = "rabbitmq",
+            messaging.operation.type = "process",
+            messaging.operation.name = "process",
+            messaging.destination.name = d.exchange.as_str(),
+            messaging.rabbitmq.destination.routing_key = d.routing_key.as_str(),
+            messaging.rabbitmq.message.delivery_tag = d.delivery_tag as i64,
+            messaging.message.id = message_id,
+            messaging.message.body.size = d.data.len() as i64,
+            intent_worker.redelivered = d.redelivered,
+            intent_worker.tenant = tracing::field::Empty,
+            intent_worker.action_id = tracing::field::Empty,
+            intent_worker.tool = tracing::field::Empty,
+            intent_worker.outcome = tracing::field::Empty,
+        )
+    })
 }
 
 /// Adds the `traceparent` (and `tracestate`) headers of `cx` to `headers`.

@@ -164,11 +164,8 @@ async fn complete_batch(
     // the hold: the freshness limit below is conservative on either clock.
     let started = Instant::now();
     let held = handoff.attached.load(Ordering::SeqCst);
-    let span = crate::telemetry::spans::ledger_batch(
-        "complete",
-        completions.len(),
-        completions.iter().filter_map(|c| c.trace.as_ref()),
-    );
+    let recorded: Vec<_> = completions.iter().filter_map(|c| c.trace.clone()).collect();
+    let span = crate::telemetry::spans::ledger_batch("complete", completions.len(), &recorded);
     let done = async {
         if held {
             ledger

@@ -105,10 +105,14 @@ async fn unsendable(ctx: &Context, op: &Operation, evidence: String) {
 }
 
 /// Sends an operation this worker holds in `dispatching` (at `op.fence`) and records the
-/// outcome, in a `send <tool>` span: the child of `parent` (the span of the delivery that
-/// brought it), or without one (the scheduler's sends) a root in the action's trace.
+/// outcome, in its dispatch span ([`spans::send`]): the child of `parent` (the span of the
+/// delivery that brought it), or without one (the scheduler's sends) a root in the action's
+/// trace.
 pub async fn run(ctx: Arc<Context>, op: Operation, parent: Option<Span>) {
-    let span = spans::send(&op, parent.as_ref());
+    let span = match ctx.tools.get(&op.tool) {
+        Some(tool) => spans::send(&op, &tool.config, parent.as_ref()),
+        None => Span::none(),
+    };
     send(ctx, op).instrument(span).await
 }
 
@@ -313,7 +317,7 @@ pub async fn finish(
             fence: op.fence,
             phase,
             transition: transition.clone(),
-            trace: kit::otel::outgoing(&Span::current(), op.trace().as_ref()),
+            trace: kit::otel::context_of(&Span::current()),
         },
     )
     .await;

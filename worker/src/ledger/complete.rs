@@ -58,7 +58,8 @@ pub struct Completion {
     pub fence: i64,
     pub phase: Phase,
     pub transition: Transition,
-    /// The context the result event carries (the deciding span's); None: the intent's own.
+    /// The context of the span that decided it, when recorded: the result event carries it
+    /// (else the intent's own), and the commit's span links to it.
     pub trace: Option<protocol::trace::TraceContext>,
 }
 
