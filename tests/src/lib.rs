@@ -8,6 +8,8 @@
 //! - [`env`]: the per-test database, broker names and tools file.
 //! - [`procs`]: worker and downstream child processes.
 //! - [`agent`]: publishing intents and reading result events as an agent would.
+//! - [`bench`]: what the benchmarks share: publishing with confirms, a null downstream, CPU
+//!   per process group from `/proc`, what a run wrote.
 //! - [`flags`]: command-line flags of the e2e binaries.
 //! - [`mcp_gateway`]: `publisher mcp` as a child process.
 //! - [`otlp`]: an OTLP/HTTP trace receiver that keeps every span exported to it.
@@ -18,6 +20,7 @@
 //!   with TLS (tests/tls.rs).
 
 pub mod agent;
+pub mod bench;
 pub mod broker_user;
 pub mod env;
 pub mod flags;

@@ -44,39 +44,36 @@
 //! during the measured interval by the workers, all Postgres processes, RabbitMQ (`beam.smp`),
 //! this process (publisher, follower, null downstream), and the busy time of the whole machine.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
 use chrono::{DateTime, Utc};
+use e2e::bench::{
+    build_messages, check_confirm, confirm_channel, consume_on, declare_quorum, peak_rss_kib,
+    publish_all, run_backends, state_counts, wal_syncs, xact_commit, CpuSample, CpuSplit,
+    NullDownstream, Written, CLK_TCK,
+};
 use e2e::{cleanup, Env, Worker, WorkerOptions};
 use futures_lite::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeleteOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::FieldTable;
 use lapin::{
-    Acker, BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer,
-    PublisherConfirm,
+    Acker, BasicProperties, Channel, Connection, ConnectionProperties, Consumer, PublisherConfirm,
 };
-use protocol::{Intent, Status};
+use protocol::Status;
 use publisher::Follower;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{sleep, timeout_at, Instant};
 
 const TENANT: &str = "bench";
 const TOOL: &str = "bench";
-/// Publisher confirms kept outstanding, in the baseline and the worker runs alike.
-const CONFIRM_WINDOW: usize = 256;
 /// Long enough for every backend's pending statistics to reach `pg_stat_*` (flushed at most
 /// once a second).
 const STATS_SETTLE: Duration = Duration::from_millis(1500);
-/// Linux clock ticks per second for /proc CPU times.
-const CLK_TCK: f64 = 100.0;
 
 const USAGE: &str = "usage: throughput [--intents N (5000)] [--workers K[,K...] (1,2)] \
 [--prefetch P (64)] [--timeout-secs S (60, per phase)] [--latency-secs S (5; 0 = skip)] \
@@ -271,7 +268,7 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
         bin_dir.join("worker").display(),
         chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
     );
-    let messages = Arc::new(build_messages(n));
+    let messages = Arc::new(build_messages(n, TENANT, TOOL));
     let body_len = messages[0].1.len();
     println!("intent body ≈ {body_len} bytes");
 
@@ -416,57 +413,6 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
     Ok(())
 }
 
-/// Cumulative writes into the run's database (`pg_stat_user_tables`, sizes of its relations).
-#[derive(Clone, Copy)]
-struct Written {
-    versions: i64,
-    updates: i64,
-    hot: i64,
-    heap_bytes: i64,
-    index_bytes: i64,
-}
-
-impl Written {
-    async fn take(env: &Env) -> Option<Written> {
-        let _ = sqlx::query("SELECT pg_stat_clear_snapshot()")
-            .execute(&env.pool)
-            .await;
-        let row: Result<(i64, i64, i64, i64, i64), _> = sqlx::query_as(
-            "SELECT (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::int8
-                     FROM pg_stat_user_tables),
-                    (SELECT coalesce(sum(n_tup_upd), 0)::int8 FROM pg_stat_user_tables),
-                    (SELECT coalesce(sum(n_tup_hot_upd), 0)::int8 FROM pg_stat_user_tables),
-                    coalesce(sum(pg_relation_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::int8,
-                    coalesce(sum(pg_relation_size(c.oid)) FILTER (WHERE c.relkind = 'i'), 0)::int8
-             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-             WHERE n.nspname = 'public'",
-        )
-        .fetch_one(&env.pool)
-        .await;
-        row.map_err(|e| eprintln!("warning: pg_stat_user_tables: {e}"))
-            .ok()
-            .map(
-                |(versions, updates, hot, heap_bytes, index_bytes)| Written {
-                    versions,
-                    updates,
-                    hot,
-                    heap_bytes,
-                    index_bytes,
-                },
-            )
-    }
-
-    fn since(&self, before: &Written) -> Written {
-        Written {
-            versions: self.versions - before.versions,
-            updates: self.updates - before.updates,
-            hot: self.hot - before.hot,
-            heap_bytes: self.heap_bytes - before.heap_bytes,
-            index_bytes: self.index_bytes - before.index_bytes,
-        }
-    }
-}
-
 fn report(p: &Phase, base: Option<f64>) {
     let ratio = base.map_or("-".to_string(), |b| format!("{:.3}", p.rate() / b));
     let per = |v: Option<i64>| {
@@ -489,119 +435,8 @@ fn report(p: &Phase, base: Option<f64>) {
     );
 }
 
-/// N distinct intents for the `bench` tool, as (message id, body).
-fn build_messages(n: usize) -> Vec<(String, Vec<u8>)> {
-    (0..n)
-        .map(|i| {
-            let intent = Intent {
-                tenant: TENANT.into(),
-                action_id: format!("bench-{i:07}"),
-                tool: TOOL.into(),
-                arguments: serde_json::json!({
-                    "order": format!("order-{i:07}"),
-                    "amount_cents": 4850,
-                    "currency": "USD",
-                }),
-                call_id: Some(format!("call-{i:07}")),
-                reply_to: Some(TENANT.into()),
-            };
-            (
-                publisher::action_key(&intent.tenant, &intent.action_id),
-                intent.to_json(),
-            )
-        })
-        .collect()
-}
-
 // ---------------------------------------------------------------------------------------------
 // Publishing with a window of outstanding confirms (the same code for both phases)
-
-async fn confirm_channel(conn: &Connection) -> Result<Channel> {
-    let ch = conn.create_channel().await.context("open channel")?;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .context("confirm.select")?;
-    Ok(ch)
-}
-
-/// A channel of its own consuming `queue` with `prefetch`, manual acks; the channel is returned
-/// so the caller keeps it open as long as it consumes.
-async fn consume_on(
-    conn: &Connection,
-    queue: &str,
-    prefetch: u16,
-    tag: &str,
-) -> Result<(Channel, Consumer)> {
-    let ch = conn.create_channel().await.context("open channel")?;
-    ch.basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .context("basic.qos")?;
-    let consumer = ch
-        .basic_consume(
-            queue.into(),
-            tag.into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .with_context(|| format!("basic.consume {queue}"))?;
-    Ok((ch, consumer))
-}
-
-/// Publishes every message (persistent, mandatory, JSON, message id = action key) with up to
-/// [`CONFIRM_WINDOW`] confirms outstanding; returns when all are confirmed.
-async fn publish_all(
-    ch: &Channel,
-    exchange: &str,
-    routing_key: &str,
-    messages: &[(String, Vec<u8>)],
-    deadline: Instant,
-) -> Result<()> {
-    let mut outstanding: VecDeque<PublisherConfirm> = VecDeque::with_capacity(CONFIRM_WINDOW);
-    for (message_id, body) in messages {
-        if outstanding.len() >= CONFIRM_WINDOW {
-            if let Some(oldest) = outstanding.pop_front() {
-                check_confirm(oldest, deadline).await?;
-            }
-        }
-        let properties = BasicProperties::default()
-            .with_content_type("application/json".into())
-            .with_delivery_mode(2)
-            .with_message_id(message_id.as_str().into());
-        let publish = ch.basic_publish(
-            exchange.into(),
-            routing_key.into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..BasicPublishOptions::default()
-            },
-            body,
-            properties,
-        );
-        let confirm = timeout_at(deadline, publish)
-            .await
-            .map_err(|_| anyhow!("basic.publish did not return before the phase deadline"))?
-            .context("basic.publish")?;
-        outstanding.push_back(confirm);
-    }
-    while let Some(confirm) = outstanding.pop_front() {
-        check_confirm(confirm, deadline).await?;
-    }
-    Ok(())
-}
-
-async fn check_confirm(confirm: PublisherConfirm, deadline: Instant) -> Result<()> {
-    match timeout_at(deadline, confirm).await {
-        Err(_) => bail!("no publisher confirm before the phase deadline"),
-        Ok(Err(e)) => Err(e).context("publisher confirm"),
-        Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-        Ok(Ok(Confirmation::Ack(Some(returned)))) => {
-            bail!("message returned as unroutable: {}", returned.reply_text)
-        }
-        Ok(Ok(Confirmation::Nack(_))) => bail!("the broker nacked a message"),
-        Ok(Ok(Confirmation::NotRequested)) => bail!("channel not in confirm mode"),
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Baseline: the broker alone
@@ -1141,7 +976,7 @@ async fn latency_run_in(
     args: &Args,
 ) -> Result<Latency> {
     let n = ((rate * secs as f64) as usize).max(1);
-    let messages = build_messages(n);
+    let messages = build_messages(n, TENANT, TOOL);
     let tools = env.write_tools(&format!(
         "[tools.{TOOL}]\nurl = \"http://127.0.0.1:{}/bench\"\nreceipt_id = \"/receipt_id\"\n\
          receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n\
@@ -1449,25 +1284,6 @@ async fn broker_floor(amqp_url: &str, rate: f64, secs: u64, args: &Args) -> Resu
     result
 }
 
-async fn declare_quorum(ch: &Channel, queue: &str) -> Result<()> {
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString(LongString::from("quorum")),
-    );
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        },
-        args,
-    )
-    .await
-    .with_context(|| format!("declare quorum queue {queue}"))?;
-    Ok(())
-}
-
 async fn broker_floor_on(
     [publisher_conn, relay_conn, follower_conn]: [&Connection; 3],
     (queue_a, queue_b): &(String, String),
@@ -1476,7 +1292,7 @@ async fn broker_floor_on(
     args: &Args,
 ) -> Result<Latency> {
     let n = ((rate * secs as f64) as usize).max(1);
-    let messages = build_messages(n);
+    let messages = build_messages(n, TENANT, TOOL);
     let setup = relay_conn.create_channel().await.context("open channel")?;
     declare_quorum(&setup, queue_a).await?;
     declare_quorum(&setup, queue_b).await?;
@@ -1615,15 +1431,6 @@ async fn floor_relay(
     }
     drop(tx);
     acks.await.context("relay ack task")?
-}
-
-/// Peak resident set (VmHWM) of a process, KiB.
-fn peak_rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 /// Finished operations `--large-ledger` puts in the ledger.
@@ -1793,291 +1600,8 @@ fn print_statements(k: usize, n: usize, counts: &BTreeMap<String, (u64, f64)>) {
     }
 }
 
-async fn state_counts(env: &Env) -> Result<BTreeMap<String, i64>> {
-    let rows: Vec<(String, i64)> =
-        // `--large-ledger` rows (`old-…`) are not the run's.
-        sqlx::query_as(
-            "SELECT state, count(*) FROM operations WHERE action_id NOT LIKE 'old-%' GROUP BY state",
-        )
-            .fetch_all(&env.pool)
-            .await
-            .context("count operations by state")?;
-    Ok(rows.into_iter().collect())
-}
-
-/// Backends connected to the run's database (the benchmark's own few, which only read
-/// statistics, included).
-async fn run_backends(env: &Env) -> Option<Vec<u32>> {
-    sqlx::query_scalar::<_, i32>(
-        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()",
-    )
-    .fetch_all(&env.pool)
-    .await
-    .map_err(|e| eprintln!("warning: pg_stat_activity: {e}"))
-    .ok()
-    .map(|pids| pids.into_iter().map(|p| p as u32).collect())
-}
-
-async fn xact_commit(env: &Env) -> Option<i64> {
-    let _ = sqlx::query("SELECT pg_stat_clear_snapshot()")
-        .execute(&env.pool)
-        .await;
-    sqlx::query_scalar(
-        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
-    )
-    .fetch_one(&env.pool)
-    .await
-    .map_err(|e| eprintln!("warning: pg_stat_database: {e}"))
-    .ok()
-}
-
-async fn wal_syncs(env: &Env) -> Option<i64> {
-    sqlx::query_scalar("SELECT wal_sync FROM pg_stat_wal")
-        .fetch_one(&env.pool)
-        .await
-        .map_err(|e| eprintln!("warning: pg_stat_wal: {e}"))
-        .ok()
-}
-
 // ---------------------------------------------------------------------------------------------
 // Null downstream: HTTP/1.1 keep-alive, 201 with a matching receipt, no storage
 
-struct NullDownstream {
-    port: u16,
-    requests: Arc<AtomicU64>,
-    missing_key: Arc<AtomicU64>,
-}
-
-impl NullDownstream {
-    async fn start() -> Result<NullDownstream> {
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .context("bind the null downstream")?;
-        let port = listener.local_addr()?.port();
-        let requests = Arc::new(AtomicU64::new(0));
-        let missing_key = Arc::new(AtomicU64::new(0));
-        let (req, missing) = (requests.clone(), missing_key.clone());
-        tokio::spawn(async move {
-            loop {
-                match listener.accept().await {
-                    Ok((stream, _)) => {
-                        let _ = stream.set_nodelay(true);
-                        let (req, missing) = (req.clone(), missing.clone());
-                        tokio::spawn(async move {
-                            if let Err(e) = serve(stream, &req, &missing).await {
-                                eprintln!("null downstream: connection error: {e}");
-                            }
-                        });
-                    }
-                    Err(e) => {
-                        eprintln!("null downstream: accept: {e}");
-                        sleep(Duration::from_millis(50)).await;
-                    }
-                }
-            }
-        });
-        Ok(NullDownstream {
-            port,
-            requests,
-            missing_key,
-        })
-    }
-}
-
-const MAX_LINE: u64 = 16 * 1024;
-const MAX_HEADERS: usize = 100;
-const MAX_BODY: usize = 1 << 20;
-
-/// Serves requests on one connection until the peer closes it.
-async fn serve(stream: TcpStream, requests: &AtomicU64, missing_key: &AtomicU64) -> Result<()> {
-    let (read, mut write) = stream.into_split();
-    let mut reader = BufReader::new(read);
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if (&mut reader).take(MAX_LINE).read_line(&mut line).await? == 0 {
-            return Ok(()); // closed between requests
-        }
-        let mut content_length = 0usize;
-        let mut key: Option<String> = None;
-        let mut ended = false;
-        for _ in 0..MAX_HEADERS {
-            line.clear();
-            if (&mut reader).take(MAX_LINE).read_line(&mut line).await? == 0 {
-                bail!("connection closed inside a request head");
-            }
-            let header = line.trim_end_matches(['\r', '\n']);
-            if header.is_empty() {
-                ended = true;
-                break;
-            }
-            if let Some((name, value)) = header.split_once(':') {
-                let value = value.trim();
-                if name.eq_ignore_ascii_case("content-length") {
-                    content_length = value.parse().context("Content-Length")?;
-                } else if name.eq_ignore_ascii_case("idempotency-key") {
-                    key = Some(value.to_string());
-                } else if name.eq_ignore_ascii_case("transfer-encoding") {
-                    bail!("chunked request bodies are not supported");
-                }
-            }
-        }
-        ensure!(ended, "more than {MAX_HEADERS} header lines");
-        ensure!(content_length <= MAX_BODY, "request body too large");
-        let mut body = vec![0u8; content_length];
-        reader.read_exact(&mut body).await?;
-        let n = requests.fetch_add(1, Ordering::SeqCst) + 1;
-        if key.is_none() {
-            missing_key.fetch_add(1, Ordering::SeqCst);
-        }
-        let answer = serde_json::json!({
-            "receipt_id": format!("r-{n}"),
-            "idempotency_key": key.unwrap_or_default(),
-        })
-        .to_string();
-        let response = format!(
-            "HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{answer}",
-            answer.len()
-        );
-        write.write_all(response.as_bytes()).await?;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // CPU accounting from /proc (Linux; zeros elsewhere)
-
-/// CPU ticks per process group at one moment.
-struct CpuSample {
-    per_pid: HashMap<u32, (Group, u64)>,
-    bench: u64,
-    machine_busy: u64,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Group {
-    Worker,
-    Postgres,
-    Rabbit,
-}
-
-/// CPU ticks used between two samples.
-#[derive(Default)]
-struct CpuSplit {
-    worker: u64,
-    postgres: u64,
-    rabbit: u64,
-    bench: u64,
-    machine: u64,
-}
-
-impl CpuSplit {
-    const HEADER: &'static str = "worker  pg  rabbit  bench  | machine";
-
-    /// Cores used per group over `elapsed`, and the whole machine's busy cores.
-    fn cores(&self, elapsed: Duration) -> String {
-        let secs = elapsed.as_secs_f64().max(1e-9);
-        let c = |ticks: u64| ticks as f64 / CLK_TCK / secs;
-        format!(
-            "{:.2}  {:.2}  {:.2}  {:.2}  | {:.2}",
-            c(self.worker),
-            c(self.postgres),
-            c(self.rabbit),
-            c(self.bench),
-            c(self.machine)
-        )
-    }
-}
-
-impl CpuSample {
-    fn take(worker_pids: &[u32]) -> CpuSample {
-        let mut per_pid = HashMap::new();
-        if let Ok(dir) = std::fs::read_dir("/proc") {
-            for entry in dir.flatten() {
-                let Some(pid) = entry
-                    .file_name()
-                    .to_str()
-                    .and_then(|s| s.parse::<u32>().ok())
-                else {
-                    continue;
-                };
-                let group = if worker_pids.contains(&pid) {
-                    Group::Worker
-                } else {
-                    match std::fs::read_to_string(format!("/proc/{pid}/comm")) {
-                        Ok(comm) if comm.trim() == "postgres" => Group::Postgres,
-                        Ok(comm) if comm.trim() == "beam.smp" => Group::Rabbit,
-                        _ => continue,
-                    }
-                };
-                if let Some(ticks) = proc_ticks(&format!("/proc/{pid}/stat")) {
-                    per_pid.insert(pid, (group, ticks));
-                }
-            }
-        }
-        CpuSample {
-            per_pid,
-            bench: proc_ticks("/proc/self/stat").unwrap_or(0),
-            machine_busy: machine_busy(),
-        }
-    }
-
-    /// Ticks used by `pids` since `before` (a pid that did not exist then counts from zero).
-    fn ticks_since(&self, before: &CpuSample, pids: &[u32]) -> u64 {
-        pids.iter()
-            .filter_map(|pid| {
-                let now = self.per_pid.get(pid)?.1;
-                let start = before.per_pid.get(pid).map_or(0, |(_, t)| *t);
-                Some(now.saturating_sub(start))
-            })
-            .sum()
-    }
-
-    fn since(&self, before: &CpuSample) -> CpuSplit {
-        let mut split = CpuSplit {
-            bench: self.bench.saturating_sub(before.bench),
-            machine: self.machine_busy.saturating_sub(before.machine_busy),
-            ..CpuSplit::default()
-        };
-        for (pid, (group, ticks)) in &self.per_pid {
-            let start = before.per_pid.get(pid).map_or(0, |(_, t)| *t);
-            let d = ticks.saturating_sub(start);
-            match group {
-                Group::Worker => split.worker += d,
-                Group::Postgres => split.postgres += d,
-                Group::Rabbit => split.rabbit += d,
-            }
-        }
-        split
-    }
-}
-
-/// utime + stime of a process (all threads) in clock ticks.
-fn proc_ticks(path: &str) -> Option<u64> {
-    let stat = std::fs::read_to_string(path).ok()?;
-    // Fields after the parenthesised command: state is field 3, utime 14, stime 15.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some(utime + stime)
-}
-
-/// Busy ticks of all CPUs (user, nice, system, irq, softirq, steal) from /proc/stat.
-fn machine_busy() -> u64 {
-    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
-        return 0;
-    };
-    let Some(line) = stat.lines().next() else {
-        return 0;
-    };
-    let v: Vec<u64> = line
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    // user nice system idle iowait irq softirq steal
-    [0usize, 1, 2, 5, 6, 7]
-        .iter()
-        .filter_map(|&i| v.get(i))
-        .sum()
-}

@@ -1,0 +1,543 @@
+//! What the benchmarks share (`throughput`, `cost`): intents to publish and publishing them with a
+//! window of confirms, consuming, a null downstream that answers every write with a matching
+//! receipt at once, CPU time per process group read from `/proc`, and what a run wrote into its
+//! database.
+//!
+//! CPU accounting counts every process of a group for the whole interval: the live processes'
+//! own time (utime + stime, all threads), and the time of those that exited meanwhile, which
+//! Linux adds to their parent's children time (cutime + cstime) once reaped (Postgres backends
+//! and autovacuum workers are children of the postmaster).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, ensure, Context as _, Result};
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, Consumer, PublisherConfirm};
+use protocol::Intent;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::{sleep, timeout_at, Instant};
+
+use crate::Env;
+
+/// Publisher confirms kept outstanding by [`publish_all`].
+pub const CONFIRM_WINDOW: usize = 256;
+/// Linux clock ticks per second for /proc CPU times.
+pub const CLK_TCK: f64 = 100.0;
+
+/// Cumulative writes into the run's database (`pg_stat_user_tables`, sizes of its relations)
+/// and the WAL the server has written (cluster-wide).
+#[derive(Clone, Copy, Debug)]
+pub struct Written {
+    pub versions: i64,
+    pub updates: i64,
+    pub hot: i64,
+    pub heap_bytes: i64,
+    pub index_bytes: i64,
+    pub wal_bytes: i64,
+}
+
+impl Written {
+    pub async fn take(env: &Env) -> Option<Written> {
+        let _ = sqlx::query("SELECT pg_stat_clear_snapshot()")
+            .execute(&env.pool)
+            .await;
+        let row: Result<(i64, i64, i64, i64, i64, i64), _> = sqlx::query_as(
+            "SELECT (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::int8
+                     FROM pg_stat_user_tables),
+                    (SELECT coalesce(sum(n_tup_upd), 0)::int8 FROM pg_stat_user_tables),
+                    (SELECT coalesce(sum(n_tup_hot_upd), 0)::int8 FROM pg_stat_user_tables),
+                    coalesce(sum(pg_relation_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::int8,
+                    coalesce(sum(pg_relation_size(c.oid)) FILTER (WHERE c.relkind = 'i'), 0)::int8,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = 'public'",
+        )
+        .fetch_one(&env.pool)
+        .await;
+        row.map_err(|e| eprintln!("warning: pg_stat_user_tables: {e}"))
+            .ok()
+            .map(
+                |(versions, updates, hot, heap_bytes, index_bytes, wal_bytes)| Written {
+                    versions,
+                    updates,
+                    hot,
+                    heap_bytes,
+                    index_bytes,
+                    wal_bytes,
+                },
+            )
+    }
+
+    pub fn since(&self, before: &Written) -> Written {
+        Written {
+            versions: self.versions - before.versions,
+            updates: self.updates - before.updates,
+            hot: self.hot - before.hot,
+            heap_bytes: self.heap_bytes - before.heap_bytes,
+            index_bytes: self.index_bytes - before.index_bytes,
+            wal_bytes: self.wal_bytes - before.wal_bytes,
+        }
+    }
+}
+
+/// N distinct intents of `tenant` for `tool`, as (message id, body).
+pub fn build_messages(n: usize, tenant: &str, tool: &str) -> Vec<(String, Vec<u8>)> {
+    (0..n)
+        .map(|i| {
+            let intent = Intent {
+                tenant: tenant.into(),
+                action_id: format!("bench-{i:07}"),
+                tool: tool.into(),
+                arguments: serde_json::json!({
+                    "order": format!("order-{i:07}"),
+                    "amount_cents": 4850,
+                    "currency": "USD",
+                }),
+                call_id: Some(format!("call-{i:07}")),
+                reply_to: Some(tenant.into()),
+            };
+            (
+                publisher::action_key(&intent.tenant, &intent.action_id),
+                intent.to_json(),
+            )
+        })
+        .collect()
+}
+
+pub async fn confirm_channel(conn: &Connection) -> Result<Channel> {
+    let ch = conn.create_channel().await.context("open channel")?;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .context("confirm.select")?;
+    Ok(ch)
+}
+
+/// A channel of its own consuming `queue` with `prefetch`, manual acks; the channel is returned
+/// so the caller keeps it open as long as it consumes.
+pub async fn consume_on(
+    conn: &Connection,
+    queue: &str,
+    prefetch: u16,
+    tag: &str,
+) -> Result<(Channel, Consumer)> {
+    let ch = conn.create_channel().await.context("open channel")?;
+    ch.basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .context("basic.qos")?;
+    let consumer = ch
+        .basic_consume(
+            queue.into(),
+            tag.into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("basic.consume {queue}"))?;
+    Ok((ch, consumer))
+}
+
+/// Publishes every message (persistent, mandatory, JSON, message id = action key) with up to
+/// [`CONFIRM_WINDOW`] confirms outstanding; returns when all are confirmed.
+pub async fn publish_all(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    messages: &[(String, Vec<u8>)],
+    deadline: Instant,
+) -> Result<()> {
+    let mut outstanding: VecDeque<PublisherConfirm> = VecDeque::with_capacity(CONFIRM_WINDOW);
+    for (message_id, body) in messages {
+        if outstanding.len() >= CONFIRM_WINDOW {
+            if let Some(oldest) = outstanding.pop_front() {
+                check_confirm(oldest, deadline).await?;
+            }
+        }
+        let properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_message_id(message_id.as_str().into());
+        let publish = ch.basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            body,
+            properties,
+        );
+        let confirm = timeout_at(deadline, publish)
+            .await
+            .map_err(|_| anyhow!("basic.publish did not return before the phase deadline"))?
+            .context("basic.publish")?;
+        outstanding.push_back(confirm);
+    }
+    while let Some(confirm) = outstanding.pop_front() {
+        check_confirm(confirm, deadline).await?;
+    }
+    Ok(())
+}
+
+pub async fn check_confirm(confirm: PublisherConfirm, deadline: Instant) -> Result<()> {
+    match timeout_at(deadline, confirm).await {
+        Err(_) => bail!("no publisher confirm before the phase deadline"),
+        Ok(Err(e)) => Err(e).context("publisher confirm"),
+        Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+        Ok(Ok(Confirmation::Ack(Some(returned)))) => {
+            bail!("message returned as unroutable: {}", returned.reply_text)
+        }
+        Ok(Ok(Confirmation::Nack(_))) => bail!("the broker nacked a message"),
+        Ok(Ok(Confirmation::NotRequested)) => bail!("channel not in confirm mode"),
+    }
+}
+
+pub async fn declare_quorum(ch: &Channel, queue: &str) -> Result<()> {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        args,
+    )
+    .await
+    .with_context(|| format!("declare quorum queue {queue}"))?;
+    Ok(())
+}
+
+/// Peak resident set (VmHWM) of a process, KiB.
+pub fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+pub async fn state_counts(env: &Env) -> Result<BTreeMap<String, i64>> {
+    let rows: Vec<(String, i64)> =
+        // `--large-ledger` rows (`old-…`) are not the run's.
+        sqlx::query_as(
+            "SELECT state, count(*) FROM operations WHERE action_id NOT LIKE 'old-%' GROUP BY state",
+        )
+            .fetch_all(&env.pool)
+            .await
+            .context("count operations by state")?;
+    Ok(rows.into_iter().collect())
+}
+
+/// Backends connected to the run's database (the benchmark's own few, which only read
+/// statistics, included).
+pub async fn run_backends(env: &Env) -> Option<Vec<u32>> {
+    sqlx::query_scalar::<_, i32>(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .map_err(|e| eprintln!("warning: pg_stat_activity: {e}"))
+    .ok()
+    .map(|pids| pids.into_iter().map(|p| p as u32).collect())
+}
+
+pub async fn xact_commit(env: &Env) -> Option<i64> {
+    let _ = sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&env.pool)
+        .await;
+    sqlx::query_scalar(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .map_err(|e| eprintln!("warning: pg_stat_database: {e}"))
+    .ok()
+}
+
+pub async fn wal_syncs(env: &Env) -> Option<i64> {
+    sqlx::query_scalar("SELECT wal_sync FROM pg_stat_wal")
+        .fetch_one(&env.pool)
+        .await
+        .map_err(|e| eprintln!("warning: pg_stat_wal: {e}"))
+        .ok()
+}
+
+pub struct NullDownstream {
+    pub port: u16,
+    pub requests: Arc<AtomicU64>,
+    pub missing_key: Arc<AtomicU64>,
+}
+
+impl NullDownstream {
+    pub async fn start() -> Result<NullDownstream> {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("bind the null downstream")?;
+        let port = listener.local_addr()?.port();
+        let requests = Arc::new(AtomicU64::new(0));
+        let missing_key = Arc::new(AtomicU64::new(0));
+        let (req, missing) = (requests.clone(), missing_key.clone());
+        tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((stream, _)) => {
+                        let _ = stream.set_nodelay(true);
+                        let (req, missing) = (req.clone(), missing.clone());
+                        tokio::spawn(async move {
+                            if let Err(e) = serve(stream, &req, &missing).await {
+                                eprintln!("null downstream: connection error: {e}");
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        eprintln!("null downstream: accept: {e}");
+                        sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        });
+        Ok(NullDownstream {
+            port,
+            requests,
+            missing_key,
+        })
+    }
+}
+
+const MAX_LINE: u64 = 16 * 1024;
+
+const MAX_HEADERS: usize = 100;
+
+const MAX_BODY: usize = 1 << 20;
+
+/// Serves requests on one connection until the peer closes it.
+async fn serve(stream: TcpStream, requests: &AtomicU64, missing_key: &AtomicU64) -> Result<()> {
+    let (read, mut write) = stream.into_split();
+    let mut reader = BufReader::new(read);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if (&mut reader).take(MAX_LINE).read_line(&mut line).await? == 0 {
+            return Ok(()); // closed between requests
+        }
+        let mut content_length = 0usize;
+        let mut key: Option<String> = None;
+        let mut ended = false;
+        for _ in 0..MAX_HEADERS {
+            line.clear();
+            if (&mut reader).take(MAX_LINE).read_line(&mut line).await? == 0 {
+                bail!("connection closed inside a request head");
+            }
+            let header = line.trim_end_matches(['\r', '\n']);
+            if header.is_empty() {
+                ended = true;
+                break;
+            }
+            if let Some((name, value)) = header.split_once(':') {
+                let value = value.trim();
+                if name.eq_ignore_ascii_case("content-length") {
+                    content_length = value.parse().context("Content-Length")?;
+                } else if name.eq_ignore_ascii_case("idempotency-key") {
+                    key = Some(value.to_string());
+                } else if name.eq_ignore_ascii_case("transfer-encoding") {
+                    bail!("chunked request bodies are not supported");
+                }
+            }
+        }
+        ensure!(ended, "more than {MAX_HEADERS} header lines");
+        ensure!(content_length <= MAX_BODY, "request body too large");
+        let mut body = vec![0u8; content_length];
+        reader.read_exact(&mut body).await?;
+        let n = requests.fetch_add(1, Ordering::SeqCst) + 1;
+        if key.is_none() {
+            missing_key.fetch_add(1, Ordering::SeqCst);
+        }
+        let answer = serde_json::json!({
+            "receipt_id": format!("r-{n}"),
+            "idempotency_key": key.unwrap_or_default(),
+        })
+        .to_string();
+        let response = format!(
+            "HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{answer}",
+            answer.len()
+        );
+        write.write_all(response.as_bytes()).await?;
+    }
+}
+
+/// CPU ticks per process group at one moment.
+pub struct CpuSample {
+    /// Per live process of a group: its group, its own ticks, and the ticks of its children
+    /// that exited and were reaped.
+    pub per_pid: HashMap<u32, (Group, u64, u64)>,
+    pub bench: u64,
+    pub machine_busy: u64,
+}
+
+/// Which component a process belongs to.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Group {
+    Worker,
+    Postgres,
+    Rabbit,
+}
+
+/// CPU ticks used between two samples.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct CpuSplit {
+    pub worker: u64,
+    pub postgres: u64,
+    pub rabbit: u64,
+    pub bench: u64,
+    pub machine: u64,
+}
+
+impl CpuSplit {
+    pub const HEADER: &'static str = "worker  pg  rabbit  bench  | machine";
+
+    /// Cores used per group over `elapsed`, and the whole machine's busy cores.
+    pub fn cores(&self, elapsed: Duration) -> String {
+        let secs = elapsed.as_secs_f64().max(1e-9);
+        let c = |ticks: u64| ticks as f64 / CLK_TCK / secs;
+        format!(
+            "{:.2}  {:.2}  {:.2}  {:.2}  | {:.2}",
+            c(self.worker),
+            c(self.postgres),
+            c(self.rabbit),
+            c(self.bench),
+            c(self.machine)
+        )
+    }
+}
+
+/// The component of a process named `comm` (not a worker): Postgres is every `postgres`
+/// process (postmaster, backends, WAL writer, checkpointer, autovacuum...), RabbitMQ the Erlang
+/// VM and its helpers.
+fn group_of(comm: &str) -> Option<Group> {
+    match comm {
+        "postgres" => Some(Group::Postgres),
+        "beam.smp" | "epmd" | "erl_child_setup" | "inet_gethost" => Some(Group::Rabbit),
+        _ => None,
+    }
+}
+
+impl CpuSample {
+    pub fn take(worker_pids: &[u32]) -> CpuSample {
+        let mut per_pid = HashMap::new();
+        if let Ok(dir) = std::fs::read_dir("/proc") {
+            for entry in dir.flatten() {
+                let Some(pid) = entry
+                    .file_name()
+                    .to_str()
+                    .and_then(|s| s.parse::<u32>().ok())
+                else {
+                    continue;
+                };
+                let group = if worker_pids.contains(&pid) {
+                    Group::Worker
+                } else {
+                    match std::fs::read_to_string(format!("/proc/{pid}/comm")) {
+                        Ok(comm) => match group_of(comm.trim()) {
+                            Some(g) => g,
+                            None => continue,
+                        },
+                        Err(_) => continue,
+                    }
+                };
+                if let Some((own, children)) = proc_times(&format!("/proc/{pid}/stat")) {
+                    per_pid.insert(pid, (group, own, children));
+                }
+            }
+        }
+        CpuSample {
+            per_pid,
+            bench: proc_times("/proc/self/stat").map_or(0, |(own, _)| own),
+            machine_busy: machine_busy(),
+        }
+    }
+
+    /// Own ticks used by `pids` since `before` (a pid that did not exist then counts from zero).
+    pub fn ticks_since(&self, before: &CpuSample, pids: &[u32]) -> u64 {
+        pids.iter()
+            .filter_map(|pid| {
+                let now = self.per_pid.get(pid)?.1;
+                let start = before.per_pid.get(pid).map_or(0, |(_, t, _)| *t);
+                Some(now.saturating_sub(start))
+            })
+            .sum()
+    }
+
+    /// Ticks per group since `before`: each live process's own time since then (from zero for
+    /// one started meanwhile), plus what its exited children used (their reaped time since
+    /// then), minus the share of those children `before` had already counted as live.
+    pub fn since(&self, before: &CpuSample) -> CpuSplit {
+        let mut split = CpuSplit {
+            bench: self.bench.saturating_sub(before.bench),
+            machine: self.machine_busy.saturating_sub(before.machine_busy),
+            ..CpuSplit::default()
+        };
+        let mut add = |group: Group, ticks: i64| {
+            let slot = match group {
+                Group::Worker => &mut split.worker,
+                Group::Postgres => &mut split.postgres,
+                Group::Rabbit => &mut split.rabbit,
+            };
+            *slot = (*slot as i64 + ticks).max(0) as u64;
+        };
+        for (pid, (group, own, children)) in &self.per_pid {
+            let (own0, children0) = before.per_pid.get(pid).map_or((0, 0), |(_, o, c)| (*o, *c));
+            add(*group, own.saturating_sub(own0) as i64);
+            if *group != Group::Worker {
+                add(*group, children.saturating_sub(children0) as i64);
+            }
+        }
+        for (pid, (group, own, _)) in &before.per_pid {
+            if *group != Group::Worker && !self.per_pid.contains_key(pid) {
+                add(*group, -(*own as i64));
+            }
+        }
+        split
+    }
+}
+
+/// (utime + stime, cutime + cstime) of a process (all threads) in clock ticks.
+fn proc_times(path: &str) -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    // Fields after the parenthesised command: state is field 3, utime 14, stime 15, cutime 16,
+    // cstime 17.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| fields.get(i)?.parse::<u64>().ok();
+    Some((field(11)? + field(12)?, field(13)? + field(14)?))
+}
+
+/// Busy ticks of all CPUs (user, nice, system, irq, softirq, steal) from /proc/stat.
+pub fn machine_busy() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return 0;
+    };
+    let Some(line) = stat.lines().next() else {
+        return 0;
+    };
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal
+    [0usize, 1, 2, 5, 6, 7]
+        .iter()
+        .filter_map(|&i| v.get(i))
+        .sum()
+}
