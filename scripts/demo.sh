@@ -467,6 +467,8 @@ RESOLVE="$OPS_ENV $BIN_DIR/worker ops resolve $TENANT $HELD --receipt-file $STAT
 cat <<EOF | tee -a "$STATE/summary.txt"
 
 Where to look next:
+  operator console       http://127.0.0.1:$ADMIN_PORT/ui (sign in with $ADMIN_TOKEN and your name, or
+                         read-only with $TENANT_TOKEN); docs/console.md
   status API (worker-1)  curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' http://127.0.0.1:$ADMIN_PORT/v1/operations/$TENANT/$HELD
                          curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' 'http://127.0.0.1:$ADMIN_PORT/v1/operations?state=held'
                          (tenant token for $TENANT: $TENANT_TOKEN; routes in docs/openapi.yaml)

@@ -9,13 +9,16 @@
 # fmt -> clippy -> publisher library alone -> alert rules (check + unit tests) -> kubernetes
 # manifests -> compose file -> cargo build -> demo (scripts/demo.sh --once) -> Python client
 # (ruff, mypy, pytest against the built worker) -> API schema (schemathesis against a built
-# worker) -> MCP examples (ruff; exports MCP_PYTHON) -> cargo nextest (whole workspace).
+# worker) -> operator console in a browser (headless Chromium + Selenium against a built worker)
+# -> MCP examples (ruff; exports MCP_PYTHON) -> cargo nextest (whole workspace).
 # Each Python step first waits for the virtualenvs (and prints the pip log once).
 #
 # Environment:
 #   TEST_DATABASE_URL  Postgres the tests use   (default postgres://postgres@127.0.0.1:5432/postgres)
 #   TEST_AMQP_URL      RabbitMQ the tests use   (default amqp://guest:guest@127.0.0.1:5672/%2f)
 #   SCHEMATHESIS_SEED, SCHEMATHESIS_MAX_EXAMPLES  the API schema step's seed and examples per operation
+#   CONSOLE_SCREENSHOTS  where the browser step saves its screenshots (default <target>/console-screenshots);
+#                        CONSOLE_README_IMAGES=1 also refreshes docs/images/console-*.png from them
 # Both are exported for the tests. Exit 2 means a service could not be reached or a tool is missing.
 set -euo pipefail
 
@@ -85,7 +88,7 @@ check_tools() {
 }
 
 # ---- (b2) virtualenvs ----------------------------------------------------------------------------
-# The Python steps (g, g2, h) each run in a virtualenv of their own (never the system Python) under
+# The Python steps (g, g2, h, h2) each run in a virtualenv of their own (never the system Python) under
 # the cargo target dir, refreshed from PyPI each run (pip skips what is already installed). Filling
 # them is mostly network (about a minute of pip on a cold cache) while clippy and cargo build are
 # CPU bound, so one background job, started right after the tools step, fills all three while the
@@ -139,6 +142,8 @@ fill_venvs() {
     venv schemathesis-venv "${SCHEMATHESIS_PINS[@]}" || return 1
     # MCP examples (g2).
     venv mcp-venv -r examples/mcp/requirements.txt 'ruff>=0.5' || return 1
+    # Operator console in a browser (h2).
+    venv console-venv -r tests/console_browser/requirements.txt || return 1
 }
 
 VENV_ROOT='' VENVS_LOG='' VENVS_PID='' VENVS_RC=''
@@ -250,6 +255,36 @@ api_schema_tests() {
     "$venv/bin/python" scripts/api_schema_check.py "$venv/bin/schemathesis"
 }
 
+# ---- (h2) operator console in a browser ---------------------------------------------------------
+# tests/console_browser: pytest + Selenium ($VENV_ROOT/console-venv, filled in the background:
+# section b2) drive Debian's headless chromium through Debian's chromedriver, named explicitly
+# (installed here when missing), with SE_AVOID_STATS=true: Selenium Manager never touches the
+# network. One worker, the reference downstream and one browser session for the whole suite.
+CHROMIUM_BIN=/usr/bin/chromium
+CHROMEDRIVER_BIN=/usr/bin/chromedriver
+console_browser_tests() {
+    if [ ! -x "$CHROMIUM_BIN" ] || [ ! -x "$CHROMEDRIVER_BIN" ]; then
+        apt_install chromium chromium-driver || true
+    fi
+    if [ ! -x "$CHROMIUM_BIN" ] || [ ! -x "$CHROMEDRIVER_BIN" ]; then
+        echo "ERROR: the console's browser tests need $CHROMIUM_BIN and $CHROMEDRIVER_BIN (apt-get install chromium chromium-driver, as root)" >&2
+        return 2
+    fi
+    await_venvs || return
+    local venv=$VENV_ROOT/console-venv
+    say "browser: $("$CHROMIUM_BIN" --version 2>/dev/null | head -n 1); $("$CHROMEDRIVER_BIN" --version | head -n 1)"
+    (cd tests/console_browser && "$venv/bin/python" -m ruff format --check . &&
+        "$venv/bin/python" -m ruff check .) || return 1
+    local rc=0
+    SE_AVOID_STATS=true CHROMIUM_BIN=$CHROMIUM_BIN CHROMEDRIVER_BIN=$CHROMEDRIVER_BIN \
+        "$venv/bin/python" -m pytest tests/console_browser || rc=$?
+    if [ "$rc" -eq 5 ]; then
+        echo "ERROR: pytest collected no tests in tests/console_browser" >&2
+        return 1
+    fi
+    return "$rc"
+}
+
 step "services (PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ $MQ_HOST:$MQ_PORT)" check_services
 step "tools" check_tools
 # Network-bound pip from here on, in the background, alongside CPU-bound clippy and cargo build.
@@ -269,6 +304,7 @@ step "cargo build" cargo build --workspace --locked
 step "demo (scripts/demo.sh --once)" scripts/demo.sh --once --bin-dir "${CARGO_TARGET_DIR:-target}/debug"
 step "python client (ruff, mypy, pytest)" python_client_tests
 step "API schema (schemathesis against docs/openapi.yaml)" api_schema_tests
+step "operator console in a browser (chromium, selenium)" console_browser_tests
 step "MCP examples (ruff; exports MCP_PYTHON)" mcp_examples_venv
 # slowest_tests: the ten slowest tests of the last nextest run, from its JUnit report.
 slowest_tests() {

@@ -59,8 +59,9 @@ fn run_help_lists_every_documented_variable_with_its_default() {
     assert!(out.status.success(), "{}", stderr(&out));
     let help = String::from_utf8_lossy(&out.stdout);
     for var in documented_variables() {
-        // RUST_LOG and the fault-point switches belong to the logging and test builds.
-        if var == "RUST_LOG" || var.starts_with("WORKER_FAULT_") {
+        // RUST_LOG, OpenTelemetry's standard variables (read by its SDK, named in the help's
+        // closing note) and the fault-point switches belong to logging, tracing and test builds.
+        if var == "RUST_LOG" || var.starts_with("OTEL_") || var.starts_with("WORKER_FAULT_") {
             continue;
         }
         assert!(
@@ -68,6 +69,10 @@ fn run_help_lists_every_documented_variable_with_its_default() {
             "`worker run --help` does not list {var}:\n{help}"
         );
     }
+    assert!(
+        help.contains("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        "the help names span export's variables:\n{help}"
+    );
     for default in [
         "[default: 256]",
         "[default: 30]",

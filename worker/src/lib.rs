@@ -24,7 +24,10 @@
 //! - [`retry`]: retry and budget policies, retry delays and the shared retry budget.
 //! - [`amqp`]: everything that talks to the broker: topology, consumer, result relay, link
 //!   state.
-//! - [`ops`]: the operator and agent HTTP API, `worker ops`, retention, `worker check-tool`.
+//! - [`ops`]: the operator and agent HTTP API, `worker ops`, bulk jobs, dead-letter handling,
+//!   retention, `worker check-tool`.
+//! - [`console`]: the operator console, server-rendered pages under `/ui` on the admin
+//!   listener (sessions, filters, pages), acting only through [`ops`].
 //! - [`telemetry`]: logs, Prometheus metrics, `/livez` and `/readyz`, `worker probe`.
 //! - [`tls`]: the one trust (system roots + `WORKER_CA_FILE`) every TLS client uses.
 //! - [`fault`]: named stop points for crash tests (feature `fault-points`).
@@ -38,6 +41,7 @@ pub mod answers;
 pub mod app;
 pub mod batch;
 pub mod config;
+pub mod console;
 pub mod context;
 pub mod dispatch;
 pub mod fault;

@@ -20,6 +20,13 @@ enum Command {
     /// Run the worker (the default without a subcommand). Every setting is an environment
     /// variable (listed below with its default) and also a flag; a bad value stops start-up
     /// naming the variable, with exit code 2.
+    #[command(
+        after_help = "Span export over OTLP/HTTP is off unless OpenTelemetry's standard \
+        variables turn it on: OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, \
+        OTEL_TRACES_EXPORTER=otlp), with OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, \
+        OTEL_TRACES_SAMPLER, OTEL_TRACES_SAMPLER_ARG, OTEL_EXPORTER_OTLP_HEADERS and OTEL_BSP_*. \
+        See docs/tracing.md."
+    )]
     Run(EnvArgs),
     /// Apply database migrations and exit (same settings as `run`; it needs DATABASE_URL).
     Migrate(EnvArgs),

@@ -28,7 +28,9 @@ use std::time::Duration;
 
 use std::sync::OnceLock;
 
-use opentelemetry::trace::{Link, SpanId, SpanKind, TraceContextExt as _, TraceId, TracerProvider as _};
+use opentelemetry::trace::{
+    Link, SpanId, SpanKind, TraceContextExt as _, TraceId, TracerProvider as _,
+};
 use opentelemetry::KeyValue;
 use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
 use opentelemetry_sdk::trace::{
@@ -238,14 +240,8 @@ impl ShouldSample for FollowLinks {
                 trace_state: Default::default(),
             };
         }
-        self.inner.should_sample(
-            parent_context,
-            trace_id,
-            name,
-            span_kind,
-            attributes,
-            links,
-        )
+        self.inner
+            .should_sample(parent_context, trace_id, name, span_kind, attributes, links)
     }
 }
 

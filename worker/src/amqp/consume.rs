@@ -14,7 +14,8 @@
 //! then counted and logged, and the delivery is rejected without requeue so the queue's own
 //! dead-letter exchange takes it. Copies never carry the publisher's `user_id` (the broker
 //! refuses one the worker's connection cannot vouch for); it is kept in the header
-//! `x-intent-worker-user-id`.
+//! `x-intent-worker-user-id`. An intent the worker itself republished from the dead-letter
+//! queue is proven as its original publisher ([`super::dead_letters::proven_user`]).
 //!
 //! A redelivered message is processed alone, after counting the redelivery in Postgres: a
 //! message that crashes workers is dead-lettered once it reaches the delivery limit, whatever
@@ -37,6 +38,7 @@ use metrics::counter;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
+use super::dead_letters::proven_user;
 use super::AmqpError;
 use crate::answers::DeadLetterReason;
 use crate::config::Topology;
@@ -66,6 +68,9 @@ pub struct ConsumerConfig {
     pub auth: TenantAuth,
     /// The intents queues consumed (`WORKER_INTENT_SHARDS`, `WORKER_DRAIN_SHARDS`).
     pub shards: super::topology::Shards,
+    /// The worker's own broker user (`AMQP_URL`): the only one whose republished intents may
+    /// name their original publisher.
+    pub own_user: Option<String>,
 }
 
 /// Whether [`process`] recorded its batch (and then acked it) or gave it up at shutdown.
@@ -195,7 +200,7 @@ async fn open<'c>(
         .await
         .map_err(AmqpError::broker("basic.qos"))?;
     // Dead-letter copies go out on their own confirmed channel.
-    let dlx = DeadLetters::open(connection, &config.topology).await?;
+    let dlx = DeadLetters::open(connection, config).await?;
     let queues = super::topology::consumed_queues(&config.topology, config.shards);
     let mut consumers = Vec::with_capacity(queues.len());
     for (i, queue) in queues.iter().enumerate() {
@@ -469,11 +474,7 @@ async fn try_process(
         .map(|(d, r)| Incoming {
             body: d.data.clone(),
             redelivered: d.redelivered,
-            user_id: d
-                .properties
-                .user_id()
-                .as_ref()
-                .map(|u| u.as_str().to_string()),
+            user_id: proven_user(&d.properties, config.own_user.as_deref()),
             trace: r.trace.clone(),
             span: r.span.clone(),
         })
@@ -510,17 +511,19 @@ struct DeadLetters<'c> {
     connection: &'c Connection,
     channel: Channel,
     topology: &'c Topology,
+    own_user: Option<&'c str>,
 }
 
 impl<'c> DeadLetters<'c> {
     async fn open(
         connection: &'c Connection,
-        topology: &'c Topology,
+        config: &'c ConsumerConfig,
     ) -> Result<DeadLetters<'c>, AmqpError> {
         Ok(DeadLetters {
             connection,
             channel: confirmed_channel(connection).await?,
-            topology,
+            topology: &config.topology,
+            own_user: config.own_user.as_deref(),
         })
     }
 
@@ -568,7 +571,8 @@ impl<'c> DeadLetters<'c> {
     /// One confirmed, routed copy with the reason headers.
     async fn publish(&self, d: &Delivery, dl: &DeadLetter) -> Result<(), AmqpError> {
         let t = self.topology;
-        let props = dead_letter_properties(&d.properties, dl, d.routing_key.as_str());
+        let user = proven_user(&d.properties, self.own_user);
+        let props = dead_letter_properties(&d.properties, dl, d.routing_key.as_str(), user);
         let confirm = self
             .channel
             .basic_publish(
@@ -613,21 +617,31 @@ async fn confirmed_channel(connection: &Connection) -> Result<Channel, AmqpError
 
 /// The copy's properties: the original ones with the reason headers, persistent, and without
 /// `user_id`, which RabbitMQ accepts only when it names the publishing connection's own user
-/// (the original is kept in `x-intent-worker-user-id`).
+/// (the proven publisher, `user`, is kept in `x-intent-worker-user-id`: for a republished
+/// intent that is its original publisher, not the worker).
 pub fn dead_letter_properties(
     original: &BasicProperties,
     dl: &DeadLetter,
     routing_key: &str,
+    user: Option<String>,
 ) -> BasicProperties {
-    let mut headers = original.headers().clone().unwrap_or_default();
+    // A stale original-publisher header (a republished intent's) is replaced, never kept.
+    let mut kept = original
+        .headers()
+        .clone()
+        .unwrap_or_default()
+        .inner()
+        .clone();
+    kept.remove("x-intent-worker-user-id");
+    let mut headers = FieldTable::from(kept);
     let mut text = |k: &str, v: &str| {
         headers.insert(k.into(), AMQPValue::LongString(LongString::from(v)));
     };
     text("x-intent-worker-reason", dl.reason.as_str());
     text("x-intent-worker-detail", &dl.detail);
     text("x-original-routing-key", routing_key);
-    if let Some(user) = original.user_id() {
-        text("x-intent-worker-user-id", user.as_str());
+    if let Some(user) = user {
+        text("x-intent-worker-user-id", &user);
     }
     let mut p = BasicProperties::default()
         .with_headers(headers)
@@ -722,7 +736,7 @@ mod tests {
             reason: DeadLetterReason::InvalidMessage,
             detail: "wrong_type: arguments".into(),
         };
-        let p = dead_letter_properties(&original, &dl, "tenant-a");
+        let p = dead_letter_properties(&original, &dl, "tenant-a", Some("alice".into()));
         assert!(p.user_id().is_none());
         assert_eq!(
             p.content_type().as_ref().unwrap().as_str(),
@@ -739,7 +753,7 @@ mod tests {
         assert_eq!(text("x-intent-worker-reason"), "invalid_message");
         assert_eq!(text("x-original-routing-key"), "tenant-a");
         assert_eq!(text("trace"), "t-1");
-        let anonymous = dead_letter_properties(&BasicProperties::default(), &dl, "k");
+        let anonymous = dead_letter_properties(&BasicProperties::default(), &dl, "k", None);
         assert!(!anonymous
             .headers()
             .as_ref()

@@ -1,11 +1,13 @@
-//! Everything that talks to RabbitMQ: the topology the worker declares, the intents consumer
-//! and the result relay, and the link state the readiness probe reports. A lost connection is
+//! Everything that talks to RabbitMQ: the topology the worker declares, the intents consumer,
+//! the result relay, the dead-letter queue as the operator works it ([`dead_letters`]), and
+//! the link state the readiness probe reports. A lost connection is
 //! not fatal: `app`'s link supervisor reconnects each link (consumer, relay) with a jittered,
 //! capped back-off ([`reconnect_delay`]), redeclares the topology and resumes; unacked
 //! deliveries come back and the inbox dedupes them. The AMQP heartbeat turns a silent black
 //! hole into a lost link.
 
 pub mod consume;
+pub mod dead_letters;
 pub mod relay;
 pub mod topology;
 pub mod trace;

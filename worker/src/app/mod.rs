@@ -141,6 +141,7 @@ impl Application {
                     max_message_bytes: self.settings.max_message_bytes,
                     auth: self.tools_file.auth.clone(),
                     shards: self.settings.shards,
+                    own_user: crate::amqp::dead_letters::broker_user(&self.settings.amqp_url),
                 },
                 declare_topology: self.settings.declare_topology,
                 ever_checked: false,
@@ -207,6 +208,12 @@ impl Application {
             s.tombstone_retention,
             stop.clone(),
         ));
+        tasks.spawn(crate::telemetry::heartbeat::run(
+            self.ctx.ledger.clone(),
+            s.worker_id.clone(),
+            self.links.clone(),
+            stop.clone(),
+        ));
         // The relay stops last: after in-flight work has recorded its results.
         let relay_stop = CancellationToken::new();
         let relay = RelaySession {
@@ -252,12 +259,15 @@ impl Application {
         }
         let api_enabled = s.admin_token.is_some() || !s.tenant_tokens.is_empty();
         if let Some(addr) = s.admin_addr.filter(|_| api_enabled) {
-            let api = crate::ops::api::AdminApi::with_tokens(
+            let mut api = crate::ops::api::AdminApi::with_tokens(
                 self.ctx.clone(),
                 s.admin_token.clone(),
                 s.tenant_tokens.clone(),
             )
             .with_limits(s.http_limits);
+            if s.console.enabled {
+                api = api.with_console(self.console(tasks, stop));
+            }
             let stop = stop.clone();
             tasks.spawn(async move {
                 if let Err(e) = api.serve(addr, stop.cancelled_owned()).await {
@@ -269,6 +279,32 @@ impl Application {
                 "admin API disabled: neither WORKER_ADMIN_TOKEN nor WORKER_TENANT_TOKENS is set"
             );
         }
+    }
+
+    /// The operator console, and its bulk-job runner's takeover loop (stops at `stop`).
+    fn console(&self, tasks: &TaskTracker, stop: &CancellationToken) -> crate::console::Console {
+        let s = &self.settings;
+        let runner = crate::ops::bulk::Runner::new(
+            self.ctx.clone(),
+            stop.clone(),
+            tasks.clone(),
+            s.retention,
+        );
+        tasks.spawn(runner.clone().sweep());
+        let broker = crate::ops::dead_letters::Broker::new(
+            &s.amqp_url,
+            &format!("intent-worker-console-{}", s.worker_id),
+            self.trust.clone(),
+            s.topology.clone(),
+        );
+        crate::console::Console::new(
+            self.ctx.clone(),
+            crate::config::auth::Tokens::new(s.admin_token.clone(), s.tenant_tokens.clone()),
+            s.console.clone(),
+            broker,
+            self.tools_file.auth.clone(),
+            runner,
+        )
     }
 
     /// After the consumer: in-flight work, scheduler and sweeper until `deadline`; then the

@@ -1,7 +1,8 @@
 //! Who may act for or read a tenant, as configured: the tools file's `[auth]` section (the
 //! tenant proof, [`TenantAuth`], applied by intake), the tenant read tokens of the status API
-//! (`WORKER_TENANT_TOKENS`) and the admin token's minimum length. Token values are never echoed
-//! in an error.
+//! (`WORKER_TENANT_TOKENS`), the admin token's minimum length, the console's signing secret, and
+//! which [`Principal`] a presented token names ([`Tokens::identify`], shared by the API and the
+//! console). Token values are never echoed in an error.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -71,4 +72,115 @@ pub(super) fn parse_tenant_tokens(
         }
     }
     Ok(map)
+}
+
+/// The console's signing secret, if set (blank counts as unset): at least 32 characters.
+pub(super) fn console_secret(raw: Option<String>) -> Result<Option<String>, ConfigError> {
+    let secret = raw.filter(|t| !t.trim().is_empty());
+    if secret.as_ref().is_some_and(|t| t.chars().count() < 32) {
+        return Err(ConfigError::Invalid {
+            name: "WORKER_CONSOLE_SECRET",
+            value: "<redacted>".into(),
+            reason: "must be at least 32 characters".into(),
+        });
+    }
+    Ok(secret)
+}
+
+/// Who a token (or a console session) speaks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Principal {
+    /// `WORKER_ADMIN_TOKEN`: every route and action.
+    Admin,
+    /// A `WORKER_TENANT_TOKENS` token: reads of its own tenant only.
+    Tenant(String),
+}
+
+/// The tokens the admin listener accepts: the admin token and the tenant read tokens.
+#[derive(Debug, Clone, Default)]
+pub struct Tokens {
+    pub admin: Option<String>,
+    pub tenants: BTreeMap<String, String>,
+}
+
+impl Tokens {
+    /// The tokens, without blank ones.
+    pub fn new(admin: Option<String>, tenants: BTreeMap<String, String>) -> Tokens {
+        Tokens {
+            admin: admin.filter(|t| !t.is_empty()),
+            tenants: tenants.into_iter().filter(|(_, t)| !t.is_empty()).collect(),
+        }
+    }
+
+    /// Who `presented` is the token of. Every configured token is compared in constant time
+    /// ([`kit::secret`]), whatever matched first, so the answer time does not tell which
+    /// token came close.
+    pub fn identify(&self, presented: &str) -> Option<Principal> {
+        let eq = |t: &str| kit::secret::constant_time_eq(t.as_bytes(), presented.as_bytes());
+        let admin = self.admin.as_deref().is_some_and(eq);
+        let mut tenant = None;
+        for (name, token) in &self.tenants {
+            if eq(token) && tenant.is_none() {
+                tenant = Some(name.clone());
+            }
+        }
+        match (admin, tenant) {
+            (true, _) => Some(Principal::Admin),
+            (false, Some(t)) => Some(Principal::Tenant(t)),
+            (false, None) => None,
+        }
+    }
+
+    /// The token a principal signs in with now (None once it was removed).
+    pub fn token_of(&self, principal: &Principal) -> Option<&str> {
+        match principal {
+            Principal::Admin => self.admin.as_deref(),
+            Principal::Tenant(t) => self.tenants.get(t).map(String::as_str),
+        }
+    }
+
+    /// Whether any token is configured (the admin listener serves only then).
+    pub fn any(&self) -> bool {
+        self.admin.is_some() || !self.tenants.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_identify_the_admin_or_one_tenant() {
+        let tokens = Tokens::new(
+            Some("admin-token-0123456789".into()),
+            BTreeMap::from([
+                ("north".to_string(), "north-token".to_string()),
+                ("south".to_string(), String::new()),
+            ]),
+        );
+        assert_eq!(
+            tokens.identify("admin-token-0123456789"),
+            Some(Principal::Admin)
+        );
+        assert_eq!(
+            tokens.identify("north-token"),
+            Some(Principal::Tenant("north".into()))
+        );
+        assert_eq!(
+            tokens.identify(""),
+            None,
+            "a blank tenant token never matches"
+        );
+        assert_eq!(tokens.identify("north-token "), None);
+        assert_eq!(tokens.token_of(&Principal::Tenant("south".into())), None);
+        assert!(tokens.any());
+        assert!(!Tokens::default().any());
+    }
+
+    #[test]
+    fn the_console_secret_is_long_or_unset() {
+        assert_eq!(console_secret(Some("  ".into())).unwrap(), None);
+        assert!(console_secret(Some("x".repeat(31))).is_err());
+        assert!(console_secret(Some("x".repeat(32))).unwrap().is_some());
+    }
 }

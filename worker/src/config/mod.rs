@@ -21,7 +21,7 @@ pub mod interpolate;
 pub mod settings;
 pub mod tools;
 
-pub use settings::{blank_env_is_unset, EnvArgs, Listen, Settings, Topology};
+pub use settings::{blank_env_is_unset, ConsoleSettings, EnvArgs, Listen, Settings, Topology};
 pub use tools::{check_proof, ToolConfig, Tools};
 
 /// Errors found while reading configuration.

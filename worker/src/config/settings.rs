@@ -100,8 +100,26 @@ pub struct Settings {
     /// false the broker is managed as code and the worker only checks, passively, that the
     /// exchanges and queues it uses exist.
     pub declare_topology: bool,
+    /// The operator console on the admin listener.
+    pub console: ConsoleSettings,
     /// Deprecation notices found while reading the settings, logged once logging is set up.
     pub warnings: Vec<String>,
+}
+
+/// The operator console's settings (docs/console.md).
+#[derive(Debug, Clone)]
+pub struct ConsoleSettings {
+    /// Serve `/ui` on the admin listener (`WORKER_CONSOLE`).
+    pub enabled: bool,
+    /// `WORKER_CONSOLE_SECRET`: the key sessions are signed with; None derives it from the
+    /// tokens.
+    pub secret: Option<String>,
+    /// How long a sign-in lasts.
+    pub session: Duration,
+    /// Mark the session cookie `Secure` on every answer (the console is behind TLS).
+    pub secure_cookie: bool,
+    /// Unresolved operations older than this are counted as past the alert threshold.
+    pub alert_age: Duration,
 }
 
 /// The worker's settings as the command line and the environment give them: every option is
@@ -350,6 +368,35 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_TRACE_URL", value_name = "WORKER_TRACE_URL",
           value_parser = parse_trace_url)]
     pub trace_url: Option<String>,
+    /// Serve the operator console under /ui on the admin listener (true/false, 1/0, yes/no);
+    /// it needs WORKER_ADMIN_TOKEN or WORKER_TENANT_TOKENS, like the API.
+    #[arg(long, env = "WORKER_CONSOLE", value_name = "WORKER_CONSOLE", default_value = "true",
+          action = clap::ArgAction::Set, value_parser = parse_bool)]
+    pub console: bool,
+    /// Key the console's session cookies are signed with (at least 32 characters; the same on
+    /// every worker behind one address). Unset: derived from WORKER_ADMIN_TOKEN and
+    /// WORKER_TENANT_TOKENS, so rotating a token ends every session.
+    #[arg(
+        long,
+        env = "WORKER_CONSOLE_SECRET",
+        value_name = "WORKER_CONSOLE_SECRET",
+        hide_env_values = true
+    )]
+    pub console_secret: Option<String>,
+    /// Seconds a console sign-in lasts (60 to 604800).
+    #[arg(long, env = "WORKER_CONSOLE_SESSION_SECS", value_name = "WORKER_CONSOLE_SESSION_SECS",
+          default_value_t = 8 * 3600, value_parser = clap::value_parser!(u64).range(60..=604_800))]
+    pub console_session_secs: u64,
+    /// Mark the console's cookies Secure on every answer (true when a TLS proxy is in front;
+    /// a request with `X-Forwarded-Proto: https` gets Secure cookies anyway).
+    #[arg(long, env = "WORKER_CONSOLE_SECURE_COOKIE", value_name = "WORKER_CONSOLE_SECURE_COOKIE",
+          default_value = "false", action = clap::ArgAction::Set, value_parser = parse_bool)]
+    pub console_secure_cookie: bool,
+    /// The console's overview counts unresolved operations older than this many seconds as
+    /// past the alert threshold (IntentUnresolvedTooLong's 15 minutes).
+    #[arg(long, env = "WORKER_CONSOLE_ALERT_AGE_SECS", value_name = "WORKER_CONSOLE_ALERT_AGE_SECS",
+          default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..))]
+    pub console_alert_age_secs: u64,
 }
 
 /// A listener address, or none (`off`, `none`).
@@ -590,6 +637,13 @@ impl Settings {
             trace_url: a.trace_url,
             amqp_heartbeat_secs: a.amqp_heartbeat_secs,
             declare_topology: a.declare_topology,
+            console: ConsoleSettings {
+                enabled: a.console,
+                secret: super::auth::console_secret(a.console_secret)?,
+                session: Duration::from_secs(a.console_session_secs),
+                secure_cookie: a.console_secure_cookie,
+                alert_age: Duration::from_secs(a.console_alert_age_secs),
+            },
             warnings,
         })
     }
@@ -628,6 +682,9 @@ mod tests {
         assert_eq!(s.http_limits.idle_timeout, Duration::from_secs(60));
         assert_eq!(s.http_limits.max_connections, 256);
         assert!(s.migrate && s.declare_topology && !s.log_json);
+        assert!(s.console.enabled && s.console.secret.is_none() && !s.console.secure_cookie);
+        assert_eq!(s.console.session, Duration::from_secs(8 * 3600));
+        assert_eq!(s.console.alert_age, Duration::from_secs(900));
         assert!(s.warnings.is_empty());
         let s = from_flags(&[
             "--database-url=postgres://x",
@@ -659,6 +716,9 @@ mod tests {
             ("--admin-token=short", "WORKER_ADMIN_TOKEN"),
             ("--tenant-tokens=north", "WORKER_TENANT_TOKENS"),
             ("--receipt-keep-secs=29", "WORKER_RECEIPT_KEEP_SECS"),
+            ("--console-secret=too-short", "WORKER_CONSOLE_SECRET"),
+            ("--console-session-secs=59", "WORKER_CONSOLE_SESSION_SECS"),
+            ("--console=maybe", "WORKER_CONSOLE"),
         ] {
             let err = from_flags(&["--database-url=postgres://x", flag]).unwrap_err();
             assert!(err.contains(var), "{flag}: {err}");

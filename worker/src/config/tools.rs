@@ -632,6 +632,13 @@ budget = { ratio = 0.2 }
             declare_topology: true,
             log_json: false,
             trace_url: None,
+            console: crate::config::ConsoleSettings {
+                enabled: false,
+                secret: None,
+                session: Duration::from_secs(3_600),
+                secure_cookie: false,
+                alert_age: Duration::from_secs(900),
+            },
         }
     }
 

@@ -6,14 +6,21 @@
 //! API takes batches: many deliveries are admitted, claimed and completed per commit while each
 //! keeps its own row, fence and predicate (docs/design.md section 10).
 //!
+//! The operator console's own tables live here too, each with its module: [`jobs`] (bulk
+//! jobs), [`dead_letters`] (the audit of dead-letter actions), [`workers`] (heartbeats);
+//! [`cause`] classifies why an operation is where it is, in Rust and in SQL.
+//!
 //! [`startup`] gets the ledger ready before the worker runs: connect while Postgres starts, probe
 //! for a pooler that would break prepared statements, apply or await the migrations.
 //! [`primary`] keeps the pool on the primary among the URL's hosts through failovers.
 
 mod admit;
+pub mod cause;
 mod claim;
 mod complete;
+pub mod dead_letters;
 mod guard;
+pub mod jobs;
 pub mod operator;
 pub mod outbox;
 /// Finding the primary among `DATABASE_URL`'s hosts: kit's, shared with the publisher.
@@ -22,6 +29,7 @@ pub mod queries;
 pub mod retention;
 pub mod startup;
 mod states;
+pub mod workers;
 
 pub use admit::{Admitted, NewOperation};
 pub use claim::{ClaimKind, Claimed, ReplayWindows, SendFence};

@@ -9,6 +9,9 @@
 //!   operations (`GET /v1/operations/{tenant}/{action_id}`); another tenant's operation answers
 //!   404, exactly like one that does not exist.
 //!
+//! The operator console ([`crate::console`], under `/ui`) is served beside these routes when it
+//! is enabled; it has its own sign-in (a session cookie) and never accepts a bearer token.
+//!
 //! Routes:
 //! - `GET  /v1/operations` — unresolved operations, filtered and paginated (admin)
 //! - `GET  /v1/operations/{tenant}/{action_id}` — the result event now (admin adds `operation`)
@@ -31,25 +34,20 @@ use axum::{Extension, Json, Router};
 use serde::de::DeserializeOwned;
 
 use super::actions::{self, ActionResponse, ListParams, OpsError};
+use crate::config::auth::{Principal, Tokens};
 use crate::context::Context;
 
-/// The API server: the worker context, the tokens it accepts and its listener's limits.
+/// The API server: the worker context, the tokens it accepts, its listener's limits and the
+/// console, when served.
 pub struct AdminApi {
     state: Arc<ApiState>,
     limits: kit::http::Limits,
+    console: Option<crate::console::Console>,
 }
 
 struct ApiState {
     ctx: Arc<Context>,
-    admin_token: Option<String>,
-    tenant_tokens: BTreeMap<String, String>,
-}
-
-/// Who is calling.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Principal {
-    Admin,
-    Tenant(String),
+    tokens: Tokens,
 }
 
 impl AdminApi {
@@ -72,14 +70,17 @@ impl AdminApi {
         AdminApi {
             state: Arc::new(ApiState {
                 ctx,
-                admin_token: admin_token.filter(|t| !t.is_empty()),
-                tenant_tokens: tenant_tokens
-                    .into_iter()
-                    .filter(|(_, t)| !t.is_empty())
-                    .collect(),
+                tokens: Tokens::new(admin_token, tenant_tokens),
             }),
             limits: kit::http::Limits::DEFAULT,
+            console: None,
         }
+    }
+
+    /// Serves the operator console under `/ui` too.
+    pub fn with_console(mut self, console: crate::console::Console) -> AdminApi {
+        self.console = Some(console);
+        self
     }
 
     /// The listener's header and idle timeouts and connection cap (default
@@ -92,7 +93,7 @@ impl AdminApi {
     /// The routes, for embedding or testing.
     pub fn router(&self) -> Router {
         let admin = || middleware::from_fn(admin_only);
-        Router::new()
+        let api = Router::new()
             .route("/v1/operations", get(list).route_layer(admin()))
             .route("/v1/operations/{tenant}/{action_id}", get(status))
             .route(
@@ -113,8 +114,12 @@ impl AdminApi {
                 self.state.clone(),
                 authenticate_request,
             ))
-            .fallback(not_found)
-            .with_state(self.state.clone())
+            .with_state(self.state.clone());
+        let routes = match &self.console {
+            Some(console) => api.merge(console.router()),
+            None => api,
+        };
+        routes.fallback(not_found)
     }
 
     /// Binds `addr` and serves until `shutdown` resolves.
@@ -135,8 +140,9 @@ impl AdminApi {
     ) -> std::io::Result<()> {
         tracing::info!(
             addr = %listener.local_addr()?,
-            admin = self.state.admin_token.is_some(),
-            tenants = self.state.tenant_tokens.len(),
+            admin = self.state.tokens.admin.is_some(),
+            tenants = self.state.tokens.tenants.len(),
+            console = self.console.is_some(),
             "admin API listening"
         );
         kit::http::serve(listener, self.router(), self.limits, shutdown).await
@@ -220,11 +226,6 @@ impl From<OpsError> for ApiError {
     }
 }
 
-/// Equality of two secrets in time independent of where they differ and of their lengths.
-fn constant_time_eq(a: &str, b: &str) -> bool {
-    kit::secret::constant_time_eq(a.as_bytes(), b.as_bytes())
-}
-
 fn authenticate(state: &ApiState, headers: &HeaderMap) -> Result<Principal, ApiError> {
     let presented = headers
         .get(header::AUTHORIZATION)
@@ -235,22 +236,10 @@ fn authenticate(state: &ApiState, headers: &HeaderMap) -> Result<Principal, ApiE
         })
         .filter(|t| !t.is_empty())
         .ok_or_else(|| ApiError::unauthorized("missing bearer token (Authorization: Bearer …)"))?;
-    // Every configured token is compared, whatever matched first.
-    let admin = state
-        .admin_token
-        .as_deref()
-        .is_some_and(|t| constant_time_eq(t, presented));
-    let mut tenant = None;
-    for (name, token) in &state.tenant_tokens {
-        if constant_time_eq(token, presented) && tenant.is_none() {
-            tenant = Some(name.clone());
-        }
-    }
-    match (admin, tenant) {
-        (true, _) => Ok(Principal::Admin),
-        (false, Some(t)) => Ok(Principal::Tenant(t)),
-        (false, None) => Err(ApiError::unauthorized("invalid token")),
-    }
+    state
+        .tokens
+        .identify(presented)
+        .ok_or_else(|| ApiError::unauthorized("invalid token"))
 }
 
 /// The middleware of every route: 401 without a known token, else the [`Principal`] goes into
@@ -371,20 +360,4 @@ async fn recheck(
 
 async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn constant_time_eq_compares_whole_secrets() {
-        assert!(constant_time_eq("s3cret-admin-token", "s3cret-admin-token"));
-        assert!(!constant_time_eq(
-            "s3cret-admin-token",
-            "s3cret-admin-tokeN"
-        ));
-        assert!(!constant_time_eq("s3cret-admin-token", "s3cret"));
-        assert!(!constant_time_eq("", "x"));
-    }
 }

@@ -29,6 +29,67 @@ pub enum OpsCommand {
     Fail(FailArgs),
     /// Run one recovery round now (a held operation gets exactly one more round).
     Recheck(RecheckArgs),
+    /// The dead-letter queue: list its messages, republish them after a fix, or discard them
+    /// (needs AMQP_URL; every republish and discard is audited in the ledger).
+    #[command(subcommand)]
+    DeadLetters(DeadLetterCommand),
+}
+
+/// `worker ops dead-letters ...`.
+#[derive(Debug, clap::Subcommand)]
+pub enum DeadLetterCommand {
+    /// List dead letters; every message read is returned to the queue.
+    List(DeadLetterSelect),
+    /// Publish the chosen dead letters' intents again to the intents exchange (confirmed), then
+    /// remove them. The inbox answers an intent already recorded from its row.
+    Republish(DeadLetterStepArgs),
+    /// Remove the chosen dead letters.
+    Discard(DeadLetterStepArgs),
+}
+
+/// Which dead letters.
+#[derive(Debug, clap::Args)]
+pub struct DeadLetterSelect {
+    /// Only this reason (unknown_tool, invalid_message, tenant_mismatch, delivery_limit, or the
+    /// broker's own `broker:<reason>`).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Only letters whose body names this tenant.
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Only this AMQP message id (an intent's is `<tenant>:<action_id>`).
+    #[arg(long)]
+    pub message_id: Option<String>,
+    /// Only these letter ids (as `list` prints them); repeat or comma-separate.
+    #[arg(long, value_delimiter = ',')]
+    pub id: Vec<String>,
+    /// At most this many letters (1-500), from the first 1000 of the queue.
+    #[arg(long, default_value_t = super::dead_letters::DEFAULT_LIMIT)]
+    pub limit: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DeadLetterStepArgs {
+    #[command(flatten)]
+    pub select: DeadLetterSelect,
+    /// Act on every letter even though no filter narrows them.
+    #[arg(long)]
+    pub all: bool,
+    /// Who does it (recorded in the audit).
+    #[arg(long)]
+    pub operator: Option<String>,
+    /// Why, e.g. the fix that was made (recorded in the audit).
+    #[arg(long)]
+    pub note: Option<String>,
+    /// Idempotency key of this request; default a fresh one (printed, reuse it to retry).
+    #[arg(long)]
+    pub request_id: Option<String>,
+    /// Only print which letters would be acted on.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -145,6 +206,7 @@ pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
             .await?;
             report(r, args.json)?;
         }
+        OpsCommand::DeadLetters(cmd) => dead_letters(settings, &trust, &ledger, cmd).await?,
         OpsCommand::Recheck(args) => {
             let request_id = request_id(args.request_id);
             let ctx = context(settings, &trust, ledger, true)?;
@@ -191,6 +253,155 @@ async fn list(ledger: &Ledger, args: ListArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `worker ops dead-letters ...`: exit 1 when a letter could not be handled or an id asked
+/// for was not found.
+async fn dead_letters(
+    settings: &Settings,
+    trust: &crate::tls::Trust,
+    ledger: &Ledger,
+    cmd: DeadLetterCommand,
+) -> anyhow::Result<()> {
+    use super::dead_letters::{self as dl, Action, DeadLetterFilter, StepOutcome, StepRequest};
+    let broker = dl::Broker::new(
+        &settings.amqp_url,
+        &format!("worker-ops-{}", settings.worker_id),
+        trust.clone(),
+        settings.topology.clone(),
+    );
+    let filter = |s: &DeadLetterSelect| DeadLetterFilter {
+        reason: s.reason.clone(),
+        tenant: s.tenant.clone(),
+        message_id: s.message_id.clone(),
+        ids: s
+            .id
+            .iter()
+            .map(|i| i.trim().to_string())
+            .filter(|i| !i.is_empty())
+            .collect(),
+    };
+    let (action, args) = match cmd {
+        DeadLetterCommand::List(select) => {
+            let listing = dl::list(
+                &broker,
+                &crate::config::auth::Principal::Admin,
+                &crate::intake::TenantAuth::Trusted,
+                &filter(&select),
+                select.limit,
+            )
+            .await?;
+            if select.json {
+                let letters: Vec<serde_json::Value> =
+                    listing.letters.iter().map(dl::letter_json).collect();
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({
+                        "letters": letters,
+                        "scanned": listing.scanned,
+                        "remaining": listing.remaining,
+                    }))?
+                );
+            } else {
+                print!("{}", letter_table(&listing.letters));
+                println!(
+                    "({} shown, {} read, {} more in the queue behind them)",
+                    listing.letters.len(),
+                    listing.scanned,
+                    listing.remaining
+                );
+            }
+            return Ok(());
+        }
+        DeadLetterCommand::Republish(args) => (Action::Republish, args),
+        DeadLetterCommand::Discard(args) => (Action::Discard, args),
+    };
+    let chosen = filter(&args.select);
+    if chosen.is_empty() && !args.all {
+        anyhow::bail!(
+            "no filter given: narrow with --reason, --tenant, --message-id or --id, or pass --all"
+        );
+    }
+    let (operator, note) = match (&args.operator, &args.note) {
+        (Some(o), Some(n)) => (o.clone(), n.clone()),
+        _ if args.dry_run => (String::from("dry-run"), String::from("dry run")),
+        _ => anyhow::bail!("--operator and --note are required (they are recorded in the audit)"),
+    };
+    let request = StepRequest {
+        action,
+        filter: chosen,
+        limit: args.select.limit,
+        operator,
+        note,
+        request_id: if args.dry_run {
+            args.request_id.clone().unwrap_or_else(|| "dry-run".into())
+        } else {
+            request_id(args.request_id.clone())
+        },
+        dry_run: args.dry_run,
+    };
+    let reports = dl::act(&broker, ledger, &request).await?;
+    if args.select.json {
+        println!("{}", serde_json::to_string_pretty(&reports)?);
+    } else {
+        for r in &reports {
+            let outcome = match &r.outcome {
+                StepOutcome::Done => format!("{}: done", action.as_str()),
+                StepOutcome::WouldAct => format!("would {}", action.as_str()),
+                StepOutcome::AlreadyDone(s) => format!("already done by this request id ({s})"),
+                StepOutcome::NotFound => "not found in the queue".into(),
+                StepOutcome::Failed(e) => format!("FAILED (the letter stays): {e}"),
+            };
+            println!(
+                "{}  {}  {}  {}",
+                r.dead_letter_id,
+                r.message_id.as_deref().unwrap_or("-"),
+                r.reason.as_deref().unwrap_or("-"),
+                outcome
+            );
+        }
+        if reports.is_empty() {
+            println!("(no dead letter matched)");
+        }
+    }
+    let failed = reports
+        .iter()
+        .filter(|r| matches!(r.outcome, StepOutcome::Failed(_) | StepOutcome::NotFound))
+        .count();
+    if failed > 0 {
+        anyhow::bail!("{failed} dead letters were not handled (see above); repeat with the same --request-id to retry");
+    }
+    Ok(())
+}
+
+/// A plain text table of dead letters (control characters escaped).
+fn letter_table(letters: &[crate::amqp::dead_letters::DeadLetter]) -> String {
+    let clean = |s: Option<&str>, max: usize| -> String {
+        let s: String = s
+            .unwrap_or("-")
+            .chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .take(max)
+            .collect();
+        if s.is_empty() {
+            "-".into()
+        } else {
+            s
+        }
+    };
+    let mut out = String::from("ID                REASON            TENANT        ACTION_ID                 USER          DETAIL\n");
+    for l in letters {
+        out.push_str(&format!(
+            "{:<17} {:<17} {:<13} {:<25} {:<13} {}\n",
+            l.id,
+            clean(l.reason.as_deref(), 17),
+            clean(l.tenant.as_deref(), 13),
+            clean(l.action_id.as_deref(), 25),
+            clean(l.original_user.as_deref(), 13),
+            clean(l.detail.as_deref(), 80),
+        ));
+    }
+    out
 }
 
 /// `worker ops resolve`: the receipt from the flag, a file or stdin.
@@ -427,6 +638,49 @@ mod tests {
         .is_ok());
         assert!(parse(&["recheck", "north", "r", "--operator", "a", "--reason", "b"]).is_ok());
         assert!(parse(&["show", "north", "r"]).is_ok());
+    }
+
+    #[test]
+    fn parses_the_dead_letter_commands() {
+        match parse(&[
+            "dead-letters",
+            "list",
+            "--reason",
+            "unknown_tool",
+            "--limit",
+            "5",
+        ])
+        .unwrap()
+        {
+            OpsCommand::DeadLetters(DeadLetterCommand::List(s)) => {
+                assert_eq!(s.reason.as_deref(), Some("unknown_tool"));
+                assert_eq!(s.limit, 5);
+            }
+            other => panic!("{other:?}"),
+        }
+        match parse(&[
+            "dead-letters",
+            "republish",
+            "--id",
+            "a,b",
+            "--operator",
+            "alice",
+            "--note",
+            "tool added",
+            "--request-id",
+            "r-1",
+        ])
+        .unwrap()
+        {
+            OpsCommand::DeadLetters(DeadLetterCommand::Republish(a)) => {
+                assert_eq!(a.select.id, vec!["a", "b"]);
+                assert_eq!(a.request_id.as_deref(), Some("r-1"));
+                assert!(!a.dry_run && !a.all);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(parse(&["dead-letters", "discard", "--all", "--dry-run"]).is_ok());
+        assert!(parse(&["dead-letters", "purge"]).is_err());
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! Telemetry: the tracing subscriber (text or JSON logs on stderr, spans exported over OTLP
-//! when the standard `OTEL_*` variables ask for it), Prometheus metrics and the health
-//! endpoints.
+//! when the standard `OTEL_*` variables ask for it), Prometheus metrics, the health
+//! endpoints and the heartbeat the console's overview reads.
 
 pub mod health;
+pub mod heartbeat;
 pub mod metrics;
 pub mod spans;
 

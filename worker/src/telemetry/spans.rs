@@ -191,11 +191,19 @@ mod tests {
     fn span_urls_keep_no_query_or_credentials() {
         assert_eq!(
             split_url("https://user:secret@pay.example:8443/refunds?token=abc#x"),
-            ("https://pay.example:8443/refunds".to_string(), "pay.example", 8443)
+            (
+                "https://pay.example:8443/refunds".to_string(),
+                "pay.example",
+                8443
+            )
         );
         assert_eq!(
             split_url("http://127.0.0.1/replay/refunds"),
-            ("http://127.0.0.1/replay/refunds".to_string(), "127.0.0.1", 80)
+            (
+                "http://127.0.0.1/replay/refunds".to_string(),
+                "127.0.0.1",
+                80
+            )
         );
         assert_eq!(
             split_url("https://[::1]:9443/x"),

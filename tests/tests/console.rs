@@ -1,0 +1,1064 @@
+//! The operator console over HTTP, on real worker processes, RabbitMQ, Postgres and the
+//! reference downstream: signing in (cookie flags, CSRF, a slow wrong token), the security
+//! headers, tenant isolation, hostile strings shown as text, resolving a held operation from
+//! its page, bulk jobs (progress, a row that moved is skipped, a dead worker's job taken
+//! over), dead letters (list, republish after a fix, discard; each once, from the console and
+//! `worker ops dead-letters`), a republished intent proven as its original publisher in
+//! `user_id` mode, and the cause classes the same in Rust and in SQL.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use e2e::{cleanup, intent, procs::bin_dir, publish_as, Agent, BrokerUser, Downstream, Env};
+use e2e::{Worker, WorkerOptions};
+use protocol::Status;
+use reqwest::header::{HeaderMap, COOKIE, SET_COOKIE};
+use serde_json::json;
+use worker::ledger::jobs::NewJob;
+use worker::ledger::queries::OperationSearch;
+use worker::ledger::Ledger;
+
+const T: Duration = Duration::from_secs(45);
+const ADMIN: &str = "console-admin-token-0123456789";
+const NORTH_TOKEN: &str = "north-token-123456";
+const SOUTH_TOKEN: &str = "south-token-654321";
+const XSS_ID: &str = "\"><img/src=x/onerror=alert(1)>";
+const SCRIPT_ID: &str = "<script>alert(1)</script>";
+
+/// Percent-encodes a form value.
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+fn form_body(fields: &[(&str, &str)]) -> String {
+    fields
+        .iter()
+        .map(|(k, v)| format!("{}={}", encode(k), encode(v)))
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// The value of the first `<input … name="NAME" value="…">` in a page.
+fn input(html: &str, name: &str) -> String {
+    let needle = format!("name=\"{name}\" value=\"");
+    let start = html
+        .find(&needle)
+        .unwrap_or_else(|| panic!("no input {name} in:\n{html}"))
+        + needle.len();
+    let end = html[start..].find('"').unwrap() + start;
+    html[start..end].to_string()
+}
+
+/// A cookie's `Set-Cookie` line among the headers.
+fn set_cookie(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get_all(SET_COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find(|v| v.starts_with(&format!("{name}=")))
+        .map(str::to_string)
+}
+
+fn cookie_value(line: &str) -> String {
+    line.split(';').next().unwrap().to_string()
+}
+
+struct Answer {
+    status: u16,
+    headers: HeaderMap,
+    body: String,
+}
+
+/// A browser without JavaScript: follows no redirect, keeps the session cookie by hand.
+struct Browser {
+    base: String,
+    http: reqwest::Client,
+    cookies: Vec<String>,
+}
+
+impl Browser {
+    fn new(port: u16) -> Browser {
+        Browser {
+            base: format!("http://127.0.0.1:{port}"),
+            http: e2e::http_builder()
+                .redirect(reqwest::redirect::Policy::none())
+                .timeout(Duration::from_secs(60))
+                .build()
+                .unwrap(),
+            cookies: Vec::new(),
+        }
+    }
+
+    fn keep(&mut self, headers: &HeaderMap) {
+        for line in headers
+            .get_all(SET_COOKIE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+        {
+            let pair = cookie_value(line);
+            let name = pair.split('=').next().unwrap().to_string();
+            self.cookies.retain(|c| !c.starts_with(&format!("{name}=")));
+            if !line.contains("Max-Age=0") {
+                self.cookies.push(pair);
+            }
+        }
+    }
+
+    async fn send(&mut self, request: reqwest::RequestBuilder) -> Answer {
+        let request = if self.cookies.is_empty() {
+            request
+        } else {
+            request.header(COOKIE, self.cookies.join("; "))
+        };
+        let r = request.send().await.expect("console request");
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        self.keep(&headers);
+        Answer {
+            status,
+            headers,
+            body: r.text().await.unwrap(),
+        }
+    }
+
+    async fn get(&mut self, path: &str) -> Answer {
+        let url = format!("{}{path}", self.base);
+        let request = self.http.get(url);
+        self.send(request).await
+    }
+
+    async fn post(&mut self, path: &str, fields: &[(&str, &str)]) -> Answer {
+        let url = format!("{}{path}", self.base);
+        let request = self
+            .http
+            .post(url)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(form_body(fields));
+        self.send(request).await
+    }
+
+    /// Signs in through the form; panics unless it succeeds.
+    async fn sign_in(port: u16, token: &str, operator: &str) -> Browser {
+        let mut b = Browser::new(port);
+        let form = b.get("/ui/login").await;
+        let csrf = input(&form.body, "csrf");
+        let r = b
+            .post(
+                "/ui/login",
+                &[("csrf", &csrf), ("token", token), ("operator", operator)],
+            )
+            .await;
+        assert_eq!(r.status, 303, "{}", r.body);
+        b
+    }
+
+    /// The session's CSRF token, read from a page.
+    async fn csrf(&mut self) -> String {
+        let page = self.get("/ui/overview").await;
+        input(&page.body, "csrf")
+    }
+}
+
+fn assert_security_headers(a: &Answer) {
+    let h = |name: &str| {
+        a.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    let csp = h("content-security-policy");
+    assert!(
+        csp.contains("script-src 'self'")
+            && csp.contains("frame-ancestors 'none'")
+            && !csp.contains("unsafe-inline"),
+        "{csp}"
+    );
+    assert_eq!(h("x-frame-options"), "DENY");
+    assert_eq!(h("x-content-type-options"), "nosniff");
+    assert_eq!(h("referrer-policy"), "no-referrer");
+    assert_eq!(h("cache-control"), "no-store");
+}
+
+/// A held operation of the `deploy` tool (no recovery): the downstream commits and drops the
+/// reply.
+async fn held(agent: &mut Agent, ds: &Downstream, env: &Env, tenant: &str, action_id: &str) {
+    ds.fault(json!({"kind": "drop_after_commit", "key": format!("{tenant}:{action_id}")}))
+        .await;
+    agent
+        .request(tenant, action_id, "deploy", json!({"service": "api"}))
+        .await;
+    e2e::wait_for(&format!("{action_id} held"), T, || async {
+        (env.state(tenant, action_id).await == "held").then_some(())
+    })
+    .await;
+}
+
+async fn operation_id(env: &Env, tenant: &str, action_id: &str) -> i64 {
+    sqlx::query_scalar("SELECT id FROM operations WHERE tenant = $1 AND action_id = $2")
+        .bind(tenant)
+        .bind(action_id)
+        .fetch_one(&env.pool)
+        .await
+        .unwrap()
+}
+
+fn console_worker(tools: std::path::PathBuf) -> WorkerOptions {
+    WorkerOptions::new(tools).with_admin(ADMIN).env(
+        "WORKER_TENANT_TOKENS",
+        &format!("north={NORTH_TOKEN},south={SOUTH_TOKEN}"),
+    )
+}
+
+#[tokio::test]
+async fn signing_in_gives_a_strict_session_cookie_and_every_answer_the_security_headers() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let w = Worker::start(&env, "w", &console_worker(env.standard_tools(ds.port, ""))).await;
+    let port = w.admin_port.unwrap();
+    let mut b = Browser::new(port);
+
+    let r = b.get("/ui/overview").await;
+    assert_eq!(r.status, 303);
+    assert_eq!(r.headers.get("location").unwrap(), "/ui/login");
+    assert_security_headers(&r);
+    let form = b.get("/ui/login").await;
+    assert_eq!(form.status, 200);
+    assert_security_headers(&form);
+    let nonce = set_cookie(&form.headers, "iw_login").expect("the form's nonce cookie");
+    assert!(
+        nonce.contains("HttpOnly") && nonce.contains("SameSite=Strict"),
+        "{nonce}"
+    );
+    let csrf = input(&form.body, "csrf");
+
+    // The sign-in form's own CSRF token is required.
+    let r = b
+        .post("/ui/login", &[("token", ADMIN), ("operator", "alice")])
+        .await;
+    assert_eq!(r.status, 403, "{}", r.body);
+    let form = b.get("/ui/login").await;
+    let csrf2 = input(&form.body, "csrf");
+    assert_ne!(csrf, csrf2);
+    // A wrong token is answered slowly and sets no session.
+    let started = Instant::now();
+    let r = b
+        .post(
+            "/ui/login",
+            &[
+                ("csrf", &csrf2),
+                ("token", "guess-guess-guess"),
+                ("operator", "x"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 401, "{}", r.body);
+    assert!(
+        started.elapsed() >= Duration::from_millis(950),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(set_cookie(&r.headers, "iw_session").is_none());
+    // The admin names themself.
+    let csrf3 = input(&r.body, "csrf");
+    let r = b
+        .post("/ui/login", &[("csrf", &csrf3), ("token", ADMIN)])
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    let csrf4 = input(&r.body, "csrf");
+    let r = b
+        .post(
+            "/ui/login",
+            &[("csrf", &csrf4), ("token", ADMIN), ("operator", "alice")],
+        )
+        .await;
+    assert_eq!(r.status, 303, "{}", r.body);
+    let session = set_cookie(&r.headers, "iw_session").expect("a session cookie");
+    for flag in ["HttpOnly", "SameSite=Strict", "Path=/ui", "Max-Age=28800"] {
+        assert!(session.contains(flag), "{flag}: {session}");
+    }
+    assert!(!session.contains("Secure"), "plain HTTP: {session}");
+    let page = b.get("/ui/overview").await;
+    assert_eq!(page.status, 200);
+    assert_security_headers(&page);
+    assert!(page.body.contains("alice"), "{}", page.body);
+    assert!(!page.body.contains(ADMIN), "no token is ever shown");
+
+    // Behind a TLS proxy the cookie is Secure.
+    let mut tls = Browser::new(port);
+    let form = tls
+        .send(
+            tls.http
+                .get(format!("{}/ui/login", tls.base))
+                .header("x-forwarded-proto", "https"),
+        )
+        .await;
+    let csrf = input(&form.body, "csrf");
+    let r = tls
+        .send(
+            tls.http
+                .post(format!("{}/ui/login", tls.base))
+                .header("x-forwarded-proto", "https")
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body(form_body(&[("csrf", &csrf), ("token", NORTH_TOKEN)])),
+        )
+        .await;
+    let secure = set_cookie(&r.headers, "iw_session").expect("tenant session");
+    assert!(secure.contains("; Secure"), "{secure}");
+
+    // A tampered cookie is no session.
+    let mut forged = Browser::new(port);
+    let value = cookie_value(&session);
+    let flipped = if value.ends_with('0') {
+        format!("{}1", &value[..value.len() - 1])
+    } else {
+        format!("{}0", &value[..value.len() - 1])
+    };
+    forged.cookies.push(flipped);
+    assert_eq!(forged.get("/ui/overview").await.status, 303);
+
+    // Bearer tokens keep working for the API; the cookie does not open it.
+    let api = format!("http://127.0.0.1:{port}/v1/operations");
+    let r = e2e::http()
+        .get(&api)
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = e2e::http()
+        .get(&api)
+        .header(COOKIE, cookie_value(&session))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+
+    let css = b.get("/ui/static/console.css").await;
+    assert_eq!(css.status, 200);
+    assert!(css.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/css"));
+    assert_eq!(b.get("/ui/nothing-here").await.status, 404);
+
+    // Signing out needs the CSRF token, then clears the cookie.
+    let csrf = b.csrf().await;
+    assert_eq!(b.post("/ui/logout", &[]).await.status, 403);
+    let r = b.post("/ui/logout", &[("csrf", &csrf)]).await;
+    assert_eq!(r.status, 303);
+    assert!(set_cookie(&r.headers, "iw_session")
+        .unwrap()
+        .contains("Max-Age=0"));
+    assert_eq!(b.get("/ui/overview").await.status, 303);
+    drop(w);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn a_tenant_sees_only_its_own_rows_and_nobody_acts_without_the_csrf_token() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let w = Worker::start(&env, "w", &console_worker(env.standard_tools(ds.port, ""))).await;
+    let port = w.admin_port.unwrap();
+    let mut agent = Agent::new(&env, &["north", "south"]).await;
+    // Hostile strings where agents and downstreams put them.
+    let hostile = json!({"note": "\u{1b}[31mred\u{1b}[0m <script>alert(2)</script>", "x": "\"><img src=x onerror=alert(3)>"});
+    agent
+        .send(&intent("north", XSS_ID, "refund", hostile.clone()))
+        .await;
+    agent.until("north", XSS_ID, Status::Succeeded, T).await;
+    agent
+        .send(&intent("north", SCRIPT_ID, "refund", hostile))
+        .await;
+    agent.until("north", SCRIPT_ID, Status::Succeeded, T).await;
+    held(&mut agent, &ds, &env, "north", "deploy-north").await;
+    held(&mut agent, &ds, &env, "south", "deploy-south").await;
+    let south_id = operation_id(&env, "south", "deploy-south").await;
+    let north_held = operation_id(&env, "north", "deploy-north").await;
+    let mut north = Browser::sign_in(port, NORTH_TOKEN, "").await;
+    let all = north.get("/ui/operations?scope=all&tenant=south").await;
+    assert_eq!(all.status, 200);
+    assert!(all.body.contains("deploy-north"), "{}", all.body);
+    assert!(
+        !all.body.contains("deploy-south"),
+        "another tenant's row: {}",
+        all.body
+    );
+    assert!(!all.body.contains(">south<"));
+    // Hostile ids render as text.
+    assert!(
+        !all.body.contains(SCRIPT_ID) && !all.body.contains("<img/src"),
+        "{}",
+        all.body
+    );
+    assert!(
+        all.body.contains("&lt;script&gt;alert(1)&lt;/script&gt;"),
+        "{}",
+        all.body
+    );
+    assert!(
+        all.body
+            .contains("&quot;&gt;&lt;img/src=x/onerror=alert(1)&gt;"),
+        "{}",
+        all.body
+    );
+    let groups = north.get("/ui/operations?scope=all&view=groups").await;
+    assert!(
+        groups.body.contains("no_recovery") && groups.body.contains("succeeded"),
+        "{}",
+        groups.body
+    );
+    let overview = north.get("/ui/overview").await;
+    assert!(
+        !overview.body.contains("workers ready"),
+        "{}",
+        overview.body
+    );
+    assert!(!overview.body.contains(&env.topology.dead_letter_queue));
+    let other = north.get(&format!("/ui/operations/{south_id}")).await;
+    assert_eq!(
+        other.status, 404,
+        "another tenant's operation is a missing one"
+    );
+    let own = north.get(&format!("/ui/operations/{north_held}")).await;
+    assert_eq!(own.status, 200);
+    assert!(
+        !own.body.contains("/resolve\""),
+        "no action forms for a tenant: {}",
+        own.body
+    );
+    let xss_page = north
+        .get(&format!(
+            "/ui/operations/{}",
+            operation_id(&env, "north", XSS_ID).await
+        ))
+        .await;
+    assert!(
+        xss_page.body.contains("\\u001b[31mred"),
+        "{}",
+        xss_page.body
+    );
+    assert!(!xss_page.body.contains('\u{1b}'));
+    assert!(!xss_page.body.contains("<script>alert(2)") && !xss_page.body.contains("<img src=x"));
+    // Read-only, whatever the form says.
+    let csrf = north.csrf().await;
+    let r = north
+        .post(
+            &format!("/ui/operations/{north_held}/recheck"),
+            &[("csrf", &csrf), ("reason", "try"), ("request_id", "t-1")],
+        )
+        .await;
+    assert_eq!(r.status, 403, "{}", r.body);
+    assert_eq!(north.get("/ui/jobs").await.status, 403);
+    assert_eq!(north.get("/ui/bulk").await.status, 403);
+
+    // The admin without the form's CSRF token changes nothing.
+    let mut admin = Browser::sign_in(port, ADMIN, "alice").await;
+    let r = admin
+        .post(
+            &format!("/ui/operations/{north_held}/fail"),
+            &[
+                ("evidence", "forged request without a token"),
+                ("request_id", "f-1"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 403, "{}", r.body);
+    let r = admin
+        .post(
+            &format!("/ui/operations/{north_held}/fail"),
+            &[
+                ("csrf", &csrf),
+                ("evidence", "another session's token"),
+                ("request_id", "f-2"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 403, "{}", r.body);
+    assert_eq!(env.state("north", "deploy-north").await, "held");
+    // The admin sees both tenants, and filters by text and cause.
+    let both = admin.get("/ui/operations?state=held").await;
+    assert!(both.body.contains("deploy-north") && both.body.contains("deploy-south"));
+    let text = admin.get("/ui/operations?scope=all&q=%3Cscript").await;
+    assert!(
+        text.body.contains("&lt;script&gt;") && !text.body.contains("deploy-north"),
+        "{}",
+        text.body
+    );
+    let cause = admin
+        .get("/ui/operations?cause=no_recovery&tenant=south")
+        .await;
+    assert!(cause.body.contains("deploy-south") && !cause.body.contains("deploy-north"));
+    assert_eq!(admin.get("/ui/operations?cause=gremlins").await.status, 400);
+    drop(w);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn a_held_operation_is_resolved_from_its_page_with_the_downstreams_receipt() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let w = Worker::start(&env, "w", &console_worker(env.standard_tools(ds.port, ""))).await;
+    let port = w.admin_port.unwrap();
+    let mut agent = Agent::new(&env, &["north"]).await;
+    held(&mut agent, &ds, &env, "north", "deploy-1").await;
+    let id = operation_id(&env, "north", "deploy-1").await;
+    let mut b = Browser::sign_in(port, ADMIN, "alice").await;
+    let page = b.get(&format!("/ui/operations/{id}")).await;
+    assert!(page.body.contains("no_recovery"), "{}", page.body);
+    let csrf = input(&page.body, "csrf");
+    let request_id = input(&page.body, "request_id");
+    let path = format!("/ui/operations/{id}/resolve");
+    let wrong = json!({"receipt_id": "rcpt-x", "idempotency_key": "north:other"}).to_string();
+    let r = b
+        .post(
+            &path,
+            &[
+                ("csrf", &csrf),
+                ("request_id", &request_id),
+                ("receipt", &wrong),
+                ("reason", "pasted"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 422, "{}", r.body);
+    assert!(r.body.contains("is for another operation"), "{}", r.body);
+    assert_eq!(env.state("north", "deploy-1").await, "held");
+    let receipt = env
+        .downstream_receipt("north:deploy-1")
+        .await
+        .unwrap()
+        .to_string();
+    let fields = [
+        ("csrf", csrf.as_str()),
+        ("request_id", "resolve-1"),
+        ("receipt", &receipt),
+        ("reason", "the downstream shows it"),
+    ];
+    let r = b.post(&path, &fields).await;
+    assert_eq!(r.status, 303, "{}", r.body);
+    assert!(r.headers["location"]
+        .to_str()
+        .unwrap()
+        .ends_with("done=resolve"));
+    agent.until("north", "deploy-1", Status::Succeeded, T).await;
+    let r = b.post(&path, &fields).await;
+    assert!(r.headers["location"]
+        .to_str()
+        .unwrap()
+        .ends_with("done=repeated"));
+    let actor: String = sqlx::query_scalar(
+        "SELECT actor FROM operation_history WHERE operation_id = $1 ORDER BY id DESC LIMIT 1",
+    )
+    .bind(id)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(actor, "operator:alice");
+    let list = b.get("/ui/operations").await;
+    assert!(
+        !list.body.contains("deploy-1"),
+        "resolved: no longer unresolved"
+    );
+    drop(w);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn a_bulk_job_skips_a_row_that_moved_and_is_taken_over_when_its_worker_is_gone() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let w = Worker::start(&env, "w", &console_worker(env.standard_tools(ds.port, ""))).await;
+    let port = w.admin_port.unwrap();
+    let mut agent = Agent::new(&env, &["north"]).await;
+    for i in 0..4 {
+        held(&mut agent, &ds, &env, "north", &format!("deploy-{i}")).await;
+    }
+    // A job created by a worker that died at once (its lease already lapsed).
+    let ledger = Ledger::from_pool(env.pool.clone());
+    let search = OperationSearch {
+        states: vec!["held".into()],
+        tenant: Some("north".into()),
+        text: Some("deploy-".into()),
+        ..Default::default()
+    };
+    let (job, created) = ledger
+        .create_job(&NewJob {
+            request_id: "orphan-1",
+            action: "recheck",
+            filter: json!({"state": "held"}),
+            operator: "alice",
+            reason: "downstream is back",
+            cap: 3,
+            search: &search,
+            owner: "a-worker-that-died",
+            lease: Duration::ZERO,
+        })
+        .await
+        .unwrap();
+    assert!(created);
+    assert_eq!((job.total, job.status.as_str()), (3, "running"));
+    // One of its rows moves before anyone works on it.
+    let moved = "deploy-0";
+    let receipt = env.downstream_receipt("north:deploy-0").await.unwrap();
+    let r = e2e::http()
+        .post(format!("http://127.0.0.1:{port}/v1/operations/north/{moved}/resolve"))
+        .bearer_auth(ADMIN)
+        .json(&json!({"receipt": receipt, "operator": "bob", "reason": "by hand", "request_id": "by-hand"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let done = e2e::wait_for(
+        "the orphaned job finished by the living worker",
+        T,
+        || async {
+            ledger
+                .job(job.id)
+                .await
+                .unwrap()
+                .filter(|j| j.status == "finished")
+        },
+    )
+    .await;
+    assert_eq!(
+        (done.done, done.skipped, done.refused),
+        (2, 1, 0),
+        "{done:?}"
+    );
+    assert_eq!(done.claims, 2, "taken over once");
+    assert_eq!(
+        env.state("north", moved).await,
+        "succeeded",
+        "the moved row was not overwritten"
+    );
+    assert_eq!(env.state("north", "deploy-3").await, "held", "past the cap");
+    let actors: Vec<String> = sqlx::query_scalar(
+        "SELECT request_id FROM operator_requests WHERE request_id LIKE 'bulk:%' ORDER BY request_id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(actors.len(), 2, "{actors:?}");
+    assert!(actors
+        .iter()
+        .all(|r| r.starts_with(&format!("bulk:{}:", job.id))));
+    let mut b = Browser::sign_in(port, ADMIN, "alice").await;
+    let page = b.get(&format!("/ui/jobs/{}", job.id)).await;
+    assert!(page.body.contains("id=\"skipped\">1<"), "{}", page.body);
+    assert!(page.body.contains("moved on: succeeded"), "{}", page.body);
+
+    // A job from the console's form: a dry run, a cap, then progress; the form twice is one job.
+    let dry = b.get("/ui/bulk?state=held&tenant=north").await;
+    assert!(dry.body.contains("3"), "{}", dry.body);
+    let csrf = input(&dry.body, "csrf");
+    let filter = input(&dry.body, "filter");
+    let fields = [
+        ("csrf", csrf.as_str()),
+        ("request_id", "form-1"),
+        ("filter", &filter),
+        ("action", "fail"),
+        ("reason", "the service owner confirmed no deploy ran"),
+        ("cap", "2"),
+    ];
+    let r = b.post("/ui/bulk", &fields).await;
+    assert_eq!(r.status, 303, "{}", r.body);
+    let location = r.headers["location"].to_str().unwrap().to_string();
+    let again = b.post("/ui/bulk", &fields).await;
+    assert_eq!(again.headers["location"].to_str().unwrap(), location);
+    let job_id: i64 = location.rsplit('/').next().unwrap().parse().unwrap();
+    let finished = e2e::wait_for("the console's job", T, || async {
+        ledger
+            .job(job_id)
+            .await
+            .unwrap()
+            .filter(|j| j.status == "finished")
+    })
+    .await;
+    assert_eq!((finished.total, finished.done), (2, 2), "{finished:?}");
+    let failed: i64 = sqlx::query_scalar("SELECT count(*) FROM operations WHERE state = 'failed'")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(failed, 2);
+    let over = [
+        ("cap", "10001"),
+        ("request_id", "form-2"),
+        ("csrf", &csrf),
+        ("filter", &filter),
+        ("action", "recheck"),
+        ("reason", "x"),
+    ];
+    assert_eq!(b.post("/ui/bulk", &over).await.status, 400);
+    drop(w);
+    cleanup(env).await;
+}
+
+/// `worker ops …` against the test's database and broker.
+fn ops(env: &Env, tools: &std::path::Path, args: &[&str]) -> std::process::Output {
+    let t = &env.topology;
+    Command::new(bin_dir().join("worker"))
+        .arg("ops")
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("DATABASE_URL", &env.db_url)
+        .env("AMQP_URL", &env.amqp_url)
+        .env("WORKER_TOOLS", tools)
+        .env("INTENTS_EXCHANGE", &t.intents_exchange)
+        .env("WORKER_DEAD_LETTER_QUEUE", &t.dead_letter_queue)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run worker ops")
+}
+
+/// Waits until the dead-letter queue holds `n` messages (a listing's returns reach a quorum
+/// queue's count a moment after the listing ends).
+async fn depth_becomes(env: &Env, n: u32) {
+    e2e::wait_for(&format!("{n} dead letters"), T, || async {
+        (dead_letter_depth(env).await == n).then_some(())
+    })
+    .await;
+}
+
+async fn dead_letter_depth(env: &Env) -> u32 {
+    let conn = lapin::Connection::connect(&env.amqp_url, Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let q = ch
+        .queue_declare(
+            env.topology.dead_letter_queue.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let _ = conn.close(200, "".into()).await;
+    q.message_count()
+}
+
+#[tokio::test]
+async fn dead_letters_are_listed_republished_after_a_fix_and_discarded_once_each() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = env.standard_tools(ds.port, "");
+    let mut w = Worker::start(&env, "w1", &console_worker(tools.clone())).await;
+    let mut agent = Agent::new(&env, &["north", "south"]).await;
+    // A tool this pool does not have yet, and a body that is not an intent.
+    agent
+        .request("north", "refund-9", "refunds-v2", json!({"order": "o-9"}))
+        .await;
+    agent.until("north", "refund-9", Status::Rejected, T).await;
+    agent
+        .request("south", "refund-8", "refunds-v2", json!({"order": "o-8"}))
+        .await;
+    agent.until("south", "refund-8", Status::Rejected, T).await;
+    agent.send_raw("north", b"{\"not\": \"an intent\"}").await;
+    e2e::wait_for("three dead letters", T, || async {
+        (dead_letter_depth(&env).await == 3).then_some(())
+    })
+    .await;
+
+    // Listing returns every message to the queue.
+    let listed = ops(&env, &tools, &["dead-letters", "list", "--json"]);
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let listing: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(listing["letters"].as_array().unwrap().len(), 3, "{listing}");
+    depth_becomes(&env, 3).await;
+    let north_letter = listing["letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["message_id"] == "north:refund-9")
+        .unwrap()
+        .clone();
+    assert_eq!(north_letter["reason"], "unknown_tool");
+    assert_eq!(north_letter["headers"]["x-intent-worker-user-id"], "guest");
+    let id = north_letter["id"].as_str().unwrap().to_string();
+
+    // A tenant session sees its own letter only, and no form.
+    let port = w.admin_port.unwrap();
+    let mut south = Browser::sign_in(port, SOUTH_TOKEN, "").await;
+    let page = south.get("/ui/dead-letters").await;
+    assert!(
+        page.body.contains("south:refund-8") && !page.body.contains("north:refund-9"),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains("invalid_message") && !page.body.contains("name=\"action\""));
+    assert!(
+        !page.body.contains("shown, "),
+        "no count of the whole queue: {}",
+        page.body
+    );
+
+    // The fix: the tool is configured (a restart), then the letter is republished.
+    std::fs::write(
+        &tools,
+        std::fs::read_to_string(&tools).unwrap().replace("[tools.refund]", "[tools.\"refunds-v2\"]\nurl = \"http://127.0.0.1:PORT/replay/refunds\"\nrecovery = \"replay\"\nreplay_window_secs = 3600\nreplay_safety_margin_secs = 60\nreceipt_id = \"/receipt_id\"\nreceipt_match = { \"/idempotency_key\" = \"{tenant}:{action_id}\" }\ntimeout_ms = 2000\n\n[tools.refund]").replace("PORT", &ds.port.to_string()),
+    )
+    .unwrap();
+    w.kill();
+    let w = Worker::start(&env, "w2", &console_worker(tools.clone())).await;
+    let port = w.admin_port.unwrap();
+    let mut admin = Browser::sign_in(port, ADMIN, "alice").await;
+    let page = admin.get("/ui/dead-letters?reason=unknown_tool").await;
+    assert_eq!(page.status, 200);
+    assert!(
+        page.body.contains("north:refund-9") && page.body.contains("unknown tool"),
+        "{}",
+        page.body
+    );
+    let csrf = input(&page.body, "csrf");
+    let fields = [
+        ("csrf", csrf.as_str()),
+        ("request_id", "republish-1"),
+        ("action", "republish"),
+        ("id", &id),
+        ("note", "refunds-v2 is configured now"),
+    ];
+    let r = admin.post("/ui/dead-letters", &fields).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("republished"), "{}", r.body);
+    agent.until("north", "refund-9", Status::Succeeded, T).await;
+    assert_eq!(env.mutations("north:refund-9").await, 1);
+    // The same request again does nothing.
+    let r = admin.post("/ui/dead-letters", &fields).await;
+    assert!(r.body.contains("already done"), "{}", r.body);
+    depth_becomes(&env, 2).await;
+
+    // The CLI discards the garbage, once, idempotent by its request id.
+    let discard = [
+        "dead-letters",
+        "discard",
+        "--reason",
+        "invalid_message",
+        "--operator",
+        "bob",
+        "--note",
+        "not an intent",
+        "--request-id",
+        "discard-1",
+    ];
+    let dry = ops(&env, &tools, &[&discard[..4], &["--dry-run"]].concat());
+    assert!(dry.status.success());
+    assert!(String::from_utf8_lossy(&dry.stdout).contains("would discard"));
+    depth_becomes(&env, 2).await;
+    let out = ops(&env, &tools, &discard);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("discard: done"));
+    let out = ops(&env, &tools, &discard);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("already done"));
+    depth_becomes(&env, 1).await;
+    // An id that is not there: exit 1.
+    let out = ops(
+        &env,
+        &tools,
+        &[
+            "dead-letters",
+            "discard",
+            "--id",
+            "0000000000000000",
+            "--operator",
+            "bob",
+            "--note",
+            "x",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let audit: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT action, status, operator FROM dead_letter_actions ORDER BY created_at",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        audit,
+        vec![
+            ("republish".into(), "done".into(), "alice".into()),
+            ("discard".into(), "done".into(), "bob".into()),
+            ("discard".into(), "not_found".into(), "bob".into()),
+        ]
+    );
+    let overview = admin.get("/ui/overview").await;
+    assert!(overview.body.contains("workers ready"), "{}", overview.body);
+    drop(w);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn a_republished_intent_is_proven_as_its_original_publisher_in_user_id_mode() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let alice = BrokerUser::create("alice");
+    let mallory = BrokerUser::create("mallory");
+    let auth = |fixed: bool| {
+        let extra = if fixed {
+            format!("[tools.ticket2]\nurl = \"http://127.0.0.1:{}/replay/tickets\"\nrecovery = \"replay\"\nreplay_window_secs = 3600\nreplay_safety_margin_secs = 60\nreceipt_id = \"/receipt_id\"\nreceipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\ntimeout_ms = 2000\n", ds.port)
+        } else {
+            String::new()
+        };
+        format!(
+            "{extra}\n[auth]\nmode = \"user_id\"\nusers = {{ \"{}\" = [\"north\"], \"{}\" = [\"south\"] }}\n",
+            alice.name, mallory.name
+        )
+    };
+    let tools = env.standard_tools(ds.port, "");
+    let base = std::fs::read_to_string(&tools).unwrap();
+    std::fs::write(&tools, format!("{base}{}", auth(false))).unwrap();
+    let mut w = Worker::start(&env, "w1", &console_worker(tools.clone())).await;
+    let mut agent = Agent::new(&env, &["north"]).await;
+    let body = |action: &str| {
+        serde_json::to_vec(&intent("north", action, "ticket2", json!({"title": "x"}))).unwrap()
+    };
+    // Alice for her own tenant (the tool is missing), mallory claiming alice's tenant.
+    publish_as(
+        &env,
+        &alice.url(&env),
+        Some(&alice.name),
+        "north",
+        &[&body("t-1")],
+    )
+    .await;
+    publish_as(
+        &env,
+        &mallory.url(&env),
+        Some(&mallory.name),
+        "north",
+        &[&body("t-2")],
+    )
+    .await;
+    e2e::wait_for("two dead letters", T, || async {
+        (dead_letter_depth(&env).await == 2).then_some(())
+    })
+    .await;
+    // North's session sees alice's letter, not mallory's claim.
+    let mut north = Browser::sign_in(w.admin_port.unwrap(), NORTH_TOKEN, "").await;
+    let page = north.get("/ui/dead-letters").await;
+    assert!(
+        page.body.contains("north/t-1") && !page.body.contains("north/t-2"),
+        "{}",
+        page.body
+    );
+
+    std::fs::write(&tools, format!("{base}{}", auth(true))).unwrap();
+    w.kill();
+    let w = Worker::start(&env, "w2", &console_worker(tools.clone())).await;
+    let out = ops(
+        &env,
+        &tools,
+        &[
+            "dead-letters",
+            "republish",
+            "--all",
+            "--operator",
+            "alice-admin",
+            "--note",
+            "ticket2 configured",
+            "--request-id",
+            "rp-1",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Alice's intent is proven for north through the worker's republish.
+    agent.until("north", "t-1", Status::Succeeded, T).await;
+    // Mallory's is still unproven: dead-lettered again, never admitted.
+    e2e::wait_for(
+        "mallory's claim back in the dead-letter queue",
+        T,
+        || async { (dead_letter_depth(&env).await == 1).then_some(()) },
+    )
+    .await;
+    assert_eq!(env.state("north", "t-2").await, "");
+    let letters: serde_json::Value =
+        serde_json::from_slice(&ops(&env, &tools, &["dead-letters", "list", "--json"]).stdout)
+            .unwrap();
+    let again = &letters["letters"][0];
+    assert_eq!(again["reason"], "tenant_mismatch");
+    assert_eq!(
+        again["original_user"],
+        mallory.name.as_str(),
+        "the original publisher is kept, not the worker"
+    );
+    // Setting the republish headers oneself proves nothing but oneself.
+    let forged = intent("north", "t-3", "ticket2", json!({"title": "x"}));
+    {
+        let conn = lapin::Connection::connect(&mallory.url(&env), Default::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(Default::default()).await.unwrap();
+        let mut headers = lapin::types::FieldTable::default();
+        for (k, v) in [
+            ("x-intent-worker-republished", "x"),
+            ("x-intent-worker-user-id", alice.name.as_str()),
+        ] {
+            headers.insert(k.into(), lapin::types::AMQPValue::LongString(v.into()));
+        }
+        let props = lapin::BasicProperties::default()
+            .with_user_id(mallory.name.as_str().into())
+            .with_headers(headers);
+        ch.basic_publish(
+            env.topology.intents_exchange.as_str().into(),
+            "north".into(),
+            Default::default(),
+            &serde_json::to_vec(&forged).unwrap(),
+            props,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+        let _ = conn.close(200, "".into()).await;
+    }
+    e2e::wait_for("the forged claim dead-lettered", T, || async {
+        (dead_letter_depth(&env).await == 2).then_some(())
+    })
+    .await;
+    assert_eq!(env.state("north", "t-3").await, "");
+    drop(w);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn cause_classes_are_the_same_in_rust_and_in_sql() {
+    let env = Env::new().await;
+    let ledger = Ledger::from_pool(env.pool.clone());
+    let samples = worker::ledger::cause::SAMPLES;
+    let rows: Vec<(String, Option<String>)> = samples
+        .iter()
+        .map(|(s, e, _)| (s.to_string(), e.map(str::to_string)))
+        .collect();
+    let in_sql = ledger.classify_in_sql(&rows).await.unwrap();
+    for ((state, evidence, want), sql) in samples.iter().zip(&in_sql) {
+        assert_eq!(worker::ledger::cause::classify(state, *evidence), *want);
+        assert_eq!(sql, want, "{state} {evidence:?}");
+    }
+    cleanup(env).await;
+}

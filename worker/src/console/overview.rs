@@ -1,0 +1,143 @@
+//! The overview: operations per state and tool, how many are unresolved and how old the
+//! oldest is, how many are past the alert age, and (admin) the dead-letter queue's depth and
+//! the workers heard from. A tenant's overview counts its own operations only and shows
+//! nothing of other tenants, the queue or the workers.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Response;
+use axum::Extension;
+use maud::html;
+
+use super::filter::{query_string, ConsoleFilter};
+use super::views::{self, age, visible, Nav};
+use super::{html, Shared, Signed};
+
+/// Workers heard from within this long are listed.
+const WORKERS_WITHIN: std::time::Duration = std::time::Duration::from_secs(3_600);
+/// A worker silent for longer than this is shown as gone.
+const SILENT_SECS: f64 = 30.0;
+
+/// `GET /ui/overview`.
+pub async fn page(State(state): Shared, Extension(signed): Extension<Signed>) -> Response {
+    let tenant = signed.session.tenant();
+    let threshold = state.settings.alert_age.as_secs_f64();
+    let counts = match state.ctx.ledger.state_counts(tenant, threshold).await {
+        Ok(c) => c,
+        Err(e) => {
+            return super::error_page(
+                &signed,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Ledger unavailable",
+                &format!("The ledger could not answer: {e}"),
+            )
+        }
+    };
+    let admin = signed.session.is_admin();
+    let depth = if admin {
+        Some(state.broker.depth().await.map_err(|e| e.to_string()))
+    } else {
+        None
+    };
+    let workers = if admin {
+        state.ctx.ledger.heartbeats(WORKERS_WITHIN).await.ok()
+    } else {
+        None
+    };
+    let unresolved: i64 = counts.iter().map(|c| c.unresolved).sum();
+    let held: i64 = counts
+        .iter()
+        .filter(|c| c.state == "held")
+        .map(|c| c.count)
+        .sum();
+    let past: i64 = counts.iter().map(|c| c.past_threshold).sum();
+    let oldest = counts
+        .iter()
+        .filter_map(|c| c.oldest_unresolved_secs)
+        .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.max(a))));
+    let threshold_text = age(threshold);
+    let list = |pairs: &[(&str, String)]| format!("/ui/operations?{}", query_string(pairs));
+    let body = html! {
+        h1 { "Overview" }
+        @if let Some(t) = tenant { p { "Tenant " strong { (visible(t)) } " only." } }
+        section.cards {
+            a.card href=(list(&[])) { span.figure { (unresolved) } span.label { "unresolved" } }
+            a.card href=(list(&[("state", "held".into())])) { span.figure { (held) } span.label { "held (a person must act)" } }
+            div.card { span.figure { (oldest.map_or("—".to_string(), age)) } span.label { "oldest unresolved" } }
+            a.card class=[(past > 0).then_some("alert")] href=(list(&[("min_age", format!("{}", threshold as u64))])) {
+                span.figure { (past) } span.label { "past the alert age (" (threshold_text) ")" }
+            }
+            @if let Some(depth) = &depth {
+                a.card class=[depth.as_ref().is_ok_and(|d| *d > 0).then_some("alert")] href="/ui/dead-letters" {
+                    span.figure { @match depth { Ok(d) => (d), Err(_) => "?" } }
+                    span.label { "dead letters in " (visible(&state.broker.topology().dead_letter_queue)) }
+                }
+            }
+            @if let Some(workers) = &workers {
+                @let ready = workers.iter().filter(|w| w.ready && w.silent_secs <= SILENT_SECS).count();
+                @let seen = workers.iter().filter(|w| w.silent_secs <= SILENT_SECS).count();
+                div.card class=[(ready < seen).then_some("alert")] {
+                    span.figure { (ready) " / " (seen) }
+                    span.label { "workers ready / running" }
+                }
+            }
+        }
+        @if let Some(Err(e)) = &depth {
+            (views::notice("error", &format!("The dead-letter queue could not be read: {e}")))
+        }
+        h2 { "Operations by state and tool" }
+        @if counts.is_empty() {
+            p { "No operations recorded." }
+        } @else {
+            table {
+                thead { tr {
+                    th { "state" } th { "tool" } th.num { "operations" } th.num { "unresolved" }
+                    th { "oldest unresolved" } th.num { "past " (threshold_text) }
+                } }
+                tbody {
+                    @for c in &counts {
+                        @let filter = ConsoleFilter::default().with("state", &c.state).with("tool", &c.tool);
+                        @let scope = if matches!(c.state.as_str(), "succeeded" | "failed" | "prepared") { "all" } else { "unresolved" };
+                        tr {
+                            td { (views::state_badge(&c.state)) }
+                            td { (visible(&c.tool)) }
+                            td.num { a href=(format!("/ui/operations?{}", filter.query(&[("scope", scope.into())]))) { (c.count) } }
+                            td.num { (c.unresolved) }
+                            td { (c.oldest_unresolved_secs.map_or("—".to_string(), age)) }
+                            td.num class=[(c.past_threshold > 0).then_some("alert")] { (c.past_threshold) }
+                        }
+                    }
+                }
+            }
+        }
+        @if let Some(workers) = &workers {
+            h2 { "Workers (heard from in the last hour)" }
+            @if workers.is_empty() {
+                p { "No worker has reported yet." }
+            } @else {
+                table {
+                    thead { tr { th { "worker" } th { "status" } th { "last heard" } th { "started" } th { "why not ready" } } }
+                    tbody {
+                        @for w in workers {
+                            tr {
+                                td { code { (visible(&w.worker_id)) } }
+                                td {
+                                    @if w.silent_secs > SILENT_SECS { span.state.state-failed { "silent" } }
+                                    @else if w.ready { span.state.state-succeeded { "ready" } }
+                                    @else { span.state.state-held { "not ready" } }
+                                }
+                                td { (age(w.silent_secs)) " ago" }
+                                td { (views::time(w.started_at)) }
+                                td { (visible(&w.reasons)) }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    html(
+        StatusCode::OK,
+        views::page("Overview", &signed.frame(Nav::Overview), body),
+    )
+}

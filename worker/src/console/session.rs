@@ -1,0 +1,459 @@
+//! Console sessions without server-side state: a signed cookie that every worker behind one
+//! address can check, and the CSRF tokens derived from it.
+//!
+//! The cookie is `hex(payload).hex(mac)`, the payload a small JSON object: who (`admin` or a
+//! tenant), the operator's name (admins), the expiry (unix seconds), a random session id and a
+//! fingerprint of the token the session was opened with; the MAC is HMAC-SHA256 under the
+//! console key. A cookie is accepted only when its MAC matches (constant time), it has not
+//! expired, its expiry is no further away than the session lifetime, and the token it was
+//! opened with is still the principal's token: rotating a tenant's token ends that tenant's
+//! sessions even with a fixed `WORKER_CONSOLE_SECRET`.
+//!
+//! The key is SHA-256 of `WORKER_CONSOLE_SECRET` when set; otherwise it is derived from the
+//! admin and tenant tokens, so workers with the same tokens agree and rotating any token ends
+//! every session. The CSRF token of a session is HMAC(key, `csrf` + session id); the sign-in
+//! form's is HMAC(key, `login` + a random nonce kept in a short-lived cookie). Signing out
+//! clears the cookie in the browser; a copy taken before stays valid until it expires.
+
+use sha2::{Digest, Sha256};
+
+use crate::config::auth::{Principal, Tokens};
+
+/// The session cookie's name.
+pub const COOKIE: &str = "iw_session";
+/// The sign-in form's nonce cookie.
+pub const LOGIN_COOKIE: &str = "iw_login";
+/// How long a sign-in form stays usable, seconds.
+pub const LOGIN_FORM_SECS: i64 = 600;
+
+/// HMAC-SHA256 (RFC 2104).
+pub fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
+    const BLOCK: usize = 64;
+    let mut block = [0u8; BLOCK];
+    if key.len() > BLOCK {
+        block[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        block[..key.len()].copy_from_slice(key);
+    }
+    let pad = |byte: u8| block.map(|b| b ^ byte);
+    let inner = Sha256::new()
+        .chain_update(pad(0x36))
+        .chain_update(message)
+        .finalize();
+    Sha256::new()
+        .chain_update(pad(0x5c))
+        .chain_update(inner)
+        .finalize()
+        .into()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    crate::amqp::consume::hex(bytes)
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) || !s.is_ascii() {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok())
+        .collect()
+}
+
+/// Equality of two MACs given as text, in constant time.
+fn same(a: &str, b: &str) -> bool {
+    kit::secret::constant_time_eq(a.as_bytes(), b.as_bytes())
+}
+
+/// The console's signing key.
+#[derive(Clone)]
+pub struct Keys {
+    key: [u8; 32],
+}
+
+impl std::fmt::Debug for Keys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Keys(<redacted>)")
+    }
+}
+
+/// A signed-in user, as the cookie says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Session {
+    pub principal: Principal,
+    /// The name an admin signed in with: recorded as `operator:<name>` on every action.
+    pub operator: Option<String>,
+    /// Unix seconds.
+    pub expires: i64,
+    /// Random, per sign-in; the CSRF token derives from it.
+    pub id: String,
+}
+
+impl Session {
+    pub fn is_admin(&self) -> bool {
+        self.principal == Principal::Admin
+    }
+
+    /// The tenant a tenant session is limited to.
+    pub fn tenant(&self) -> Option<&str> {
+        match &self.principal {
+            Principal::Tenant(t) => Some(t),
+            Principal::Admin => None,
+        }
+    }
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Payload {
+    v: u8,
+    /// `admin` or the tenant's name after `tenant:`.
+    p: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    o: Option<String>,
+    e: i64,
+    s: String,
+    /// Fingerprint of the token the session was opened with.
+    k: String,
+}
+
+/// Why a cookie was not accepted (never shown to the user in detail).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    Malformed,
+    BadSignature,
+    Expired,
+    TokenChanged,
+}
+
+impl Keys {
+    /// The key from `WORKER_CONSOLE_SECRET`, or derived from the tokens.
+    pub fn new(secret: Option<&str>, tokens: &Tokens) -> Keys {
+        let mut h = Sha256::new();
+        match secret {
+            Some(secret) => {
+                h.update(b"intent-worker console key v1 secret\0");
+                h.update(secret.as_bytes());
+            }
+            None => {
+                h.update(b"intent-worker console key v1 tokens\0");
+                h.update(tokens.admin.as_deref().unwrap_or("").as_bytes());
+                for (tenant, token) in &tokens.tenants {
+                    h.update([0]);
+                    h.update(tenant.as_bytes());
+                    h.update([0]);
+                    h.update(token.as_bytes());
+                }
+            }
+        }
+        Keys {
+            key: h.finalize().into(),
+        }
+    }
+
+    fn mac(&self, purpose: &str, data: &[u8]) -> String {
+        let mut message = Vec::with_capacity(purpose.len() + 1 + data.len());
+        message.extend_from_slice(purpose.as_bytes());
+        message.push(0);
+        message.extend_from_slice(data);
+        hex(&hmac_sha256(&self.key, &message))
+    }
+
+    fn token_print(&self, token: &str) -> String {
+        self.mac("token", token.as_bytes())[..32].to_string()
+    }
+
+    /// A new session for `principal` (signed in with `token`) and its cookie value.
+    pub fn issue(
+        &self,
+        principal: Principal,
+        operator: Option<String>,
+        token: &str,
+        now: i64,
+        lifetime_secs: i64,
+    ) -> (Session, String) {
+        let id = hex(uuid::Uuid::new_v4().as_bytes());
+        let payload = Payload {
+            v: 1,
+            p: match &principal {
+                Principal::Admin => "admin".into(),
+                Principal::Tenant(t) => format!("tenant:{t}"),
+            },
+            o: operator.clone(),
+            e: now + lifetime_secs,
+            s: id.clone(),
+            k: self.token_print(token),
+        };
+        let json = serde_json::to_vec(&payload).expect("payloads serialize");
+        let cookie = format!("{}.{}", hex(&json), self.mac("session", &json));
+        (
+            Session {
+                principal,
+                operator,
+                expires: payload.e,
+                id,
+            },
+            cookie,
+        )
+    }
+
+    /// The session a cookie value carries, if it is valid now.
+    pub fn verify(
+        &self,
+        cookie: &str,
+        now: i64,
+        lifetime_secs: i64,
+        tokens: &Tokens,
+    ) -> Result<Session, Refused> {
+        let (payload_hex, mac) = cookie.split_once('.').ok_or(Refused::Malformed)?;
+        let json = unhex(payload_hex).ok_or(Refused::Malformed)?;
+        if !same(&self.mac("session", &json), mac) {
+            return Err(Refused::BadSignature);
+        }
+        let p: Payload = serde_json::from_slice(&json).map_err(|_| Refused::Malformed)?;
+        if p.v != 1 {
+            return Err(Refused::Malformed);
+        }
+        if p.e <= now || p.e > now + lifetime_secs {
+            return Err(Refused::Expired);
+        }
+        let principal = match p.p.as_str() {
+            "admin" => Principal::Admin,
+            other => Principal::Tenant(
+                other
+                    .strip_prefix("tenant:")
+                    .ok_or(Refused::Malformed)?
+                    .to_string(),
+            ),
+        };
+        let token = tokens.token_of(&principal).ok_or(Refused::TokenChanged)?;
+        if !same(&self.token_print(token), &p.k) {
+            return Err(Refused::TokenChanged);
+        }
+        Ok(Session {
+            principal,
+            operator: p.o,
+            expires: p.e,
+            id: p.s,
+        })
+    }
+
+    /// The CSRF token every state-changing form of `session` carries.
+    pub fn csrf(&self, session: &Session) -> String {
+        self.mac("csrf", session.id.as_bytes())
+    }
+
+    pub fn check_csrf(&self, session: &Session, presented: Option<&str>) -> bool {
+        presented.is_some_and(|p| same(&self.csrf(session), p))
+    }
+
+    /// A fresh nonce for a sign-in form (kept in [`LOGIN_COOKIE`]) and the form's token.
+    pub fn login_form(&self) -> (String, String) {
+        let nonce = hex(uuid::Uuid::new_v4().as_bytes());
+        let token = self.mac("login", nonce.as_bytes());
+        (nonce, token)
+    }
+
+    pub fn check_login(&self, nonce: Option<&str>, presented: Option<&str>) -> bool {
+        match (nonce, presented) {
+            (Some(n), Some(p)) if !n.is_empty() => same(&self.mac("login", n.as_bytes()), p),
+            _ => false,
+        }
+    }
+}
+
+/// The value of cookie `name` in a `Cookie` header.
+pub fn cookie_value<'h>(header: &'h str, name: &str) -> Option<&'h str> {
+    header
+        .split(';')
+        .filter_map(|c| c.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.trim())
+}
+
+/// A `Set-Cookie` value: HttpOnly, SameSite=Strict, path `/ui`, `Secure` when asked.
+pub fn set_cookie(name: &str, value: &str, max_age_secs: i64, secure: bool) -> String {
+    format!(
+        "{name}={value}; Path=/ui; Max-Age={max_age_secs}; HttpOnly; SameSite=Strict{}",
+        if secure { "; Secure" } else { "" }
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn tokens() -> Tokens {
+        Tokens::new(
+            Some("admin-token-0123456789".into()),
+            BTreeMap::from([("north".to_string(), "north-token".to_string())]),
+        )
+    }
+
+    #[test]
+    fn hmac_matches_rfc_4231() {
+        // Test case 1.
+        let mac = hmac_sha256(&[0x0b; 20], b"Hi There");
+        assert_eq!(
+            hex(&mac),
+            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
+        );
+        // Test case 2.
+        let mac = hmac_sha256(b"Jefe", b"what do ya want for nothing?");
+        assert_eq!(
+            hex(&mac),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        // Test case 6: a key longer than the block.
+        let mac = hmac_sha256(
+            &[0xaa; 131],
+            b"Test Using Larger Than Block-Size Key - Hash Key First",
+        );
+        assert_eq!(
+            hex(&mac),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+        );
+    }
+
+    #[test]
+    fn a_session_round_trips_until_it_expires() {
+        let t = tokens();
+        let keys = Keys::new(None, &t);
+        let (session, cookie) = keys.issue(
+            Principal::Admin,
+            Some("alice".into()),
+            "admin-token-0123456789",
+            1_000,
+            3_600,
+        );
+        assert!(session.is_admin());
+        assert_eq!(keys.verify(&cookie, 1_001, 3_600, &t), Ok(session.clone()));
+        assert_eq!(
+            keys.verify(&cookie, 4_600, 3_600, &t),
+            Err(Refused::Expired)
+        );
+        // A lifetime shortened since the cookie was issued shortens it too.
+        assert_eq!(keys.verify(&cookie, 1_001, 60, &t), Err(Refused::Expired));
+        // Another worker with the same tokens accepts it.
+        assert!(Keys::new(None, &tokens())
+            .verify(&cookie, 1_001, 3_600, &t)
+            .is_ok());
+    }
+
+    #[test]
+    fn a_tampered_or_foreign_cookie_is_refused() {
+        let t = tokens();
+        let keys = Keys::new(None, &t);
+        let (_, cookie) = keys.issue(
+            Principal::Tenant("north".into()),
+            None,
+            "north-token",
+            1_000,
+            3_600,
+        );
+        let (payload, mac) = cookie.split_once('.').unwrap();
+        // Rewrite the principal to admin, keep the MAC.
+        let json = String::from_utf8(unhex(payload).unwrap()).unwrap();
+        let forged = json.replace("tenant:north", "admin");
+        let forged = format!("{}.{mac}", hex(forged.as_bytes()));
+        assert_eq!(
+            keys.verify(&forged, 1_001, 3_600, &t),
+            Err(Refused::BadSignature)
+        );
+        let mut flipped = cookie.clone().into_bytes();
+        let last = flipped.len() - 1;
+        flipped[last] = if flipped[last] == b'0' { b'1' } else { b'0' };
+        let flipped = String::from_utf8(flipped).unwrap();
+        assert_eq!(
+            keys.verify(&flipped, 1_001, 3_600, &t),
+            Err(Refused::BadSignature)
+        );
+        for junk in ["", ".", "zz.zz", "abc", "00.00"] {
+            assert!(keys.verify(junk, 1_001, 3_600, &t).is_err(), "{junk}");
+        }
+        let other = Keys::new(Some(&"s".repeat(32)), &t);
+        assert_eq!(
+            other.verify(&cookie, 1_001, 3_600, &t),
+            Err(Refused::BadSignature)
+        );
+    }
+
+    #[test]
+    fn rotating_a_token_ends_its_sessions() {
+        let t = tokens();
+        let secret = "a-console-secret-of-32-characters!";
+        let keys = Keys::new(Some(secret), &t);
+        let (_, north) = keys.issue(
+            Principal::Tenant("north".into()),
+            None,
+            "north-token",
+            0,
+            60,
+        );
+        let (_, admin) = keys.issue(
+            Principal::Admin,
+            Some("a".into()),
+            "admin-token-0123456789",
+            0,
+            60,
+        );
+        let rotated = Tokens::new(
+            t.admin.clone(),
+            BTreeMap::from([("north".to_string(), "north-token-2".to_string())]),
+        );
+        // With a fixed secret, only the rotated token's sessions end.
+        let keys = Keys::new(Some(secret), &rotated);
+        assert_eq!(
+            keys.verify(&north, 1, 60, &rotated),
+            Err(Refused::TokenChanged)
+        );
+        assert!(keys.verify(&admin, 1, 60, &rotated).is_ok());
+        // Without one, the key itself changes: every session ends.
+        let derived = Keys::new(None, &t)
+            .issue(Principal::Admin, None, "admin-token-0123456789", 0, 60)
+            .1;
+        assert_eq!(
+            Keys::new(None, &rotated).verify(&derived, 1, 60, &rotated),
+            Err(Refused::BadSignature)
+        );
+        // A removed tenant's session ends.
+        let gone = Tokens::new(t.admin.clone(), BTreeMap::new());
+        let keys = Keys::new(Some(secret), &gone);
+        assert_eq!(
+            keys.verify(&north, 1, 60, &gone),
+            Err(Refused::TokenChanged)
+        );
+    }
+
+    #[test]
+    fn csrf_tokens_belong_to_one_session() {
+        let t = tokens();
+        let keys = Keys::new(None, &t);
+        let (a, _) = keys.issue(Principal::Admin, None, "admin-token-0123456789", 0, 60);
+        let (b, _) = keys.issue(Principal::Admin, None, "admin-token-0123456789", 0, 60);
+        assert_ne!(a.id, b.id);
+        assert!(keys.check_csrf(&a, Some(&keys.csrf(&a))));
+        assert!(!keys.check_csrf(&a, Some(&keys.csrf(&b))));
+        assert!(!keys.check_csrf(&a, None));
+        assert!(!keys.check_csrf(&a, Some("")));
+        let (nonce, form) = keys.login_form();
+        assert!(keys.check_login(Some(&nonce), Some(&form)));
+        assert!(!keys.check_login(None, Some(&form)));
+        assert!(!keys.check_login(Some(&nonce), Some(&keys.csrf(&a))));
+        assert!(!keys.check_login(Some(""), Some(&keys.mac("login", b""))));
+    }
+
+    #[test]
+    fn cookies_are_read_and_written_with_their_flags() {
+        let h = "a=1; iw_session=abc.def ; b=2";
+        assert_eq!(cookie_value(h, COOKIE), Some("abc.def"));
+        assert_eq!(cookie_value(h, "c"), None);
+        let c = set_cookie(COOKIE, "v", 60, false);
+        assert!(
+            c.contains("HttpOnly") && c.contains("SameSite=Strict") && c.contains("Max-Age=60")
+        );
+        assert!(!c.contains("Secure"));
+        assert!(set_cookie(COOKIE, "v", 60, true).ends_with("; Secure"));
+    }
+}
