@@ -60,7 +60,7 @@ const TOOL: &str = "cost";
 const WAL_REFERENCE: f64 = 5080.0;
 
 const USAGE: &str = "usage: cost [--intents N (20000)] [--prefetch P (256)] [--runs R (2)] \
-[--latency-runs L (5)] [--latency-secs S (10)] [--timeout-secs T (300)]
+[--latency-runs L (5)] [--latency-secs S (10)] [--timeout-secs T (300)] [--worker-env K=V]...
 
 Set INTENT_BIN_DIR to the directory holding the release `worker` binary (default: the directory
 of this executable). Postgres/RabbitMQ: TEST_DATABASE_URL / TEST_AMQP_URL.";
@@ -72,6 +72,8 @@ struct Args {
     latency_runs: usize,
     latency_secs: u64,
     timeout: Duration,
+    /// More environment for the workers (`--worker-env RUST_LOG=warn`), to measure a setting.
+    worker_env: Vec<(String, String)>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -82,6 +84,7 @@ fn parse_args() -> Result<Args> {
         latency_runs: 5,
         latency_secs: 10,
         timeout: Duration::from_secs(300),
+        worker_env: Vec::new(),
     };
     let raw: Vec<String> = std::env::args().skip(1).collect();
     for (flag, value) in e2e::flags::pairs_from(raw, USAGE)? {
@@ -97,6 +100,12 @@ fn parse_args() -> Result<Args> {
             "--latency-runs" => args.latency_runs = n()? as usize,
             "--latency-secs" => args.latency_secs = n()?,
             "--timeout-secs" => args.timeout = Duration::from_secs(n()?),
+            "--worker-env" => {
+                let (k, v) = value
+                    .split_once('=')
+                    .with_context(|| format!("--worker-env {value:?}: expected K=V"))?;
+                args.worker_env.push((k.to_string(), v.to_string()));
+            }
             other => bail!("unknown argument {other}\n{USAGE}"),
         }
     }
@@ -430,6 +439,9 @@ fn worker_options(env: &Env, downstream: &NullDownstream, args: &Args) -> Worker
     opts.prefetch = args.prefetch;
     opts.lease_secs = 30;
     opts.recovery_interval_ms = 1000;
+    for (k, v) in &args.worker_env {
+        opts = opts.env(k, v);
+    }
     opts
 }
 

@@ -68,10 +68,12 @@ impl Ledger {
         lease: Duration,
         windows: &ReplayWindows,
     ) -> Result<Vec<Admitted>, LedgerError> {
-        let columns = "state, changed_by, fence, unsent_fence, lease_owner, lease_until, \
-                       attempts, first_dispatch_at, replay_deadline";
+        // `created_by`: the row shows its first version itself, so it writes no history row
+        // (migration 0011).
+        let columns = "state, changed_by, created_by, fence, unsent_fence, lease_owner, \
+                       lease_until, attempts, first_dispatch_at, replay_deadline";
         let values =
-            "'dispatching', $10, 1, 1, $10, now() + make_interval(secs => $11), 1, now(), \
+            "'dispatching', $10, $10, 1, 1, $10, now() + make_interval(secs => $11), 1, now(), \
                       now() + make_interval(secs => (SELECT w.secs FROM unnest($12::text[], \
                       $13::float8[]) AS w(tool, secs) WHERE w.tool = input.tool))";
         self.admit_with(intents, columns, values, |q| {

@@ -268,7 +268,8 @@ async fn succeed_many(
          UPDATE operations o SET state = 'succeeded', receipt = i.receipt,
                 receipt_id = i.receipt_id, evidence = i.evidence, changed_by = $2,
                 lease_owner = NULL, lease_until = NULL, next_attempt_at = NULL,
-                last_reported = 'succeeded'
+                last_reported = 'succeeded', updated_at = now(), state_since = now(),
+                finished_at = now()
          FROM prev JOIN i USING (id) WHERE o.id = prev.id
            AND o.state IN ('dispatching', 'unknown', 'held', 'retry_wait')
          RETURNING {cols}, prev.last_reported AS prev_reported"
