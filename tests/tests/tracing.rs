@@ -199,6 +199,11 @@ fn traced(opts: WorkerOptions, receiver: &OtlpReceiver) -> WorkerOptions {
     opts.env("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint())
         .env("OTEL_BSP_SCHEDULE_DELAY", "100")
         .env("WORKER_LOG_FORMAT", "json")
+        // A success is logged at debug.
+        .env(
+            "RUST_LOG",
+            "info,worker::dispatch=debug,lapin=warn,sqlx=warn",
+        )
         .env(
             "WORKER_TRACE_URL",
             "http://jaeger.example:16686/trace/{trace_id}",
@@ -366,7 +371,7 @@ async fn an_intents_trace_runs_through_the_worker_to_the_downstream_and_back() {
     // Log lines written inside the action's spans name them.
     let logs = w.output.text();
     assert!(
-        logs.lines().any(|l| l.contains("operation updated")
+        logs.lines().any(|l| l.contains("operation succeeded")
             && l.contains(&format!("\"trace_id\":\"{trace_id}\""))
             && l.contains(&format!("\"span_id\":\"{}\"", send.span_id))),
         "no log line names the send span:\n{logs}"

@@ -330,7 +330,14 @@ pub async fn finish(
             ) {
                 counter!(m::RETRIES_SCHEDULED, "tool" => new.tool.clone()).increment(1);
             }
-            if !matches!(transition, Transition::Defer { .. }) {
+            // A success is the common case, kept in the ledger and counted: logged at debug. Every
+            // other outcome is what an operator looks for in the log.
+            if new.state() == State::Succeeded {
+                tracing::debug!(
+                    tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
+                    fence = new.fence, attempts = new.attempts, "operation succeeded"
+                );
+            } else if !matches!(transition, Transition::Defer { .. }) {
                 tracing::info!(
                     tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
                     state = %new.state(), fence = new.fence, attempts = new.attempts,
