@@ -1,4 +1,9 @@
 //! Following every result event of one tenant (a tenant-wide observer).
+//!
+//! Results are acknowledged in batches: one `multiple` ack covers every result returned so far,
+//! sent when half the prefetch window has been returned, before the follower waits for more,
+//! and on [`Follower::close`]. A follower that dies before acking sees those results again
+//! (a named queue keeps them); results are at-least-once anyway and carry their `event_id`.
 
 use std::time::Duration;
 
@@ -13,6 +18,8 @@ use crate::{error::PublishError, topology};
 
 /// Unacknowledged results the broker may push ahead of [`Follower::next`].
 const PREFETCH: u16 = 32;
+/// Results returned before their `multiple` ack goes out, if the stream does not pause first.
+const ACK_EVERY: u16 = PREFETCH / 2;
 
 /// A consumer on a results queue bound to the results exchange for one tenant.
 pub struct Follower {
@@ -20,6 +27,9 @@ pub struct Follower {
     channel: Channel,
     consumer: Consumer,
     queue: String,
+    /// The delivery tag of the last result returned and not yet acknowledged, and how many
+    /// results that ack will cover.
+    unacked: Option<(u64, u16)>,
 }
 
 impl Follower {
@@ -73,6 +83,7 @@ impl Follower {
             channel,
             consumer,
             queue,
+            unacked: None,
         })
     }
 
@@ -81,8 +92,8 @@ impl Follower {
         &self.queue
     }
 
-    /// Waits up to `timeout` for the next result event and acknowledges it.
-    /// `Ok(None)` when none arrived in time.
+    /// Waits up to `timeout` for the next result event. `Ok(None)` when none arrived in time.
+    /// Results are acknowledged in batches (see the module doc).
     ///
     /// A message whose body is not a result event is rejected without requeue (it
     /// goes to the queue's dead-letter exchange if it has one) and reported as
@@ -91,14 +102,28 @@ impl Follower {
         &mut self,
         timeout: Duration,
     ) -> Result<Option<protocol::ResultEvent>, PublishError> {
-        let delivery = match tokio::time::timeout(timeout, self.consumer.next()).await {
-            Err(_elapsed) => return Ok(None),
-            Ok(None) => return Err(PublishError::ConsumerClosed),
-            Ok(Some(delivery)) => delivery?,
+        let next = match futures_lite::future::poll_once(self.consumer.next()).await {
+            Some(next) => next,
+            None => {
+                // Nothing is waiting: settle what was returned before waiting for more.
+                self.ack_returned().await?;
+                match tokio::time::timeout(timeout, self.consumer.next()).await {
+                    Err(_elapsed) => return Ok(None),
+                    Ok(next) => next,
+                }
+            }
+        };
+        let delivery = match next {
+            None => return Err(PublishError::ConsumerClosed),
+            Some(delivery) => delivery?,
         };
         match serde_json::from_slice::<protocol::ResultEvent>(&delivery.data) {
             Ok(event) => {
-                delivery.ack(BasicAckOptions::default()).await?;
+                let count = self.unacked.map_or(0, |(_, n)| n) + 1;
+                self.unacked = Some((delivery.delivery_tag, count));
+                if count >= ACK_EVERY {
+                    self.ack_returned().await?;
+                }
                 Ok(Some(event))
             }
             Err(error) => {
@@ -113,9 +138,20 @@ impl Follower {
         }
     }
 
-    /// Closes the channel and the connection gracefully. Unacknowledged prefetched
-    /// results go back to a named queue.
-    pub async fn close(self) -> Result<(), PublishError> {
+    /// Acknowledges every result returned so far with one `multiple` ack.
+    async fn ack_returned(&mut self) -> Result<(), PublishError> {
+        if let Some((tag, _)) = self.unacked.take() {
+            self.channel
+                .basic_ack(tag, BasicAckOptions { multiple: true })
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Acknowledges the results returned, then closes the channel and the connection
+    /// gracefully. Prefetched results not yet returned go back to a named queue.
+    pub async fn close(mut self) -> Result<(), PublishError> {
+        self.ack_returned().await?;
         self.channel.close(200, "OK".into()).await?;
         self.connection.close(200, "OK".into()).await?;
         Ok(())
