@@ -526,3 +526,80 @@ async fn cleanup_leaves_no_queue_behind_while_a_worker_still_runs() {
     assert!(left.is_empty(), "queues left after cleanup: {left:?}");
     assert!(!w.is_running(), "cleanup stopped the test's worker");
 }
+
+/// An agent may bound how long an intent waits for a worker with a per-message TTL. Once the
+/// worker has taken it and dead-lettered it, that TTL must not make the copy vanish from the
+/// dead-letter queue before an operator has looked.
+#[tokio::test]
+async fn a_dead_letter_outlives_the_ttl_its_intent_was_published_with() {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+    let (env, _ds, mut w, _) = setup("", false).await;
+    let conn = lapin::Connection::connect(&env.amqp_url, Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let props = lapin::BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_expiration("1500".into())
+        .with_message_id("ttl-{\"quoted\"}".into());
+    let confirm = ch
+        .basic_publish(
+            env.topology.intents_exchange.as_str().into(),
+            "north-shop".into(),
+            BasicPublishOptions::default(),
+            b"{ not json, short-lived",
+            props,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack());
+    let depth = || async {
+        ch.queue_declare(
+            env.topology.dead_letter_queue.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await
+        .map(|q| q.message_count())
+        .unwrap_or(0)
+    };
+    let deadline = tokio::time::Instant::now() + T;
+    while depth().await == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the bad intent was never dead-lettered"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Well past the TTL: the copy is still there, with no expiration of its own.
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    assert_eq!(
+        depth().await,
+        1,
+        "the dead letter expired with its intent's TTL"
+    );
+    let agent = Agent::new(&env, &["north-shop"]).await;
+    let copies = agent.drain_dead_letters(&env).await;
+    assert_eq!(copies.len(), 1);
+    assert_eq!(copies[0].properties.expiration(), &None);
+    assert_eq!(
+        copies[0]
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.as_str()),
+        Some("ttl-{\"quoted\"}"),
+        "the rest of the original's properties travel with the copy"
+    );
+    assert!(w.is_running());
+    let _ = conn.close(200, "".into()).await;
+    cleanup(env).await;
+}

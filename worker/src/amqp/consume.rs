@@ -643,44 +643,7 @@ pub fn dead_letter_properties(
     if let Some(user) = user {
         text("x-intent-worker-user-id", &user);
     }
-    let mut p = BasicProperties::default()
-        .with_headers(headers)
-        .with_delivery_mode(2);
-    let o = original;
-    if let Some(v) = o.content_type() {
-        p = p.with_content_type(v.clone());
-    }
-    if let Some(v) = o.content_encoding() {
-        p = p.with_content_encoding(v.clone());
-    }
-    if let Some(v) = o.priority() {
-        p = p.with_priority(*v);
-    }
-    if let Some(v) = o.correlation_id() {
-        p = p.with_correlation_id(v.clone());
-    }
-    if let Some(v) = o.reply_to() {
-        p = p.with_reply_to(v.clone());
-    }
-    if let Some(v) = o.expiration() {
-        p = p.with_expiration(v.clone());
-    }
-    if let Some(v) = o.message_id() {
-        p = p.with_message_id(v.clone());
-    }
-    if let Some(v) = o.timestamp() {
-        p = p.with_timestamp(*v);
-    }
-    if let Some(v) = o.kind() {
-        p = p.with_type(v.clone());
-    }
-    if let Some(v) = o.app_id() {
-        p = p.with_app_id(v.clone());
-    }
-    if let Some(v) = o.cluster_id() {
-        p = p.with_cluster_id(v.clone());
-    }
-    p
+    super::persistent_copy(original, headers)
 }
 
 /// Lower-case hex.

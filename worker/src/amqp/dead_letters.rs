@@ -218,35 +218,11 @@ pub fn republish_properties(
     if let Some(user) = &letter.original_user {
         text(USER_HEADER, user);
     }
-    let o = &letter.properties;
-    let mut p = BasicProperties::default()
-        .with_headers(headers)
-        .with_delivery_mode(2);
-    if let Some(user) = own_user {
-        p = p.with_user_id(user.into());
+    let p = super::persistent_copy(&letter.properties, headers);
+    match own_user {
+        Some(user) => p.with_user_id(user.into()),
+        None => p,
     }
-    if let Some(v) = o.content_type() {
-        p = p.with_content_type(v.clone());
-    }
-    if let Some(v) = o.content_encoding() {
-        p = p.with_content_encoding(v.clone());
-    }
-    if let Some(v) = o.message_id() {
-        p = p.with_message_id(v.clone());
-    }
-    if let Some(v) = o.correlation_id() {
-        p = p.with_correlation_id(v.clone());
-    }
-    if let Some(v) = o.timestamp() {
-        p = p.with_timestamp(*v);
-    }
-    if let Some(v) = o.kind() {
-        p = p.with_type(v.clone());
-    }
-    if let Some(v) = o.app_id() {
-        p = p.with_app_id(v.clone());
-    }
-    p
 }
 
 /// The dead-letter queue on one broker connection.

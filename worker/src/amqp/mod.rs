@@ -204,6 +204,52 @@ pub fn redact(url: &str) -> String {
     kit::url::redact(url)
 }
 
+/// A persistent copy of a message's properties with `headers` instead of its own: what a
+/// dead-letter copy and a republished dead letter are sent with. Without the original's
+/// `user_id` (the broker refuses one the publishing connection cannot vouch for) and without its
+/// `expiration`: a per-message TTL that bounded how long an intent may wait for a worker must not
+/// make its dead letter vanish from the dead-letter queue before an operator has seen it.
+pub fn persistent_copy(
+    original: &lapin::BasicProperties,
+    headers: lapin::types::FieldTable,
+) -> lapin::BasicProperties {
+    let o = original;
+    let mut p = lapin::BasicProperties::default()
+        .with_headers(headers)
+        .with_delivery_mode(2);
+    if let Some(v) = o.content_type() {
+        p = p.with_content_type(v.clone());
+    }
+    if let Some(v) = o.content_encoding() {
+        p = p.with_content_encoding(v.clone());
+    }
+    if let Some(v) = o.priority() {
+        p = p.with_priority(*v);
+    }
+    if let Some(v) = o.correlation_id() {
+        p = p.with_correlation_id(v.clone());
+    }
+    if let Some(v) = o.reply_to() {
+        p = p.with_reply_to(v.clone());
+    }
+    if let Some(v) = o.message_id() {
+        p = p.with_message_id(v.clone());
+    }
+    if let Some(v) = o.timestamp() {
+        p = p.with_timestamp(*v);
+    }
+    if let Some(v) = o.kind() {
+        p = p.with_type(v.clone());
+    }
+    if let Some(v) = o.app_id() {
+        p = p.with_app_id(v.clone());
+    }
+    if let Some(v) = o.cluster_id() {
+        p = p.with_cluster_id(v.clone());
+    }
+    p
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -61,14 +61,7 @@ pub async fn dry_run(
         .await
     {
         Ok(c) => c,
-        Err(e) => {
-            return super::error_page(
-                &signed,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "Ledger unavailable",
-                &format!("The ledger could not answer: {e}"),
-            )
-        }
+        Err(e) => return super::ledger_unavailable(&signed, &e),
     };
     let total: i64 = counts.iter().map(|(_, n)| n).sum();
     let count_of = |state: &str| {
@@ -229,14 +222,7 @@ pub async fn jobs(State(state): Shared, Extension(signed): Extension<Signed>) ->
     }
     let jobs = match state.ctx.ledger.recent_jobs(50).await {
         Ok(j) => j,
-        Err(e) => {
-            return super::error_page(
-                &signed,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "Ledger unavailable",
-                &format!("The ledger could not answer: {e}"),
-            )
-        }
+        Err(e) => return super::ledger_unavailable(&signed, &e),
     };
     let body = html! {
         h1 { "Bulk jobs" }
@@ -292,14 +278,7 @@ pub async fn job(
     let (job, items) = match (ledger.job(id).await, ledger.job_items(id, 200).await) {
         (Ok(Some(job)), Ok(items)) => (job, items),
         (Ok(None), _) => return not_found(),
-        (Err(e), _) | (_, Err(e)) => {
-            return super::error_page(
-                &signed,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "Ledger unavailable",
-                &format!("The ledger could not answer: {e}"),
-            )
-        }
+        (Err(e), _) | (_, Err(e)) => return super::ledger_unavailable(&signed, &e),
     };
     let running = job.status == "running";
     let filter = job
@@ -383,12 +362,7 @@ pub async fn cancel(
         );
     };
     if let Err(e) = state.ctx.ledger.cancel_job(id).await {
-        return super::error_page(
-            &signed,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "Ledger unavailable",
-            &format!("The ledger could not answer: {e}"),
-        );
+        return super::ledger_unavailable(&signed, &e);
     }
     tracing::info!(job = id, operator = %super::operator(&signed), "bulk job cancelled");
     redirect(&format!("/ui/jobs/{id}"))

@@ -266,6 +266,16 @@ pub fn error_page(signed: &Signed, status: StatusCode, title: &str, message: &st
     )
 }
 
+/// The page for a ledger that did not answer.
+pub fn ledger_unavailable(signed: &Signed, e: &dyn std::fmt::Display) -> Response {
+    error_page(
+        signed,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "Ledger unavailable",
+        &format!("The ledger could not answer: {e}"),
+    )
+}
+
 /// The checks of every state-changing form: the session's CSRF token, and an admin session
 /// (tenants are read-only). The refusal page when one fails.
 pub fn refuse_form(state: &ConsoleState, signed: &Signed, csrf: Option<&str>) -> Option<Response> {

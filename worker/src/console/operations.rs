@@ -60,14 +60,7 @@ pub async fn list(
     };
     let results = match results {
         Ok(r) => r,
-        Err(e) => {
-            return super::error_page(
-                &signed,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "Ledger unavailable",
-                &format!("The ledger could not answer: {e}"),
-            )
-        }
+        Err(e) => return super::ledger_unavailable(&signed, &e),
     };
     let here = format!("/ui/operations?{}", filter.query(&view_pair(filter.groups)));
     let other_view = format!(

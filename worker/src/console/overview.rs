@@ -24,14 +24,7 @@ pub async fn page(State(state): Shared, Extension(signed): Extension<Signed>) ->
     let threshold = state.settings.alert_age.as_secs_f64();
     let counts = match state.ctx.ledger.state_counts(tenant, threshold).await {
         Ok(c) => c,
-        Err(e) => {
-            return super::error_page(
-                &signed,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "Ledger unavailable",
-                &format!("The ledger could not answer: {e}"),
-            )
-        }
+        Err(e) => return super::ledger_unavailable(&signed, &e),
     };
     let admin = signed.session.is_admin();
     let depth = if admin {
