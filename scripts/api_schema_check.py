@@ -2,8 +2,8 @@
 
     api_schema_check.py SCHEMATHESIS_BIN [extra schemathesis args]
 
-Starts target/debug/worker with the admin API on a free port, against a fresh Postgres database
-and unique broker names, runs schemathesis bounded and seeded with the checks
+Starts target/debug/worker (or $INTENT_BIN_DIR/worker) with the admin API on a free port, against
+a fresh Postgres database and unique broker names, runs schemathesis bounded and seeded with the checks
 not_a_server_error, status_code_conformance, content_type_conformance,
 response_schema_conformance and negative_data_rejection, on valid and invalid requests (admin
 token; every operation), and removes the worker, the
@@ -56,8 +56,13 @@ def free_port() -> int:
 
 
 def worker_binary() -> Path:
+    explicit = os.environ.get("INTENT_BIN_DIR")
     target = Path(os.environ.get("CARGO_TARGET_DIR") or "target")
-    path = (target if target.is_absolute() else REPO / target) / "debug" / "worker"
+    path = (
+        Path(explicit) / "worker"
+        if explicit
+        else (target if target.is_absolute() else REPO / target) / "debug" / "worker"
+    )
     if not path.exists():
         raise SystemExit(f"{path} is missing: run `cargo build --workspace` first")
     return path

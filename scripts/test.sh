@@ -7,10 +7,12 @@
 # -> tools (promtool, cargo-nextest) -> virtualenvs (python3 found or installed; the three Python
 # steps' virtualenvs are then filled by pip in the background, alongside the steps that follow) ->
 # fmt -> clippy -> publisher library alone -> alert rules (check + unit tests) -> kubernetes
-# manifests -> compose file -> cargo build -> demo (scripts/demo.sh --once) -> Python client
-# (ruff, mypy, pytest against the built worker) -> API schema (schemathesis against a built
-# worker) -> operator console in a browser (headless Chromium + Selenium against a built worker)
-# -> MCP examples (ruff; exports MCP_PYTHON) -> cargo nextest (whole workspace).
+# manifests -> compose file -> cargo build -> then, in the background on a copy of the binaries
+# while cargo builds the test binaries: demo (scripts/demo.sh --once) -> Python client (ruff, mypy,
+# pytest against the built worker) -> API schema (schemathesis against a built worker) ->
+# operator console in a browser (headless Chromium + Selenium against a built worker); their
+# output is printed when they end -> MCP examples (ruff; exports MCP_PYTHON) -> cargo nextest
+# (whole workspace).
 # Each Python step first waits for the virtualenvs (and prints the pip log once).
 #
 # Environment:
@@ -81,7 +83,7 @@ check_tools() {
     if ! command -v docker-compose >/dev/null 2>&1; then
         apt_install docker-compose || say "docker-compose not installable here; the compose file will not be validated"
     fi
-    # tests/tests/pgbouncer.rs runs a PgBouncer of its own; optional (the test says SKIPPED).
+    # tests/tests/suites/pgbouncer.rs runs a PgBouncer of its own; optional (the test says SKIPPED).
     if [ ! -x /usr/sbin/pgbouncer ] && ! command -v pgbouncer >/dev/null 2>&1; then
         apt_install pgbouncer || say "pgbouncer not installable here; the PgBouncer test will skip"
     fi
@@ -196,6 +198,9 @@ stop_venvs() {
     if [ -n "$VENVS_PID" ] && [ -z "$VENVS_RC" ] && kill -0 "$VENVS_PID" 2>/dev/null; then
         kill_tree "$VENVS_PID"
     fi
+    if [ -n "${STEPS_PID:-}" ] && kill -0 "$STEPS_PID" 2>/dev/null; then
+        kill_tree "$STEPS_PID"
+    fi
 }
 trap stop_venvs EXIT
 
@@ -231,7 +236,7 @@ python_client_tests() {
 # ---- (g2) MCP examples ---------------------------------------------------------------------------
 # The Python MCP examples (examples/mcp/: the `mcp` package and the OpenAI Agents SDK, pinned in
 # examples/mcp/requirements.txt) get a virtualenv of their own, $VENV_ROOT/mcp-venv (filled in the
-# background: section b2); tests/tests/mcp_gateway.rs runs them against a real gateway when
+# background: section b2); tests/tests/suites/mcp_gateway.rs runs them against a real gateway when
 # MCP_PYTHON names its interpreter (exported here, in the main shell, for cargo nextest).
 mcp_examples_venv() {
     await_venvs || return
@@ -298,13 +303,57 @@ step "kubernetes manifests (offline)" scripts/validate-k8s.sh
 step "compose file" check_compose
 # The end-to-end suites run the built binaries (worker with fault points, reference-downstream).
 step "cargo build" cargo build --workspace --locked
-# The Quick start without Docker, non-interactively, on the debug binaries just built (their
+step "protocol decoder example (the Python client's differential test)" \
+    cargo build --locked -p intent-protocol --example decode_hex
+
+# ---- (i) the steps on built binaries, beside the test build ------------------------------------
+# The demo and the Python steps run on the binaries just built while cargo builds the test
+# binaries: they mostly wait on the services, the test build is CPU bound, and together they
+# take the time of the longer one. They run on a copy of the binaries ($STAGED_BIN), which the
+# test build cannot relink under them, one after another in one background job whose output is
+# printed when it ends. The virtualenvs are awaited here first (the job is not their parent).
+STAGED_BIN='' STEPS_LOG='' STEPS_PID=''
+
+stage_binaries() {
+    local target
+    target=$(cd "${CARGO_TARGET_DIR:-target}" && pwd) || return 1
+    STAGED_BIN=$target/staged-bin
+    rm -rf "$STAGED_BIN" && mkdir -p "$STAGED_BIN" || return 1
+    cp "$target/debug/worker" "$target/debug/publisher" "$target/debug/reference-downstream" \
+        "$target/debug/examples/decode_hex" "$STAGED_BIN/" || return 1
+    await_venvs
+}
+
+# The demo (the Quick start without Docker, non-interactively, on the debug binaries: their
 # worker has fault points; the release build would add minutes): its summary against the
-# downstream's own table.
-step "demo (scripts/demo.sh --once)" scripts/demo.sh --once --bin-dir "${CARGO_TARGET_DIR:-target}/debug"
-step "python client (ruff, mypy, pytest)" python_client_tests
-step "API schema (schemathesis against docs/openapi.yaml)" api_schema_tests
-step "operator console in a browser (chromium, selenium)" console_browser_tests
+# downstream's own table. Then the Python client, the API schema and the console in a browser.
+binary_steps() {
+    export INTENT_BIN_DIR=$STAGED_BIN
+    step "demo (scripts/demo.sh --once)" scripts/demo.sh --once --bin-dir "$STAGED_BIN"
+    step "python client (ruff, mypy, pytest)" python_client_tests
+    step "API schema (schemathesis against docs/openapi.yaml)" api_schema_tests
+    step "operator console in a browser (chromium, selenium)" console_browser_tests
+}
+
+start_binary_steps() {
+    STEPS_LOG=$STAGED_BIN/steps.log
+    (binary_steps) >"$STEPS_LOG" 2>&1 </dev/null &
+    STEPS_PID=$!
+    say "demo, Python client, API schema and browser steps running beside the test build (log $STEPS_LOG)"
+}
+
+await_binary_steps() {
+    local rc=0
+    wait "$STEPS_PID" || rc=$?
+    STEPS_PID=''
+    cat "$STEPS_LOG"
+    return "$rc"
+}
+
+step "stage the built binaries (and await the virtualenvs)" stage_binaries
+start_binary_steps
+step "cargo nextest (build the test binaries)" cargo nextest run --workspace --locked --no-run
+step "demo, Python client, API schema, console in a browser" await_binary_steps
 step "MCP examples (ruff; exports MCP_PYTHON)" mcp_examples_venv
 # slowest_tests: the ten slowest tests of the last nextest run, from its JUnit report.
 slowest_tests() {

@@ -27,9 +27,9 @@
 //! workers declared it, so that the leader can be lost. One node down at a time never costs the
 //! cluster its quorum.
 //!
-//! Shared by the `soak` binary (long runs), `tests/tests/soak_short.rs` (a short seeded run in
-//! the test command), `tests/tests/soak_failover.rs` (the same with a failover) and
-//! `tests/tests/soak_cluster.rs` (the same on a cluster).
+//! Shared by the `soak` binary (long runs), `tests/tests/suites/soak_short.rs` (a short seeded run in
+//! the test command), `tests/tests/suites/soak_failover.rs` (the same with a failover) and
+//! `tests/tests/suites/soak_cluster.rs` (the same on a cluster).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Write as _};

@@ -645,7 +645,7 @@ async fn the_python_examples_run_against_a_real_gateway() {
 }
 
 /// Call latency through the gateway (sequential succeeded calls, each a new action), for the
-/// figure in docs/benchmarks.md: `cargo nextest run -p e2e --test mcp_gateway --run-ignored only`.
+/// figure in docs/benchmarks.md: `cargo nextest run -p e2e -E 'test(/^mcp_gateway::/)' --run-ignored only`.
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "measurement"]
 async fn call_latency_through_the_gateway() {

@@ -1046,7 +1046,7 @@ async fn publisher_proves_its_tenant_with_the_connection_user() {
 
 // ---------------------------------------------------------------------------------------------
 // Measurement (not part of the suite): `send_and_wait` and `publisher send --wait` latency.
-// cargo nextest run -p e2e --test agent_side --run-ignored only -E 'test(latency)' --no-capture
+// cargo nextest run -p e2e --run-ignored only -E 'test(/^agent_side::/) & test(latency)' --no-capture
 // ---------------------------------------------------------------------------------------------
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {

@@ -162,7 +162,7 @@ async fn the_self_declared_dead_letter_queue_is_bounded_like_the_definitions() {
     use lapin::types::{AMQPValue, FieldTable, LongString};
 
     let definitions: serde_json::Value =
-        serde_json::from_str(include_str!("../../deploy/rabbitmq/definitions.json")).unwrap();
+        serde_json::from_str(include_str!("../../../deploy/rabbitmq/definitions.json")).unwrap();
     let policy = definitions["policies"]
         .as_array()
         .unwrap()

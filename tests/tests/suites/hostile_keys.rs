@@ -575,7 +575,7 @@ async fn a_raw_publish_of_the_long_pair_is_dead_lettered_and_answered_rejected()
 #[tokio::test]
 async fn a_relay_on_a_table_without_the_failure_columns_stops_with_a_hint() {
     let env = Env::new().await;
-    let first = include_str!("../../publisher/migrations/0001_intent_outbox.sql");
+    let first = include_str!("../../../publisher/migrations/0001_intent_outbox.sql");
     sqlx::raw_sql(first)
         .execute(&env.pool)
         .await

@@ -1,0 +1,43 @@
+//! The end-to-end suites, one module per subject, in one test binary: built and linked once
+//! rather than once per subject. Each test still runs in a process of its own under
+//! `cargo nextest`; pick a subject with its module path, e.g.
+//! `cargo nextest run -p e2e -E 'test(/^dedupe::/)'`.
+
+mod agent_side;
+mod alert_metrics;
+mod check_tool;
+mod cluster_failover;
+mod config;
+mod console;
+mod crate_boundaries;
+mod dedupe;
+mod definitions;
+mod demo_agent;
+mod docs;
+mod fenced_sends;
+mod honest_recovery;
+mod hostile_keys;
+mod hostile_values;
+mod link_loss;
+mod listeners;
+mod mcp_gateway;
+mod mcp_origin;
+mod migrate_job;
+mod operations;
+mod pg_failover;
+mod pg_failover_fixture;
+mod pgbouncer;
+mod rabbit_cluster;
+mod recovery_matrix;
+mod recovery_scenarios;
+mod relay_handoff;
+mod retries;
+mod shards;
+mod shutdown;
+mod soak_cluster;
+mod soak_failover;
+mod soak_short;
+mod tenant_proof;
+mod tls;
+mod trace_agent_side;
+mod trace_worker_side;
