@@ -186,6 +186,53 @@ pub async fn publish_all(
     Ok(())
 }
 
+/// Publishes `messages` open loop: message i leaves at `started + i/rate`, whatever happened to
+/// the others; confirms are checked by another task, so the publisher never waits for one.
+/// `on_send(i)` runs just before message i is published; returns when every confirm is in.
+#[allow(clippy::too_many_arguments)]
+pub async fn publish_open_loop(
+    ch: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    messages: &[(String, Vec<u8>)],
+    rate: f64,
+    started: Instant,
+    deadline: Instant,
+    mut on_send: impl FnMut(usize),
+) -> Result<()> {
+    let (confirms, mut confirm_rx) = tokio::sync::mpsc::unbounded_channel::<PublisherConfirm>();
+    let checker = tokio::spawn(async move {
+        while let Some(c) = confirm_rx.recv().await {
+            check_confirm(c, deadline).await?;
+        }
+        Ok::<(), anyhow::Error>(())
+    });
+    for (i, (message_id, body)) in messages.iter().enumerate() {
+        tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate)).await;
+        let properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_message_id(message_id.as_str().into());
+        on_send(i);
+        let confirm = ch
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                body,
+                properties,
+            )
+            .await
+            .context("basic.publish")?;
+        let _ = confirms.send(confirm);
+    }
+    drop(confirms);
+    checker.await.context("confirm checker")?
+}
+
 pub async fn check_confirm(confirm: PublisherConfirm, deadline: Instant) -> Result<()> {
     match timeout_at(deadline, confirm).await {
         Err(_) => bail!("no publisher confirm before the phase deadline"),

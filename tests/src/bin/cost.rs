@@ -43,7 +43,7 @@ use std::time::Duration;
 use anyhow::{bail, ensure, Context as _, Result};
 use e2e::bench::{
     build_messages, check_confirm, confirm_channel, consume_on, declare_quorum, publish_all,
-    state_counts, CpuSample, CpuSplit, NullDownstream, Written, CLK_TCK,
+    publish_open_loop, state_counts, CpuSample, CpuSplit, NullDownstream, Written, CLK_TCK,
 };
 use e2e::{cleanup, Env, Worker, WorkerOptions};
 use futures_lite::StreamExt;
@@ -566,45 +566,33 @@ async fn latency_in(
         .await
         .context("connect publisher")?;
     let ch = confirm_channel(&conn).await?;
+    let index: std::collections::HashMap<String, usize> = messages
+        .iter()
+        .enumerate()
+        .map(|(i, (key, _))| {
+            let action = key.split_once(':').map_or(key.as_str(), |(_, a)| a);
+            (action.to_string(), i)
+        })
+        .collect();
     let started = Instant::now();
     let deadline = started + args.timeout;
-    let sent: Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>> =
-        Default::default();
+    let sent: Arc<std::sync::Mutex<Vec<Option<Instant>>>> =
+        Arc::new(std::sync::Mutex::new(vec![None; count]));
     let publisher = {
         let sent = sent.clone();
         let exchange = env.topology.intents_exchange.clone();
         tokio::spawn(async move {
-            let mut confirms = Vec::with_capacity(messages.len());
-            for (i, (key, body)) in messages.iter().enumerate() {
-                tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate)).await;
-                let action = key
-                    .split_once(':')
-                    .map_or(key.as_str(), |(_, a)| a)
-                    .to_string();
-                sent.lock()
-                    .expect("not poisoned")
-                    .insert(action, Instant::now());
-                let confirm = ch
-                    .basic_publish(
-                        exchange.as_str().into(),
-                        TENANT.into(),
-                        BasicPublishOptions {
-                            mandatory: true,
-                            ..Default::default()
-                        },
-                        body,
-                        BasicProperties::default()
-                            .with_content_type("application/json".into())
-                            .with_delivery_mode(2)
-                            .with_message_id(key.as_str().into()),
-                    )
-                    .await
-                    .context("publish")?;
-                confirms.push(confirm);
-            }
-            for c in confirms {
-                check_confirm(c, deadline).await?;
-            }
+            publish_open_loop(
+                &ch,
+                &exchange,
+                TENANT,
+                &messages,
+                rate,
+                started,
+                deadline,
+                |i| sent.lock().expect("not poisoned")[i] = Some(Instant::now()),
+            )
+            .await?;
             Ok::<_, anyhow::Error>(ch)
         })
     };
@@ -621,11 +609,9 @@ async fn latency_in(
         }
         let now = Instant::now();
         done += 1;
-        let at = sent
-            .lock()
-            .expect("not poisoned")
+        let at = index
             .get(&ev.action_id)
-            .copied();
+            .and_then(|&i| sent.lock().expect("not poisoned")[i]);
         if let Some(at) = at.filter(|at| *at >= warm) {
             latencies.push(now - at);
         }

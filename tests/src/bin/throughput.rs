@@ -53,8 +53,8 @@ use anyhow::{anyhow, bail, ensure, Context as _, Result};
 use chrono::{DateTime, Utc};
 use e2e::bench::{
     build_messages, check_confirm, confirm_channel, consume_on, declare_quorum, peak_rss_kib,
-    publish_all, run_backends, state_counts, wal_syncs, xact_commit, CpuSample, CpuSplit,
-    NullDownstream, Written, CLK_TCK,
+    publish_all, publish_open_loop, run_backends, state_counts, wal_syncs, xact_commit, CpuSample,
+    CpuSplit, NullDownstream, Written, CLK_TCK,
 };
 use e2e::{cleanup, Env, Worker, WorkerOptions};
 use futures_lite::StreamExt;
@@ -902,53 +902,6 @@ impl Latency {
     }
 }
 
-/// Publishes `messages` open loop: message i leaves at `started + i/rate`, whatever happened to
-/// the others; confirms are checked by another task, so the publisher never waits for one.
-/// Records each publish in `sent`; returns when every confirm is in.
-#[allow(clippy::too_many_arguments)]
-async fn publish_open_loop(
-    ch: &Channel,
-    exchange: &str,
-    routing_key: &str,
-    messages: &[(String, Vec<u8>)],
-    rate: f64,
-    started: Instant,
-    deadline: Instant,
-    sent: &Sent,
-) -> Result<()> {
-    let (confirms, mut confirm_rx) = tokio::sync::mpsc::unbounded_channel::<PublisherConfirm>();
-    let checker = tokio::spawn(async move {
-        while let Some(c) = confirm_rx.recv().await {
-            check_confirm(c, deadline).await?;
-        }
-        Ok::<(), anyhow::Error>(())
-    });
-    for (i, (message_id, body)) in messages.iter().enumerate() {
-        tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate)).await;
-        let properties = BasicProperties::default()
-            .with_content_type("application/json".into())
-            .with_delivery_mode(2)
-            .with_message_id(message_id.as_str().into());
-        sent.lock().expect("not poisoned")[i] = Some(Stamp::now());
-        let confirm = ch
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                body,
-                properties,
-            )
-            .await
-            .context("basic.publish")?;
-        let _ = confirms.send(confirm);
-    }
-    drop(confirms);
-    checker.await.context("confirm checker")?
-}
-
 /// The broker floor, then the worker, at one rate.
 async fn latency_run(
     rate: f64,
@@ -1036,7 +989,7 @@ async fn latency_run_in(
         rate,
         started,
         deadline,
-        &sent,
+        |i| sent.lock().expect("not poisoned")[i] = Some(Stamp::now()),
     )
     .await;
     if let Err(e) = published {
@@ -1347,7 +1300,14 @@ async fn broker_floor_on(
         Ok(received)
     });
     let published = publish_open_loop(
-        &pub_ch, "", queue_a, &messages, rate, started, deadline, &sent,
+        &pub_ch,
+        "",
+        queue_a,
+        &messages,
+        rate,
+        started,
+        deadline,
+        |i| sent.lock().expect("not poisoned")[i] = Some(Stamp::now()),
     )
     .await;
     if let Err(e) = published {
