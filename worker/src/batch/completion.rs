@@ -110,12 +110,15 @@ impl CompletionBatcher {
     pub async fn complete(&self, completion: Completion) -> Result<Applied, LedgerError> {
         let (tx, rx) = oneshot::channel();
         if self.tx.send((completion.clone(), tx)).await.is_err() {
-            let result = self
-                .ledger
-                .complete(&self.worker_id, std::slice::from_ref(&completion))
-                .await
-                .pop()
-                .expect("one result per completion");
+            // Boxed: a statement's future is large, and inline it would make every dispatch
+            // task that large for a path taken only at shutdown.
+            let result = Box::pin(
+                self.ledger
+                    .complete(&self.worker_id, std::slice::from_ref(&completion)),
+            )
+            .await
+            .pop()
+            .expect("one result per completion");
             self.handoff.wake.notify_one();
             return result;
         }

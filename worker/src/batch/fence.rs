@@ -63,20 +63,19 @@ impl FenceBatcher {
     ) -> Result<bool, FenceError> {
         let (tx, rx) = oneshot::channel();
         if self.tx.send((send, trace, tx)).await.is_err() {
-            return self
-                .ledger
-                .fence_send(
-                    send.id,
-                    send.fence,
-                    &self.worker_id,
-                    self.lease,
-                    send.timeout,
-                )
-                .await
-                .map_err(|e| {
-                    self.ledger.observe(&e);
-                    FenceError(e.to_string())
-                });
+            // Boxed for the same reason as the completion batcher's own statement.
+            return Box::pin(self.ledger.fence_send(
+                send.id,
+                send.fence,
+                &self.worker_id,
+                self.lease,
+                send.timeout,
+            ))
+            .await
+            .map_err(|e| {
+                self.ledger.observe(&e);
+                FenceError(e.to_string())
+            });
         }
         rx.await
             .unwrap_or_else(|_| Err(FenceError("fence batcher stopped".into())))

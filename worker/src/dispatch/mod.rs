@@ -290,7 +290,8 @@ fn record_retry() -> RetryPolicy {
 /// its result events are held for a hand-over that never came. Releasing them may at worst
 /// publish an event twice (same event_id), which agents already tolerate.
 async fn release_held_events(ctx: &Context, operation_id: i64) {
-    match ctx.ledger.release_held(operation_id, &ctx.worker_id).await {
+    // Boxed: a rare path whose statement future would otherwise size every dispatch task.
+    match Box::pin(ctx.ledger.release_held(operation_id, &ctx.worker_id)).await {
         Ok(0) => {}
         Ok(_) => ctx.relay_wake.notify_one(),
         Err(error) => {
