@@ -21,6 +21,7 @@
 //! - [`backoff`]: the one back-off function every retry and reconnect loop uses.
 //! - [`errors`]: an error and its causes on one line, each cause once.
 //! - [`signal`]: the stop signal (SIGTERM or Ctrl-C).
+//! - [`join`]: several futures at once on the current task, first polled and answered in order.
 //! - [`fault`]: how a fault point stops the process for a crash test.
 //! - [`secret`]: comparing bearer tokens in constant time.
 //! - [`url`]: service URLs as settings: redacted for logs, refused when they can never work.
@@ -35,6 +36,7 @@ pub mod fault;
 pub mod fd;
 #[cfg(feature = "server")]
 pub mod http;
+pub mod join;
 #[cfg(feature = "server")]
 pub mod logs;
 #[cfg(feature = "server")]

@@ -131,19 +131,19 @@ impl RabbitCluster {
         for i in 0..NODES {
             cluster.spawn_node(i);
         }
-        join_all((0..NODES).map(|i| cluster.await_node(i))).await;
+        kit::join::in_order((0..NODES).map(|i| cluster.await_node(i))).await;
         let booted = t0.elapsed();
 
         let seed = cluster.node_name(0);
         let others: Vec<usize> = (1..NODES).collect();
         // stop_app and start_app on nodes 2 and 3 together; the joins one at a time.
-        join_all(others.iter().map(|&i| cluster.ctl_ok(i, &["stop_app"]))).await;
+        kit::join::in_order(others.iter().map(|&i| cluster.ctl_ok(i, &["stop_app"]))).await;
         for &i in &others {
             cluster.ctl_ok(i, &["join_cluster", &seed]).await;
         }
         let joined = t0.elapsed();
-        join_all(others.iter().map(|&i| cluster.ctl_ok(i, &["start_app"]))).await;
-        join_all((0..NODES).map(|i| cluster.await_node(i))).await;
+        kit::join::in_order(others.iter().map(|&i| cluster.ctl_ok(i, &["start_app"]))).await;
+        kit::join::in_order((0..NODES).map(|i| cluster.await_node(i))).await;
         cluster.start_time = t0.elapsed();
         eprintln!(
             "rabbit cluster {prefix}: {NODES} nodes booted in {:.1} s, joined in {:.1} s, \
@@ -690,31 +690,4 @@ fn tail(path: &Path, lines: usize) -> String {
     }
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
-}
-
-/// Runs `futures` concurrently (on this task) and returns their outputs in order.
-async fn join_all<F: std::future::Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
-    let mut pending: Vec<_> = futures.into_iter().map(|f| Some(Box::pin(f))).collect();
-    let mut results: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut all_done = true;
-        for (slot, result) in pending.iter_mut().zip(results.iter_mut()) {
-            if let Some(f) = slot {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => {
-                        *result = Some(v);
-                        *slot = None;
-                    }
-                    std::task::Poll::Pending => all_done = false,
-                }
-            }
-        }
-        if all_done {
-            std::task::Poll::Ready(())
-        } else {
-            std::task::Poll::Pending
-        }
-    })
-    .await;
-    results.into_iter().map(|r| r.expect("joined")).collect()
 }

@@ -78,7 +78,7 @@ impl Relay {
         let settled = async {
             // All in flight at once: lapin resolves a publish only once its I/O thread has
             // written it, so awaiting each in turn would cost two thread switches per event.
-            let sent = in_order(rows.iter().map(|row| self.publish(row))).await;
+            let sent = kit::join::in_order(rows.iter().map(|row| self.publish(row))).await;
             settle(rows.iter().zip(sent).collect()).await
         }
         .instrument(span)
@@ -202,34 +202,6 @@ fn row_trace(row: &OutboxRow) -> Option<TraceContext> {
     })
 }
 
-/// Runs every future at once and answers their outputs in order. Each is first polled in
-/// order, so publishes are queued (and their confirm tags taken) in the order given.
-async fn in_order<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
-    let mut futures: Vec<_> = futures.map(Box::pin).collect();
-    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
-            if output.is_none() {
-                match future.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *output = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    outputs
-        .into_iter()
-        .map(|o| o.expect("every future is ready"))
-        .collect()
-}
-
 /// What the broker's confirms said about a round's events.
 struct Settled {
     /// Confirmed (or returned unroutable, which is final too): marked published.
@@ -299,39 +271,5 @@ impl Drop for Relay {
     /// reaches them first (no wait for a hold after the link comes back).
     fn drop(&mut self) {
         self.ctx.completions.relay_attached(false);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::Mutex;
-
-    use super::in_order;
-
-    /// Each future logs its first poll, then finishes after `waits` more wake-ups and answers
-    /// how many had started by then: all start before the slowest finishes (they are in flight
-    /// together), the first polls come in the order given (that is when a publish is queued),
-    /// and the answers come in the order given whatever order they finish in.
-    #[tokio::test]
-    async fn every_future_starts_at_once_in_order_and_answers_in_order() {
-        let started = Mutex::new(Vec::new());
-        let futures = [3usize, 0, 1].into_iter().enumerate().map(|(i, waits)| {
-            let started = &started;
-            async move {
-                started.lock().unwrap().push(i);
-                for _ in 0..waits {
-                    tokio::task::yield_now().await;
-                }
-                (i, started.lock().unwrap().len())
-            }
-        });
-        assert_eq!(in_order(futures).await, vec![(0, 3), (1, 2), (2, 3)]);
-        assert_eq!(*started.lock().unwrap(), vec![0, 1, 2]);
-    }
-
-    #[tokio::test]
-    async fn no_futures_no_outputs() {
-        let none = std::iter::empty::<std::future::Ready<u8>>();
-        assert!(in_order(none).await.is_empty());
     }
 }
