@@ -9,7 +9,10 @@ mod support;
 
 use opentelemetry::trace::{SpanKind, Status, TracerProvider as _};
 use opentelemetry::KeyValue;
-use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use std::sync::{Arc, Mutex};
+
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
 use protocol::trace::{TraceContext, TraceParent};
 use publisher::{PublishOptions, Publisher};
 use support::{intent, Catcher, OTHER};
@@ -29,17 +32,30 @@ async fn publisher_for(catcher: &Catcher) -> Publisher {
         .expect("connect")
 }
 
+/// The spans a provider exported, kept in memory. The SDK has one behind its `testing` feature,
+/// but that feature (with `opentelemetry/testing`, metrics and logs) would give every crate on
+/// the OpenTelemetry stack a second feature set, compiled again for the test build.
+#[derive(Debug, Clone, Default)]
+struct Exported(Arc<Mutex<Vec<SpanData>>>);
+
+impl SpanExporter for Exported {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        self.0.lock().expect("not poisoned").extend(batch);
+        Ok(())
+    }
+}
+
 /// A `tracing` subscriber whose OpenTelemetry layer records every span into memory, installed
 /// for this thread (the tests' current-thread runtime) while the guard lives.
 struct Recorder {
-    exporter: InMemorySpanExporter,
+    exporter: Exported,
     provider: SdkTracerProvider,
     _default: tracing::subscriber::DefaultGuard,
 }
 
 impl Recorder {
     fn install() -> Recorder {
-        let exporter = InMemorySpanExporter::default();
+        let exporter = Exported::default();
         let provider = SdkTracerProvider::builder()
             .with_simple_exporter(exporter.clone())
             .build();
@@ -54,7 +70,7 @@ impl Recorder {
 
     fn spans(&self) -> Vec<SpanData> {
         self.provider.force_flush().unwrap();
-        self.exporter.get_finished_spans().unwrap()
+        self.exporter.0.lock().expect("not poisoned").clone()
     }
 }
 
