@@ -88,6 +88,12 @@ impl Written {
     }
 }
 
+/// Percentile `p` (0–100) of sorted, non-empty values: the one index rule of every figure the
+/// benchmarks print.
+pub fn pct<T: Copy>(sorted: &[T], p: usize) -> T {
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
+}
+
 /// N distinct intents of `tenant` for `tool`, as (message id, body).
 pub fn build_messages(n: usize, tenant: &str, tool: &str) -> Vec<(String, Vec<u8>)> {
     (0..n)

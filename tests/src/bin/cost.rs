@@ -44,7 +44,7 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context as _, Result};
 use e2e::bench::{
-    build_messages, check_confirm, confirm_channel, consume_on, declare_quorum, publish_all,
+    build_messages, check_confirm, confirm_channel, consume_on, declare_quorum, pct, publish_all,
     publish_open_loop, state_counts, CpuSample, CpuSplit, NullDownstream, Written, CLK_TCK,
 };
 use e2e::{cleanup, Env, Worker, WorkerOptions};
@@ -551,17 +551,19 @@ struct Percentiles {
 }
 
 impl Percentiles {
+    /// Zero durations when there are none.
     fn of(mut latencies: Vec<Duration>) -> Percentiles {
         latencies.sort();
-        let pct = |p: usize| {
-            latencies
-                .get((latencies.len() * p / 100).min(latencies.len().saturating_sub(1)))
-                .copied()
-                .unwrap_or_default()
+        let at = |p: usize| {
+            if latencies.is_empty() {
+                Duration::ZERO
+            } else {
+                pct(&latencies, p)
+            }
         };
         Percentiles {
-            p50: pct(50),
-            p99: pct(99),
+            p50: at(50),
+            p99: at(99),
             count: latencies.len(),
         }
     }

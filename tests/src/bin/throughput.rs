@@ -52,7 +52,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
 use chrono::{DateTime, Utc};
 use e2e::bench::{
-    build_messages, check_confirm, confirm_channel, consume_on, declare_quorum, peak_rss_kib,
+    build_messages, check_confirm, confirm_channel, consume_on, declare_quorum, pct, peak_rss_kib,
     publish_all, publish_open_loop, run_backends, state_counts, wal_syncs, xact_commit, CpuSample,
     CpuSplit, NullDownstream, Written, CLK_TCK,
 };
@@ -857,11 +857,6 @@ struct Latency {
 /// and batch sizes still settle): figures over all intents and over those published after it
 /// are both printed.
 const WARM_UP: Duration = Duration::from_secs(1);
-
-/// Percentile `p` (0–100) of sorted values: the same index rule for every figure printed here.
-fn pct<T: Copy>(sorted: &[T], p: usize) -> T {
-    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
-}
 
 impl Latency {
     fn line(&self) -> String {
