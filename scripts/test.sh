@@ -4,15 +4,19 @@
 #   scripts/test.sh [extra cargo-nextest args, e.g. -E 'test(claim)']
 #
 # Steps: services (Postgres, RabbitMQ; started, or installed with apt-get as root, when missing)
-# -> tools (promtool, cargo-nextest) -> virtualenvs (python3 found or installed; the three Python
-# steps' virtualenvs are then filled by pip in the background, alongside the steps that follow) ->
-# fmt -> clippy -> publisher library alone -> alert rules (check + unit tests) -> kubernetes
+# -> tools (promtool, cargo-nextest, clippy-driver) -> virtualenvs (python3 found or installed; the
+# three Python steps' virtualenvs are then filled by pip in the background, alongside the steps
+# that follow) -> fmt -> publisher library alone -> alert rules (check + unit tests) -> kubernetes
 # manifests -> compose file -> cargo build -> then, in the background on a copy of the binaries
 # while cargo builds the test binaries: demo (scripts/demo.sh --once) -> Python client (ruff, mypy,
 # pytest against the built worker) -> API schema (schemathesis against a built worker) ->
 # operator console in a browser (headless Chromium + Selenium against a built worker); their
 # output is printed when they end -> MCP examples (ruff; exports MCP_PYTHON) -> cargo nextest
 # (whole workspace).
+# Every compilation of the workspace's own crates here is also clippy's (see "lints while building"
+# below): the build, the example and the test build fail on any rustc or clippy warning, which is
+# what `cargo clippy --workspace --all-targets -- -D warnings` checks, without a check-mode build
+# of every dependency of its own.
 # Each Python step first waits for the virtualenvs (and prints the pip log once).
 #
 # Environment:
@@ -79,6 +83,11 @@ check_tools() {
         cargo install cargo-nextest --locked || return 1
     fi
     say "cargo-nextest: $(cargo nextest --version 2>/dev/null | head -n 1)"
+    if ! CLIPPY_DRIVER=$(command -v clippy-driver); then
+        echo "ERROR: clippy-driver not found. Install it with: rustup component add clippy" >&2
+        exit 2
+    fi
+    say "clippy: $("$CLIPPY_DRIVER" --version 2>&1 | head -n 1)"
     # Validates docker-compose.yml without a Docker engine; optional.
     if ! command -v docker-compose >/dev/null 2>&1; then
         apt_install docker-compose || say "docker-compose not installable here; the compose file will not be validated"
@@ -92,7 +101,7 @@ check_tools() {
 # ---- (b2) virtualenvs ----------------------------------------------------------------------------
 # The Python steps (g, g2, h, h2) each run in a virtualenv of their own (never the system Python) under
 # the cargo target dir, refreshed from PyPI each run (pip skips what is already installed). Filling
-# them is mostly network (about a minute of pip on a cold cache) while clippy and cargo build are
+# them is mostly network (about a minute of pip on a cold cache) while cargo check and build are
 # CPU bound, so one background job, started right after the tools step, fills all three while the
 # main shell compiles; each Python step first waits for it (await_venvs), then only runs its checks.
 # The job fills them one after another: pips in parallel would fight over pip's cache.
@@ -292,17 +301,28 @@ console_browser_tests() {
 
 step "services (PostgreSQL $PG_HOST:$PG_PORT, RabbitMQ $MQ_HOST:$MQ_PORT)" check_services
 step "tools" check_tools
-# Network-bound pip from here on, in the background, alongside CPU-bound clippy and cargo build.
+# Network-bound pip from here on, in the background, alongside the CPU-bound compilation.
 step "virtualenvs (python3; pip fills them in the background)" start_venvs
 step "cargo fmt --check" cargo fmt --all -- --check
-step "cargo clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
-step "publisher library alone (no CLI crates)" cargo check --locked -p intent-publisher --no-default-features --lib
+
+# ---- lints while building -----------------------------------------------------------------------
+# clippy-driver is rustc with clippy's lints (it is what `cargo clippy` runs), and cargo runs it in
+# place of rustc for the workspace's own crates only (RUSTC_WORKSPACE_WRAPPER). So every build of
+# them below also lints them, -D warnings making any warning an error, and the dependencies are
+# compiled once, for the binaries, instead of a second time in check mode for a separate
+# `cargo clippy`. The library, binaries and example are linted by cargo build, every test target
+# by the test build: together the targets of `cargo clippy --workspace --all-targets`. Cargo
+# fingerprints the wrapper and RUSTFLAGS, so a later cargo command without them rebuilds the
+# workspace's crates (not the dependencies, which dependency lints never touch: cargo caps them).
+export RUSTC_WORKSPACE_WRAPPER=$CLIPPY_DRIVER
+export RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-Dwarnings"
+step "publisher library alone (no CLI crates; clippy's lints)" cargo check --locked -p intent-publisher --no-default-features --lib
 step "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
 step "promtool test rules" promtool test rules deploy/prometheus/alerts_test.yml
 step "kubernetes manifests (offline)" scripts/validate-k8s.sh
 step "compose file" check_compose
 # The end-to-end suites run the built binaries (worker with fault points, reference-downstream).
-step "cargo build" cargo build --workspace --locked
+step "cargo build (clippy's lints, -D warnings)" cargo build --workspace --locked
 step "protocol decoder example (the Python client's differential test)" \
     cargo build --locked -p intent-protocol --example decode_hex
 
@@ -352,7 +372,7 @@ await_binary_steps() {
 
 step "stage the built binaries (and await the virtualenvs)" stage_binaries
 start_binary_steps
-step "cargo nextest (build the test binaries)" cargo nextest run --workspace --locked --no-run
+step "cargo nextest (build the test binaries; clippy's lints, -D warnings)" cargo nextest run --workspace --locked --no-run
 step "demo, Python client, API schema, console in a browser" await_binary_steps
 step "MCP examples (ruff; exports MCP_PYTHON)" mcp_examples_venv
 # slowest_tests: the ten slowest tests of the last nextest run, from its JUnit report.
