@@ -306,16 +306,18 @@ step "virtualenvs (python3; pip fills them in the background)" start_venvs
 step "cargo fmt --check" cargo fmt --all -- --check
 
 # ---- lints while building -----------------------------------------------------------------------
-# clippy-driver is rustc with clippy's lints (it is what `cargo clippy` runs), and cargo runs it in
-# place of rustc for the workspace's own crates only (RUSTC_WORKSPACE_WRAPPER). So every build of
-# them below also lints them, -D warnings making any warning an error, and the dependencies are
-# compiled once, for the binaries, instead of a second time in check mode for a separate
-# `cargo clippy`. The library, binaries and example are linted by cargo build, every test target
-# by the test build: together the targets of `cargo clippy --workspace --all-targets`. Cargo
-# fingerprints the wrapper and RUSTFLAGS, so a later cargo command without them rebuilds the
-# workspace's crates (not the dependencies, which dependency lints never touch: cargo caps them).
+# clippy-driver is rustc with clippy's lints, and cargo runs it in place of rustc for the
+# workspace's own crates only (RUSTC_WORKSPACE_WRAPPER), exactly as `cargo clippy` does; CLIPPY_ARGS
+# carries the lint arguments the way `cargo clippy -- -D warnings` passes them (separated by
+# `__CLIPPY_HACKERY__`), so any rustc or clippy warning is an error. Every build below then also
+# lints what it compiles, and the dependencies are compiled once, for the binaries, instead of a
+# second time in check mode for a separate `cargo clippy`. The library, binaries and example are
+# linted by cargo build, every test target by the test build: together the targets of
+# `cargo clippy --workspace --all-targets`. The dependencies are built as by a plain cargo build
+# (the wrapper never sees them); cargo fingerprints the wrapper, so a plain cargo command after
+# this script rebuilds only the workspace's own crates.
 export RUSTC_WORKSPACE_WRAPPER=$CLIPPY_DRIVER
-export RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-Dwarnings"
+export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 step "publisher library alone (no CLI crates; clippy's lints)" cargo check --locked -p intent-publisher --no-default-features --lib
 step "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
 step "promtool test rules" promtool test rules deploy/prometheus/alerts_test.yml
