@@ -5,18 +5,20 @@
 #
 # Steps: services (Postgres, RabbitMQ; started, or installed with apt-get as root, when missing)
 # -> tools (promtool, cargo-nextest, clippy-driver) -> virtualenvs (python3 found or installed; the
-# three Python steps' virtualenvs are then filled by pip in the background, alongside the steps
-# that follow) -> fmt -> publisher library alone -> alert rules (check + unit tests) -> kubernetes
-# manifests -> compose file -> cargo build -> then, in the background on a copy of the binaries
-# while cargo builds the test binaries: demo (scripts/demo.sh --once) -> Python client (ruff, mypy,
-# pytest against the built worker) -> API schema (schemathesis against a built worker) ->
-# operator console in a browser (headless Chromium + Selenium against a built worker); their
-# output is printed when they end -> MCP examples (ruff; exports MCP_PYTHON) -> cargo nextest
-# (whole workspace).
+# four Python steps' virtualenvs are then filled by pip in the background, alongside the steps
+# that follow) -> fmt -> alert rules (check + unit tests) -> kubernetes manifests -> compose file
+# -> cargo build (libraries, binaries, the decoder example) -> then, in the background on a copy
+# of the binaries while cargo builds the test binaries, two chains side by side: demo
+# (scripts/demo.sh --once) -> Python client (ruff, mypy, pytest against the built worker), and API
+# schema (schemathesis against a built worker) -> operator console in a browser (headless
+# Chromium + Selenium against a built worker); their output is printed when they end -> MCP
+# examples (ruff; exports MCP_PYTHON) -> cargo nextest (whole workspace, on the test binaries
+# just built), with the publisher library alone (cargo check, no CLI crates) compiling beside it
+# at the lowest CPU priority.
 # Every compilation of the workspace's own crates here is also clippy's (see "lints while building"
-# below): the build, the example and the test build fail on any rustc or clippy warning, which is
-# what `cargo clippy --workspace --all-targets -- -D warnings` checks, without a check-mode build
-# of every dependency of its own.
+# below): the build, the test build and the publisher check fail on any rustc or clippy warning,
+# which is what `cargo clippy --workspace --all-targets -- -D warnings` checks, without a
+# check-mode build of every dependency of its own.
 # Each Python step first waits for the virtualenvs (and prints the pip log once).
 #
 # Environment:
@@ -201,17 +203,21 @@ kill_tree() {
     done
 }
 
-# On any exit (a failed step exits at once) the background job must not outlive the script. The
-# trap keeps the script's exit status.
-stop_venvs() {
+# On any exit (a failed step exits at once) no background job (the virtualenvs' fill, the chains
+# of steps on built binaries, the publisher check) may outlive the script. The trap keeps the
+# script's exit status.
+stop_background() {
     if [ -n "$VENVS_PID" ] && [ -z "$VENVS_RC" ] && kill -0 "$VENVS_PID" 2>/dev/null; then
         kill_tree "$VENVS_PID"
     fi
-    if [ -n "${STEPS_PID:-}" ] && kill -0 "$STEPS_PID" 2>/dev/null; then
-        kill_tree "$STEPS_PID"
-    fi
+    local pid
+    for pid in "${CHAIN_PIDS[@]}" "${PUBCHECK_PID:-}"; do
+        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+            kill_tree "$pid"
+        fi
+    done
 }
-trap stop_venvs EXIT
+trap stop_background EXIT
 
 # ---- (f) compose file ---------------------------------------------------------------------------
 check_compose() {
@@ -318,23 +324,25 @@ step "cargo fmt --check" cargo fmt --all -- --check
 # this script rebuilds only the workspace's own crates.
 export RUSTC_WORKSPACE_WRAPPER=$CLIPPY_DRIVER
 export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
-step "publisher library alone (no CLI crates; clippy's lints)" cargo check --locked -p intent-publisher --no-default-features --lib
 step "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
 step "promtool test rules" promtool test rules deploy/prometheus/alerts_test.yml
 step "kubernetes manifests (offline)" scripts/validate-k8s.sh
 step "compose file" check_compose
-# The end-to-end suites run the built binaries (worker with fault points, reference-downstream).
-step "cargo build (clippy's lints, -D warnings)" cargo build --workspace --locked
-step "protocol decoder example (the Python client's differential test)" \
-    cargo build --locked -p intent-protocol --example decode_hex
+# The end-to-end suites run the built binaries (worker with fault points, reference-downstream);
+# the Python client's differential test runs the protocol's decoder example. One cargo build for
+# all of them, so the example compiles while the binaries link.
+step "cargo build (libraries, binaries, examples; clippy's lints, -D warnings)" \
+    cargo build --workspace --locked --lib --bins --examples
 
 # ---- (i) the steps on built binaries, beside the test build ------------------------------------
 # The demo and the Python steps run on the binaries just built while cargo builds the test
 # binaries: they mostly wait on the services, the test build is CPU bound, and together they
-# take the time of the longer one. They run on a copy of the binaries ($STAGED_BIN), which the
-# test build cannot relink under them, one after another in one background job whose output is
-# printed when it ends. The virtualenvs are awaited here first (the job is not their parent).
-STAGED_BIN='' STEPS_LOG='' STEPS_PID=''
+# take the time of the longest. They run on a copy of the binaries ($STAGED_BIN), which the test
+# build cannot relink under them, in two background chains side by side (each world has its own
+# database, broker names and ports; the demo's fixed ports are outside the range free ports are
+# drawn from), each chain's output printed when it ends. The virtualenvs are awaited here first
+# (the chains are not the fill job's parent).
+STAGED_BIN='' CHAIN_NAMES=() CHAIN_PIDS=()
 
 stage_binaries() {
     local target
@@ -348,33 +356,91 @@ stage_binaries() {
 
 # The demo (the Quick start without Docker, non-interactively, on the debug binaries: their
 # worker has fault points; the release build would add minutes): its summary against the
-# downstream's own table. Then the Python client, the API schema and the console in a browser.
-binary_steps() {
+# downstream's own table. Then the Python client.
+demo_and_python_client() {
     export INTENT_BIN_DIR=$STAGED_BIN
     step "demo (scripts/demo.sh --once)" scripts/demo.sh --once --bin-dir "$STAGED_BIN"
     step "python client (ruff, mypy, pytest)" python_client_tests
+}
+
+# The API schema, then the console in a browser.
+api_schema_and_browser() {
+    export INTENT_BIN_DIR=$STAGED_BIN
     step "API schema (schemathesis against docs/openapi.yaml)" api_schema_tests
     step "operator console in a browser (chromium, selenium)" console_browser_tests
 }
 
 start_binary_steps() {
-    STEPS_LOG=$STAGED_BIN/steps.log
-    (binary_steps) >"$STEPS_LOG" 2>&1 </dev/null &
-    STEPS_PID=$!
-    say "demo, Python client, API schema and browser steps running beside the test build (log $STEPS_LOG)"
+    local chain
+    for chain in demo_and_python_client api_schema_and_browser; do
+        ("$chain") >"$STAGED_BIN/$chain.log" 2>&1 </dev/null &
+        CHAIN_NAMES+=("$chain")
+        CHAIN_PIDS+=("$!")
+    done
+    say "demo, Python client, API schema and browser steps running beside the test build (logs $STAGED_BIN/*.log)"
 }
 
+# Prints each chain's log when it ends; fails when either failed.
 await_binary_steps() {
-    local rc=0
-    wait "$STEPS_PID" || rc=$?
-    STEPS_PID=''
-    cat "$STEPS_LOG"
+    local rc=0 i chain_rc
+    for i in "${!CHAIN_PIDS[@]}"; do
+        chain_rc=0
+        wait "${CHAIN_PIDS[$i]}" || chain_rc=$?
+        cat "$STAGED_BIN/${CHAIN_NAMES[$i]}.log"
+        [ "$chain_rc" -eq 0 ] || rc=$chain_rc
+    done
+    CHAIN_PIDS=()
     return "$rc"
+}
+
+# ---- (j) the test binaries, then the run beside the publisher check -----------------------------
+# The test build lists the binaries it built (nextest's binaries metadata) and the package graph
+# (cargo metadata), so that the run reuses them instead of calling cargo itself: cargo would
+# wait on the build directory's lock, which the publisher check holds while it compiles.
+NEXTEST_META=''
+
+build_test_binaries() {
+    local host
+    NEXTEST_META=$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/nextest || return 1
+    mkdir -p "$NEXTEST_META" || return 1
+    host=$(rustc -vV | sed -n 's/^host: //p')
+    cargo nextest list --workspace --locked --list-type binaries-only --message-format json \
+        >"$NEXTEST_META/binaries-metadata.json" || return 1
+    cargo metadata --format-version 1 --locked --filter-platform "$host" \
+        >"$NEXTEST_META/cargo-metadata.json"
+}
+
+# The publisher library as an agent links it (no CLI crates: `cargo check -p intent-publisher
+# --no-default-features --lib`, with clippy's lints) compiles its dependencies a second time,
+# with the publisher's own features only. It runs beside the test run at the lowest CPU priority:
+# the suites mostly wait on timers and leave a third of the two cores idle, and nice 19 gives the
+# tests the CPU whenever they want it.
+PUBCHECK_PID='' PUBCHECK_LOG='' PUBCHECK_T0=0
+
+start_publisher_check() {
+    PUBCHECK_LOG=$NEXTEST_META/publisher-alone.log
+    PUBCHECK_T0=$SECONDS
+    nice -n 19 cargo check --locked -p intent-publisher --no-default-features --lib \
+        >"$PUBCHECK_LOG" 2>&1 </dev/null &
+    PUBCHECK_PID=$!
+    say "publisher library alone (no CLI crates; clippy's lints) compiling beside the tests (log $PUBCHECK_LOG)"
+}
+
+await_publisher_check() {
+    local rc=0
+    wait "$PUBCHECK_PID" || rc=$?
+    PUBCHECK_PID=''
+    if [ "$rc" -ne 0 ]; then
+        cat "$PUBCHECK_LOG"
+        say "FAILED: publisher library alone (no CLI crates; clippy's lints) (exit $rc)"
+        return "$rc"
+    fi
+    say "ok: publisher library alone (no CLI crates; clippy's lints) ($((SECONDS - PUBCHECK_T0))s beside the tests)"
 }
 
 step "stage the built binaries (and await the virtualenvs)" stage_binaries
 start_binary_steps
-step "cargo nextest (build the test binaries; clippy's lints, -D warnings)" cargo nextest run --workspace --locked --no-run
+step "cargo nextest (build the test binaries; clippy's lints, -D warnings)" build_test_binaries
 step "demo, Python client, API schema, console in a browser" await_binary_steps
 step "MCP examples (ruff; exports MCP_PYTHON)" mcp_examples_venv
 # slowest_tests: the ten slowest tests of the last nextest run, from its JUnit report.
@@ -395,9 +461,13 @@ for seconds, name in sorted(cases, reverse=True)[:10]:
 PY
 }
 
-nextest_rc=0
+nextest_rc=0 pubcheck_rc=0
+start_publisher_check
 # In a subshell: a failing step exits it, and the slowest tests are still printed.
-(step "cargo nextest" cargo nextest run --workspace --locked --no-fail-fast "$@") || nextest_rc=$?
+(step "cargo nextest" cargo nextest run --binaries-metadata "$NEXTEST_META/binaries-metadata.json" \
+    --cargo-metadata "$NEXTEST_META/cargo-metadata.json" --no-fail-fast "$@") || nextest_rc=$?
 slowest_tests
+await_publisher_check || pubcheck_rc=$?
 [ "$nextest_rc" -eq 0 ] || exit "$nextest_rc"
+[ "$pubcheck_rc" -eq 0 ] || exit "$pubcheck_rc"
 say "all steps passed ($((SECONDS - started_all))s)"
