@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's one test command (README: `scripts/test.sh`; .ci/run execs it).
 #
-#   scripts/test.sh [extra cargo-nextest args, e.g. -E 'test(claim)']
+#   scripts/test.sh [extra `cargo nextest run` args, e.g. -E 'test(claim)'; filters, not cargo's -p]
 #
 # Steps: services (Postgres, RabbitMQ; started, or installed with apt-get as root, when missing)
 # -> tools (promtool, cargo-nextest, clippy-driver) -> virtualenvs (python3 found or installed; the
