@@ -358,14 +358,12 @@ stage_binaries() {
 # worker has fault points; the release build would add minutes): its summary against the
 # downstream's own table. Then the Python client.
 demo_and_python_client() {
-    export INTENT_BIN_DIR=$STAGED_BIN
     step "demo (scripts/demo.sh --once)" scripts/demo.sh --once --bin-dir "$STAGED_BIN"
     step "python client (ruff, mypy, pytest)" python_client_tests
 }
 
 # The API schema, then the console in a browser.
 api_schema_and_browser() {
-    export INTENT_BIN_DIR=$STAGED_BIN
     step "API schema (schemathesis against docs/openapi.yaml)" api_schema_tests
     step "operator console in a browser (chromium, selenium)" console_browser_tests
 }
@@ -373,7 +371,7 @@ api_schema_and_browser() {
 start_binary_steps() {
     local chain
     for chain in demo_and_python_client api_schema_and_browser; do
-        ("$chain") >"$STAGED_BIN/$chain.log" 2>&1 </dev/null &
+        (export INTENT_BIN_DIR=$STAGED_BIN && "$chain") >"$STAGED_BIN/$chain.log" 2>&1 </dev/null &
         CHAIN_NAMES+=("$chain")
         CHAIN_PIDS+=("$!")
     done
@@ -416,6 +414,7 @@ build_test_binaries() {
 # the suites mostly wait on timers and leave a third of the two cores idle, and nice 19 gives the
 # tests the CPU whenever they want it.
 PUBCHECK_PID='' PUBCHECK_LOG='' PUBCHECK_T0=0
+PUBCHECK_NAME="publisher library alone (no CLI crates; clippy's lints)"
 
 start_publisher_check() {
     PUBCHECK_LOG=$NEXTEST_META/publisher-alone.log
@@ -423,7 +422,7 @@ start_publisher_check() {
     nice -n 19 cargo check --locked -p intent-publisher --no-default-features --lib \
         >"$PUBCHECK_LOG" 2>&1 </dev/null &
     PUBCHECK_PID=$!
-    say "publisher library alone (no CLI crates; clippy's lints) compiling beside the tests (log $PUBCHECK_LOG)"
+    say "$PUBCHECK_NAME compiling beside the tests (log $PUBCHECK_LOG)"
 }
 
 await_publisher_check() {
@@ -432,10 +431,10 @@ await_publisher_check() {
     PUBCHECK_PID=''
     if [ "$rc" -ne 0 ]; then
         cat "$PUBCHECK_LOG"
-        say "FAILED: publisher library alone (no CLI crates; clippy's lints) (exit $rc)"
+        say "FAILED: $PUBCHECK_NAME (exit $rc)"
         return "$rc"
     fi
-    say "ok: publisher library alone (no CLI crates; clippy's lints) ($((SECONDS - PUBCHECK_T0))s beside the tests)"
+    say "ok: $PUBCHECK_NAME ($((SECONDS - PUBCHECK_T0))s beside the tests)"
 }
 
 step "stage the built binaries (and await the virtualenvs)" stage_binaries
