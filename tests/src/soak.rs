@@ -1293,7 +1293,7 @@ async fn settle(
         .await
         .unwrap_or(1);
         let unpublished: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM result_outbox WHERE published_at IS NULL")
+            sqlx::query_scalar("SELECT count(*) FROM result_events WHERE NOT published")
                 .fetch_one(ledger)
                 .await
                 .unwrap_or(1);

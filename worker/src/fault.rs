@@ -8,13 +8,14 @@
 //! process every time that action is taken from the queue: a poison message.
 
 /// Points a test can stop at.
-pub const POINTS: [&str; 7] = [
+pub const POINTS: [&str; 8] = [
     "after_prepared",
     "after_dispatching",
     "before_send",
     "after_send_fence",
     "after_response",
     "after_succeeded",
+    "after_results_confirmed",
     "crash_on_intake",
 ];
 

@@ -1011,8 +1011,8 @@ async fn latency_run_in(
         .filter(|(s, _)| s.mono.saturating_duration_since(sent[0].mono) >= WARM_UP)
         .map(|(s, r)| r.mono.saturating_duration_since(s.mono))
         .collect();
-    // The relay marks an event published after its confirm, possibly after the follower got
-    // it: let the last marks land before the worker stops.
+    // The relay records events published after their confirms (at most every half second),
+    // possibly after the follower got them: let the last record land before the worker stops.
     wait_marked(env).await;
     let rss_kib = peak_rss_kib(worker.pid());
     let _ = publisher_conn.close(200, "".into()).await;
@@ -1036,12 +1036,12 @@ async fn latency_run_in(
     })
 }
 
-/// Waits up to 5 s until every `succeeded` event of the run is marked published.
+/// Waits up to 5 s until every `succeeded` event of the run is recorded published.
 async fn wait_marked(env: &Env) {
     let until = Instant::now() + Duration::from_secs(5);
     while Instant::now() < until {
         let left: Result<i64, _> = sqlx::query_scalar(
-            "SELECT count(*) FROM result_outbox WHERE status = 'succeeded' AND published_at IS NULL",
+            "SELECT count(*) FROM result_events WHERE status = 'succeeded' AND NOT published",
         )
         .fetch_one(&env.pool)
         .await;
@@ -1062,10 +1062,9 @@ async fn wait_marked(env: &Env) {
 ///   trigger ran inside the completion `UPDATE` (before that transaction commits).
 /// - `result_outbox.created_at` DEFAULT `now()`: the start of the completion transaction, so a
 ///   little *before* the history row of the same completion.
-/// - `result_outbox.published_at` = `now()` of the relay's mark statement (worker/src/ledger/
-///   outbox.rs), which runs after the broker confirmed the event: the confirm wait is in
-///   "recorded -> published", and "published -> received" is what is left of hop 2 after it
-///   (negative when the follower had the event before the mark began).
+/// - A worker's own completion events are recorded published by their relay epoch's watermark,
+///   not row by row, so the ledger has no per-event publish time: "recorded -> received" is the
+///   relay, its confirm and hop 2 together.
 struct Stages {
     /// Intents slower than [`SLOW_MS`] (publish -> received), per [`SLOW_BUCKET_MS`] of the
     /// run by publish time: a tail that sits in the first buckets is a warm-up, one spread
@@ -1079,15 +1078,9 @@ struct Stages {
 
 impl Stages {
     async fn read(env: &Env, sent: &[Stamp], received: &[Stamp]) -> Result<Stages> {
-        type Row = (
-            String,
-            DateTime<Utc>,
-            DateTime<Utc>,
-            DateTime<Utc>,
-            Option<DateTime<Utc>>,
-        );
+        type Row = (String, DateTime<Utc>, DateTime<Utc>, DateTime<Utc>);
         let rows: Vec<Row> = sqlx::query_as(
-            "SELECT o.action_id, o.created_at, h.at, r.created_at, r.published_at
+            "SELECT o.action_id, o.created_at, h.at, r.created_at
              FROM operations o
              JOIN operation_history h ON h.operation_id = o.id AND h.to_state = 'succeeded'
              JOIN result_outbox r ON r.operation_id = o.id AND r.status = 'succeeded'
@@ -1099,19 +1092,16 @@ impl Stages {
         let ms = |from: DateTime<Utc>, to: DateTime<Utc>| {
             (to - from).num_microseconds().unwrap_or(i64::MAX) as f64 / 1000.0
         };
-        let mut columns: [Vec<f64>; 6] = Default::default();
+        let mut columns: [Vec<f64>; 5] = Default::default();
         let mut seen = HashSet::new();
         let mut slow: Vec<usize> = Vec::new();
         let t0 = DateTime::<Utc>::from(sent[0].wall);
-        for (action_id, admitted, recorded, outbox_created, published) in rows {
+        for (action_id, admitted, recorded, outbox_created) in rows {
             let Some(i) = action_id
                 .strip_prefix("bench-")
                 .and_then(|s| s.parse::<usize>().ok())
                 .filter(|&i| i < sent.len())
             else {
-                continue;
-            };
-            let Some(published) = published else {
                 continue;
             };
             if !seen.insert(i) {
@@ -1129,8 +1119,7 @@ impl Stages {
             for (c, v) in columns.iter_mut().zip([
                 ms(publish, admitted),
                 ms(admitted, recorded),
-                ms(recorded, published),
-                ms(published, receive),
+                ms(recorded, receive),
                 ms(publish, receive),
                 ms(recorded, outbox_created),
             ]) {
@@ -1138,7 +1127,7 @@ impl Stages {
             }
         }
         ensure!(!seen.is_empty(), "no intent has all its ledger timestamps");
-        let [a, b, c, d, total, outbox] = columns;
+        let [a, b, c, total, outbox] = columns;
         Ok(Stages {
             slow,
             matched: seen.len(),
@@ -1146,9 +1135,8 @@ impl Stages {
             rows: vec![
                 ("publish -> admitted (operations.created_at)", a),
                 ("admitted -> succeeded recorded (history.at)", b),
-                ("recorded -> published (relay; outbox.published_at)", c),
-                ("published -> received (broker hop 2 + follower)", d),
-                ("publish -> received (sum of the four, wall clock)", total),
+                ("recorded -> received (relay, confirm, hop 2, follower)", c),
+                ("publish -> received (sum of the three, wall clock)", total),
                 ("(outbox.created_at - recorded: txn start vs stmt)", outbox),
             ],
         })
@@ -1185,11 +1173,10 @@ const STAGES_LEGEND: &str = "per stage: publish/received = this process's wall c
 (SystemTime) at basic.publish / after the follower acked; admitted = operations.created_at \
 (DEFAULT now(): start of the admit transaction, one statement); recorded = operation_history.at \
 of the transition to succeeded (DEFAULT clock_timestamp(): statement clock, inside the completion \
-transaction, before its commit); published = result_outbox.published_at (now() of the relay's \
-mark statement, which runs after the broker's confirm: the confirm wait counts in recorded -> \
-published, and published -> received can be negative); outbox.created_at is now() too (start of \
-the completion transaction), so it precedes recorded. Means add up to the total; percentiles do \
-not.";
+transaction, before its commit); a worker's own events are recorded published by a watermark, \
+with no time per event, so recorded -> received holds the relay, its confirm and hop 2; \
+outbox.created_at is now() too (start of the completion transaction), so it precedes recorded. \
+Means add up to the total; percentiles do not.";
 
 /// Broker-only floor at `rate`: the same open-loop publisher into a durable quorum queue A; a
 /// relay here consumes A (prefetch P), publishes each body to a durable quorum queue B with a

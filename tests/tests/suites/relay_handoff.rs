@@ -1,8 +1,9 @@
 //! A worker's own completion events are inserted already claimed by its relay and
 //! handed to it in memory after the commit, so the relay publishes them without a claim
-//! `UPDATE`. Proven from the outside: the outbox rows (owner, publication, and how many times
-//! each row was updated, counted by a trigger the test installs), the events the agent
-//! receives, crashes and a stalled broker link.
+//! `UPDATE`, and records them published with its epoch's watermark instead of a mark on each
+//! row. Proven from the outside: the outbox rows (owner, publication as the `result_events`
+//! view reads it, and how many times each row was updated, counted by a trigger the test
+//! installs), the events the agent receives, crashes and a stalled broker link.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -59,6 +60,7 @@ async fn count_outbox_updates(env: &Env) {
 struct EventRow {
     event_id: String,
     relay_owner: Option<String>,
+    relay_epoch: Option<i64>,
     published: bool,
     /// Updates of the row since the counting trigger was installed.
     updates: i64,
@@ -71,12 +73,12 @@ struct EventRow {
 
 async fn event_row(env: &Env, action_id: &str) -> Option<EventRow> {
     sqlx::query_as(
-        "SELECT r.event_id::text AS event_id, r.relay_owner, r.published_at IS NOT NULL AS published,
+        "SELECT r.event_id::text AS event_id, r.relay_owner, r.relay_epoch, r.published,
                 (SELECT count(*) FROM e2e_outbox_updates u WHERE u.id = r.id) AS updates,
                 o.changed_by AS completed_by,
                 extract(epoch FROM r.relay_until)::float8 AS relay_until,
                 extract(epoch FROM r.published_at)::float8 AS published_at
-         FROM result_outbox r JOIN operations o ON o.id = r.operation_id
+         FROM result_events r JOIN operations o ON o.id = r.operation_id
          WHERE o.tenant = $1 AND o.action_id = $2 AND r.status = 'succeeded'",
     )
     .bind(TENANT)
@@ -86,9 +88,9 @@ async fn event_row(env: &Env, action_id: &str) -> Option<EventRow> {
     .expect("read the outbox")
 }
 
-/// Waits until the `succeeded` event of every action is marked published.
+/// Waits until the `succeeded` event of every action is recorded published.
 async fn all_published(env: &Env, ids: &[String]) -> BTreeMap<String, EventRow> {
-    wait_for("every succeeded event marked published", T, || async {
+    wait_for("every succeeded event recorded published", T, || async {
         let mut rows = BTreeMap::new();
         for id in ids {
             match event_row(env, id).await {
@@ -154,9 +156,7 @@ async fn all_in(env: &Env, ids: &[String], state: &str) {
 }
 
 /// A completed intent's event is published by the worker that recorded it, and its outbox
-/// row is updated exactly once (marked published): no relay claim `UPDATE`. Before the
-/// change every row was updated twice (the relay's claim, then the mark) and owned by
-/// whichever relay claimed it.
+/// row is never updated: no relay claim, no mark (the epoch's watermark records it published).
 #[tokio::test]
 async fn own_completion_events_are_published_without_a_claim_update() {
     let env = Env::new().await;
@@ -170,7 +170,7 @@ async fn own_completion_events_are_published_without_a_claim_update() {
 
     let events = collect(&mut agent, all.len(), Duration::from_millis(500)).await;
     let rows = all_published(&env, &all).await;
-    // Let a stray second update (a claim after the mark would be a bug too) show itself.
+    // Let a stray update (a claim or a mark after the watermark would be a bug) show itself.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let me = worker_id(&env, "w");
     for id in &all {
@@ -182,8 +182,12 @@ async fn own_completion_events_are_published_without_a_claim_update() {
         );
         assert!(row.published, "{id}: {row:?}");
         assert_eq!(
-            row.updates, 1,
-            "{id}: the row is updated once (marked published), never claimed: {row:?}"
+            row.updates, 0,
+            "{id}: the row is never updated (not claimed, not marked): {row:?}"
+        );
+        assert!(
+            row.published_at.is_none(),
+            "{id}: published by the watermark: {row:?}"
         );
         assert_eq!(row.event_id, rows[id].event_id);
     }
@@ -200,8 +204,8 @@ async fn own_completion_events_are_published_without_a_claim_update() {
 }
 
 /// Two workers on one queue, 200 intents: every event reaches the results queue exactly once
-/// (no crash, so no duplicate), each published by the worker that completed it, each row
-/// updated once.
+/// (no crash, so no duplicate), each published by the worker that completed it, no row
+/// updated.
 #[tokio::test]
 async fn two_workers_publish_every_event_once() {
     let env = Env::new().await;
@@ -230,7 +234,7 @@ async fn two_workers_publish_every_event_once() {
             "{id}: published by the worker that completed it: {row:?}"
         );
         assert!(workers.contains(row.relay_owner.as_ref().unwrap()));
-        assert_eq!(row.updates, 1, "{id}: no claim update: {row:?}");
+        assert_eq!(row.updates, 0, "{id}: no claim, no mark: {row:?}");
         *by_worker
             .entry(row.relay_owner.clone().unwrap())
             .or_insert(0) += 1;
@@ -242,9 +246,9 @@ async fn two_workers_publish_every_event_once() {
 
 /// A worker stopped for good right after its completion committed (fault point
 /// `after_succeeded`; its broker link black-holed first, so nothing it publishes can arrive)
-/// leaves the event claimed by itself: another worker's relay does not take it while the hold
-/// lasts, then publishes it, and the agent gets exactly that event. Before the change the row
-/// was inserted unclaimed and the other relay published it at once.
+/// leaves the event claimed by itself, in its relay epoch: another worker's relay does not
+/// take it while the hold lasts, then retires the silent epoch, publishes the event and marks
+/// it, and the agent gets exactly that event.
 #[tokio::test]
 async fn crash_after_commit_leaves_the_event_to_another_relay_after_the_hold() {
     let env = Env::new().await;
@@ -326,7 +330,7 @@ async fn crash_after_commit_leaves_the_event_to_another_relay_after_the_hold() {
 
 /// The relay's broker link stalls while it waits for a confirm; completions that commit
 /// meanwhile are handed to it and wait in memory. When the link is reset and the relay
-/// reconnects, the new relay publishes them from memory (one update each: the mark) and no
+/// reconnects, the new relay publishes them from memory (no update: the watermark) and no
 /// event is lost; the row that was in flight is released and published again through the
 /// outbox.
 #[tokio::test]
@@ -390,12 +394,105 @@ async fn handed_events_survive_a_broker_link_loss() {
             "{id}: {row:?}"
         );
         assert_eq!(
-            row.updates, 1,
-            "{id}: published from memory after the reconnect (marked once): {row:?}"
+            row.updates, 0,
+            "{id}: published from memory after the reconnect (the watermark): {row:?}"
         );
     }
     assert!(proxy.connections() >= 3, "the worker reconnected");
     drop(w);
     drop(proxy);
+    cleanup(env).await;
+}
+
+/// A worker whose relay had the broker's confirm for an event but had not yet written its
+/// epoch's watermark (fault point `after_results_confirmed`) is killed: the event is not
+/// recorded published, so once the dead worker's hold has passed another worker retires the
+/// epoch and publishes the event again, with the same `event_id`. Agents may see an event
+/// twice, never zero times.
+#[tokio::test]
+async fn crash_between_confirm_and_watermark_publishes_the_event_again() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let action = "confirmed-0";
+    let hold = Duration::from_secs(4);
+    let opts =
+        roomy_opts(&env, ds.port).env("WORKER_FAULT_RELAY_HOLD_SECS", &hold.as_secs().to_string());
+    let mut a = start_ready(
+        &env,
+        "a",
+        &opts.clone().fault("after_results_confirmed", Some(action)),
+    )
+    .await;
+    count_outbox_updates(&env).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    publish(&agent, &[action.to_string()]).await;
+    a.wait_output("fault point reached: after_results_confirmed", T)
+        .await;
+    let first = agent.next(TENANT, T).await;
+    assert_eq!(
+        (first.action_id.as_str(), first.status),
+        (action, Status::Succeeded)
+    );
+    a.kill();
+    let row = event_row(&env, action).await.expect("recorded");
+    assert!(
+        !row.published && row.relay_epoch.is_some(),
+        "confirmed but not recorded published: {row:?}"
+    );
+
+    let b = start_ready(&env, "b", &opts).await;
+    let again = agent.next(TENANT, hold * 3 + T).await;
+    assert_eq!(again.event_id, first.event_id, "the same event, again");
+    assert_eq!(again.status, Status::Succeeded);
+    let after = all_published(&env, &[action.to_string()]).await[action].clone();
+    assert_eq!(
+        after.relay_owner.as_deref(),
+        Some(worker_id(&env, "b").as_str()),
+        "given back by the retired epoch and marked by the survivor: {after:?}"
+    );
+    assert!(
+        after.relay_epoch.is_none() && after.published_at.is_some(),
+        "{after:?}"
+    );
+    assert!(
+        agent
+            .try_next(TENANT, Duration::from_millis(1500))
+            .await
+            .is_none(),
+        "twice, not more"
+    );
+    drop(b);
+    cleanup(env).await;
+}
+
+/// A worker idle for longer than the relay hold keeps its epoch (its relay writes the
+/// watermark again every third of the hold, and its own relay retires silent epochs too): the
+/// event after the pause joins the same epoch, no event is given back or published twice, and
+/// no row is ever updated.
+#[tokio::test]
+async fn an_idle_workers_epoch_is_not_retired() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let hold = Duration::from_secs(3);
+    let opts =
+        roomy_opts(&env, ds.port).env("WORKER_FAULT_RELAY_HOLD_SECS", &hold.as_secs().to_string());
+    let w = start_ready(&env, "w", &opts).await;
+    count_outbox_updates(&env).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    let before = ids("idle-a", 1);
+    let after = ids("idle-b", 1);
+    publish(&agent, &before).await;
+    let mut events = collect(&mut agent, 1, Duration::from_millis(200)).await;
+    tokio::time::sleep(hold * 3).await;
+    publish(&agent, &after).await;
+    events.extend(collect(&mut agent, 1, Duration::from_millis(1500)).await);
+    let all: Vec<String> = before.iter().chain(&after).cloned().collect();
+    let rows = all_published(&env, &all).await;
+    assert_eq!(events.len(), 2, "no event published twice: {events:?}");
+    assert!(rows.values().all(|r| r.updates == 0), "{rows:?}");
+    let epochs: BTreeSet<_> = rows.values().map(|r| r.relay_epoch).collect();
+    assert_eq!(epochs.len(), 1, "one epoch across the pause: {rows:?}");
+    assert!(epochs.iter().all(Option::is_some), "{rows:?}");
+    drop(w);
     cleanup(env).await;
 }

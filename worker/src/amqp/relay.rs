@@ -1,12 +1,15 @@
 //! The result relay: publishes committed result events from the outbox with publisher
-//! confirms (routing key: the tenant) and marks them published. Events no queue is bound for
-//! are marked too and counted; they stay readable in the outbox and through the status API.
+//! confirms (routing key: the tenant) and records them published. Events no queue is bound for
+//! are recorded too and counted; they stay readable in the outbox and through the status API.
 //!
 //! Two sources feed it. This worker's own completions arrive in memory, already claimed for
-//! it in the outbox by the commit that wrote them ([`crate::batch::completion`]); they go first
-//! and cost no claim statement. Everything else (intake answers, expiries, operator events,
-//! other workers' lapsed rows, hand-offs that were dropped) is claimed from the outbox with
-//! `claim_unpublished`, when nothing was handed or at least every [`POLL`].
+//! it in the outbox by the commit that wrote them, in the batcher's relay epoch
+//! ([`crate::batch::completion`]); they go first, cost no claim statement, and are recorded
+//! published by advancing the epoch's watermark at most every [`POLL`] (a crash before that
+//! publishes them again, never loses them). Everything else (intake answers, expiries,
+//! operator events, other workers' lapsed rows, hand-offs that were dropped, epochs retired
+//! here) is claimed from the outbox with `claim_unpublished`, when nothing was handed or at
+//! least every [`POLL`], and marked published row by row.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -38,6 +41,28 @@ pub struct Relay {
     ctx: Arc<Context>,
     /// When this relay last claimed from the outbox.
     last_claim: Mutex<Option<Instant>>,
+    /// When this relay last looked for epochs to retire.
+    last_retire: Mutex<Option<Instant>>,
+    watermark: Mutex<Watermark>,
+    /// The latest epoch of handed events taken for the round in progress (0: none). A relay
+    /// dropped in mid-round freezes it: those events were neither confirmed nor given back.
+    taken: Mutex<i64>,
+}
+
+/// The epoch of the handed events this relay saw last, how far its confirms reach, and what
+/// earlier epochs are still owed.
+#[derive(Debug)]
+struct Watermark {
+    /// 0 before the first handed event.
+    epoch: i64,
+    /// Every handed event of `epoch` up to this id is confirmed (or was given back).
+    through: i64,
+    /// What this relay last wrote as the epoch's watermark.
+    written: i64,
+    /// When this relay last wrote a watermark (a write also says the epoch's relay is alive).
+    written_at: Instant,
+    /// Watermarks of earlier epochs, confirmed but not written yet.
+    owed: Vec<(i64, i64)>,
 }
 
 impl Relay {
@@ -61,6 +86,15 @@ impl Relay {
             exchange,
             ctx,
             last_claim: Mutex::new(None),
+            last_retire: Mutex::new(None),
+            watermark: Mutex::new(Watermark {
+                epoch: 0,
+                through: 0,
+                written: 0,
+                written_at: Instant::now(),
+                owed: Vec::new(),
+            }),
+            taken: Mutex::new(0),
         })
     }
 
@@ -83,13 +117,32 @@ impl Relay {
         }
         .instrument(span)
         .await;
-        if let Err(e) = self.ctx.ledger.mark_published(&settled.published).await {
+        if let Err(e) = self.ctx.ledger.release_unpublished(&settled.failed).await {
+            // Still in their epochs: the watermark must not pass them.
+            tracing::warn!(error = %e, "cannot release unpublished events");
+            for epoch in rows.iter().filter_map(|r| r.relay_epoch) {
+                self.ctx.completions.freeze_epoch(epoch);
+            }
+        }
+        let marked = self.advance(&rows, &settled.published);
+        // Confirmed, not yet recorded published: a crash here publishes them again.
+        #[cfg(feature = "fault-points")]
+        for row in rows.iter().filter(|r| settled.published.contains(&r.id)) {
+            let action_id = row.payload.get("action_id").and_then(|v| v.as_str());
+            crate::fault::point("after_results_confirmed", action_id.unwrap_or_default());
+        }
+        if let Err(e) = self.ctx.ledger.mark_published(&marked).await {
             // They will be published again after the hold: agents dedupe by event_id.
             tracing::warn!(error = %e, "cannot mark events published");
         }
-        if let Err(e) = self.ctx.ledger.release_unpublished(&settled.failed).await {
-            tracing::warn!(error = %e, "cannot release unpublished events");
-        }
+        *lock(&self.taken) = 0;
+        // A broken link ends this relay: what it confirmed is written now.
+        let every = if settled.broken.is_some() {
+            Duration::ZERO
+        } else {
+            POLL
+        };
+        self.write_watermark(every, false).await;
         if let Some(e) = settled.broken {
             return Err(AmqpError::Broker {
                 what: "publishing results".into(),
@@ -97,6 +150,101 @@ impl Relay {
             });
         }
         Ok(settled.published.len())
+    }
+
+    /// Takes a round's confirmed events into the watermark: the handed ones of an epoch still
+    /// advancing. Returns the rest, to be marked published one by one.
+    fn advance(&self, rows: &[OutboxRow], published: &[i64]) -> Vec<i64> {
+        let confirmed: std::collections::HashSet<i64> = published.iter().copied().collect();
+        let mut marked = Vec::new();
+        let mut w = lock(&self.watermark);
+        for row in rows.iter().filter(|r| confirmed.contains(&r.id)) {
+            match row.relay_epoch {
+                Some(epoch) if !self.ctx.completions.is_frozen(epoch) => {
+                    if epoch != w.epoch {
+                        // The batcher began a new epoch: the old one gets no more events.
+                        if w.epoch != 0 && w.through > w.written {
+                            let old = (w.epoch, w.through);
+                            w.owed.push(old);
+                        }
+                        w.epoch = epoch;
+                        w.through = 0;
+                        w.written = 0;
+                    }
+                    w.through = w.through.max(row.id);
+                }
+                _ => marked.push(row.id),
+            }
+        }
+        marked
+    }
+
+    /// Writes what the watermark owes: earlier epochs' at once, the current epoch's once `every`
+    /// has passed since the last write. With `keep_alive`, the current epoch is written again
+    /// every third of the relay hold even with nothing new, so an idle worker's epoch is not
+    /// retired. A write that fails is tried again later; until then the events are only not
+    /// recorded published (published again if the epoch is retired meanwhile).
+    async fn write_watermark(&self, every: Duration, keep_alive: bool) {
+        let keep_alive_every = self.ctx.relay_hold / 3;
+        let (owed, due) = {
+            let mut w = lock(&self.watermark);
+            let since = w.written_at.elapsed();
+            let advancing = w.epoch != 0 && !self.ctx.completions.is_frozen(w.epoch);
+            let due = w.epoch != 0
+                && ((w.through > w.written && since >= every)
+                    || (keep_alive && advancing && since >= keep_alive_every));
+            (
+                std::mem::take(&mut w.owed),
+                due.then_some((w.epoch, w.through)),
+            )
+        };
+        for (epoch, through) in owed {
+            if let Err(e) = self.ctx.ledger.advance_epoch(epoch, through).await {
+                tracing::warn!(error = %e, epoch, "cannot record a relay epoch's events published");
+            }
+        }
+        let Some((epoch, through)) = due else {
+            return;
+        };
+        match self.ctx.ledger.advance_epoch(epoch, through).await {
+            Ok(live) => {
+                let mut w = lock(&self.watermark);
+                if w.epoch == epoch {
+                    w.written = w.written.max(through);
+                    w.written_at = Instant::now();
+                    if !live {
+                        // Retired while this relay was silent for the hold: its events above
+                        // the old watermark went back to the outbox, and the batcher begins a
+                        // new epoch.
+                        tracing::info!(epoch, "this relay's epoch was retired meanwhile");
+                        w.epoch = 0;
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, epoch, "cannot record a relay epoch's events published")
+            }
+        }
+    }
+
+    /// Retires the epochs of relays silent for the hold, at most every quarter hold.
+    async fn retire_epochs(&self) {
+        let hold = self.ctx.relay_hold;
+        {
+            let mut last = lock(&self.last_retire);
+            if last.is_some_and(|t| t.elapsed() < (hold / 4).max(POLL)) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        match self.ctx.ledger.retire_epochs(hold).await {
+            Ok(0) => {}
+            Ok(events) => tracing::info!(
+                events,
+                "retired relay epochs nothing advanced for the relay hold; their unpublished events go to any relay"
+            ),
+            Err(e) => tracing::warn!(error = %e, "cannot retire silent relay epochs"),
+        }
     }
 
     /// The round's rows: the handed ones first, then (when a claim is due) rows claimed from
@@ -111,12 +259,14 @@ impl Relay {
             );
         }
         let mut rows = handed.rows;
+        *lock(&self.taken) = rows.iter().filter_map(|r| r.relay_epoch).max().unwrap_or(0);
         let claim_due = {
-            let last = self.last_claim.lock().unwrap_or_else(|e| e.into_inner());
+            let last = lock(&self.last_claim);
             rows.is_empty() || last.is_none_or(|t| t.elapsed() >= POLL)
         };
         if claim_due && (rows.len() as i64) < BATCH {
-            *self.last_claim.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+            self.retire_epochs().await;
+            *lock(&self.last_claim) = Some(Instant::now());
             match self
                 .ctx
                 .ledger
@@ -180,6 +330,7 @@ impl Relay {
                 _ = self.ctx.relay_wake.notified() => {}
                 _ = tokio::time::sleep(POLL) => {}
             }
+            self.write_watermark(POLL, true).await;
             // An idle relay publishes nothing that would fail: notice a lost link here, so
             // `/readyz` and the hand-off do not count on a relay whose node has gone.
             if !self.channel.status().connected() {
@@ -189,8 +340,13 @@ impl Relay {
             }
         }
         while self.step().await? > 0 || self.ctx.completions.handed_waiting() {}
+        self.write_watermark(Duration::ZERO, false).await;
         Ok(())
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The trace context an event is sent with (the span that decided it, or the intent's).
@@ -271,5 +427,9 @@ impl Drop for Relay {
     /// reaches them first (no wait for a hold after the link comes back).
     fn drop(&mut self) {
         self.ctx.completions.relay_attached(false);
+        let taken = *lock(&self.taken);
+        if taken != 0 {
+            self.ctx.completions.freeze_epoch(taken);
+        }
     }
 }

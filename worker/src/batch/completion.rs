@@ -5,10 +5,15 @@
 //! While this process's relay is connected ([`CompletionBatcher::relay_attached`]), the batch's
 //! result events are inserted already claimed by this worker (for
 //! [`crate::ledger::outbox::relay_hold`]) and, once the commit is done, handed to the relay
-//! through a bounded channel: the relay publishes them without a claim `UPDATE` of its own.
-//! Without a relay they are left in the outbox for any relay, at once.
+//! through a bounded channel: the relay publishes them without a claim `UPDATE` of its own, and
+//! records them published with its epoch's watermark. Without a relay they are left in the
+//! outbox for any relay, at once.
+//!
+//! The events of one epoch reach the relay in id order and none is skipped: when one could not
+//! be handed (the channel was full), a commit's reply was lost, or the relay dropped one that
+//! waited too long ([`CompletionBatcher::freeze_epoch`]), the next batch begins a new epoch.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,6 +56,11 @@ struct Handoff {
     wake: Arc<Notify>,
     /// How long the relay owns the events inserted claimed for it.
     hold: Duration,
+    /// The relay epoch the next held batch inserts into (None: begin one).
+    epoch: Mutex<Option<i64>>,
+    /// The latest epoch the relay stopped advancing (it dropped one of its events), and with it
+    /// every earlier one (epochs begin in id order): no batch joins them again. 0 when none.
+    frozen: AtomicI64,
 }
 
 /// What [`CompletionBatcher::take_handed`] found.
@@ -58,8 +68,8 @@ struct Handoff {
 pub struct HandedBatch {
     /// Fresh rows to publish, in hand-off order.
     pub rows: Vec<OutboxRow>,
-    /// Rows dropped because they waited too long; the database path publishes them after
-    /// their hold.
+    /// Rows dropped because they waited too long; their epoch is frozen, and the database path
+    /// publishes them once it is retired.
     pub stale: usize,
 }
 
@@ -89,6 +99,8 @@ impl CompletionBatcher {
             attached: AtomicBool::new(false),
             wake,
             hold,
+            epoch: Mutex::new(None),
+            frozen: AtomicI64::new(0),
         });
         let (l, w, h) = (ledger.clone(), worker_id.clone(), handoff.clone());
         tasks.tracker.spawn(run_batches(
@@ -135,23 +147,44 @@ impl CompletionBatcher {
     /// Takes up to `max` handed events without waiting, dropping those past their freshness.
     pub fn take_handed(&self, max: usize) -> HandedBatch {
         let mut out = HandedBatch::default();
-        let mut rx = self.handoff.rx.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rx = lock(&self.handoff.rx);
         let now = Instant::now();
         while out.rows.len() < max {
             match rx.try_recv() {
                 Ok(h) if h.fresh_until > now => out.rows.push(h.row),
-                Ok(_) => out.stale += 1,
+                Ok(h) => {
+                    out.stale += 1;
+                    if let Some(epoch) = h.row.relay_epoch {
+                        self.freeze_epoch(epoch);
+                    }
+                }
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
             }
         }
         out
     }
 
+    /// Called by the relay when it dropped an event of `epoch` without publishing it: the
+    /// epoch's watermark must not pass that event, so no later batch joins the epoch.
+    /// Earlier epochs are done with and freeze with it.
+    pub fn freeze_epoch(&self, epoch: i64) {
+        self.handoff.frozen.fetch_max(epoch, Ordering::SeqCst);
+    }
+
+    /// Whether the relay stopped advancing `epoch` ([`CompletionBatcher::freeze_epoch`]).
+    pub fn is_frozen(&self, epoch: i64) -> bool {
+        epoch <= self.handoff.frozen.load(Ordering::SeqCst)
+    }
+
     /// Whether handed events are waiting for the relay.
     pub fn handed_waiting(&self) -> bool {
-        let rx = self.handoff.rx.lock().unwrap_or_else(|e| e.into_inner());
+        let rx = lock(&self.handoff.rx);
         !rx.is_empty()
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One group commit. While a relay is attached, the batch's events are inserted claimed by
@@ -171,13 +204,16 @@ async fn complete_batch(
     let span = crate::telemetry::spans::ledger_batch("complete", completions.len(), &recorded);
     let done = async {
         if held {
+            let frozen = handoff.frozen.load(Ordering::SeqCst);
+            let epoch = (*lock(&handoff.epoch)).filter(|e| *e > frozen);
             ledger
-                .complete_held(&worker_id, &completions, handoff.hold)
+                .complete_held(&worker_id, &completions, handoff.hold, epoch)
                 .await
         } else {
             Completed {
                 results: ledger.complete(&worker_id, &completions).await,
                 events: Vec::new(),
+                epoch: *lock(&handoff.epoch),
             }
         }
     }
@@ -188,14 +224,20 @@ async fn complete_batch(
     // database path, which takes it once the hold has passed (another relay may by then).
     let fresh_until = started + handoff.hold / 2;
     let handed = !done.events.is_empty();
+    let mut next_epoch = done.epoch;
     for row in done.events {
         match handoff.tx.try_send(Handed { row, fresh_until }) {
             Ok(()) => {}
-            // Full (the relay is stalled) or gone: the row stays claimed in the outbox and
-            // is published by the database path after its hold.
-            Err(TrySendError::Full(_) | TrySendError::Closed(_)) => break,
+            // Full (the relay is stalled) or gone: the row stays claimed in its epoch, which
+            // no later batch joins, so its watermark never passes the row. The epoch is retired
+            // after the hold and the row published by the database path.
+            Err(TrySendError::Full(_) | TrySendError::Closed(_)) => {
+                next_epoch = None;
+                break;
+            }
         }
     }
+    *lock(&handoff.epoch) = next_epoch;
     // Held events were handed (or wait for their hold); unheld ones are in the outbox for any
     // relay. Only those two cases have something to publish: a wake without them costs the
     // relay an empty claim statement.

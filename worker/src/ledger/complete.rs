@@ -82,6 +82,10 @@ pub enum Applied {
 pub struct Completed {
     pub results: Vec<Result<Applied, LedgerError>>,
     pub events: Vec<OutboxRow>,
+    /// The relay epoch the next batch may insert into: the one these events are in, or None
+    /// when a transaction failed (its commit may have happened with events never returned, so
+    /// no later batch may join that epoch).
+    pub epoch: Option<i64>,
 }
 
 impl Ledger {
@@ -98,19 +102,29 @@ impl Ledger {
         worker_id: &str,
         completions: &[Completion],
     ) -> Vec<Result<Applied, LedgerError>> {
-        self.record(worker_id, completions, None).await.results
+        self.record(worker_id, completions, None, &mut None)
+            .await
+            .results
     }
 
     /// [`Ledger::complete`], with the result events inserted already claimed by `worker_id`'s
     /// relay for `hold` and returned, so the caller can hand them to that relay after the
-    /// commit instead of the relay claiming them with an `UPDATE`.
+    /// commit instead of the relay claiming them with an `UPDATE`. The events go into relay
+    /// epoch `epoch` (a new one when None or retired); [`Completed::epoch`] says which epoch the
+    /// next batch may use.
     pub async fn complete_held(
         &self,
         worker_id: &str,
         completions: &[Completion],
         hold: Duration,
+        epoch: Option<i64>,
     ) -> Completed {
-        self.record(worker_id, completions, Some(hold)).await
+        let mut epoch = epoch;
+        let mut done = self
+            .record(worker_id, completions, Some(hold), &mut epoch)
+            .await;
+        done.epoch = epoch;
+        done
     }
 
     async fn record(
@@ -118,13 +132,14 @@ impl Ledger {
         worker_id: &str,
         completions: &[Completion],
         hold: Option<Duration>,
+        epoch: &mut Option<i64>,
     ) -> Completed {
         if completions.is_empty() {
             return Completed::default();
         }
         let batch: Result<(Vec<Applied>, Vec<OutboxRow>), LedgerError> = async {
             let mut tx = self.pool.begin().await?;
-            let out = apply_batch(&mut tx, worker_id, completions, hold).await?;
+            let out = apply_batch(&mut tx, worker_id, completions, hold, epoch).await?;
             tx.commit().await?;
             Ok(out)
         }
@@ -133,24 +148,33 @@ impl Ledger {
             Ok((applied, events)) => Completed {
                 results: applied.into_iter().map(Ok).collect(),
                 events,
+                epoch: None,
             },
             Err(_) if completions.len() > 1 => {
+                *epoch = None;
                 let mut out = Completed::default();
                 for c in completions {
-                    match self.complete_one(worker_id, c, hold).await {
+                    match self.complete_one(worker_id, c, hold, epoch).await {
                         Ok((applied, events)) => {
                             out.results.push(Ok(applied));
                             out.events.extend(events);
                         }
-                        Err(e) => out.results.push(Err(e)),
+                        Err(e) => {
+                            *epoch = None;
+                            out.results.push(Err(e));
+                        }
                     }
                 }
                 out
             }
-            Err(e) => Completed {
-                results: vec![Err(e)],
-                events: Vec::new(),
-            },
+            Err(e) => {
+                *epoch = None;
+                Completed {
+                    results: vec![Err(e)],
+                    events: Vec::new(),
+                    epoch: None,
+                }
+            }
         }
     }
 
@@ -159,10 +183,11 @@ impl Ledger {
         worker_id: &str,
         c: &Completion,
         hold: Option<Duration>,
+        epoch: &mut Option<i64>,
     ) -> Result<(Applied, Vec<OutboxRow>), LedgerError> {
         let mut tx = self.pool.begin().await?;
         let (applied, events) =
-            apply_batch(&mut tx, worker_id, std::slice::from_ref(c), hold).await?;
+            apply_batch(&mut tx, worker_id, std::slice::from_ref(c), hold, epoch).await?;
         tx.commit().await?;
         let applied = applied
             .into_iter()
@@ -173,12 +198,14 @@ impl Ledger {
 }
 
 /// The statements of one batch inside the caller's transaction; one `Applied` per completion,
-/// in order. With `hold`, the events are inserted claimed by `worker_id` and returned.
+/// in order. With `hold`, the events are inserted claimed by `worker_id`, in relay epoch
+/// `epoch`, and returned.
 async fn apply_batch(
     conn: &mut PgConnection,
     worker_id: &str,
     completions: &[Completion],
     hold: Option<Duration>,
+    epoch: &mut Option<i64>,
 ) -> Result<(Vec<Applied>, Vec<OutboxRow>), LedgerError> {
     let mut out: Vec<Option<Applied>> = vec![None; completions.len()];
     let mut events = Vec::new();
@@ -215,7 +242,7 @@ async fn apply_batch(
         }
     }
     let held = match hold {
-        Some(hold) => outbox::insert_held_events(conn, &events, worker_id, hold).await?,
+        Some(hold) => outbox::insert_held_events(conn, &events, worker_id, hold, epoch).await?,
         None => {
             outbox::insert_events(conn, &events).await?;
             Vec::new()

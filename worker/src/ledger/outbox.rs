@@ -4,9 +4,13 @@
 //! see an event twice (same `event_id`) but never miss one.
 //!
 //! Events of this worker's completion batcher are inserted already claimed by this worker's
-//! relay ([`insert_held_events`]) and handed to it in memory after the commit, so the hot path
-//! writes two row versions per event (insert, mark) instead of three (insert, claim, mark).
-//! Every other writer inserts unclaimed rows for whichever relay comes first.
+//! relay, in its current epoch ([`insert_held_events`]), and handed to it in memory after the
+//! commit. The relay records them published with one watermark per epoch
+//! ([`Ledger::advance_epoch`]), so the hot path writes one row version per event (the insert).
+//! An epoch nothing advances for the relay hold is retired ([`Ledger::retire_epochs`]): the rows
+//! above its watermark go back to the outbox in the same transaction. Every other writer inserts
+//! unclaimed rows for whichever relay comes first, marked published one by one.
+//! Migration 0014 and `docs/design.md` (section 2) give the invariants.
 //!
 //! What an event says is built by [`crate::answers`]; this module only stores and addresses it.
 
@@ -75,6 +79,9 @@ impl NewEvent {
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct OutboxRow {
     pub id: i64,
+    /// The epoch whose watermark records this row published (held rows of a completion
+    /// batch); None for rows marked one by one.
+    pub relay_epoch: Option<i64>,
     pub routing_key: String,
     pub status: String,
     pub payload: serde_json::Value,
@@ -149,42 +156,80 @@ pub async fn insert_events(
 }
 
 /// Inserts events in one statement inside the caller's transaction, already claimed by
-/// `relay_owner` for `hold` (as [`Ledger::claim_unpublished`] would claim them), and returns
-/// the rows so the caller can hand them to its relay once the transaction has committed.
-/// Other relays skip them while the hold lasts; if the owner dies, any relay takes them after
-/// it, exactly like a claimed batch.
+/// `relay_owner` for `hold` (as [`Ledger::claim_unpublished`] would claim them) and in the
+/// relay epoch `*epoch`, and returns the rows so the caller can hand them to its relay once the
+/// transaction has committed. Other relays skip them while the hold lasts.
+///
+/// The insert takes a KEY SHARE lock on the epoch's row, so the epoch cannot be retired before
+/// this transaction ends. When `*epoch` is None, or was retired meanwhile, a new epoch is begun
+/// in this transaction and `*epoch` set to it. A caller whose transaction then fails must
+/// forget the epoch (its commit may have happened), so that no later batch joins it.
 pub async fn insert_held_events(
     conn: &mut PgConnection,
     events: &[NewEvent],
     relay_owner: &str,
     hold: Duration,
+    epoch: &mut Option<i64>,
 ) -> Result<Vec<OutboxRow>, LedgerError> {
     if events.is_empty() {
         return Ok(Vec::new());
     }
     let c = columns(events);
-    let mut rows: Vec<OutboxRow> = sqlx::query_as(
-        "INSERT INTO result_outbox
-                (event_id, operation_id, routing_key, status, payload, traceparent, tracestate,
-                 relay_owner, relay_until)
-         SELECT e.*, $8, now() + make_interval(secs => $9)
-         FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[], $6::text[],
-                     $7::text[]) AS e
-         RETURNING id, routing_key, status, payload, traceparent, tracestate",
+    for _ in 0..2 {
+        let current = match *epoch {
+            Some(e) => e,
+            None => {
+                let e = begin_epoch(conn, relay_owner).await?;
+                *epoch = Some(e);
+                e
+            }
+        };
+        let mut rows: Vec<OutboxRow> = sqlx::query_as(
+            "WITH epoch AS (SELECT id FROM relay_epochs WHERE id = $10 FOR KEY SHARE)
+             INSERT INTO result_outbox
+                    (event_id, operation_id, routing_key, status, payload, traceparent, tracestate,
+                     relay_owner, relay_until, relay_epoch)
+             SELECT e.*, $8, now() + make_interval(secs => $9), epoch.id
+             FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[], $6::text[],
+                         $7::text[]) AS e, epoch
+             RETURNING id, relay_epoch, routing_key, status, payload, traceparent, tracestate",
+        )
+        .bind(&c.ids)
+        .bind(&c.op_ids)
+        .bind(&c.keys)
+        .bind(&c.statuses)
+        .bind(&c.payloads)
+        .bind(&c.traceparents)
+        .bind(&c.tracestates)
+        .bind(relay_owner)
+        .bind(hold.as_secs_f64())
+        .bind(current)
+        .fetch_all(&mut *conn)
+        .await?;
+        if rows.len() == events.len() {
+            rows.sort_by_key(|r| r.id);
+            return Ok(rows);
+        }
+        // The epoch was retired (its relay was silent for the hold): nothing was inserted.
+        *epoch = None;
+    }
+    Err(LedgerError::Refused(
+        "a relay epoch begun in this transaction was not found".into(),
+    ))
+}
+
+/// Begins a relay epoch for `worker_id` inside the caller's transaction. Its watermark starts
+/// at the largest outbox id so far: every row the epoch will hold takes a larger one, and the
+/// retirement's scan for rows above the watermark starts there.
+async fn begin_epoch(conn: &mut PgConnection, worker_id: &str) -> Result<i64, LedgerError> {
+    Ok(sqlx::query_scalar(
+        "INSERT INTO relay_epochs (worker_id, through_id)
+         SELECT $1, coalesce(max(id), 0) FROM result_outbox
+         RETURNING id",
     )
-    .bind(&c.ids)
-    .bind(&c.op_ids)
-    .bind(&c.keys)
-    .bind(&c.statuses)
-    .bind(&c.payloads)
-    .bind(&c.traceparents)
-    .bind(&c.tracestates)
-    .bind(relay_owner)
-    .bind(hold.as_secs_f64())
-    .fetch_all(conn)
-    .await?;
-    rows.sort_by_key(|r| r.id);
-    Ok(rows)
+    .bind(worker_id)
+    .fetch_one(conn)
+    .await?)
 }
 
 impl Ledger {
@@ -210,12 +255,14 @@ impl Ledger {
         Ok(sqlx::query_as(
             "WITH batch AS (
                 SELECT id FROM result_outbox
-                WHERE published_at IS NULL AND (relay_until IS NULL OR relay_until < now())
+                WHERE published_at IS NULL AND relay_epoch IS NULL
+                  AND (relay_until IS NULL OR relay_until < now())
                 ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED
              )
              UPDATE result_outbox r SET relay_owner = $1, relay_until = now() + make_interval(secs => $3)
              FROM batch WHERE r.id = batch.id
-             RETURNING r.id, r.routing_key, r.status, r.payload, r.traceparent, r.tracestate",
+             RETURNING r.id, r.relay_epoch, r.routing_key, r.status, r.payload, r.traceparent,
+                       r.tracestate",
         )
         .bind(relay_owner)
         .bind(limit)
@@ -244,13 +291,14 @@ impl Ledger {
         Ok(())
     }
 
-    /// Gives claimed events back (publish failed) so any relay can retry them.
+    /// Gives claimed events back (publish failed) so any relay can retry them; rows of an
+    /// epoch leave it, so no watermark of the epoch covers them.
     pub async fn release_unpublished(&self, ids: &[i64]) -> Result<(), LedgerError> {
         if ids.is_empty() {
             return Ok(());
         }
         sqlx::query(
-            "UPDATE result_outbox SET relay_owner = NULL, relay_until = NULL
+            "UPDATE result_outbox SET relay_owner = NULL, relay_until = NULL, relay_epoch = NULL
              WHERE id = ANY($1) AND published_at IS NULL",
         )
         .bind(ids)
@@ -262,11 +310,15 @@ impl Ledger {
     /// Gives back the unpublished events of `operation_id` held for `owner`'s relay, so a relay
     /// takes them at its next poll instead of after the hold: for a completion this worker
     /// committed without seeing the commit's reply (the events were never handed over in
-    /// memory). Returns how many were held.
+    /// memory). Rows an epoch's watermark already covers are published and stay as they are.
+    /// Returns how many were held.
     pub async fn release_held(&self, operation_id: i64, owner: &str) -> Result<u64, LedgerError> {
         let done = sqlx::query(
-            "UPDATE result_outbox SET relay_owner = NULL, relay_until = NULL
-             WHERE operation_id = $1 AND relay_owner = $2 AND published_at IS NULL",
+            "UPDATE result_outbox r SET relay_owner = NULL, relay_until = NULL, relay_epoch = NULL
+             WHERE r.operation_id = $1 AND r.relay_owner = $2 AND r.published_at IS NULL
+               AND (r.relay_epoch IS NULL
+                    OR EXISTS (SELECT 1 FROM relay_epochs e
+                               WHERE e.id = r.relay_epoch AND r.id > e.through_id))",
         )
         .bind(operation_id)
         .bind(owner)
@@ -275,13 +327,85 @@ impl Ledger {
         Ok(done.rows_affected())
     }
 
-    /// Unpublished events: the relay backlog.
-    pub async fn relay_backlog(&self) -> Result<i64, LedgerError> {
-        Ok(
-            sqlx::query_scalar("SELECT count(*) FROM result_outbox WHERE published_at IS NULL")
-                .fetch_one(&self.pool)
-                .await?,
+    /// Records every row of `epoch` with an id at most `through` as published (the relay has
+    /// their confirms), and that the epoch's relay is alive. False when the epoch was retired:
+    /// its rows above the old watermark were given back to the outbox and are published again
+    /// by whichever relay takes them (agents dedupe by `event_id`).
+    pub async fn advance_epoch(&self, epoch: i64, through: i64) -> Result<bool, LedgerError> {
+        let done = sqlx::query(
+            "UPDATE relay_epochs SET through_id = greatest(through_id, $2), advanced_at = now()
+             WHERE id = $1",
         )
+        .bind(epoch)
+        .bind(through)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Retires every epoch that nothing advanced for `hold` (its worker died, or its relay was
+    /// stalled that long) and that no batch is inserting into: in one transaction, the epoch's
+    /// rows above its watermark go back to the outbox (any relay takes them once their own hold
+    /// has passed) and the epoch row is deleted. Returns how many rows went back.
+    pub async fn retire_epochs(&self, hold: Duration) -> Result<u64, LedgerError> {
+        let due: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM relay_epochs
+                            WHERE advanced_at < now() - make_interval(secs => $1))",
+        )
+        .bind(hold.as_secs_f64())
+        .fetch_one(&self.pool)
+        .await?;
+        if !due {
+            return Ok(0);
+        }
+        let mut tx = self.pool.begin().await?;
+        // Row locks first: a batch inserting into an epoch holds its KEY SHARE lock (skipped
+        // here), and a batch that comes later waits for this commit and then finds no epoch.
+        let gone: Vec<(i64, i64)> = sqlx::query_as(
+            "DELETE FROM relay_epochs
+             WHERE id IN (SELECT id FROM relay_epochs
+                          WHERE advanced_at < now() - make_interval(secs => $1)
+                          FOR UPDATE SKIP LOCKED)
+             RETURNING id, through_id",
+        )
+        .bind(hold.as_secs_f64())
+        .fetch_all(&mut *tx)
+        .await?;
+        let Some(from) = gone.iter().map(|(_, through)| *through).min() else {
+            return Ok(0);
+        };
+        let (ids, throughs): (Vec<i64>, Vec<i64>) = gone.into_iter().unzip();
+        // A statement of its own, so its snapshot includes every batch committed into these
+        // epochs before the locks above were taken.
+        let back = sqlx::query(
+            "UPDATE result_outbox r SET relay_epoch = NULL
+             FROM unnest($1::int8[], $2::int8[]) AS g(id, through_id)
+             WHERE r.id > $3 AND r.relay_epoch = g.id AND r.id > g.through_id
+               AND r.published_at IS NULL",
+        )
+        .bind(&ids)
+        .bind(&throughs)
+        .bind(from)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        tx.commit().await?;
+        Ok(back)
+    }
+
+    /// Unpublished events: the relay backlog (rows no epoch covers, and the rows of live epochs
+    /// above their watermarks).
+    pub async fn relay_backlog(&self) -> Result<i64, LedgerError> {
+        Ok(sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM result_outbox
+                     WHERE published_at IS NULL AND relay_epoch IS NULL)
+                  + (SELECT count(*) FROM relay_epochs e
+                     JOIN LATERAL (SELECT 1 FROM result_outbox r
+                                   WHERE r.id > e.through_id AND r.relay_epoch = e.id
+                                     AND r.published_at IS NULL) x ON true)",
+        )
+        .fetch_one(&self.pool)
+        .await?)
     }
 
     /// The latest event recorded for an operation (used by the status query).

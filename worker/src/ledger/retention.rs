@@ -87,13 +87,14 @@ impl Ledger {
     }
 
     /// Deletes up to `limit` result events published before `retention` ago (their payloads
-    /// carry receipts).
+    /// carry receipts): marked published that long ago, or recorded published through their
+    /// relay epoch's watermark and written that long ago.
     pub async fn delete_published_events_batch(
         &self,
         retention: Duration,
         limit: i64,
     ) -> Result<u64, LedgerError> {
-        Ok(sqlx::query(
+        let marked = sqlx::query(
             "DELETE FROM result_outbox
              WHERE id IN (
                 SELECT id FROM result_outbox
@@ -107,6 +108,28 @@ impl Ledger {
         .bind(limit)
         .execute(&self.pool)
         .await?
-        .rows_affected())
+        .rows_affected();
+        if marked as i64 >= limit {
+            return Ok(marked);
+        }
+        let covered = sqlx::query(
+            "DELETE FROM result_outbox
+             WHERE id IN (
+                SELECT r.id FROM result_outbox r
+                WHERE r.created_at < now() - make_interval(secs => $1)
+                  AND r.published_at IS NULL AND r.relay_epoch IS NOT NULL
+                  AND NOT EXISTS (SELECT 1 FROM relay_epochs e
+                                  WHERE e.id = r.relay_epoch AND r.id > e.through_id)
+                ORDER BY r.created_at
+                LIMIT $2
+                FOR UPDATE SKIP LOCKED
+             )",
+        )
+        .bind(retention.as_secs_f64())
+        .bind(limit - marked as i64)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(marked + covered)
     }
 }

@@ -1,0 +1,221 @@
+//! Relay epochs against a real Postgres: a worker's own completion events are recorded
+//! published by their epoch's watermark, never by a row-by-row mark; an epoch nothing advanced
+//! for the hold is retired and every event above its watermark goes back to any relay; a batch
+//! inserting into an epoch keeps it from being retired; a retired epoch is never written to
+//! again; and retention deletes what a watermark published, never what it did not.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use worker::ledger::outbox::{self, NewEvent, OutboxRow};
+use worker::ledger::{Completed, Completion, Phase, Transition};
+
+/// The hold the held events are inserted with: short, so another relay may take rows given
+/// back at once.
+const HOLD: Duration = Duration::from_millis(1);
+
+/// A `succeeded` completion of a freshly claimed operation.
+async fn receipt(ctx: &worker::context::Context, action_id: &str) -> Completion {
+    let op = dispatching(ctx, "north", action_id, "refund").await;
+    Completion {
+        operation_id: op.id,
+        fence: op.fence,
+        phase: Phase::Dispatch,
+        transition: Transition::Succeeded {
+            receipt: receipt_for("north", action_id, "r-1"),
+            receipt_id: "r-1".into(),
+            evidence: "receipt r-1 from write attempt 1".into(),
+        },
+        trace: None,
+    }
+}
+
+/// One batch recorded the way the completion batcher records it while its relay is attached.
+async fn batch(
+    ctx: &worker::context::Context,
+    action_id: &str,
+    epoch: Option<i64>,
+) -> (OutboxRow, i64) {
+    let c = receipt(ctx, action_id).await;
+    let Completed {
+        results,
+        events,
+        epoch,
+    } = ctx
+        .ledger
+        .complete_held(WORKER_ID, std::slice::from_ref(&c), HOLD, epoch)
+        .await;
+    assert!(results[0].is_ok(), "{results:?}");
+    assert_eq!(events.len(), 1, "{events:?}");
+    let epoch = epoch.expect("an epoch to continue with");
+    assert_eq!(events[0].relay_epoch, Some(epoch));
+    (events.into_iter().next().unwrap(), epoch)
+}
+
+/// (published, relay_epoch, relay_owner) of an outbox row, as the `result_events` view says.
+async fn state(db: &TestDb, id: i64) -> (bool, Option<i64>, Option<String>) {
+    sqlx::query_as("SELECT published, relay_epoch, relay_owner FROM result_events WHERE id = $1")
+        .bind(id)
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+}
+
+async fn epoch_exists(db: &TestDb, epoch: i64) -> bool {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM relay_epochs WHERE id = $1)")
+        .bind(epoch)
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watermark_publishes_exactly_the_confirmed_events_of_its_epoch() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let l = &db.ledger;
+    let (first, epoch) = batch(&ctx, "wm-1", None).await;
+    let (second, same) = batch(&ctx, "wm-2", Some(epoch)).await;
+    assert_eq!(same, epoch, "a batch joins the epoch it is given");
+    assert!(second.id > first.id);
+    assert!(!state(&db, first.id).await.0);
+    assert_eq!(l.relay_backlog().await.unwrap(), 2);
+    // Held in an epoch: no other relay claims them, even once their own hold has passed.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let claimed = l.claim_unpublished("other", 10, HOLD).await.unwrap();
+    assert!(claimed.is_empty(), "{claimed:?}");
+
+    assert!(l.advance_epoch(epoch, first.id).await.unwrap());
+    assert!(state(&db, first.id).await.0, "at or below the watermark");
+    assert!(!state(&db, second.id).await.0, "above it");
+    assert_eq!(l.relay_backlog().await.unwrap(), 1);
+    // A watermark never moves back.
+    assert!(l.advance_epoch(epoch, first.id - 1).await.unwrap());
+    assert!(state(&db, first.id).await.0);
+    assert!(l.advance_epoch(epoch, second.id).await.unwrap());
+    assert!(state(&db, second.id).await.0);
+    assert_eq!(l.relay_backlog().await.unwrap(), 0);
+    let rows: Vec<(bool, Option<chrono::DateTime<chrono::Utc>>)> =
+        sqlx::query_as("SELECT published, published_at FROM result_events WHERE relay_epoch = $1")
+            .bind(epoch)
+            .fetch_all(db.pool())
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), 2);
+    assert!(
+        rows.iter().all(|(p, at)| *p && at.is_none()),
+        "published by the watermark, no row was marked: {rows:?}"
+    );
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_epoch_is_retired_and_what_its_watermark_did_not_reach_goes_to_any_relay() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let l = &db.ledger;
+    let (first, epoch) = batch(&ctx, "rt-1", None).await;
+    let (second, _) = batch(&ctx, "rt-2", Some(epoch)).await;
+    assert!(l.advance_epoch(epoch, first.id).await.unwrap());
+    // Advanced within the hold: kept.
+    assert_eq!(l.retire_epochs(Duration::from_secs(60)).await.unwrap(), 0);
+    assert!(epoch_exists(&db, epoch).await);
+
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(
+        l.retire_epochs(Duration::from_millis(10)).await.unwrap(),
+        1,
+        "the one event above the watermark goes back"
+    );
+    assert!(!epoch_exists(&db, epoch).await);
+    assert_eq!(
+        state(&db, first.id).await,
+        (true, Some(epoch), Some(WORKER_ID.into())),
+        "published by the watermark before the epoch ended: stays published"
+    );
+    let (published, relay_epoch, _) = state(&db, second.id).await;
+    assert!(!published && relay_epoch.is_none());
+    assert_eq!(l.relay_backlog().await.unwrap(), 1);
+    let claimed = l.claim_unpublished("other", 10, HOLD).await.unwrap();
+    assert_eq!(
+        claimed.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![second.id],
+        "the event the epoch's relay never confirmed, and nothing it did"
+    );
+    l.mark_published(&[second.id]).await.unwrap();
+    assert_eq!(l.relay_backlog().await.unwrap(), 0);
+
+    // The next batch of the worker whose epoch was retired begins a new epoch.
+    assert!(!l.advance_epoch(epoch, second.id).await.unwrap());
+    let (third, next) = batch(&ctx, "rt-3", Some(epoch)).await;
+    assert_ne!(next, epoch);
+    assert!(third.id > second.id);
+    assert_eq!(state(&db, third.id).await.1, Some(next));
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_inserting_into_an_epoch_keeps_it_from_being_retired() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let l = &db.ledger;
+    let (_, epoch) = batch(&ctx, "lk-1", None).await;
+    let op = dispatching(&ctx, "north", "lk-2", "refund").await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    // A batch's transaction, still open after its insert.
+    let mut tx = db.pool().begin().await.unwrap();
+    let event = NewEvent {
+        operation_id: Some(op.id),
+        event: serde_json::from_value(serde_json::json!({
+            "event_id": "6b1f1d7e-6d3a-4f7e-9d6c-1a2b3c4d5e6f",
+            "tenant": "north", "action_id": "lk-2", "tool": "refund", "status": "pending",
+            "receipt": null, "next_action": "check_status", "attempts": 1,
+            "message": "in flight", "fingerprint": null,
+            "occurred_at": "2026-12-03T00:00:00Z"
+        }))
+        .unwrap(),
+        reply_to: None,
+        trace: None,
+    };
+    let mut current = Some(epoch);
+    let rows = outbox::insert_held_events(&mut tx, &[event], WORKER_ID, HOLD, &mut current)
+        .await
+        .unwrap();
+    assert_eq!(current, Some(epoch));
+    assert_eq!(
+        l.retire_epochs(Duration::from_millis(10)).await.unwrap(),
+        0,
+        "in use: not retired"
+    );
+    assert!(epoch_exists(&db, epoch).await);
+    tx.commit().await.unwrap();
+
+    // Committed and silent: retired, and the row the batch wrote is given back with the rest.
+    assert_eq!(l.retire_epochs(Duration::from_millis(10)).await.unwrap(), 2);
+    assert_eq!(state(&db, rows[0].id).await.1, None);
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_what_a_watermark_published_and_nothing_above_it() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let l = &db.ledger;
+    let (first, epoch) = batch(&ctx, "rn-1", None).await;
+    let (second, _) = batch(&ctx, "rn-2", Some(epoch)).await;
+    assert!(l.advance_epoch(epoch, first.id).await.unwrap());
+    let deleted = l
+        .delete_published_events_batch(Duration::ZERO, 100)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    let left: Vec<i64> = sqlx::query_scalar("SELECT id FROM result_outbox ORDER BY id")
+        .fetch_all(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(left, vec![second.id], "the unpublished event stays");
+    db.drop_db().await;
+}
