@@ -12,8 +12,7 @@ use common::*;
 use worker::ledger::outbox::{self, NewEvent, OutboxRow};
 use worker::ledger::{Completed, Completion, Phase, Transition};
 
-/// The hold the held events are inserted with: short, so another relay may take rows given
-/// back at once.
+/// The hold of a claim by another relay in these tests.
 const HOLD: Duration = Duration::from_millis(1);
 
 /// A `succeeded` completion of a freshly claimed operation.
@@ -45,7 +44,7 @@ async fn batch(
         epoch,
     } = ctx
         .ledger
-        .complete_held(WORKER_ID, std::slice::from_ref(&c), HOLD, epoch)
+        .complete_held(WORKER_ID, std::slice::from_ref(&c), epoch)
         .await;
     assert!(results[0].is_ok(), "{results:?}");
     assert_eq!(events.len(), 1, "{events:?}");
@@ -181,7 +180,7 @@ async fn a_batch_inserting_into_an_epoch_keeps_it_from_being_retired() {
         trace: None,
     };
     let mut current = Some(epoch);
-    let rows = outbox::insert_held_events(&mut tx, &[event], WORKER_ID, HOLD, &mut current)
+    let rows = outbox::insert_held_events(&mut tx, &[event], WORKER_ID, &mut current)
         .await
         .unwrap();
     assert_eq!(current, Some(epoch));
@@ -217,5 +216,44 @@ async fn retention_deletes_what_a_watermark_published_and_nothing_above_it() {
         .await
         .unwrap();
     assert_eq!(left, vec![second.id], "the unpublished event stays");
+    db.drop_db().await;
+}
+
+/// The claim of a relay of the earlier version (before relay epochs), word for word: it knows
+/// no epochs and takes every unpublished row whose hold has passed.
+const EARLIER_CLAIM: &str = "WITH batch AS (
+        SELECT id FROM result_outbox
+        WHERE published_at IS NULL AND (relay_until IS NULL OR relay_until < now())
+        ORDER BY id LIMIT 256 FOR UPDATE SKIP LOCKED
+     )
+     UPDATE result_outbox r SET relay_owner = 'earlier', relay_until = now() + interval '30 s'
+     FROM batch WHERE r.id = batch.id
+     RETURNING r.id";
+
+/// During a rolling upgrade, relays of the earlier version run beside the new ones. An event
+/// in an epoch is never recorded published row by row, so such a relay must never take it:
+/// it would publish every event of the new workers again. Once the epoch is retired, the events
+/// above its watermark are anyone's, at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_of_the_earlier_version_leaves_epoch_events_alone() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let l = &db.ledger;
+    let (first, epoch) = batch(&ctx, "up-1", None).await;
+    let (second, _) = batch(&ctx, "up-2", Some(epoch)).await;
+    assert!(l.advance_epoch(epoch, first.id).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let taken: Vec<i64> = sqlx::query_scalar(EARLIER_CLAIM)
+        .fetch_all(db.pool())
+        .await
+        .unwrap();
+    assert!(taken.is_empty(), "taken by an earlier relay: {taken:?}");
+
+    assert_eq!(l.retire_epochs(Duration::from_millis(10)).await.unwrap(), 1);
+    let taken: Vec<i64> = sqlx::query_scalar(EARLIER_CLAIM)
+        .fetch_all(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(taken, vec![second.id], "given back: anyone's");
     db.drop_db().await;
 }

@@ -66,7 +66,8 @@ struct EventRow {
     updates: i64,
     /// The worker that recorded the completion.
     completed_by: Option<String>,
-    /// `relay_until` and `published_at` as Unix seconds.
+    /// `created_at`, `relay_until` and `published_at` as Unix seconds.
+    created_at: f64,
     relay_until: Option<f64>,
     published_at: Option<f64>,
 }
@@ -76,6 +77,7 @@ async fn event_row(env: &Env, action_id: &str) -> Option<EventRow> {
         "SELECT r.event_id::text AS event_id, r.relay_owner, r.relay_epoch, r.published,
                 (SELECT count(*) FROM e2e_outbox_updates u WHERE u.id = r.id) AS updates,
                 o.changed_by AS completed_by,
+                extract(epoch FROM r.created_at)::float8 AS created_at,
                 extract(epoch FROM r.relay_until)::float8 AS relay_until,
                 extract(epoch FROM r.published_at)::float8 AS published_at
          FROM result_events r JOIN operations o ON o.id = r.operation_id
@@ -289,10 +291,22 @@ async fn crash_after_commit_leaves_the_event_to_another_relay_after_the_hold() {
     assert!(!row.published, "{row:?}");
     assert_eq!(row.updates, 0, "no claim update: {row:?}");
 
-    let a_until = row.relay_until.expect("held until a time");
+    assert_eq!(
+        row.relay_until,
+        Some(f64::INFINITY),
+        "held by its epoch, not until a time: {row:?}"
+    );
+    // The epoch began with this event's commit and was never advanced: it is retired once
+    // the hold has passed since then.
+    let a_until = row.created_at + hold.as_secs_f64();
 
-    let b = start_ready(&env, "b", &opts).await;
-    // Worker B's relay polls every 500 ms but leaves the row alone while A's hold lasts.
+    // The hold a relay waits before it retires another's silent epoch is its own (the same
+    // constant in every release build).
+    let b_opts = opts
+        .clone()
+        .env("WORKER_FAULT_RELAY_HOLD_SECS", &hold.as_secs().to_string());
+    let b = start_ready(&env, "b", &b_opts).await;
+    // Worker B's relay polls every 500 ms but leaves the row alone while A's epoch lives.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let during = event_row(&env, action).await.unwrap();
     assert!(

@@ -3,11 +3,12 @@
 //! events to this process's relay.
 //!
 //! While this process's relay is connected ([`CompletionBatcher::relay_attached`]), the batch's
-//! result events are inserted already claimed by this worker (for
-//! [`crate::ledger::outbox::relay_hold`]) and, once the commit is done, handed to the relay
-//! through a bounded channel: the relay publishes them without a claim `UPDATE` of its own, and
-//! records them published with its epoch's watermark. Without a relay they are left in the
-//! outbox for any relay, at once.
+//! result events are inserted already claimed by this worker, in its relay epoch, and, once the
+//! commit is done, handed to the relay through a bounded channel: the relay publishes them
+//! without a claim `UPDATE` of its own, and records them published with the epoch's watermark.
+//! An epoch its relay leaves silent for [`crate::ledger::outbox::relay_hold`] is retired and
+//! its unpublished events go to any relay. Without a relay they are left in the outbox for any
+//! relay, at once.
 //!
 //! The events of one epoch reach the relay in id order and none is skipped: when one could not
 //! be handed (the channel was full), a commit's reply was lost, or the relay dropped one that
@@ -29,8 +30,8 @@ use crate::ledger::{Applied, Completed, Completion, Ledger, LedgerError};
 const COMPLETION_BATCH: usize = 256;
 /// Handed events waiting for the relay at most. The relay takes up to a batch (256) per
 /// round and publishes far faster than completions arrive, so this fills only while its broker
-/// link is stalled; events that find it full stay claimed in the outbox and any relay
-/// publishes them once their hold has passed (the database path).
+/// link is stalled; events that find it full stay claimed in their epoch, and any relay
+/// publishes them once the epoch is retired (the database path).
 const HANDOFF_CAPACITY: usize = 4096;
 
 type Request = (Completion, oneshot::Sender<Result<Applied, LedgerError>>);
@@ -38,8 +39,9 @@ type Request = (Completion, oneshot::Sender<Result<Applied, LedgerError>>);
 /// A committed result event inserted claimed by this worker, on its way to the relay.
 struct Handed {
     row: OutboxRow,
-    /// After this the hold may be close to its end (another relay could take the row soon),
-    /// so the relay leaves the row to the database path rather than publishing it from here.
+    /// After this the epoch may be retired soon (its relay silent for the hold, and another
+    /// relay then takes the row), so the relay leaves the row to the database path rather than
+    /// publishing it from here.
     fresh_until: Instant,
 }
 
@@ -196,8 +198,7 @@ async fn complete_batch(
     batch: Vec<Request>,
 ) {
     let (completions, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
-    // Taken before the transaction begins, so before the database's `now()` that starts
-    // the hold: the freshness limit below is conservative on either clock.
+    // Taken before the transaction begins: the freshness limit below is conservative.
     let started = Instant::now();
     let held = handoff.attached.load(Ordering::SeqCst);
     let recorded: Vec<_> = completions.iter().filter_map(|c| c.trace.clone()).collect();
@@ -206,9 +207,7 @@ async fn complete_batch(
         if held {
             let frozen = handoff.frozen.load(Ordering::SeqCst);
             let epoch = (*lock(&handoff.epoch)).filter(|e| *e > frozen);
-            ledger
-                .complete_held(&worker_id, &completions, handoff.hold, epoch)
-                .await
+            ledger.complete_held(&worker_id, &completions, epoch).await
         } else {
             Completed {
                 results: ledger.complete(&worker_id, &completions).await,
@@ -221,7 +220,7 @@ async fn complete_batch(
     .await;
     // `complete_held` returns after the commit: the relay never sees an uncommitted row.
     // Half the hold is the margin: a row the relay reaches later than that is left to the
-    // database path, which takes it once the hold has passed (another relay may by then).
+    // database path, which takes it once its epoch is retired (another relay may by then).
     let fresh_until = started + handoff.hold / 2;
     let handed = !done.events.is_empty();
     let mut next_epoch = done.epoch;
@@ -238,7 +237,7 @@ async fn complete_batch(
         }
     }
     *lock(&handoff.epoch) = next_epoch;
-    // Held events were handed (or wait for their hold); unheld ones are in the outbox for any
+    // Held events were handed (or wait for their epoch's retirement); unheld ones are in the outbox for any
     // relay. Only those two cases have something to publish: a wake without them costs the
     // relay an empty claim statement.
     if handed || !held {

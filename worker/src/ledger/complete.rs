@@ -102,13 +102,13 @@ impl Ledger {
         worker_id: &str,
         completions: &[Completion],
     ) -> Vec<Result<Applied, LedgerError>> {
-        self.record(worker_id, completions, None, &mut None)
+        self.record(worker_id, completions, false, &mut None)
             .await
             .results
     }
 
     /// [`Ledger::complete`], with the result events inserted already claimed by `worker_id`'s
-    /// relay for `hold` and returned, so the caller can hand them to that relay after the
+    /// relay and returned, so the caller can hand them to that relay after the
     /// commit instead of the relay claiming them with an `UPDATE`. The events go into relay
     /// epoch `epoch` (a new one when None or retired); [`Completed::epoch`] says which epoch the
     /// next batch may use.
@@ -116,13 +116,10 @@ impl Ledger {
         &self,
         worker_id: &str,
         completions: &[Completion],
-        hold: Duration,
         epoch: Option<i64>,
     ) -> Completed {
         let mut epoch = epoch;
-        let mut done = self
-            .record(worker_id, completions, Some(hold), &mut epoch)
-            .await;
+        let mut done = self.record(worker_id, completions, true, &mut epoch).await;
         done.epoch = epoch;
         done
     }
@@ -131,7 +128,7 @@ impl Ledger {
         &self,
         worker_id: &str,
         completions: &[Completion],
-        hold: Option<Duration>,
+        held: bool,
         epoch: &mut Option<i64>,
     ) -> Completed {
         if completions.is_empty() {
@@ -139,7 +136,7 @@ impl Ledger {
         }
         let batch: Result<(Vec<Applied>, Vec<OutboxRow>), LedgerError> = async {
             let mut tx = self.pool.begin().await?;
-            let out = apply_batch(&mut tx, worker_id, completions, hold, epoch).await?;
+            let out = apply_batch(&mut tx, worker_id, completions, held, epoch).await?;
             tx.commit().await?;
             Ok(out)
         }
@@ -154,7 +151,7 @@ impl Ledger {
                 *epoch = None;
                 let mut out = Completed::default();
                 for c in completions {
-                    match self.complete_one(worker_id, c, hold, epoch).await {
+                    match self.complete_one(worker_id, c, held, epoch).await {
                         Ok((applied, events)) => {
                             out.results.push(Ok(applied));
                             out.events.extend(events);
@@ -182,12 +179,12 @@ impl Ledger {
         &self,
         worker_id: &str,
         c: &Completion,
-        hold: Option<Duration>,
+        held: bool,
         epoch: &mut Option<i64>,
     ) -> Result<(Applied, Vec<OutboxRow>), LedgerError> {
         let mut tx = self.pool.begin().await?;
         let (applied, events) =
-            apply_batch(&mut tx, worker_id, std::slice::from_ref(c), hold, epoch).await?;
+            apply_batch(&mut tx, worker_id, std::slice::from_ref(c), held, epoch).await?;
         tx.commit().await?;
         let applied = applied
             .into_iter()
@@ -198,13 +195,13 @@ impl Ledger {
 }
 
 /// The statements of one batch inside the caller's transaction; one `Applied` per completion,
-/// in order. With `hold`, the events are inserted claimed by `worker_id`, in relay epoch
+/// in order. When `held`, the events are inserted claimed by `worker_id`, in relay epoch
 /// `epoch`, and returned.
 async fn apply_batch(
     conn: &mut PgConnection,
     worker_id: &str,
     completions: &[Completion],
-    hold: Option<Duration>,
+    held: bool,
     epoch: &mut Option<i64>,
 ) -> Result<(Vec<Applied>, Vec<OutboxRow>), LedgerError> {
     let mut out: Vec<Option<Applied>> = vec![None; completions.len()];
@@ -241,12 +238,11 @@ async fn apply_batch(
             out[i] = Some(applied);
         }
     }
-    let held = match hold {
-        Some(hold) => outbox::insert_held_events(conn, &events, worker_id, hold, epoch).await?,
-        None => {
-            outbox::insert_events(conn, &events).await?;
-            Vec::new()
-        }
+    let held = if held {
+        outbox::insert_held_events(conn, &events, worker_id, epoch).await?
+    } else {
+        outbox::insert_events(conn, &events).await?;
+        Vec::new()
     };
     let applied = out
         .into_iter()

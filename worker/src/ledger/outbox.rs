@@ -21,13 +21,15 @@ use std::time::Duration;
 
 use super::{Ledger, LedgerError};
 
-/// How long a relay owns the events it claimed (or that were inserted claimed for it) before
-/// another relay may take them: a relay that died leaves its rows to the others after this.
+/// How long a relay owns the events it claimed before another relay may take them, and how
+/// long a relay epoch may go without its watermark being written before any relay retires it:
+/// a relay that died leaves its rows to the others after this.
 pub const RELAY_HOLD: Duration = Duration::from_secs(30);
 
 /// The hold this process uses: [`RELAY_HOLD`], except that builds with the `fault-points`
 /// feature (the e2e suites' worker, never a release set) read `WORKER_FAULT_RELAY_HOLD_SECS`
-/// so crash tests need not wait 30 s for a dead worker's held events.
+/// so crash tests need not wait 30 s for a dead worker's held events (the retiring worker's
+/// own hold decides when it retires another's epoch).
 pub fn relay_hold() -> Duration {
     #[cfg(feature = "fault-points")]
     if let Some(secs) = std::env::var("WORKER_FAULT_RELAY_HOLD_SECS")
@@ -156,9 +158,10 @@ pub async fn insert_events(
 }
 
 /// Inserts events in one statement inside the caller's transaction, already claimed by
-/// `relay_owner` for `hold` (as [`Ledger::claim_unpublished`] would claim them) and in the
-/// relay epoch `*epoch`, and returns the rows so the caller can hand them to its relay once the
-/// transaction has committed. Other relays skip them while the hold lasts.
+/// `relay_owner` in the relay epoch `*epoch`, and returns the rows so the caller can hand them
+/// to its relay once the transaction has committed. Their `relay_until` is infinity: no relay
+/// claims them (nor one of a version before relay epochs, whose claim knows only
+/// `relay_until`) until the epoch is retired and gives back those its watermark did not reach.
 ///
 /// The insert takes a KEY SHARE lock on the epoch's row, so the epoch cannot be retired before
 /// this transaction ends. When `*epoch` is None, or was retired meanwhile, a new epoch is begun
@@ -168,7 +171,6 @@ pub async fn insert_held_events(
     conn: &mut PgConnection,
     events: &[NewEvent],
     relay_owner: &str,
-    hold: Duration,
     epoch: &mut Option<i64>,
 ) -> Result<Vec<OutboxRow>, LedgerError> {
     if events.is_empty() {
@@ -185,11 +187,11 @@ pub async fn insert_held_events(
             }
         };
         let mut rows: Vec<OutboxRow> = sqlx::query_as(
-            "WITH epoch AS (SELECT id FROM relay_epochs WHERE id = $10 FOR KEY SHARE)
+            "WITH epoch AS (SELECT id FROM relay_epochs WHERE id = $9 FOR KEY SHARE)
              INSERT INTO result_outbox
                     (event_id, operation_id, routing_key, status, payload, traceparent, tracestate,
                      relay_owner, relay_until, relay_epoch)
-             SELECT e.*, $8, now() + make_interval(secs => $9), epoch.id
+             SELECT e.*, $8, 'infinity', epoch.id
              FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[], $6::text[],
                          $7::text[]) AS e, epoch
              RETURNING id, relay_epoch, routing_key, status, payload, traceparent, tracestate",
@@ -202,7 +204,6 @@ pub async fn insert_held_events(
         .bind(&c.traceparents)
         .bind(&c.tracestates)
         .bind(relay_owner)
-        .bind(hold.as_secs_f64())
         .bind(current)
         .fetch_all(&mut *conn)
         .await?;
@@ -345,8 +346,8 @@ impl Ledger {
 
     /// Retires every epoch that nothing advanced for `hold` (its worker died, or its relay was
     /// stalled that long) and that no batch is inserting into: in one transaction, the epoch's
-    /// rows above its watermark go back to the outbox (any relay takes them once their own hold
-    /// has passed) and the epoch row is deleted. Returns how many rows went back.
+    /// rows above its watermark go back to the outbox (unclaimed: any relay takes them at its
+    /// next round) and the epoch row is deleted. Returns how many rows went back.
     pub async fn retire_epochs(&self, hold: Duration) -> Result<u64, LedgerError> {
         let due: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM relay_epochs
@@ -378,7 +379,7 @@ impl Ledger {
         // A statement of its own, so its snapshot includes every batch committed into these
         // epochs before the locks above were taken.
         let back = sqlx::query(
-            "UPDATE result_outbox r SET relay_epoch = NULL
+            "UPDATE result_outbox r SET relay_epoch = NULL, relay_until = NULL
              FROM unnest($1::int8[], $2::int8[]) AS g(id, through_id)
              WHERE r.id > $3 AND r.relay_epoch = g.id AND r.id > g.through_id
                AND r.published_at IS NULL",
