@@ -237,9 +237,9 @@ async fn complete_batch(
         }
     }
     *lock(&handoff.epoch) = next_epoch;
-    // Held events were handed (or wait for their epoch's retirement); unheld ones are in the outbox for any
-    // relay. Only those two cases have something to publish: a wake without them costs the
-    // relay an empty claim statement.
+    // Held events were handed (or wait for their epoch's retirement); unheld ones are in the
+    // outbox for any relay. Only those two cases have something to publish: a wake without
+    // them costs the relay an empty claim statement.
     if handed || !held {
         handoff.wake.notify_one();
     }
