@@ -335,12 +335,11 @@ async fn the_outbox_relay_follows_the_agent_databases_primary() {
     }
     let answered_after = failed_over.map(|t| t.elapsed());
     assert!(failed_over.is_some(), "no first answer before the failover");
-    let output = relay.output();
-    drop(relay);
     let missing: Vec<_> = ids.iter().filter(|id| !finals.contains_key(*id)).collect();
     assert!(
         missing.is_empty(),
-        "every outbox row reaches the worker; unanswered: {missing:?}\nrelay log:\n{output}"
+        "every outbox row reaches the worker; unanswered: {missing:?}\nrelay log:\n{}",
+        relay.output()
     );
     assert!(
         finals.values().all(|s| *s == protocol::Status::Succeeded),
@@ -353,6 +352,9 @@ async fn the_outbox_relay_follows_the_agent_databases_primary() {
             "one mutation for {id}"
         );
     }
+    // The relay keeps running until then: a row it published on the old primary whose mark the
+    // failover lost is published again once its lease has passed (the worker answers the repeat
+    // from the ledger, so the agent may have every answer before that).
     let unsent = wait_for("every row marked sent on the new primary", T, || async {
         let unsent = pair
             .psql_db(
@@ -365,6 +367,8 @@ async fn the_outbox_relay_follows_the_agent_databases_primary() {
     })
     .await;
     assert_eq!(unsent, "0");
+    let output = relay.output();
+    drop(relay);
     assert!(
         output.contains("primary moved"),
         "the relay says where it went:\n{output}"
