@@ -53,6 +53,19 @@ async fn batch(
     (events.into_iter().next().unwrap(), epoch)
 }
 
+/// Two batches in one epoch, its watermark at the first: (first, second, epoch).
+async fn watermark_between(
+    ctx: &worker::context::Context,
+    prefix: &str,
+) -> (OutboxRow, OutboxRow, i64) {
+    let (first, epoch) = batch(ctx, &format!("{prefix}-1"), None).await;
+    let (second, same) = batch(ctx, &format!("{prefix}-2"), Some(epoch)).await;
+    assert_eq!(same, epoch, "a batch joins the epoch it is given");
+    assert!(second.id > first.id);
+    assert!(ctx.ledger.advance_epoch(epoch, first.id).await.unwrap());
+    (first, second, epoch)
+}
+
 /// (published, relay_epoch, relay_owner) of an outbox row, as the `result_events` view says.
 async fn state(db: &TestDb, id: i64) -> (bool, Option<i64>, Option<String>) {
     sqlx::query_as("SELECT published, relay_epoch, relay_owner FROM result_events WHERE id = $1")
@@ -115,9 +128,7 @@ async fn a_silent_epoch_is_retired_and_what_its_watermark_did_not_reach_goes_to_
     let db = TestDb::new().await;
     let ctx = context(&db);
     let l = &db.ledger;
-    let (first, epoch) = batch(&ctx, "rt-1", None).await;
-    let (second, _) = batch(&ctx, "rt-2", Some(epoch)).await;
-    assert!(l.advance_epoch(epoch, first.id).await.unwrap());
+    let (first, second, epoch) = watermark_between(&ctx, "rt").await;
     // Advanced within the hold: kept.
     assert_eq!(l.retire_epochs(Duration::from_secs(60)).await.unwrap(), 0);
     assert!(epoch_exists(&db, epoch).await);
@@ -203,9 +214,7 @@ async fn retention_deletes_what_a_watermark_published_and_nothing_above_it() {
     let db = TestDb::new().await;
     let ctx = context(&db);
     let l = &db.ledger;
-    let (first, epoch) = batch(&ctx, "rn-1", None).await;
-    let (second, _) = batch(&ctx, "rn-2", Some(epoch)).await;
-    assert!(l.advance_epoch(epoch, first.id).await.unwrap());
+    let (_, second, _) = watermark_between(&ctx, "rn").await;
     let deleted = l
         .delete_published_events_batch(Duration::ZERO, 100)
         .await
@@ -239,9 +248,7 @@ async fn a_relay_of_the_earlier_version_leaves_epoch_events_alone() {
     let db = TestDb::new().await;
     let ctx = context(&db);
     let l = &db.ledger;
-    let (first, epoch) = batch(&ctx, "up-1", None).await;
-    let (second, _) = batch(&ctx, "up-2", Some(epoch)).await;
-    assert!(l.advance_epoch(epoch, first.id).await.unwrap());
+    let (_, second, _) = watermark_between(&ctx, "up").await;
     tokio::time::sleep(Duration::from_millis(20)).await;
     let taken: Vec<i64> = sqlx::query_scalar(EARLIER_CLAIM)
         .fetch_all(db.pool())
