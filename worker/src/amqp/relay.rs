@@ -182,14 +182,18 @@ impl Relay {
     /// Writes what the watermark owes: earlier epochs' at once, the current epoch's once `every`
     /// has passed since the last write. With `keep_alive`, the current epoch is written again
     /// every third of the relay hold even with nothing new, so an idle worker's epoch is not
-    /// retired. A write that fails is tried again later; until then the events are only not
+    /// retired (unless the batcher left it). A write that fails is tried again later; until then the events are only not
     /// recorded published (published again if the epoch is retired meanwhile).
     async fn write_watermark(&self, every: Duration, keep_alive: bool) {
         let keep_alive_every = self.ctx.relay_hold / 3;
         let (owed, due) = {
             let mut w = lock(&self.watermark);
             let since = w.written_at.elapsed();
-            let advancing = w.epoch != 0 && !self.ctx.completions.is_frozen(w.epoch);
+            // Only the epoch the batcher still writes into: one it left may hold events it
+            // never handed over, which reach a relay only once the epoch is retired.
+            let advancing = w.epoch != 0
+                && !self.ctx.completions.is_frozen(w.epoch)
+                && self.ctx.completions.current_epoch() == Some(w.epoch);
             let due = w.epoch != 0
                 && ((w.through > w.written && since >= every)
                     || (keep_alive && advancing && since >= keep_alive_every));

@@ -178,6 +178,13 @@ impl CompletionBatcher {
         epoch <= self.handoff.frozen.load(Ordering::SeqCst)
     }
 
+    /// The epoch the next held batch inserts into, if the batcher has one: the only epoch the
+    /// relay keeps alive while idle. An epoch the batcher left (an event it could not hand over,
+    /// a commit whose reply was lost) must be retired, so its events reach any relay.
+    pub fn current_epoch(&self) -> Option<i64> {
+        *lock(&self.handoff.epoch)
+    }
+
     /// Whether handed events are waiting for the relay.
     pub fn handed_waiting(&self) -> bool {
         let rx = lock(&self.handoff.rx);
