@@ -25,6 +25,7 @@ use tracing::Instrument as _;
 use super::AmqpError;
 use crate::context::Context;
 use crate::ledger::outbox::OutboxRow;
+use crate::lock;
 use crate::telemetry::metrics as m;
 use crate::telemetry::spans;
 
@@ -118,11 +119,10 @@ impl Relay {
         .instrument(span)
         .await;
         if let Err(e) = self.ctx.ledger.release_unpublished(&settled.failed).await {
-            // Still in their epochs: the watermark must not pass them.
+            // Still in their epochs: the watermark must not pass them. Freezing the round's
+            // latest epoch freezes the earlier ones with it.
             tracing::warn!(error = %e, "cannot release unpublished events");
-            for epoch in rows.iter().filter_map(|r| r.relay_epoch) {
-                self.ctx.completions.freeze_epoch(epoch);
-            }
+            self.ctx.completions.freeze_epoch(*lock(&self.taken));
         }
         let marked = self.advance(&rows, &settled.published);
         // Confirmed, not yet recorded published: a crash here publishes them again.
@@ -182,8 +182,9 @@ impl Relay {
     /// Writes what the watermark owes: earlier epochs' at once, the current epoch's once `every`
     /// has passed since the last write. With `keep_alive`, the current epoch is written again
     /// every third of the relay hold even with nothing new, so an idle worker's epoch is not
-    /// retired (unless the batcher left it). A write that fails is tried again later; until then the events are only not
-    /// recorded published (published again if the epoch is retired meanwhile).
+    /// retired (unless the batcher left it). A write that fails is tried again later; until
+    /// then the events are only not recorded published (published again if the epoch is
+    /// retired meanwhile).
     async fn write_watermark(&self, every: Duration, keep_alive: bool) {
         let keep_alive_every = self.ctx.relay_hold / 3;
         let (owed, due) = {
@@ -259,7 +260,7 @@ impl Relay {
         if handed.stale > 0 {
             tracing::info!(
                 events = handed.stale,
-                "handed result events waited too long; left to the outbox after their hold"
+                "handed result events waited too long; left to the outbox once their epoch is retired"
             );
         }
         let mut rows = handed.rows;
@@ -347,10 +348,6 @@ impl Relay {
         self.write_watermark(Duration::ZERO, false).await;
         Ok(())
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The trace context an event is sent with (the span that decided it, or the intent's).

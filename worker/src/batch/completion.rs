@@ -25,6 +25,7 @@ use tracing::Instrument as _;
 use super::{run_batches, Tasks};
 use crate::ledger::outbox::OutboxRow;
 use crate::ledger::{Applied, Completed, Completion, Ledger, LedgerError};
+use crate::lock;
 
 /// Largest number of completions recorded in one commit.
 const COMPLETION_BATCH: usize = 256;
@@ -192,10 +193,6 @@ impl CompletionBatcher {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// One group commit. While a relay is attached, the batch's events are inserted claimed by
 /// this worker and handed to the relay after the commit.
 async fn complete_batch(
@@ -218,8 +215,7 @@ async fn complete_batch(
         } else {
             Completed {
                 results: ledger.complete(&worker_id, &completions).await,
-                events: Vec::new(),
-                epoch: *lock(&handoff.epoch),
+                ..Completed::default()
             }
         }
     }
@@ -243,7 +239,9 @@ async fn complete_batch(
             }
         }
     }
-    *lock(&handoff.epoch) = next_epoch;
+    if held {
+        *lock(&handoff.epoch) = next_epoch;
+    }
     // Held events were handed (or wait for their epoch's retirement); unheld ones are in the
     // outbox for any relay. Only those two cases have something to publish: a wake without
     // them costs the relay an empty claim statement.

@@ -119,9 +119,7 @@ impl Ledger {
         epoch: Option<i64>,
     ) -> Completed {
         let mut epoch = epoch;
-        let mut done = self.record(worker_id, completions, true, &mut epoch).await;
-        done.epoch = epoch;
-        done
+        self.record(worker_id, completions, true, &mut epoch).await
     }
 
     async fn record(
@@ -141,7 +139,7 @@ impl Ledger {
             Ok(out)
         }
         .await;
-        match batch {
+        let mut done = match batch {
             Ok((applied, events)) => Completed {
                 results: applied.into_iter().map(Ok).collect(),
                 events,
@@ -172,7 +170,9 @@ impl Ledger {
                     epoch: None,
                 }
             }
-        }
+        };
+        done.epoch = *epoch;
+        done
     }
 
     async fn complete_one(
