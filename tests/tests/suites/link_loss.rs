@@ -481,6 +481,61 @@ async fn readyz_reports_broker_and_ledger_loss() {
     cleanup(env).await;
 }
 
+/// `/readyz` names a relay link the broker dropped even while the relay is stuck in a ledger
+/// call (the ledger link a black hole): readiness follows the connection, not the relay's next
+/// look at it. Otherwise a worker whose relay connection is gone reads ready once the consumer
+/// is back, and turns unready later.
+#[tokio::test]
+async fn readyz_names_a_lost_relay_link_while_the_relay_waits_on_the_ledger() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let proxy = FaultProxy::start(&broker_addr(&env)).await;
+    let pg = FaultProxy::start(&host_port(&env.db_url)).await;
+    let opts = base_opts(roomy_tools(&env, ds.port))
+        .amqp_url(&via(&env.amqp_url, proxy.addr()))
+        .database_url(&via(&env.db_url, pg.addr()))
+        .with_metrics();
+    let w = Worker::start(&env, "w", &opts).await;
+    wait_for("ready", T, || async {
+        (w.get("/readyz").await.0 == 200).then_some(())
+    })
+    .await;
+
+    pg.blackhole();
+    wait_for("readyz 503 for the ledger", T, || async {
+        let (status, body) = w.get("/readyz").await;
+        (status == 503 && body.contains("ledger")).then_some(())
+    })
+    .await;
+    // The idle relay looks in the outbox every half second: by now it waits on the ledger.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    proxy.cut();
+    // The relay's statement waits on a link that moves no bytes: it does not look at its
+    // broker link until the ledger answers.
+    let body = wait_for(
+        "readyz names the relay link",
+        Duration::from_secs(4),
+        || async {
+            let (status, body) = w.get("/readyz").await;
+            (status == 503 && body.contains("relay link")).then_some(body)
+        },
+    )
+    .await;
+    let v: serde_json::Value = serde_json::from_str(&body).expect("a JSON reason");
+    assert!(
+        v["broker_nodes"]["relay"].is_null(),
+        "a lost link has no node: {body}"
+    );
+    proxy.restore();
+    pg.restore();
+    wait_for("ready again once both return", T, || async {
+        (w.get("/readyz").await.0 == 200).then_some(())
+    })
+    .await;
+    drop(w);
+    cleanup(env).await;
+}
+
 /// Replay and lookup tools only: a later round cuts the ledger while an earlier round's
 /// redelivered intents may be in flight, and only these capabilities recover an outcome that
 /// could not be recorded (a `none` tool's would rightly end `held`).

@@ -12,7 +12,6 @@ pub mod relay;
 pub mod topology;
 pub mod trace;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -151,12 +150,19 @@ pub fn reconnect_delay(attempt: u32) -> Duration {
 }
 
 /// Whether each broker link is up, for `/readyz`. Cheap to clone.
+///
+/// A link counts as up while its session has set it up and its connection is still open: the
+/// connection's own status answers, so a connection the broker dropped reads down at once, even
+/// while the session is busy elsewhere (a relay waiting on the ledger) and has not looked yet.
 #[derive(Clone, Default)]
 pub struct LinkState {
-    consumer: Arc<AtomicBool>,
-    relay: Arc<AtomicBool>,
-    /// The node each link is connected to (`host:port`), for `/readyz` and logs.
-    nodes: Arc<std::sync::Mutex<[Option<String>; 2]>>,
+    links: Arc<std::sync::Mutex<[Option<Up>; 2]>>,
+}
+
+/// A link that was set up: the node it is connected to (`host:port`) and its connection.
+struct Up {
+    node: String,
+    status: lapin::ConnectionStatus,
 }
 
 /// One of the worker's broker links.
@@ -167,35 +173,39 @@ pub enum Link {
 }
 
 impl LinkState {
-    pub fn set(&self, link: Link, up: bool) {
-        let flag = match link {
-            Link::Consumer => &self.consumer,
-            Link::Relay => &self.relay,
-        };
-        flag.store(up, Ordering::SeqCst);
+    /// `link` is set up on `connection`, to `node`.
+    pub fn up(&self, link: Link, node: String, connection: &Connection) {
+        let status = connection.status().clone();
+        self.lock()[link as usize] = Some(Up { node, status });
     }
 
-    /// Records the node `link` is connected to (None once it is down).
-    pub fn set_node(&self, link: Link, node: Option<String>) {
-        let mut nodes = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
-        nodes[link as usize] = node;
+    /// `link` is down until it is set up again.
+    pub fn down_now(&self, link: Link) {
+        self.lock()[link as usize] = None;
     }
 
     /// The node each link (consumer, relay) is connected to now.
     pub fn nodes(&self) -> [Option<String>; 2] {
-        self.nodes.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.lock().each_ref().map(|l| {
+            l.as_ref()
+                .filter(|u| u.status.connected())
+                .map(|u| u.node.clone())
+        })
     }
 
     /// The links that are down now (empty when all are up).
     pub fn down(&self) -> Vec<&'static str> {
-        let mut down = Vec::new();
-        if !self.consumer.load(Ordering::SeqCst) {
-            down.push("consumer");
-        }
-        if !self.relay.load(Ordering::SeqCst) {
-            down.push("relay");
-        }
-        down
+        let links = self.lock();
+        ["consumer", "relay"]
+            .into_iter()
+            .zip(links.iter())
+            .filter(|(_, l)| !l.as_ref().is_some_and(|u| u.status.connected()))
+            .map(|(name, _)| name)
+            .collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, [Option<Up>; 2]> {
+        crate::lock(&self.links)
     }
 }
 

@@ -95,8 +95,7 @@ pub async fn supervise<S: Session>(
         ever_up = true;
         let result = match session.set_up(&connection).await {
             Ok(ready) => {
-                links.set(S::LINK, true);
-                links.set_node(S::LINK, Some(node));
+                links.up(S::LINK, node, &connection);
                 attempt = 0;
                 session.run(ready, &connection, stop.clone()).await
             }
@@ -106,8 +105,7 @@ pub async fn supervise<S: Session>(
             }
             Err(SetUpError::Lost(e)) => Err(e),
         };
-        links.set(S::LINK, false);
-        links.set_node(S::LINK, None);
+        links.down_now(S::LINK);
         close_quietly(&connection).await;
         let e = match (result, S::LOST_WHILE_STOPPING) {
             (Ok(()), _) => return Ok(()),
