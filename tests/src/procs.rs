@@ -117,11 +117,36 @@ impl Drop for RelayProc {
 
 /// A port nothing listens on (yet).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    free_ports(1)[0]
+}
+
+/// `n` distinct ports nothing listens on (yet), each held while the next is found, taken below
+/// the kernel's ephemeral range: a port handed out by `bind(:0)` and released is in that range,
+/// where any outgoing connection of a parallel test may take it as its local port before the
+/// process it was meant for binds it (a RabbitMQ node then fails with `nodistribution`). Ports
+/// from `bind(:0)` when the range leaves no room below it.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    const LOWEST: u16 = 20_000;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    let mut held: Vec<std::net::TcpListener> = Vec::with_capacity(n);
+    let mut tries = 0;
+    while held.len() < n {
+        let port = if ephemeral_low > LOWEST + 1_000 && tries < 1_000 {
+            tries += 1;
+            fastrand::u16(LOWEST..ephemeral_low)
+        } else {
+            0
+        };
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            held.push(l);
+        }
+    }
+    held.iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
 }
 
 /// Captured output lines of a child, and how many of its streams are still open.

@@ -91,7 +91,7 @@ impl RabbitCluster {
         let plugins_dir = trimmed_plugins_dir(&dir.join("plugins"), opts.plugins);
 
         // All ports at once, each held while the next is found, so none repeats.
-        let ports = free_ports(1 + 2 * NODES);
+        let ports = crate::procs::free_ports(1 + 2 * NODES);
         let epmd_port = ports[0];
         let nodes: Vec<Node> = (0..NODES)
             .map(|i| {
@@ -579,17 +579,6 @@ async fn epmd_names(port: u16) -> Option<String> {
         .await
         .ok()
         .flatten()
-}
-
-/// `n` distinct free ports on 127.0.0.1.
-fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0"))
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
 }
 
 fn write_cookie(path: &Path) {
