@@ -36,7 +36,11 @@ pub const CLK_TCK: f64 = 100.0;
 /// and the WAL the server has written (cluster-wide).
 #[derive(Clone, Copy, Debug)]
 pub struct Written {
+    /// Row versions in every table.
     pub versions: i64,
+    /// Row versions in the tables an intent writes (`operations`, `result_outbox`, the history
+    /// log); the rest are written per second, not per intent (heartbeats, relay watermarks).
+    pub intent_versions: i64,
     pub updates: i64,
     pub hot: i64,
     pub heap_bytes: i64,
@@ -49,9 +53,12 @@ impl Written {
         let _ = sqlx::query("SELECT pg_stat_clear_snapshot()")
             .execute(&env.pool)
             .await;
-        let row: Result<(i64, i64, i64, i64, i64, i64), _> = sqlx::query_as(
+        let row: Result<(i64, i64, i64, i64, i64, i64, i64), _> = sqlx::query_as(
             "SELECT (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::int8
                      FROM pg_stat_user_tables),
+                    (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::int8
+                     FROM pg_stat_user_tables
+                     WHERE relname IN ('operations', 'result_outbox', 'operation_history_log')),
                     (SELECT coalesce(sum(n_tup_upd), 0)::int8 FROM pg_stat_user_tables),
                     (SELECT coalesce(sum(n_tup_hot_upd), 0)::int8 FROM pg_stat_user_tables),
                     coalesce(sum(pg_relation_size(c.oid)) FILTER (WHERE c.relkind = 'r'), 0)::int8,
@@ -65,13 +72,16 @@ impl Written {
         row.map_err(|e| eprintln!("warning: pg_stat_user_tables: {e}"))
             .ok()
             .map(
-                |(versions, updates, hot, heap_bytes, index_bytes, wal_bytes)| Written {
-                    versions,
-                    updates,
-                    hot,
-                    heap_bytes,
-                    index_bytes,
-                    wal_bytes,
+                |(versions, intent_versions, updates, hot, heap_bytes, index_bytes, wal_bytes)| {
+                    Written {
+                        versions,
+                        intent_versions,
+                        updates,
+                        hot,
+                        heap_bytes,
+                        index_bytes,
+                        wal_bytes,
+                    }
                 },
             )
     }
@@ -79,6 +89,7 @@ impl Written {
     pub fn since(&self, before: &Written) -> Written {
         Written {
             versions: self.versions - before.versions,
+            intent_versions: self.intent_versions - before.intent_versions,
             updates: self.updates - before.updates,
             hot: self.hot - before.hot,
             heap_bytes: self.heap_bytes - before.heap_bytes,

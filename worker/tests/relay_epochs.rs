@@ -2,7 +2,8 @@
 //! published by their epoch's watermark, never by a row-by-row mark; an epoch nothing advanced
 //! for the hold is retired and every event above its watermark goes back to any relay; a batch
 //! inserting into an epoch keeps it from being retired; a retired epoch is never written to
-//! again; and retention deletes what a watermark published, never what it did not.
+//! again; retention deletes what a watermark published, never what it did not; and deleting a
+//! tombstone unlinks its events and keeps them.
 
 mod common;
 
@@ -225,6 +226,49 @@ async fn retention_deletes_what_a_watermark_published_and_nothing_above_it() {
         .await
         .unwrap();
     assert_eq!(left, vec![second.id], "the unpublished event stays");
+    db.drop_db().await;
+}
+
+/// Deleting a tombstone keeps its result events (the record of what the agent was told) and
+/// unlinks them in the same statement; the events of other operations keep their link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_tombstone_unlinks_its_result_events_and_keeps_them() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let l = &db.ledger;
+    let (old, epoch) = batch(&ctx, "tomb-old", None).await;
+    let (fresh, _) = batch(&ctx, "tomb-fresh", Some(epoch)).await;
+    sqlx::query(
+        "UPDATE operations SET finished_at = now() - interval '2 days' WHERE action_id = 'tomb-old'",
+    )
+    .execute(db.pool())
+    .await
+    .unwrap();
+    let deleted = l
+        .delete_tombstones_batch(Duration::from_secs(86_400), 100)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    let links: Vec<(i64, Option<i64>)> =
+        sqlx::query_as("SELECT id, operation_id FROM result_outbox ORDER BY id")
+            .fetch_all(db.pool())
+            .await
+            .unwrap();
+    let fresh_op: i64 =
+        sqlx::query_scalar("SELECT id FROM operations WHERE action_id = 'tomb-fresh'")
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+    assert_eq!(links, vec![(old.id, None), (fresh.id, Some(fresh_op))]);
+    let orphans: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM result_outbox r
+         WHERE r.operation_id IS NOT NULL
+           AND NOT EXISTS (SELECT 1 FROM operations o WHERE o.id = r.operation_id)",
+    )
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(orphans, 0);
     db.drop_db().await;
 }
 

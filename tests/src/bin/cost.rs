@@ -33,9 +33,10 @@
 //! start, printed and not a target).
 //!
 //! The targets are printed with the figures (PASS/FAIL): worker ≤ 80 µs, Postgres ≤ 200 µs and
-//! RabbitMQ ≤ 120 µs per intent; at most 4 row versions per intent; WAL per intent at least 40 %
-//! below [`WAL_REFERENCE`]; a drain of at least 0.25 of the relay ceiling; p99 ≤ 50 ms in every
-//! latency run.
+//! RabbitMQ ≤ 120 µs per intent; at most 4 row versions per intent in the tables an intent
+//! writes (every table's count, with the per-second writes of heartbeats and relay watermarks,
+//! printed beside); WAL per intent at least 40 % below [`WAL_REFERENCE`]; a drain of at least
+//! 0.25 of the relay ceiling; p99 ≤ 50 ms in every latency run.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -248,7 +249,7 @@ fn report(drains: &[Drain], relays: &[Relay], p99s: &[Duration], half: f64) {
             per(d.cpu.rabbit, d.n),
             per(d.cpu.bench, d.n),
             w.map_or("-".into(), |w| format!(
-                "{:.2}",
+                "{:.3}",
                 w.versions as f64 / d.n as f64
             )),
             w.map_or("-".into(), |w| format!(
@@ -265,6 +266,10 @@ fn report(drains: &[Drain], relays: &[Relay], p99s: &[Duration], half: f64) {
         .map(|(d, r)| d.rate / r.rate)
         .fold(f64::MAX, f64::min);
     let rows = worst(&|d| {
+        d.written
+            .map_or(f64::MAX, |w| w.intent_versions as f64 / d.n as f64)
+    });
+    let all_rows = worst(&|d| {
         d.written
             .map_or(f64::MAX, |w| w.versions as f64 / d.n as f64)
     });
@@ -291,7 +296,7 @@ fn report(drains: &[Drain], relays: &[Relay], p99s: &[Duration], half: f64) {
         ),
         (
             "row versions ≤ 4 per intent",
-            format!("{rows:.2}"),
+            format!("{rows:.3} (every table {all_rows:.3})"),
             rows <= 4.0,
         ),
         (

@@ -61,29 +61,38 @@ impl Ledger {
     }
 
     /// Deletes up to `limit` tombstones of operations finished before `tombstone_retention`
-    /// ago (their history and operator requests go with them).
+    /// ago (their history and operator requests go with them). Their result events stay, the
+    /// record of what the agent was told, unlinked in the same statement (the outbox has no
+    /// foreign key to do it: migration 0015).
     pub async fn delete_tombstones_batch(
         &self,
         tombstone_retention: Duration,
         limit: i64,
     ) -> Result<u64, LedgerError> {
-        Ok(sqlx::query(
-            "DELETE FROM operations
-             WHERE id IN (
-                SELECT id FROM operations
-                WHERE finished_at < now() - make_interval(secs => $1)
-                  AND state IN ('succeeded', 'failed')
-                ORDER BY finished_at
-                LIMIT $2
-                FOR UPDATE SKIP LOCKED
+        let deleted: i64 = sqlx::query_scalar(
+            "WITH gone AS (
+                DELETE FROM operations
+                WHERE id IN (
+                    SELECT id FROM operations
+                    WHERE finished_at < now() - make_interval(secs => $1)
+                      AND state IN ('succeeded', 'failed')
+                    ORDER BY finished_at
+                    LIMIT $2
+                    FOR UPDATE SKIP LOCKED
+                )
+                AND state IN ('succeeded', 'failed')
+                RETURNING id
+             ), unlinked AS (
+                UPDATE result_outbox SET operation_id = NULL
+                WHERE operation_id IN (SELECT id FROM gone)
              )
-             AND state IN ('succeeded', 'failed')",
+             SELECT count(*) FROM gone",
         )
         .bind(tombstone_retention.as_secs_f64())
         .bind(limit)
-        .execute(&self.pool)
-        .await?
-        .rows_affected())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(deleted as u64)
     }
 
     /// Deletes up to `limit` result events published before `retention` ago (their payloads
