@@ -173,7 +173,7 @@ async fn enqueue(env: &Env, intent: &protocol::Intent) -> i64 {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Item 1: transactional outbox and relay
+// Transactional outbox and relay
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test]
@@ -680,7 +680,7 @@ async fn ten_thousand_rows_relayed_by_two_relays_none_lost() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Item 2: one action's answer, per-agent routing
+// One action's answer, per-agent routing
 // ---------------------------------------------------------------------------------------------
 
 fn answers(env: &Env, w: Option<&Worker>, reply_to: &str) -> AnswerConfig {
@@ -954,7 +954,7 @@ async fn cli_send_wait_and_wait_exit_with_the_answer_status() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Item 3: tenant proof from our own publisher
+// Tenant proof from our own publisher
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test]

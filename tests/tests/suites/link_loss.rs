@@ -75,9 +75,9 @@ fn base_opts(tools: std::path::PathBuf) -> WorkerOptions {
     opts
 }
 
-/// Item 1: in tenant-proof mode a second broker user publishes a malformed intent in a batch
-/// of good ones. On main the dead-letter copy kept `user_id = alice`, RabbitMQ refused it on
-/// the worker's `guest` connection and the worker exited.
+/// In tenant-proof mode a second broker user publishes a malformed intent in a batch of good
+/// ones. A dead-letter copy that kept `user_id = alice` would be refused by RabbitMQ on the
+/// worker's `guest` connection, which would close it: the worker must stay up.
 #[tokio::test]
 async fn malformed_intent_from_a_second_broker_user_is_dead_lettered_not_fatal() {
     let env = Env::new().await;
@@ -166,7 +166,7 @@ async fn malformed_intent_from_a_second_broker_user_is_dead_lettered_not_fatal()
     cleanup(env).await;
 }
 
-/// Item 1, a copy the broker keeps refusing: the worker's own broker user may not write to the
+/// A dead-letter copy the broker keeps refusing: the worker's own broker user may not write to the
 /// dead-letter exchange. The delivery is rejected without requeue after a few attempts, so the
 /// queue's own dead-letter exchange takes it (the broker needs no permission for that); the
 /// worker stays up and the good intents of the batch succeed.
@@ -246,8 +246,8 @@ fn ids(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}-{i}")).collect()
 }
 
-/// Item 6: the worker's broker link is cut for ~12 s with 60 intents in flight or queued. On
-/// main the worker exited and 40 intents waited for a restart.
+/// The worker's broker link is cut for ~12 s with 60 intents in flight or queued: the worker
+/// reconnects by itself, and no intent waits for a restart.
 #[tokio::test]
 async fn broker_link_cut_for_twelve_seconds_is_survived() {
     let env = Env::new().await;
@@ -293,9 +293,8 @@ async fn broker_link_cut_for_twelve_seconds_is_survived() {
     cleanup(env).await;
 }
 
-/// Item 6: a silent black hole (no reset, no FIN) is noticed through the AMQP heartbeat and
-/// the worker reconnects once the path is back. On main the worker asked for no heartbeat
-/// and exited when the stalled connection was finally reset.
+/// A silent black hole (no reset, no FIN) is noticed through the AMQP heartbeat and the worker
+/// reconnects once the path is back, instead of waiting for the stalled connection to be reset.
 #[tokio::test]
 async fn broker_black_hole_is_detected_by_heartbeat_and_survived() {
     let env = Env::new().await;
@@ -333,8 +332,8 @@ async fn broker_black_hole_is_detected_by_heartbeat_and_survived() {
     cleanup(env).await;
 }
 
-/// Item 6: the ledger link cut and restored while intents flow: every replay and lookup
-/// intent succeeds with one mutation. (This already held on main; kept as a regression test.)
+/// The ledger link cut and restored while intents flow: every replay and lookup intent
+/// succeeds with one mutation.
 /// A `none` tool whose outcome could not be recorded during the cut cannot be verified after
 /// its lease: it may end `held`, never with a second mutation.
 #[tokio::test]
@@ -376,8 +375,8 @@ async fn postgres_link_cut_and_restored_all_succeed() {
     cleanup(env).await;
 }
 
-/// Item 6: SIGTERM while the broker is unreachable exits cleanly (code 0) and in time. On main
-/// the worker had already exited with a failure when the link was cut.
+/// SIGTERM while the broker is unreachable exits cleanly (code 0) and in time; losing the link
+/// is not itself a failure exit.
 #[tokio::test]
 async fn sigterm_during_broker_outage_exits_cleanly() {
     let env = Env::new().await;
@@ -403,18 +402,25 @@ async fn sigterm_during_broker_outage_exits_cleanly() {
     cleanup(env).await;
 }
 
-/// Item 7: `/livez` and `/readyz` on the metrics listener; readyz says why it is not ready.
+/// A worker with its metrics listener that reaches the broker and the ledger through a proxy
+/// each: (broker proxy, ledger proxy, worker).
+async fn behind_both_proxies(env: &Env, ds: &Downstream) -> (FaultProxy, FaultProxy, Worker) {
+    let proxy = FaultProxy::start(&broker_addr(env)).await;
+    let pg = FaultProxy::start(&host_port(&env.db_url)).await;
+    let opts = base_opts(roomy_tools(env, ds.port))
+        .amqp_url(&via(&env.amqp_url, proxy.addr()))
+        .database_url(&via(&env.db_url, pg.addr()))
+        .with_metrics();
+    let w = Worker::start(env, "w", &opts).await;
+    (proxy, pg, w)
+}
+
+/// `/livez` and `/readyz` on the metrics listener; readyz says why it is not ready.
 #[tokio::test]
 async fn readyz_reports_broker_and_ledger_loss() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let pg = FaultProxy::start(&host_port(&env.db_url)).await;
-    let opts = base_opts(roomy_tools(&env, ds.port))
-        .amqp_url(&via(&env.amqp_url, proxy.addr()))
-        .database_url(&via(&env.db_url, pg.addr()))
-        .with_metrics();
-    let w = Worker::start(&env, "w", &opts).await;
+    let (proxy, pg, w) = behind_both_proxies(&env, &ds).await;
     let ready = || async {
         let (status, _) = w.get("/readyz").await;
         (status == 200).then_some(())
@@ -489,13 +495,7 @@ async fn readyz_reports_broker_and_ledger_loss() {
 async fn readyz_names_a_lost_relay_link_while_the_relay_waits_on_the_ledger() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let pg = FaultProxy::start(&host_port(&env.db_url)).await;
-    let opts = base_opts(roomy_tools(&env, ds.port))
-        .amqp_url(&via(&env.amqp_url, proxy.addr()))
-        .database_url(&via(&env.db_url, pg.addr()))
-        .with_metrics();
-    let w = Worker::start(&env, "w", &opts).await;
+    let (proxy, pg, w) = behind_both_proxies(&env, &ds).await;
     wait_for("ready", T, || async {
         (w.get("/readyz").await.0 == 200).then_some(())
     })
@@ -541,10 +541,10 @@ async fn readyz_names_a_lost_relay_link_while_the_relay_waits_on_the_ledger() {
 /// could not be recorded (a `none` tool's would rightly end `held`).
 const VERIFIABLE: [&str; 2] = ["refund", "ticket"];
 
-/// Item 8: SIGTERM while a batch cannot be recorded (ledger link cut) with more deliveries
-/// buffered behind it, the ledger coming back at that moment. On main the consumer could still
-/// take the buffered batch, record it and ack it with `multiple`, covering the unrecorded
-/// one: acked but never recorded. Six rounds, as that race was a coin flip per round.
+/// SIGTERM while a batch cannot be recorded (ledger link cut) with more deliveries buffered
+/// behind it, the ledger coming back at that moment. The consumer must not take the buffered
+/// batch, record it and ack it with `multiple`, covering the unrecorded one (acked but never
+/// recorded). Six rounds, as that race is a coin flip per round.
 #[tokio::test]
 async fn sigterm_with_ledger_down_never_acks_an_unrecorded_delivery() {
     let env = Env::new().await;
@@ -621,8 +621,8 @@ async fn sigterm_with_ledger_down_never_acks_an_unrecorded_delivery() {
 
 /// A write whose answer arrives while the ledger link is down is recorded once the link is
 /// back (within its lease) instead of being dropped: a `none` tool's write ends `succeeded`
-/// with its receipt. On main the outcome was dropped ("cannot record outcome"), the lease ran
-/// out and the row ended `held` although the downstream had answered with a receipt.
+/// with its receipt, not dropped ("cannot record outcome") until the lease runs out and the row
+/// ends `held` although the downstream answered with a receipt.
 #[tokio::test]
 async fn an_answer_that_arrives_during_a_ledger_outage_is_recorded_after_it() {
     let env = Env::new().await;

@@ -176,7 +176,7 @@ async fn dead_letters(env: &Env, agent: &Agent, n: usize) -> Vec<(String, String
     copies
 }
 
-/// Item 4: alice is proven for tenant-a only. Whatever she sends naming tenant-b — a malformed
+/// Alice is proven for tenant-a only. Whatever she sends naming tenant-b — a malformed
 /// body carrying one of b's keys, a malformed body with a fresh key, an unknown tool — no
 /// event is routed to tenant-b; each message is dead-lettered as `tenant_mismatch` naming the
 /// user and the tenant. Her proven intent in the same stream still succeeds.
@@ -246,7 +246,7 @@ async fn an_unproven_tenant_gets_no_answer_for_malformed_bodies_or_unknown_tools
     cleanup(env).await;
 }
 
-/// Item 3: key k-1 has succeeded. An intent for k-1 naming an unknown tool, or an undecodable
+/// Key k-1 has succeeded. An intent for k-1 naming an unknown tool, or an undecodable
 /// body carrying k-1, is answered from k-1's row (`intent_conflict`, saying the key is taken),
 /// never "nothing was done"; the same intent arriving after its tool was removed from the
 /// pool gets the stored answer with the original receipt. Keys without a row keep today's
