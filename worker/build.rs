@@ -1,4 +1,4 @@
-//! The migrations are embedded by `sqlx::migrate!`, which cargo cannot see read the folder: a
+//! `sqlx::migrate!` embeds the migrations folder, but cargo does not know the macro reads it: a
 //! migration added or edited would otherwise leave a warm build with the old set.
 fn main() {
     println!("cargo:rerun-if-changed=../migrations");
