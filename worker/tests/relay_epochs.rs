@@ -308,3 +308,60 @@ async fn a_relay_of_the_earlier_version_leaves_epoch_events_alone() {
     assert_eq!(taken, vec![second.id], "given back: anyone's");
     db.drop_db().await;
 }
+
+/// A completion batch's events reach its relay without being read back from the outbox: each
+/// row handed over must be the row stored under its id (payload, event id, routing key,
+/// status), also when receipts carry braces, quotes, escapes, non-ASCII text and numbers past
+/// 64 bits, and when a batch mixes outcomes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handed_events_are_the_rows_stored_under_their_ids() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let hostile = serde_json::json!({
+        "receipt_id": "r-{\"}",
+        "note": "brace { quote \" backslash \\ tab \t nul-free ünïcödé 💸",
+        "amount": 123456789012345678901234567890u128 as f64,
+        "nested": {"z": [1, -0.5, 1e300, null, true], "a": {"}": "{"}},
+    });
+    let mut completions = Vec::new();
+    for i in 0..6 {
+        let mut c = receipt(&ctx, &format!("handed-{{\"{i}\"}}")).await;
+        if i % 3 == 1 {
+            c.transition = Transition::Failed {
+                evidence: format!("HTTP 422: {{\"error\": \"no {i}\"}}"),
+            };
+        } else if let Transition::Succeeded { receipt, .. } = &mut c.transition {
+            receipt["extra"] = hostile.clone();
+        }
+        completions.push(c);
+    }
+    let done = ctx
+        .ledger
+        .complete_held(WORKER_ID, &completions, None)
+        .await;
+    assert!(done.results.iter().all(|r| r.is_ok()), "{:?}", done.results);
+    assert_eq!(done.events.len(), completions.len());
+    assert!(
+        done.events.windows(2).all(|w| w[0].id < w[1].id),
+        "in id order"
+    );
+    for row in &done.events {
+        let (event_id, routing_key, status, payload): (String, String, String, serde_json::Value) =
+            sqlx::query_as(
+                "SELECT event_id::text, routing_key, status, payload FROM result_outbox
+                 WHERE id = $1",
+            )
+            .bind(row.id)
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+        let handed: serde_json::Value = serde_json::from_str(&row.payload).unwrap();
+        assert_eq!(handed, payload, "row {}", row.id);
+        assert_eq!(row.event_id, event_id);
+        assert_eq!(handed["event_id"], event_id.as_str());
+        assert_eq!(row.routing_key, routing_key);
+        assert_eq!(row.status, status);
+        assert_eq!(handed["status"], status.as_str());
+    }
+    db.drop_db().await;
+}

@@ -128,8 +128,11 @@ impl Relay {
         // Confirmed, not yet recorded published: a crash here publishes them again.
         #[cfg(feature = "fault-points")]
         for row in rows.iter().filter(|r| settled.published.contains(&r.id)) {
-            let action_id = row.payload.get("action_id").and_then(|v| v.as_str());
-            crate::fault::point("after_results_confirmed", action_id.unwrap_or_default());
+            let action_id = row.field("action_id");
+            crate::fault::point(
+                "after_results_confirmed",
+                action_id.as_deref().unwrap_or_default(),
+            );
         }
         if let Err(e) = self.ctx.ledger.mark_published(&marked).await {
             // They will be published again after the hold: agents dedupe by event_id.
@@ -293,16 +296,10 @@ impl Relay {
 
     /// Publishes one event (mandatory, persistent, message id = event id, type = status).
     async fn publish(&self, row: &OutboxRow) -> lapin::Result<PublisherConfirm> {
-        let body = serde_json::to_vec(&row.payload).expect("json values serialize");
-        let event_id = row
-            .payload
-            .get("event_id")
-            .and_then(|v| v.as_str())
-            .unwrap_or_default();
         let mut props = BasicProperties::default()
             .with_content_type("application/json".into())
             .with_delivery_mode(2)
-            .with_message_id(event_id.into())
+            .with_message_id(row.event_id.as_str().into())
             .with_type(row.status.as_str().into());
         if let Some(cx) = row_trace(row) {
             let mut headers = lapin::types::FieldTable::default();
@@ -317,7 +314,7 @@ impl Relay {
                     mandatory: true,
                     ..Default::default()
                 },
-                &body,
+                row.payload.as_bytes(),
                 props,
             )
             .await
@@ -404,13 +401,7 @@ async fn settle(pending: Vec<(&OutboxRow, lapin::Result<PublisherConfirm>)>) -> 
 /// An event no queue is bound for, by key, status and the broker's reason only: the event
 /// carries the receipt and the agent's arguments, which never reach a log.
 fn log_unroutable(row: &OutboxRow, returned: &lapin::message::BasicReturnMessage) {
-    let field = |name: &str| {
-        row.payload
-            .get(name)
-            .and_then(|v| v.as_str())
-            .unwrap_or_default()
-            .to_owned()
-    };
+    let field = |name: &str| row.field(name).unwrap_or_default();
     tracing::warn!(
         tenant = %field("tenant"),
         action_id = %field("action_id"),

@@ -78,7 +78,7 @@ impl NewEvent {
 }
 
 /// An outbox row claimed by a relay (or inserted claimed for it).
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct OutboxRow {
     pub id: i64,
     /// The epoch whose watermark records this row published (held rows of a completion
@@ -86,9 +86,55 @@ pub struct OutboxRow {
     pub relay_epoch: Option<i64>,
     pub routing_key: String,
     pub status: String,
-    pub payload: serde_json::Value,
+    /// The event's JSON text, published as it is. A completion's events keep the text they
+    /// were inserted with, so the hot path never reads a payload back from the database.
+    pub payload: String,
+    /// The event's own `event_id` (the message id it is published with).
+    pub event_id: String,
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
+}
+
+impl OutboxRow {
+    /// A string field of the event (`tenant`, `action_id`), read from its text: only for
+    /// logs on rare paths, so the hot path never parses a payload.
+    pub fn field(&self, name: &str) -> Option<String> {
+        let value: serde_json::Value = serde_json::from_str(&self.payload).ok()?;
+        value.get(name)?.as_str().map(str::to_string)
+    }
+}
+
+/// An outbox row as a relay's claim reads it back.
+#[derive(sqlx::FromRow)]
+struct ClaimedRow {
+    id: i64,
+    relay_epoch: Option<i64>,
+    routing_key: String,
+    status: String,
+    payload: serde_json::Value,
+    traceparent: Option<String>,
+    tracestate: Option<String>,
+}
+
+impl From<ClaimedRow> for OutboxRow {
+    fn from(r: ClaimedRow) -> OutboxRow {
+        let event_id = r
+            .payload
+            .get("event_id")
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_string();
+        OutboxRow {
+            id: r.id,
+            relay_epoch: r.relay_epoch,
+            routing_key: r.routing_key,
+            status: r.status,
+            payload: r.payload.to_string(),
+            event_id,
+            traceparent: r.traceparent,
+            tracestate: r.tracestate,
+        }
+    }
 }
 
 /// The columns of one insert, in `unnest` order.
@@ -97,7 +143,8 @@ struct EventColumns {
     op_ids: Vec<Option<i64>>,
     keys: Vec<String>,
     statuses: Vec<String>,
-    payloads: Vec<serde_json::Value>,
+    /// JSON text, cast to `jsonb` by the statement.
+    payloads: Vec<String>,
     traceparents: Vec<Option<String>>,
     tracestates: Vec<Option<String>>,
 }
@@ -120,7 +167,7 @@ fn columns(events: &[NewEvent]) -> EventColumns {
         c.keys.push(e.routing_key());
         c.statuses.push(e.event.status.as_str().to_string());
         c.payloads
-            .push(serde_json::to_value(&e.event).expect("result events serialize"));
+            .push(serde_json::to_string(&e.event).expect("result events serialize"));
         c.traceparents
             .push(e.trace.as_ref().map(|t| t.traceparent()));
         c.tracestates
@@ -186,7 +233,8 @@ pub async fn insert_held_events(
                 e
             }
         };
-        let mut rows: Vec<OutboxRow> = sqlx::query_as(
+        // Only the ids come back: the rest of each row is what this call just sent.
+        let inserted: Vec<(i64, Option<i64>, uuid::Uuid)> = sqlx::query_as(
             "WITH epoch AS (SELECT id FROM relay_epochs WHERE id = $9 FOR KEY SHARE)
              INSERT INTO result_outbox
                     (event_id, operation_id, routing_key, status, payload, traceparent, tracestate,
@@ -194,7 +242,7 @@ pub async fn insert_held_events(
              SELECT e.*, $8, 'infinity', epoch.id
              FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[], $6::text[],
                          $7::text[]) AS e, epoch
-             RETURNING id, relay_epoch, routing_key, status, payload, traceparent, tracestate",
+             RETURNING id, relay_epoch, event_id",
         )
         .bind(&c.ids)
         .bind(&c.op_ids)
@@ -207,9 +255,8 @@ pub async fn insert_held_events(
         .bind(current)
         .fetch_all(&mut *conn)
         .await?;
-        if rows.len() == events.len() {
-            rows.sort_by_key(|r| r.id);
-            return Ok(rows);
+        if inserted.len() == events.len() {
+            return Ok(held_rows(events, c, inserted));
         }
         // The epoch was retired (its relay was silent for the hold): nothing was inserted.
         *epoch = None;
@@ -217,6 +264,44 @@ pub async fn insert_held_events(
     Err(LedgerError::Refused(
         "a relay epoch begun in this transaction was not found".into(),
     ))
+}
+
+/// The rows [`insert_held_events`] inserted, built from what it sent and the ids the database
+/// gave them (matched by event id), in id order.
+fn held_rows(
+    events: &[NewEvent],
+    c: EventColumns,
+    inserted: Vec<(i64, Option<i64>, uuid::Uuid)>,
+) -> Vec<OutboxRow> {
+    let at: std::collections::HashMap<uuid::Uuid, (i64, Option<i64>)> = inserted
+        .into_iter()
+        .map(|(id, epoch, event_id)| (event_id, (id, epoch)))
+        .collect();
+    let mut rows: Vec<OutboxRow> = events
+        .iter()
+        .zip(c.ids)
+        .zip(c.keys)
+        .zip(c.statuses)
+        .zip(c.payloads)
+        .zip(c.traceparents.into_iter().zip(c.tracestates))
+        .map(
+            |(((((e, uuid), routing_key), status), payload), (traceparent, tracestate))| {
+                let (id, relay_epoch) = at[&uuid];
+                OutboxRow {
+                    id,
+                    relay_epoch,
+                    routing_key,
+                    status,
+                    payload,
+                    event_id: e.event.event_id.clone(),
+                    traceparent,
+                    tracestate,
+                }
+            },
+        )
+        .collect();
+    rows.sort_by_key(|r| r.id);
+    rows
 }
 
 /// Begins a relay epoch for `worker_id` inside the caller's transaction. Its watermark starts
@@ -271,6 +356,7 @@ impl Ledger {
         .fetch_all(&self.pool)
         .await?
         .into_iter()
+        .map(|r: ClaimedRow| OutboxRow::from(r))
         .collect::<Vec<OutboxRow>>())
         .map(|mut rows| {
             rows.sort_by_key(|r| r.id);
