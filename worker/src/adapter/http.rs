@@ -26,6 +26,8 @@ pub enum BuildError {
 pub struct HttpAdapter {
     config: ToolConfig,
     client: reqwest::Client,
+    /// `config.url`, parsed once rather than on every write.
+    url: reqwest::Url,
     method: Method,
     headers: HeaderMap,
     idempotency_header: HeaderName,
@@ -48,6 +50,7 @@ impl HttpAdapter {
             .map_err(|e| bad(format!("cannot build HTTP client: {e}")))?;
         let method =
             Method::from_bytes(config.method.as_bytes()).map_err(|e| bad(e.to_string()))?;
+        let url = reqwest::Url::parse(&config.url).map_err(|e| bad(format!("url: {e}")))?;
         let idempotency_header = HeaderName::from_bytes(config.idempotency_header.as_bytes())
             .map_err(|e| bad(format!("idempotency_header: {e}")))?;
         let mut headers = HeaderMap::new();
@@ -61,6 +64,7 @@ impl HttpAdapter {
         Ok(HttpAdapter {
             config,
             client,
+            url,
             method,
             headers,
             idempotency_header,
@@ -119,7 +123,7 @@ impl HttpAdapter {
         trace_headers(&mut headers, span, request);
         let sent = self
             .client
-            .request(self.method.clone(), &self.config.url)
+            .request(self.method.clone(), self.url.clone())
             .headers(headers)
             .body(request.body.clone())
             .send()

@@ -310,6 +310,11 @@ pub async fn finish(
     transition: Transition,
 ) -> Option<Operation> {
     let was_receipt = matches!(transition, Transition::Succeeded { .. });
+    let schedules_retry = matches!(
+        transition,
+        Transition::RetryWait { .. } | Transition::Resend { .. }
+    );
+    let deferred = matches!(transition, Transition::Defer { .. });
     let applied = record(
         ctx,
         &op.idempotency_key(),
@@ -317,7 +322,7 @@ pub async fn finish(
             operation_id: op.id,
             fence: op.fence,
             phase,
-            transition: transition.clone(),
+            transition,
             trace: kit::otel::context_of(&Span::current()),
         },
     )
@@ -325,10 +330,7 @@ pub async fn finish(
     match applied {
         Ok(Applied::Done(new)) => {
             counter!(m::TRANSITIONS, "state" => new.state().as_str()).increment(1);
-            if matches!(
-                transition,
-                Transition::RetryWait { .. } | Transition::Resend { .. }
-            ) {
+            if schedules_retry {
                 counter!(m::RETRIES_SCHEDULED, "tool" => new.tool.clone()).increment(1);
             }
             // A success is the common case, kept in the ledger and counted: logged at debug. Every
@@ -338,7 +340,7 @@ pub async fn finish(
                     tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
                     fence = new.fence, attempts = new.attempts, "operation succeeded"
                 );
-            } else if !matches!(transition, Transition::Defer { .. }) {
+            } else if !deferred {
                 tracing::info!(
                     tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
                     state = %new.state(), fence = new.fence, attempts = new.attempts,

@@ -218,16 +218,20 @@ async fn apply_batch(
         .map(|(i, _)| i)
         .collect();
     if distinct && receipts.len() > 1 {
-        let rows = succeed_many(conn, worker_id, completions, &receipts).await?;
+        let mut rows: std::collections::HashMap<i64, WithPrev> =
+            succeed_many(conn, worker_id, completions, &receipts)
+                .await?
+                .into_iter()
+                .map(|r| (r.op.id, r))
+                .collect();
         for &i in &receipts {
-            let id = completions[i].operation_id;
-            if let Some(row) = rows.iter().find(|r| r.op.id == id) {
+            if let Some(row) = rows.remove(&completions[i].operation_id) {
                 events.extend(event_for(
                     &row.op,
                     row.prev_reported.as_deref(),
                     &completions[i],
                 ));
-                out[i] = Some(Applied::Done(row.op.clone()));
+                out[i] = Some(Applied::Done(row.op));
             }
         }
     }
