@@ -35,7 +35,11 @@ const COMPLETION_BATCH: usize = 256;
 /// publishes them once the epoch is retired (the database path).
 const HANDOFF_CAPACITY: usize = 4096;
 
-type Request = (Completion, oneshot::Sender<Result<Applied, LedgerError>>);
+/// A recorded completion's result, with the completion given back (None only when the batcher
+/// dropped it unanswered), so a caller that tries again needs no copy of it.
+pub type Answer = (Result<Applied, LedgerError>, Option<Completion>);
+
+type Request = (Completion, oneshot::Sender<Answer>);
 
 /// A committed result event inserted claimed by this worker, on its way to the relay.
 struct Handed {
@@ -122,9 +126,9 @@ impl CompletionBatcher {
 
     /// Records a completion: batched with those arriving meanwhile, or alone once the batcher
     /// has stopped (shutdown).
-    pub async fn complete(&self, completion: Completion) -> Result<Applied, LedgerError> {
+    pub async fn complete(&self, completion: Completion) -> Answer {
         let (tx, rx) = oneshot::channel();
-        if self.tx.send((completion.clone(), tx)).await.is_err() {
+        if let Err(mpsc::error::SendError((completion, _))) = self.tx.send((completion, tx)).await {
             // Boxed: a statement's future is large, and inline it would make every dispatch
             // task that large for a path taken only at shutdown.
             let result = Box::pin(
@@ -135,10 +139,14 @@ impl CompletionBatcher {
             .pop()
             .expect("one result per completion");
             self.handoff.wake.notify_one();
-            return result;
+            return (result, Some(completion));
         }
-        rx.await
-            .unwrap_or_else(|_| Err(LedgerError::Refused("completion batcher stopped".into())))
+        rx.await.unwrap_or_else(|_| {
+            (
+                Err(LedgerError::Refused("completion batcher stopped".into())),
+                None,
+            )
+        })
     }
 
     /// Called by the relay when it is connected (`true`) and when it stops or loses its link
@@ -248,7 +256,7 @@ async fn complete_batch(
     if handed || !held {
         handoff.wake.notify_one();
     }
-    for (reply, result) in replies.into_iter().zip(done.results) {
-        let _ = reply.send(result);
+    for ((reply, result), completion) in replies.into_iter().zip(done.results).zip(completions) {
+        let _ = reply.send((result, Some(completion)));
     }
 }

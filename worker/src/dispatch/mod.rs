@@ -223,18 +223,25 @@ async fn record(ctx: &Context, key: &str, completion: Completion) -> Result<Appl
         Transition::Succeeded { receipt_id, .. } => Some(receipt_id.clone()),
         _ => None,
     };
+    let operation_id = completion.operation_id;
     let mut give_up = lease_end;
     let mut keeping = false;
     let mut attempt = 0;
+    let mut pending = Some(completion);
     let result = loop {
-        match ctx.completions.complete(completion.clone()).await {
+        let Some(completion) = pending.take() else {
+            break Err(LedgerError::Refused("completion batcher stopped".into()));
+        };
+        let (answer, back) = ctx.completions.complete(completion).await;
+        pending = back;
+        match answer {
             // Unreachable, gone, or read-only (the connection is retired and the next try takes
             // a fresh one): worth another try; a statement the database refused is not.
             Err(LedgerError::Db(e)) if crate::ledger::primary::unreachable(&e) => {
                 let now = tokio::time::Instant::now();
                 if now >= lease_end && !keeping {
                     if let Some(receipt_id) = &receipt_id {
-                        keeping = ctx.receipts.hold(completion.operation_id, key, receipt_id);
+                        keeping = ctx.receipts.hold(operation_id, key, receipt_id);
                         if keeping {
                             give_up = started + ctx.receipts.keep();
                             tracing::warn!(
@@ -248,8 +255,7 @@ async fn record(ctx: &Context, key: &str, completion: Completion) -> Result<Appl
                 }
                 if now >= give_up {
                     if keeping {
-                        ctx.receipts
-                            .release(completion.operation_id, Some(kept::Dropped::Age));
+                        ctx.receipts.release(operation_id, Some(kept::Dropped::Age));
                         keeping = false;
                     }
                     break Err(LedgerError::Db(e));
@@ -260,7 +266,7 @@ async fn record(ctx: &Context, key: &str, completion: Completion) -> Result<Appl
                 let delay = retry_delay(&record_retry(), attempt)
                     .min(give_up.saturating_duration_since(now));
                 tracing::warn!(
-                    operation_id = completion.operation_id, attempt, error = %e,
+                    operation_id, attempt, error = %e,
                     retry_in_ms = delay.as_millis() as u64,
                     "cannot record the outcome yet; trying again"
                 );
@@ -270,7 +276,7 @@ async fn record(ctx: &Context, key: &str, completion: Completion) -> Result<Appl
         }
     };
     if keeping {
-        ctx.receipts.release(completion.operation_id, None);
+        ctx.receipts.release(operation_id, None);
     }
     result
 }

@@ -256,7 +256,7 @@ pub async fn insert_held_events(
         .fetch_all(&mut *conn)
         .await?;
         if inserted.len() == events.len() {
-            return Ok(held_rows(events, c, inserted));
+            return held_rows(events, c, inserted);
         }
         // The epoch was retired (its relay was silent for the hold): nothing was inserted.
         *epoch = None;
@@ -267,12 +267,13 @@ pub async fn insert_held_events(
 }
 
 /// The rows [`insert_held_events`] inserted, built from what it sent and the ids the database
-/// gave them (matched by event id), in id order.
+/// gave them (matched by event id), in id order. An event id the database did not answer for
+/// fails the caller's transaction rather than hand over a row without its id.
 fn held_rows(
     events: &[NewEvent],
     c: EventColumns,
     inserted: Vec<(i64, Option<i64>, uuid::Uuid)>,
-) -> Vec<OutboxRow> {
+) -> Result<Vec<OutboxRow>, LedgerError> {
     let at: std::collections::HashMap<uuid::Uuid, (i64, Option<i64>)> = inserted
         .into_iter()
         .map(|(id, epoch, event_id)| (event_id, (id, epoch)))
@@ -286,8 +287,12 @@ fn held_rows(
         .zip(c.traceparents.into_iter().zip(c.tracestates))
         .map(
             |(((((e, uuid), routing_key), status), payload), (traceparent, tracestate))| {
-                let (id, relay_epoch) = at[&uuid];
-                OutboxRow {
+                let (id, relay_epoch) = *at.get(&uuid).ok_or_else(|| {
+                    LedgerError::Refused(format!(
+                        "the outbox insert returned no row for event {uuid}"
+                    ))
+                })?;
+                Ok(OutboxRow {
                     id,
                     relay_epoch,
                     routing_key,
@@ -296,12 +301,12 @@ fn held_rows(
                     event_id: e.event.event_id.clone(),
                     traceparent,
                     tracestate,
-                }
+                })
             },
         )
-        .collect();
+        .collect::<Result<_, LedgerError>>()?;
     rows.sort_by_key(|r| r.id);
-    rows
+    Ok(rows)
 }
 
 /// Begins a relay epoch for `worker_id` inside the caller's transaction. Its watermark starts

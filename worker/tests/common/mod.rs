@@ -163,6 +163,7 @@ async fn complete(ctx: &Context, op: &Operation, transition: Transition) -> Oper
             trace: None,
         })
         .await
+        .0
         .expect("complete")
     {
         Applied::Done(op) => op,
