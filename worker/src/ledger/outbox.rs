@@ -100,8 +100,13 @@ impl OutboxRow {
     /// logs on rare paths, so the hot path never parses a payload.
     pub fn field(&self, name: &str) -> Option<String> {
         let value: serde_json::Value = serde_json::from_str(&self.payload).ok()?;
-        value.get(name)?.as_str().map(str::to_string)
+        string_field(&value, name).map(str::to_string)
     }
+}
+
+/// A string field of an event's JSON.
+fn string_field<'a>(event: &'a serde_json::Value, name: &str) -> Option<&'a str> {
+    event.get(name)?.as_str()
 }
 
 /// An outbox row as a relay's claim reads it back.
@@ -118,10 +123,7 @@ struct ClaimedRow {
 
 impl From<ClaimedRow> for OutboxRow {
     fn from(r: ClaimedRow) -> OutboxRow {
-        let event_id = r
-            .payload
-            .get("event_id")
-            .and_then(|v| v.as_str())
+        let event_id = string_field(&r.payload, "event_id")
             .unwrap_or_default()
             .to_string();
         OutboxRow {
