@@ -97,7 +97,9 @@ impl Context {
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
         let permit = self.in_flight_slot().await;
-        let task = work(self.clone());
+        // Boxed once here: a dispatch task is kilobytes, and unboxed it would be copied whole
+        // into each wrapper and into the runtime's task cell on the way to the heap.
+        let task = Box::pin(work(self.clone()));
         self.in_flight_tasks.spawn(async move {
             task.await;
             drop(permit);

@@ -368,3 +368,91 @@ async fn a_claim_by_insert_sets_what_a_claim_of_a_prepared_row_sets() {
     assert_eq!(expected["lease_secs"].as_f64(), Some(30.0));
     db.drop_db().await;
 }
+
+/// Every column of an operation, in the order the worker's statements select them.
+const COLUMNS: [&str; 27] = [
+    "id",
+    "tenant",
+    "action_id",
+    "tool",
+    "fingerprint",
+    "arguments",
+    "call_id",
+    "reply_to",
+    "state",
+    "fence",
+    "lease_owner",
+    "lease_until",
+    "attempts",
+    "recovery_attempts",
+    "next_attempt_at",
+    "first_dispatch_at",
+    "replay_deadline",
+    "receipt",
+    "receipt_id",
+    "evidence",
+    "last_reported",
+    "created_at",
+    "updated_at",
+    "state_since",
+    "swept_at",
+    "traceparent",
+    "tracestate",
+];
+
+async fn read_as(
+    db: &TestDb,
+    id: i64,
+    select: &str,
+) -> Result<worker::ledger::Operation, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {select} FROM operations WHERE id = $1"
+    )))
+    .bind(id)
+    .fetch_one(db.pool())
+    .await
+}
+
+/// Rows that lead with the worker's column order are read by position; any other row by name.
+/// Both read the same operation, and a value in the wrong column is never taken for another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_reads_the_same_whatever_the_order_of_its_columns() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let op = succeeded(&ctx, "north", r#"order-{"7"}\x"#, "refund").await;
+    set(
+        &db,
+        op.id,
+        "tracestate = 'vendor=\"q\"', traceparent = '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'",
+    )
+    .await;
+    let in_order = read_as(&db, op.id, &format!("{}, 1 AS extra", COLUMNS.join(", ")))
+        .await
+        .unwrap();
+    let mut reversed = COLUMNS;
+    reversed.reverse();
+    let by_name = read_as(&db, op.id, &format!("2 AS extra, {}", reversed.join(", ")))
+        .await
+        .unwrap();
+    assert_eq!(format!("{in_order:?}"), format!("{by_name:?}"));
+    assert_eq!(in_order.action_id, r#"order-{"7"}\x"#);
+    assert_eq!(in_order.tool, "refund");
+    assert_eq!(in_order.state(), State::Succeeded);
+    assert_eq!(in_order.tracestate.as_deref(), Some("vendor=\"q\""));
+    assert!(in_order.receipt.is_some() && in_order.receipt_id.as_deref() == Some("r-auto"));
+    // Same order but two text columns swapped by alias: read by name, each where it belongs.
+    let mut swapped = COLUMNS.map(String::from);
+    swapped[1] = "tool AS tenant".into();
+    swapped[3] = "tenant AS tool".into();
+    let renamed = read_as(&db, op.id, &swapped.join(", ")).await.unwrap();
+    assert_eq!(
+        (renamed.tenant.as_str(), renamed.tool.as_str()),
+        ("refund", "north")
+    );
+    // A row without one of the columns is refused, naming it.
+    let missing = read_as(&db, op.id, &COLUMNS[..26].join(", "))
+        .await
+        .unwrap_err();
+    assert!(missing.to_string().contains("tracestate"), "{missing}");
+    db.drop_db().await;
+}

@@ -69,13 +69,12 @@ pub async fn timed(
 ) -> Outcome {
     let started = Instant::now();
     let outcome = fut.await;
-    let labels = [
-        ("tool", tool.config.name.clone()),
-        ("kind", kind.to_string()),
-        ("outcome", outcome.label().to_string()),
-    ];
-    histogram!(m::DOWNSTREAM_DURATION, &labels).record(started.elapsed().as_secs_f64());
-    counter!(m::DOWNSTREAM_REQUESTS, &labels).increment(1);
+    let tool_name = &tool.config.name;
+    let outcome_label = outcome.label();
+    histogram!(m::DOWNSTREAM_DURATION, "tool" => tool_name.clone(), "kind" => kind, "outcome" => outcome_label)
+        .record(started.elapsed().as_secs_f64());
+    counter!(m::DOWNSTREAM_REQUESTS, "tool" => tool_name.clone(), "kind" => kind, "outcome" => outcome_label)
+        .increment(1);
     if let Outcome::LocalExhaustion { evidence } = &outcome {
         counter!(m::LOCAL_RESOURCE_ERRORS, "tool" => tool.config.name.clone(), "kind" => kind)
             .increment(1);
