@@ -69,17 +69,15 @@ pub async fn timed(
 ) -> Outcome {
     let started = Instant::now();
     let outcome = fut.await;
-    let tool_name = &tool.config.name;
-    let outcome_label = outcome.label();
-    histogram!(m::DOWNSTREAM_DURATION, "tool" => tool_name.clone(), "kind" => kind, "outcome" => outcome_label)
+    let name = &tool.config.name;
+    histogram!(m::DOWNSTREAM_DURATION, "tool" => name.clone(), "kind" => kind, "outcome" => outcome.label())
         .record(started.elapsed().as_secs_f64());
-    counter!(m::DOWNSTREAM_REQUESTS, "tool" => tool_name.clone(), "kind" => kind, "outcome" => outcome_label)
+    counter!(m::DOWNSTREAM_REQUESTS, "tool" => name.clone(), "kind" => kind, "outcome" => outcome.label())
         .increment(1);
     if let Outcome::LocalExhaustion { evidence } = &outcome {
-        counter!(m::LOCAL_RESOURCE_ERRORS, "tool" => tool.config.name.clone(), "kind" => kind)
-            .increment(1);
+        counter!(m::LOCAL_RESOURCE_ERRORS, "tool" => name.clone(), "kind" => kind).increment(1);
         tracing::warn!(
-            tool = %tool.config.name, kind,
+            tool = %name, kind,
             "this worker ran out of a local resource before it could reach the downstream; \
              nothing was sent, it is tried again later without spending an attempt (raise the \
              open-file limit, or lower WORKER_MAX_IN_FLIGHT, WORKER_DB_POOL_SIZE, \
@@ -87,7 +85,7 @@ pub async fn timed(
         );
     }
     if kind == "write" {
-        counter!(m::DISPATCH_ATTEMPTS, "tool" => tool.config.name.clone(), "outcome" => outcome.label())
+        counter!(m::DISPATCH_ATTEMPTS, "tool" => name.clone(), "outcome" => outcome.label())
             .increment(1);
     }
     outcome
