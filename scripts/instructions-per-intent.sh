@@ -8,7 +8,10 @@
 # Runs `target/release/cost` twice, draining N1 and then N2 intents, with the worker under
 # callgrind (about 50 times slower, so the drains are small); `worker migrate` runs natively. A
 # helper dumps the counters every second (the benchmark ends the worker with SIGKILL, which
-# callgrind cannot dump on), and the dumps' totals are summed. The start-up (loading certificates,
+# callgrind cannot dump on), and the dumps' totals are summed. The helper asks with
+# `vgdb --max-invoke-ms=0`, never through ptrace (what `callgrind_control -d` falls back to when
+# the worker waits in a system call): a SIGKILL that lands while vgdb holds the worker stopped
+# leaves it a zombie that its parent's wait never reaps, and the benchmark hangs. The start-up (loading certificates,
 # connecting, warming statements) costs the same in both runs, so
 #   (Ir(N2) - Ir(N1)) / (N2 - N1)
 # is what one more intent costs. Instructions are not time: a kernel call counts as one, and a
@@ -31,7 +34,7 @@ cat > "$work/worker" <<EOF
 #!/usr/bin/env bash
 for a in "\$@"; do [ "\$a" = migrate ] && exec "$bin/worker" "\$@"; done
 me=\$\$
-( sleep 2; while kill -0 \$me 2>/dev/null; do callgrind_control -d \$me >/dev/null 2>&1; sleep 1; done ) &
+( sleep 2; while kill -0 \$me 2>/dev/null; do timeout 10 vgdb --max-invoke-ms=0 --pid=\$me dump >/dev/null 2>&1; sleep 1; done ) &
 exec valgrind --tool=callgrind --callgrind-out-file="$work/cg.%p" "$bin/worker" "\$@"
 EOF
 chmod +x "$work/worker"

@@ -193,20 +193,47 @@ pub fn salvage_reply_to(body: &[u8]) -> Option<String> {
 /// `arguments.a[1].b`. Postgres `jsonb` cannot store it, so neither the request nor a receipt
 /// that echoes it could be recorded.
 fn nul_path(value: &Value, at: &str) -> Option<String> {
-    match value {
-        Value::String(s) if s.contains('\0') => Some(at.to_owned()),
-        Value::Array(items) => items
-            .iter()
-            .enumerate()
-            .find_map(|(i, item)| nul_path(item, &format!("{at}[{i}]"))),
-        Value::Object(map) => map.iter().find_map(|(key, item)| {
-            if key.contains('\0') {
-                return Some(at.to_owned());
-            }
-            nul_path(item, &format!("{at}.{}", top_level::echo_name(key)))
-        }),
-        _ => None,
+    enum Step<'a> {
+        Index(usize),
+        Key(&'a str),
     }
+    // The steps down to the NUL; the path text is built only when there is one (every intent
+    // is searched, and almost none has one).
+    fn find<'a>(value: &'a Value, steps: &mut Vec<Step<'a>>) -> bool {
+        let mut down = |step, item| {
+            steps.push(step);
+            find(item, steps) || {
+                steps.pop();
+                false
+            }
+        };
+        match value {
+            Value::String(s) => s.contains('\0'),
+            Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .any(|(i, item)| down(Step::Index(i), item)),
+            Value::Object(map) => map
+                .iter()
+                .any(|(key, item)| key.contains('\0') || down(Step::Key(key), item)),
+            _ => false,
+        }
+    }
+    let mut steps = Vec::new();
+    if !find(value, &mut steps) {
+        return None;
+    }
+    let mut path = at.to_owned();
+    for step in steps {
+        match step {
+            Step::Index(i) => path.push_str(&format!("[{i}]")),
+            Step::Key(key) => {
+                path.push('.');
+                path.push_str(&top_level::echo_name(key));
+            }
+        }
+    }
+    Some(path)
 }
 
 /// The top level of a body for salvaging its key: parsed as it is, or, when serde refuses a

@@ -167,6 +167,24 @@ fn duplicate_wins_over_unknown() {
 }
 
 #[test]
+fn duplicate_among_many_fields_is_the_first_that_repeats() {
+    // Small and large objects take different paths; both name the first repeat in document
+    // order, not the first key that has a twin later.
+    for extra in [3usize, 40] {
+        let mut body = String::from(r#"{"tenant":"t","action_id":"a","tool":"x""#);
+        for i in 0..extra {
+            body.push_str(&format!(r#","k{i}":1"#));
+        }
+        body.push_str(r#","k1":2,"tool":"y","k0":3}"#);
+        assert_eq!(
+            decode_intent(body.as_bytes()).unwrap_err(),
+            DecodeError::DuplicateField("k1".into()),
+            "{extra} extra keys"
+        );
+    }
+}
+
+#[test]
 fn unknown_field() {
     let err = decode(refund_with("idempotency_key", json!("abc"))).unwrap_err();
     assert_eq!(err, DecodeError::UnknownField("idempotency_key".into()));

@@ -355,7 +355,7 @@ pub async fn step(
     let admitted = ctx
         .ledger
         .admit_claimed(
-            &unique.iter().map(|v| v.new.clone()).collect::<Vec<_>>(),
+            &unique.iter().map(|v| &v.new).collect::<Vec<_>>(),
             &ctx.worker_id,
             ctx.lease,
             &ctx.windows,
@@ -402,21 +402,28 @@ pub async fn step(
             .await?
     };
     out.answered = answered;
-    let parent_of = |id: i64| {
-        admitted
-            .iter()
-            .position(|a| a.operation.id == id)
-            .map_or_else(Span::none, |u| batch[unique[u].index].span.clone())
-    };
-    out.claimed = admitted
-        .iter()
-        .filter(|a| a.inserted)
-        .map(|a| a.operation.clone())
-        .chain(claimed)
+    // `admitted[u]` is the row of `unique[u]`; a row claimed afterwards finds its delivery
+    // by id.
+    let parent = |u: usize| batch[unique[u].index].span.clone();
+    let claimed: Vec<Claimed> = claimed
+        .into_iter()
         .map(|operation| Claimed {
-            parent: parent_of(operation.id),
+            parent: admitted
+                .iter()
+                .position(|a| a.operation.id == operation.id)
+                .map_or_else(Span::none, parent),
             operation,
         })
+        .collect();
+    out.claimed = admitted
+        .into_iter()
+        .enumerate()
+        .filter(|(_, a)| a.inserted)
+        .map(|(u, a)| Claimed {
+            parent: parent(u),
+            operation: a.operation,
+        })
+        .chain(claimed)
         .collect();
     if let Some(c) = out.claimed.first() {
         fault::point("after_dispatching", &c.operation.action_id);

@@ -322,7 +322,7 @@ async fn a_claim_by_insert_sets_what_a_claim_of_a_prepared_row_sets() {
         .remove(0);
     let one_step = l
         .admit_claimed(
-            &[new_operation("north", "one-step", "refund")],
+            &[&new_operation("north", "one-step", "refund")],
             WORKER_ID,
             lease,
             &windows,

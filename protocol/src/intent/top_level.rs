@@ -32,6 +32,15 @@ pub(crate) fn parse(body: &[u8]) -> Result<Entries, DecodeError> {
 
 /// The first key (in document order) that repeats an earlier one.
 pub(crate) fn first_duplicate(entries: &Entries) -> Option<&str> {
+    // An intent has about ten top-level keys: comparing them pairwise is cheaper than hashing
+    // each. A hostile body with many keys still gets a set.
+    if entries.len() <= 16 {
+        return entries
+            .iter()
+            .enumerate()
+            .find(|(i, (key, _))| entries[..*i].iter().any(|(k, _)| k == key))
+            .map(|(_, (key, _))| key.as_str());
+    }
     let mut seen = HashSet::with_capacity(entries.len());
     entries
         .iter()

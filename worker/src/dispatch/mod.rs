@@ -115,7 +115,7 @@ pub async fn run(ctx: Arc<Context>, op: Operation, parent: Option<Span>) {
 
 async fn send(ctx: Arc<Context>, op: Operation) {
     let _in_flight = InFlight::enter();
-    let Some(tool) = ctx.tools.get(&op.tool).cloned() else {
+    let Some(tool) = ctx.tools.get(&op.tool) else {
         // Committed `dispatching` counts as possibly sent (docs/design.md section 4).
         let evidence = format!(
             "tool {} is not configured on worker {}; outcome unknown",
@@ -137,7 +137,7 @@ async fn send(ctx: Arc<Context>, op: Operation) {
         return;
     }
     fault::point("after_send_fence", &op.action_id);
-    let outcome = timed(&tool, "write", tool.adapter.execute(&request)).await;
+    let outcome = timed(tool, "write", tool.adapter.execute(&request)).await;
     Span::current().record("intent_worker.outcome", outcome.label());
     account(&ctx, &tool.config, kind, &outcome);
     fault::point("after_response", &op.action_id);

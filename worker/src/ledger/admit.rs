@@ -44,7 +44,8 @@ impl Ledger {
     ) -> Result<Vec<Admitted>, LedgerError> {
         let values = "'prepared', $10, now() + make_interval(secs => $11)";
         let columns = "state, changed_by, next_attempt_at";
-        self.admit_with(intents, columns, values, |q| {
+        let intents: Vec<&NewOperation> = intents.iter().collect();
+        self.admit_with(&intents, columns, values, |q| {
             q.bind(worker_id.to_string())
                 .bind(prepared_grace.as_secs_f64())
         })
@@ -63,7 +64,7 @@ impl Ledger {
     /// back to `prepared` (nothing was sent), not `unknown`.
     pub async fn admit_claimed(
         &self,
-        intents: &[NewOperation],
+        intents: &[&NewOperation],
         worker_id: &str,
         lease: Duration,
         windows: &ReplayWindows,
@@ -93,7 +94,7 @@ impl Ledger {
     /// per intent).
     async fn admit_with<'q>(
         &self,
-        intents: &[NewOperation],
+        intents: &[&'q NewOperation],
         columns: &str,
         values: &str,
         bind_rest: impl FnOnce(AdmitQuery<'q>) -> AdmitQuery<'q>,
@@ -102,7 +103,7 @@ impl Ledger {
             return Ok(Vec::new());
         }
         let col =
-            |f: fn(&NewOperation) -> Option<String>| intents.iter().map(f).collect::<Vec<_>>();
+            |f: fn(&NewOperation) -> Option<&str>| intents.iter().map(|i| f(i)).collect::<Vec<_>>();
         let sql = format!(
             "WITH input AS (
                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
@@ -127,32 +128,39 @@ impl Ledger {
             cols = prefixed("o", OPERATION_COLUMNS)
         );
         let query = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(col(|i| Some(i.tenant.clone())))
-            .bind(col(|i| Some(i.action_id.clone())))
-            .bind(col(|i| Some(i.tool.clone())))
-            .bind(col(|i| Some(i.fingerprint.clone())))
-            .bind(col(|i| Some(i.arguments.clone())))
-            .bind(col(|i| i.call_id.clone()))
-            .bind(col(|i| i.reply_to.clone()))
-            .bind(col(|i| i.trace.as_ref().map(|t| t.traceparent())))
-            .bind(col(|i| i.trace.as_ref().and_then(|t| t.state.clone())));
+            .bind(col(|i| Some(&i.tenant)))
+            .bind(col(|i| Some(&i.action_id)))
+            .bind(col(|i| Some(&i.tool)))
+            .bind(col(|i| Some(&i.fingerprint)))
+            .bind(col(|i| Some(&i.arguments)))
+            .bind(col(|i| i.call_id.as_deref()))
+            .bind(col(|i| i.reply_to.as_deref()))
+            .bind(
+                intents
+                    .iter()
+                    .map(|i| i.trace.as_ref().map(|t| t.traceparent()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(col(|i| i.trace.as_ref().and_then(|t| t.state.as_deref())));
         let rows: Vec<AdmittedRow> = bind_rest(query).fetch_all(&self.pool).await?;
-        let mut by_key: HashMap<(String, String), Admitted> = rows
-            .into_iter()
-            .map(|r| {
-                (
-                    (r.op.tenant.clone(), r.op.action_id.clone()),
-                    Admitted {
-                        operation: r.op,
-                        inserted: r.inserted,
-                    },
-                )
-            })
+        // Rows come back in no particular order: each goes to its intent's place.
+        let place: HashMap<(&str, &str), usize> = intents
+            .iter()
+            .enumerate()
+            .map(|(u, i)| ((i.tenant.as_str(), i.action_id.as_str()), u))
             .collect();
+        let mut found: Vec<Option<Admitted>> = intents.iter().map(|_| None).collect();
+        for r in rows {
+            if let Some(&u) = place.get(&(r.op.tenant.as_str(), r.op.action_id.as_str())) {
+                found[u] = Some(Admitted {
+                    operation: r.op,
+                    inserted: r.inserted,
+                });
+            }
+        }
         let mut out = Vec::with_capacity(intents.len());
-        for intent in intents {
-            let key = (intent.tenant.clone(), intent.action_id.clone());
-            let admitted = match by_key.remove(&key) {
+        for (intent, admitted) in intents.iter().zip(found) {
+            let admitted = match admitted {
                 Some(a) => a,
                 // Another worker inserted this key concurrently: our INSERT waited for its
                 // commit and skipped, but the statement's snapshot predates that commit. A new
@@ -161,7 +169,9 @@ impl Ledger {
                     operation: self
                         .find(&intent.tenant, &intent.action_id)
                         .await?
-                        .ok_or_else(|| LedgerError::NotFound(format!("{}:{}", key.0, key.1)))?,
+                        .ok_or_else(|| {
+                            LedgerError::NotFound(format!("{}:{}", intent.tenant, intent.action_id))
+                        })?,
                     inserted: false,
                 },
             };
