@@ -92,13 +92,24 @@ async fn metrics_admin_api_and_held_operation_resolution() {
             &[("status", "succeeded")]
         ) >= 2.0
     );
-    assert!(
-        gauge(
-            &m1,
+    // One write each: the refund's answered, the deploy's lost after the commit (the duplicate
+    // was answered from the row, and a `none` tool is not sent again).
+    for (tool, outcome) in [("refund", "succeeded"), ("deploy", "unknown")] {
+        let labels = [("tool", tool), ("kind", "write"), ("outcome", outcome)];
+        for name in [
             "intent_worker_downstream_request_duration_seconds_count",
-            &[("tool", "refund")]
-        ) >= 1.0
-    );
+            "intent_worker_downstream_requests_total",
+        ] {
+            assert_eq!(gauge(&m1, name, &labels), 1.0, "{name} {labels:?}\n{m1}");
+            assert_eq!(gauge(&m1, name, &[("tool", tool)]), 1.0, "{name} {tool}");
+        }
+        let attempts = [("tool", tool), ("outcome", outcome)];
+        assert_eq!(
+            gauge(&m1, "intent_worker_dispatch_attempts_total", &attempts),
+            1.0,
+            "{attempts:?}"
+        );
+    }
     let age1 = gauge(
         &m1,
         "intent_worker_oldest_unresolved_age_seconds",

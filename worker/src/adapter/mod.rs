@@ -72,16 +72,32 @@ pub enum Outcome {
 
 impl Outcome {
     /// Low-cardinality label for metrics.
-    pub fn label(&self) -> &'static str {
+    /// Every outcome's metric label, in [`Outcome::index`] order.
+    pub const LABELS: [&'static str; 7] = [
+        "succeeded",
+        "not_sent",
+        "local_exhaustion",
+        "not_applied",
+        "rejected",
+        "unknown",
+        "miss",
+    ];
+
+    /// This outcome's place in [`Outcome::LABELS`].
+    pub fn index(&self) -> usize {
         match self {
-            Outcome::Succeeded { .. } => "succeeded",
-            Outcome::NotSent { .. } => "not_sent",
-            Outcome::LocalExhaustion { .. } => "local_exhaustion",
-            Outcome::NotApplied { .. } => "not_applied",
-            Outcome::Rejected { .. } => "rejected",
-            Outcome::Unknown { .. } => "unknown",
-            Outcome::LookupMiss { .. } => "miss",
+            Outcome::Succeeded { .. } => 0,
+            Outcome::NotSent { .. } => 1,
+            Outcome::LocalExhaustion { .. } => 2,
+            Outcome::NotApplied { .. } => 3,
+            Outcome::Rejected { .. } => 4,
+            Outcome::Unknown { .. } => 5,
+            Outcome::LookupMiss { .. } => 6,
         }
+    }
+
+    pub fn label(&self) -> &'static str {
+        Outcome::LABELS[self.index()]
     }
 
     pub fn evidence(&self) -> String {
@@ -128,6 +144,8 @@ pub trait ToolAdapter: Send + Sync {
 pub struct Tool {
     pub config: ToolConfig,
     pub adapter: Arc<dyn ToolAdapter>,
+    /// Its downstream request metrics ([`crate::dispatch::timed`]).
+    pub meters: Arc<crate::dispatch::RequestMeters>,
 }
 
 /// The tools this worker serves, by name.
@@ -152,7 +170,15 @@ impl ToolSet {
 
     /// Adds (or replaces) a tool with a custom adapter.
     pub fn insert(&mut self, name: String, config: ToolConfig, adapter: Arc<dyn ToolAdapter>) {
-        self.tools.insert(name, Tool { config, adapter });
+        let meters = Default::default();
+        self.tools.insert(
+            name,
+            Tool {
+                config,
+                adapter,
+                meters,
+            },
+        );
     }
 
     pub fn get(&self, name: &str) -> Option<&Tool> {

@@ -14,11 +14,11 @@ pub mod next_state;
 
 pub use next_state::{after_dispatch, after_recovery, local_exhaustion_delay};
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use chrono::Utc;
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, gauge, histogram, Counter, Histogram};
 use tracing::{Instrument as _, Span};
 
 use crate::adapter::{Outcome, Request, Tool};
@@ -61,6 +61,49 @@ impl Drop for InFlight {
     }
 }
 
+/// One tool's downstream request metrics, by kind (`write`, `lookup`) and outcome, each set
+/// registered on its first use: a `counter!` or `histogram!` with labels builds, hashes and
+/// looks up its key on every call, three times per request.
+#[derive(Default)]
+pub struct RequestMeters {
+    sets: [[OnceLock<MeterSet>; Outcome::LABELS.len()]; 2],
+}
+
+struct MeterSet {
+    duration: Histogram,
+    requests: Counter,
+    /// `intent_worker_dispatch_attempts_total`, for writes only.
+    attempts: Option<Counter>,
+}
+
+impl RequestMeters {
+    /// Records one request of `tool` that took `seconds`.
+    fn record(&self, tool: &str, kind: &'static str, outcome: &Outcome, seconds: f64) {
+        let register = || {
+            let label = outcome.label();
+            MeterSet {
+                duration: histogram!(m::DOWNSTREAM_DURATION, "tool" => tool.to_owned(), "kind" => kind, "outcome" => label),
+                requests: counter!(m::DOWNSTREAM_REQUESTS, "tool" => tool.to_owned(), "kind" => kind, "outcome" => label),
+                attempts: (kind == "write").then(|| {
+                    counter!(m::DISPATCH_ATTEMPTS, "tool" => tool.to_owned(), "outcome" => label)
+                }),
+            }
+        };
+        let record = |set: &MeterSet| {
+            set.duration.record(seconds);
+            set.requests.increment(1);
+            if let Some(attempts) = &set.attempts {
+                attempts.increment(1);
+            }
+        };
+        match kind {
+            "write" => record(self.sets[0][outcome.index()].get_or_init(register)),
+            "lookup" => record(self.sets[1][outcome.index()].get_or_init(register)),
+            _ => record(&register()),
+        }
+    }
+}
+
 /// Calls the adapter and records latency and outcome.
 pub async fn timed(
     tool: &Tool,
@@ -70,10 +113,8 @@ pub async fn timed(
     let started = Instant::now();
     let outcome = fut.await;
     let name = &tool.config.name;
-    histogram!(m::DOWNSTREAM_DURATION, "tool" => name.clone(), "kind" => kind, "outcome" => outcome.label())
-        .record(started.elapsed().as_secs_f64());
-    counter!(m::DOWNSTREAM_REQUESTS, "tool" => name.clone(), "kind" => kind, "outcome" => outcome.label())
-        .increment(1);
+    tool.meters
+        .record(name, kind, &outcome, started.elapsed().as_secs_f64());
     if let Outcome::LocalExhaustion { evidence } = &outcome {
         counter!(m::LOCAL_RESOURCE_ERRORS, "tool" => name.clone(), "kind" => kind).increment(1);
         tracing::warn!(
@@ -83,10 +124,6 @@ pub async fn timed(
              open-file limit, or lower WORKER_MAX_IN_FLIGHT, WORKER_DB_POOL_SIZE, \
              WORKER_HTTP_MAX_CONNECTIONS): {evidence}"
         );
-    }
-    if kind == "write" {
-        counter!(m::DISPATCH_ATTEMPTS, "tool" => name.clone(), "outcome" => outcome.label())
-            .increment(1);
     }
     outcome
 }
