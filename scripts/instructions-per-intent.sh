@@ -11,8 +11,8 @@
 # callgrind cannot dump on), and the dumps' totals are summed. The helper asks with
 # `vgdb --max-invoke-ms=0`, never through ptrace (what `callgrind_control -d` falls back to when
 # the worker waits in a system call): a SIGKILL that lands while vgdb holds the worker stopped
-# leaves it a zombie that its parent's wait never reaps, and the benchmark hangs. The start-up (loading certificates,
-# connecting, warming statements) costs the same in both runs, so
+# leaves it a zombie that its parent's wait never reaps, and the benchmark hangs. The start-up
+# (loading certificates, connecting, warming statements) costs the same in both runs, so
 #   (Ir(N2) - Ir(N1)) / (N2 - N1)
 # is what one more intent costs. Instructions are not time: a kernel call counts as one, and a
 # `rep movsb` copy (glibc's memcpy for large blocks) counts once per byte, so large copies weigh

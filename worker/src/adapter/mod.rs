@@ -71,7 +71,6 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// Low-cardinality label for metrics.
     /// Every outcome's metric label, in [`Outcome::index`] order.
     pub const LABELS: [&'static str; 7] = [
         "succeeded",
@@ -96,6 +95,7 @@ impl Outcome {
         }
     }
 
+    /// Low-cardinality label for metrics.
     pub fn label(&self) -> &'static str {
         Outcome::LABELS[self.index()]
     }

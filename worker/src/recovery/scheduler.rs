@@ -143,7 +143,7 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
             }
         }
         ClaimKind::Retry => {
-            let Some(tool) = ctx.tools.get(&op.tool).cloned() else {
+            let Some(tool) = ctx.tools.get(&op.tool) else {
                 let evidence = format!("tool {} is not configured; retry deferred", op.tool);
                 tracing::warn!(action_id = %op.action_id, "{evidence}");
                 finish(
@@ -217,7 +217,7 @@ async fn recover(ctx: Arc<Context>, op: crate::ledger::Operation) {
 async fn recover_round(ctx: Arc<Context>, op: crate::ledger::Operation) {
     let _in_flight = InFlight::enter();
     let phase = Phase::Leased(State::Unknown);
-    let Some(tool) = ctx.tools.get(&op.tool).cloned() else {
+    let Some(tool) = ctx.tools.get(&op.tool) else {
         let evidence = format!(
             "tool {} is not configured on this worker; held for a person",
             op.tool
@@ -260,11 +260,11 @@ async fn recover_round(ctx: Arc<Context>, op: crate::ledger::Operation) {
         }
         Action::Hold { reason } => Transition::Held { evidence: reason },
         Action::LookupOriginalReceipt => {
-            let outcome = timed(&tool, "lookup", tool.adapter.lookup(&request)).await;
+            let outcome = timed(tool, "lookup", tool.adapter.lookup(&request)).await;
             Span::current().record("intent_worker.outcome", outcome.label());
             after_recovery(&op, config, outcome)
         }
-        Action::ReplayOriginalRequest => match replay(&ctx, &op, &tool, &request, phase).await {
+        Action::ReplayOriginalRequest => match replay(&ctx, &op, tool, &request, phase).await {
             Some(transition) => transition,
             None => return,
         },
