@@ -25,14 +25,23 @@ pub fn canonical_json(v: &Value) -> String {
 
 /// Lowercase hex SHA-256 of the canonical JSON of `{"arguments": arguments, "tool": tool}`.
 pub fn fingerprint(tool: &str, arguments: &Value) -> String {
-    // Written directly rather than by building the wrapper object, which would clone
-    // the arguments; "arguments" sorts before "tool", as canonical order requires.
-    let mut out = String::from("{\"arguments\":");
-    write_value(&mut out, arguments);
-    out.push_str(",\"tool\":");
-    write_string(&mut out, tool);
-    out.push('}');
-    to_hex(&Sha256::digest(out.as_bytes()))
+    fingerprint_canonical(tool, &canonical_json(arguments))
+}
+
+/// [`fingerprint`] of arguments already written as [`canonical_json`]: the worker stores that
+/// text as the request body, so the arguments are written once per intent, not twice.
+pub fn fingerprint_canonical(tool: &str, canonical_arguments: &str) -> String {
+    // The wrapper object is written around the text rather than built as a value (which would
+    // clone the arguments); "arguments" sorts before "tool", as canonical order requires.
+    let mut tool_json = String::with_capacity(tool.len() + 2);
+    write_string(&mut tool_json, tool);
+    let mut sha = Sha256::new();
+    sha.update(b"{\"arguments\":");
+    sha.update(canonical_arguments.as_bytes());
+    sha.update(b",\"tool\":");
+    sha.update(tool_json.as_bytes());
+    sha.update(b"}");
+    to_hex(&sha.finalize())
 }
 
 fn write_value(out: &mut String, v: &Value) {

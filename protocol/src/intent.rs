@@ -9,7 +9,7 @@ mod top_level;
 
 use serde_json::Value;
 
-use crate::fingerprint::{canonical_json, fingerprint};
+use crate::fingerprint::{canonical_json, fingerprint, fingerprint_canonical};
 use crate::DecodeError;
 use rules::{ACTION_ID, CALL_ID, REPLY_TO, TENANT, TOOL};
 use top_level::Entries;
@@ -86,6 +86,13 @@ impl Intent {
     /// The arguments as RFC 8785 canonical JSON.
     pub fn canonical_arguments(&self) -> String {
         canonical_json(&self.arguments)
+    }
+
+    /// The canonical arguments and the fingerprint, the arguments written once for both.
+    pub fn canonical_arguments_and_fingerprint(&self) -> (String, String) {
+        let arguments = self.canonical_arguments();
+        let fingerprint = fingerprint_canonical(&self.tool, &arguments);
+        (arguments, fingerprint)
     }
 
     /// The intent as a JSON body that [`decode_intent`] accepts (given valid fields).

@@ -4,8 +4,9 @@
 //! parses back to the same value, so equal fingerprints imply equal values.
 
 use proptest::prelude::*;
-use protocol::{canonical_json, fingerprint};
+use protocol::{canonical_json, fingerprint, fingerprint_canonical};
 use serde_json::{json, Map, Number, Value};
+use sha2::{Digest, Sha256};
 
 /// Largest integer every JSON number spelling maps to exactly (2^53): beyond it a float
 /// spelling rounds, and the fingerprint keeps integers exact on purpose (docs/contract.md).
@@ -237,6 +238,22 @@ proptest! {
         let a = fingerprint(&tool, &json!({"x": s}));
         let b = fingerprint(&format!("{tool}x"), &json!({"x": s}));
         prop_assert_ne!(a, b);
+    }
+
+    #[test]
+    fn fingerprint_is_the_sha256_of_the_canonical_wrapper(
+        tool in "\\PC{0,8}|[\"\\\\\u{0}-\u{1f}\u{1f680}a]{0,4}",
+        v in any_json(),
+    ) {
+        // The definition, built the slow way: the wrapper object as a value, canonicalized
+        // whole. The fingerprint writes the wrapper around the arguments' canonical text.
+        let wrapper = json!({"tool": tool, "arguments": v});
+        let expected: String = Sha256::digest(canonical_json(&wrapper).as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        prop_assert_eq!(fingerprint(&tool, &v), expected.clone());
+        prop_assert_eq!(fingerprint_canonical(&tool, &canonical_json(&v)), expected);
     }
 }
 

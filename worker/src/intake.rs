@@ -227,7 +227,7 @@ pub fn triage(
                     &format!("intent for tool {:?}", intent.tool),
                 ));
             }
-            let fingerprint = intent.fingerprint();
+            let (arguments, fingerprint) = intent.canonical_arguments_and_fingerprint();
             if !has_tool(&intent.tool) {
                 return Triage::Refuse(Refusal {
                     index,
@@ -246,7 +246,7 @@ pub fn triage(
                 index,
                 redelivered: incoming.redelivered,
                 new: NewOperation {
-                    arguments: intent.canonical_arguments(),
+                    arguments,
                     tenant: intent.tenant,
                     action_id: intent.action_id,
                     tool: intent.tool,

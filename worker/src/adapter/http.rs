@@ -31,6 +31,7 @@ pub struct HttpAdapter {
     method: Method,
     headers: HeaderMap,
     idempotency_header: HeaderName,
+    receipt: receipt::ReceiptRule,
 }
 
 impl HttpAdapter {
@@ -62,6 +63,7 @@ impl HttpAdapter {
             headers.insert(name, value);
         }
         Ok(HttpAdapter {
+            receipt: receipt::ReceiptRule::new(&config.receipt_id, &config.receipt_match),
             config,
             client,
             url,
@@ -350,12 +352,7 @@ impl ToolAdapter for HttpAdapter {
         request: &Request,
         receipt: &serde_json::Value,
     ) -> Result<String, String> {
-        receipt::check(
-            &self.config.receipt_id,
-            &self.config.receipt_match,
-            request,
-            receipt,
-        )
+        self.receipt.check(request, receipt)
     }
 }
 

@@ -58,47 +58,120 @@ pub fn percent_encode(s: &str) -> String {
     out
 }
 
-/// Checks `receipt` against the tool's receipt id pointer and echo fields.
-pub fn check(
-    receipt_id_pointer: &str,
-    receipt_match: &BTreeMap<String, String>,
-    request: &Request,
-    receipt: &serde_json::Value,
-) -> Result<String, String> {
-    let id = match receipt.pointer(receipt_id_pointer) {
-        Some(serde_json::Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(serde_json::Value::Number(n)) => n.to_string(),
-        Some(other) => {
-            return Err(format!(
-                "receipt id at {receipt_id_pointer} is not a string: {other}"
-            ))
-        }
-        None => return Err(format!("receipt has no id at {receipt_id_pointer}")),
-    };
-    for (pointer, template) in receipt_match {
-        let expected = fill(template, request, false);
-        let found = match receipt.pointer(pointer) {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Null) | None => {
-                return Err(format!(
-                    "receipt {id} has no {pointer} (expected {expected:?})"
-                ))
-            }
-            Some(other) => other.to_string(),
+/// A JSON pointer (RFC 6901), split into its unescaped tokens once, when the tool is loaded:
+/// `serde_json::Value::pointer` splits and unescapes the text (two copies per token) on every
+/// call. Resolves exactly as that function does.
+#[derive(Debug, Clone)]
+pub struct Pointer {
+    text: String,
+    /// None when the text is not a pointer (neither empty nor starting with '/'): it
+    /// resolves to nothing.
+    tokens: Option<Vec<String>>,
+}
+
+impl Pointer {
+    pub fn new(text: &str) -> Pointer {
+        let tokens = match text {
+            "" => Some(Vec::new()),
+            t if t.starts_with('/') => Some(
+                t.split('/')
+                    .skip(1)
+                    .map(|token| token.replace("~1", "/").replace("~0", "~"))
+                    .collect(),
+            ),
+            _ => None,
         };
-        if found != expected {
-            return Err(format!(
-                "receipt {id} is for another operation: {pointer} is {found:?}, expected {expected:?}"
-            ));
+        Pointer {
+            text: text.to_owned(),
+            tokens,
         }
     }
-    Ok(id)
+
+    /// The value at this pointer in `value`, if there is one.
+    pub fn resolve<'v>(&self, value: &'v serde_json::Value) -> Option<&'v serde_json::Value> {
+        use serde_json::Value;
+        self.tokens
+            .as_ref()?
+            .iter()
+            .try_fold(value, |target, token| match target {
+                Value::Object(map) => map.get(token),
+                Value::Array(items) => array_index(token).and_then(|i| items.get(i)),
+                _ => None,
+            })
+    }
+}
+
+impl std::fmt::Display for Pointer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// An array index token: decimal digits without a sign or a leading zero.
+fn array_index(token: &str) -> Option<usize> {
+    if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
+        return None;
+    }
+    token.parse().ok()
+}
+
+/// What a tool accepts as its receipt: an id at `receipt_id`, and the operation's identity
+/// echoed at each pointer of `receipt_match` (pointers parsed once).
+#[derive(Debug, Clone)]
+pub struct ReceiptRule {
+    id: Pointer,
+    echoes: Vec<(Pointer, String)>,
+}
+
+impl ReceiptRule {
+    pub fn new(receipt_id: &str, receipt_match: &BTreeMap<String, String>) -> ReceiptRule {
+        ReceiptRule {
+            id: Pointer::new(receipt_id),
+            echoes: receipt_match
+                .iter()
+                .map(|(pointer, template)| (Pointer::new(pointer), template.clone()))
+                .collect(),
+        }
+    }
+
+    /// Checks `receipt` against the id pointer and echo fields; the receipt's id if it passes.
+    pub fn check(&self, request: &Request, receipt: &serde_json::Value) -> Result<String, String> {
+        let pointer = &self.id;
+        let id = match pointer.resolve(receipt) {
+            Some(serde_json::Value::String(s)) if !s.is_empty() => s.clone(),
+            Some(serde_json::Value::Number(n)) => n.to_string(),
+            Some(other) => return Err(format!("receipt id at {pointer} is not a string: {other}")),
+            None => return Err(format!("receipt has no id at {pointer}")),
+        };
+        for (pointer, template) in &self.echoes {
+            let expected = fill(template, request, false);
+            let other;
+            let found = match pointer.resolve(receipt) {
+                Some(serde_json::Value::String(s)) => s.as_str(),
+                Some(serde_json::Value::Null) | None => {
+                    return Err(format!(
+                        "receipt {id} has no {pointer} (expected {expected:?})"
+                    ))
+                }
+                Some(value) => {
+                    other = value.to_string();
+                    other.as_str()
+                }
+            };
+            if found != expected {
+                return Err(format!(
+                    "receipt {id} is for another operation: {pointer} is {found:?}, expected {expected:?}"
+                ));
+            }
+        }
+        Ok(id)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     fn req() -> Request {
         Request {
@@ -198,6 +271,9 @@ mod tests {
             "/idempotency_key".to_string(),
             "{tenant}:{action_id}".to_string(),
         )]);
+        let check = |pointer: &str, m: &BTreeMap<String, String>, r: &Request, v: &Value| {
+            ReceiptRule::new(pointer, m).check(r, v)
+        };
         let good = json!({"receipt_id": "rcpt-1", "idempotency_key": "north-shop:refund/204 x"});
         assert_eq!(check("/receipt_id", &m, &req(), &good), Ok("rcpt-1".into()));
         let other = json!({"receipt_id": "rcpt-2", "idempotency_key": "south:refund/204 x"});
@@ -208,5 +284,80 @@ mod tests {
         assert!(check("/receipt_id", &m, &req(), &no_id).is_err());
         let missing_echo = json!({"receipt_id": "rcpt-3"});
         assert!(check("/receipt_id", &m, &req(), &missing_echo).is_err());
+    }
+
+    #[test]
+    fn pointers_resolve_as_serde_json_does() {
+        let doc = json!({
+            "a": {"b": [10, {"c": "deep"}], "": "empty key"},
+            "m~n": 1, "x/y": 2, "~1": 3, "0": "zero key",
+            "list": ["first", "second"], "n": null, "id": 12345678901234567890u64,
+        });
+        let pointers = [
+            "",
+            "/",
+            "/a",
+            "/a/",
+            "/a/b",
+            "/a/b/0",
+            "/a/b/1/c",
+            "/a/b/2",
+            "/a/b/01",
+            "/a/b/+1",
+            "/a/b/-",
+            "/a/b/1/c/x",
+            "/m~0n",
+            "/x~1y",
+            "/~01",
+            "/~1",
+            "/0",
+            "/list/0",
+            "/list/1",
+            "/list/00",
+            "/list/ 1",
+            "/n",
+            "/n/x",
+            "/id",
+            "a",
+            "#/a",
+            "/missing",
+            "/a/b/18446744073709551616",
+        ];
+        for text in pointers {
+            assert_eq!(
+                Pointer::new(text).resolve(&doc),
+                doc.pointer(text),
+                "{text:?}"
+            );
+        }
+        assert_eq!(Pointer::new("/a/b/1/c").to_string(), "/a/b/1/c");
+    }
+
+    #[test]
+    fn echoes_of_other_types_compare_as_their_json_text() {
+        let m = BTreeMap::from([("/echo".to_string(), "{tenant}".to_string())]);
+        let rule = ReceiptRule::new("/id", &m);
+        let number = json!({"id": 7, "echo": 12});
+        let r = Request {
+            tenant: "12".into(),
+            ..req()
+        };
+        assert_eq!(rule.check(&r, &number), Ok("7".into()));
+        let quoted = Request {
+            tenant: "\"12\"".into(),
+            ..req()
+        };
+        assert!(rule
+            .check(&quoted, &number)
+            .unwrap_err()
+            .contains("is \"12\", expected \"\\\"12\\\"\""));
+        assert!(rule
+            .check(&r, &json!({"id": 7, "echo": null}))
+            .unwrap_err()
+            .contains("has no /echo"));
+        assert!(rule
+            .check(&r, &json!({"id": "", "echo": "12"}))
+            .unwrap_err()
+            .contains("not a string"));
     }
 }

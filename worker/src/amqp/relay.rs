@@ -380,7 +380,7 @@ async fn settle(pending: Vec<(&OutboxRow, lapin::Result<PublisherConfirm>)>) -> 
         };
         match result {
             Ok(Confirmation::Ack(None)) | Ok(Confirmation::NotRequested) => {
-                counter!(m::RESULTS_PUBLISHED, "status" => row.status.clone()).increment(1);
+                m::result_published(&row.status);
                 settled.published.push(row.id);
             }
             Ok(Confirmation::Ack(Some(returned))) => {

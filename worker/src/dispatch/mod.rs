@@ -18,7 +18,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use chrono::Utc;
-use metrics::{counter, gauge, histogram, Counter, Histogram};
+use metrics::{counter, histogram, Counter, Histogram};
 use tracing::{Instrument as _, Span};
 
 use crate::adapter::{Outcome, Request, Tool};
@@ -50,14 +50,14 @@ pub struct InFlight;
 
 impl InFlight {
     pub fn enter() -> InFlight {
-        gauge!(m::IN_FLIGHT).increment(1.0);
+        m::in_flight().increment(1.0);
         InFlight
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        gauge!(m::IN_FLIGHT).decrement(1.0);
+        m::in_flight().decrement(1.0);
     }
 }
 
@@ -369,7 +369,7 @@ pub async fn finish(
     .await;
     match applied {
         Ok(Applied::Done(new)) => {
-            counter!(m::TRANSITIONS, "state" => new.state().as_str()).increment(1);
+            m::transitions(new.state()).increment(1);
             if schedules_retry {
                 counter!(m::RETRIES_SCHEDULED, "tool" => new.tool.clone()).increment(1);
             }

@@ -52,6 +52,19 @@ impl State {
         }
     }
 
+    /// The state's position in [`State::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            State::Prepared => 0,
+            State::Dispatching => 1,
+            State::RetryWait => 2,
+            State::Unknown => 3,
+            State::Held => 4,
+            State::Succeeded => 5,
+            State::Failed => 6,
+        }
+    }
+
     pub fn parse(s: &str) -> Option<State> {
         State::ALL.into_iter().find(|st| st.as_str() == s)
     }
@@ -78,5 +91,12 @@ mod tests {
         }
         assert_eq!(State::parse("done"), None);
         assert!(State::Succeeded.is_final() && !State::Held.is_final());
+    }
+
+    #[test]
+    fn index_is_the_position_in_all() {
+        for (i, s) in State::ALL.into_iter().enumerate() {
+            assert_eq!(s.index(), i, "{s:?}");
+        }
     }
 }

@@ -425,8 +425,7 @@ fn answer(
 }
 
 fn log_applied(op: &Operation, action: &str, request: &OperatorRequest) {
-    metrics::counter!(crate::telemetry::metrics::TRANSITIONS, "state" => op.state().as_str())
-        .increment(1);
+    crate::telemetry::metrics::transitions(op.state()).increment(1);
     tracing::info!(
         tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool, state = %op.state(),
         operator = %request.operator, request_id = %request.request_id, action,

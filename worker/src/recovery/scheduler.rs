@@ -34,7 +34,7 @@ pub async fn step(ctx: &Arc<Context>) -> Result<usize, crate::ledger::LedgerErro
         .await?;
     for op in &expired {
         let state = op.state();
-        counter!(m::TRANSITIONS, "state" => state.as_str()).increment(1);
+        m::transitions(state).increment(1);
         if state == State::Unknown {
             tracing::warn!(
                 tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool,

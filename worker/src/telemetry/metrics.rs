@@ -6,8 +6,11 @@
 //! alert rules aggregate them with `max()`.
 
 use std::net::SocketAddr;
+use std::sync::OnceLock;
 
-use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, Unit};
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, Counter, Gauge, Unit,
+};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::ledger::{Ledger, State};
@@ -61,6 +64,44 @@ pub const LEDGER_OPERATIONS: &[&str] = &[
 pub const SEND_KINDS: &[&str] = &["first", "retry", "replay"];
 pub const RECOVERY_ACTIONS: &[&str] = &["lookup", "replay", "hold", "stored_receipt"];
 pub const LATE_RECEIPT_OUTCOMES: &[&str] = &["matches", "conflict"];
+
+/// The in-flight gauge, moved twice per dispatch.
+///
+/// The handles below are of series recorded for every intent whose labels are known in
+/// advance. A `counter!` or `gauge!` call builds its key (a label set is an allocation), hashes
+/// it and looks it up in the exporter's registry on every call; these are looked up once, on
+/// first use, which comes after [`install`] at start, and recorded through.
+pub fn in_flight() -> &'static Gauge {
+    static HANDLE: OnceLock<Gauge> = OnceLock::new();
+    HANDLE.get_or_init(|| gauge!(IN_FLIGHT))
+}
+
+/// `intent_worker_transitions_total` of `state`.
+pub fn transitions(state: State) -> &'static Counter {
+    static HANDLES: [OnceLock<Counter>; State::ALL.len()] =
+        [const { OnceLock::new() }; State::ALL.len()];
+    HANDLES[state.index()].get_or_init(|| counter!(TRANSITIONS, "state" => state.as_str()))
+}
+
+/// Counts one result event published with `status` (the outbox row's text: one of the four
+/// wire statuses, or whatever a row written by hand holds).
+pub fn result_published(status: &str) {
+    use protocol::result::Status;
+    const STATUSES: [Status; 4] = [
+        Status::Succeeded,
+        Status::Pending,
+        Status::Failed,
+        Status::Rejected,
+    ];
+    static HANDLES: [OnceLock<Counter>; STATUSES.len()] =
+        [const { OnceLock::new() }; STATUSES.len()];
+    match STATUSES.iter().position(|s| s.as_str() == status) {
+        Some(i) => HANDLES[i]
+            .get_or_init(|| counter!(RESULTS_PUBLISHED, "status" => STATUSES[i].as_str()))
+            .increment(1),
+        None => counter!(RESULTS_PUBLISHED, "status" => status.to_owned()).increment(1),
+    }
+}
 
 /// Explicit histogram buckets (seconds) for downstream latency.
 const LATENCY_BUCKETS: &[f64] = &[
