@@ -456,3 +456,56 @@ async fn an_operation_reads_the_same_whatever_the_order_of_its_columns() {
     assert!(missing.to_string().contains("tracestate"), "{missing}");
     db.drop_db().await;
 }
+
+/// The rows of one result set share their columns, so one decoder checks each column's type
+/// once, at its first value that is not NULL. A column NULL in the first row and of the wrong
+/// type in a later one is still refused there, naming it; the rest read as one by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_result_sets_rows_are_type_checked_at_each_columns_first_value() {
+    use sqlx::Row as _;
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let first = succeeded(&ctx, "north", r#"first-{"1"}"#, "refund").await;
+    let second = succeeded(&ctx, "north", "second\\2", "refund").await;
+    let rows = |receipt_id: String| {
+        let mut columns = COLUMNS.map(String::from);
+        columns[18] = receipt_id;
+        let sql = format!(
+            "SELECT {} FROM operations WHERE id IN ($1, $2) ORDER BY id",
+            columns.join(", ")
+        );
+        let pool = db.pool().clone();
+        async move {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(first.id)
+                .bind(second.id)
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let good = rows("receipt_id".into()).await;
+    let mut decoder = worker::ledger::OperationDecoder::default();
+    let decoded: Vec<_> = good.iter().map(|r| decoder.decode(r).unwrap()).collect();
+    let alone: Vec<_> = good
+        .iter()
+        .map(|r| <worker::ledger::Operation as sqlx::FromRow<_>>::from_row(r).unwrap())
+        .collect();
+    assert_eq!(format!("{decoded:?}"), format!("{alone:?}"));
+    assert_eq!(decoded[1].action_id, "second\\2");
+    // receipt_id as an integer: NULL in the first row, 42 in the second.
+    let bad = rows(format!(
+        "CASE WHEN id = {} THEN NULL ELSE 42 END AS receipt_id",
+        first.id
+    ))
+    .await;
+    assert!(sqlx::ValueRef::is_null(&bad[0].try_get_raw(18).unwrap()));
+    let mut decoder = worker::ledger::OperationDecoder::default();
+    assert_eq!(decoder.decode(&bad[0]).unwrap().receipt_id, None);
+    let refused = decoder.decode(&bad[1]).unwrap_err();
+    assert!(
+        refused.to_string().contains("receipt_id") && refused.to_string().contains("mismatched"),
+        "{refused}"
+    );
+    db.drop_db().await;
+}

@@ -125,9 +125,9 @@ impl Ledger {
              FROM input i JOIN operations o USING (tenant, action_id)
              WHERE NOT EXISTS (SELECT 1 FROM inserted x
                                WHERE x.tenant = i.tenant AND x.action_id = i.action_id)",
-            cols = prefixed("o", OPERATION_COLUMNS)
+            cols = o_columns()
         );
-        let query = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        let query = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(col(|i| Some(&i.tenant)))
             .bind(col(|i| Some(&i.action_id)))
             .bind(col(|i| Some(&i.tool)))
@@ -142,7 +142,17 @@ impl Ledger {
                     .collect::<Vec<_>>(),
             )
             .bind(col(|i| i.trace.as_ref().and_then(|t| t.state.as_deref())));
-        let rows: Vec<AdmittedRow> = bind_rest(query).fetch_all(&self.pool).await?;
+        let rows = bind_rest(query).fetch_all(&self.pool).await?;
+        let mut decoder = super::OperationDecoder::default();
+        let rows = rows
+            .iter()
+            .map(|row| {
+                Ok(AdmittedRow {
+                    op: decoder.decode(row)?,
+                    inserted: sqlx::Row::try_get(row, "inserted")?,
+                })
+            })
+            .collect::<Result<Vec<_>, sqlx::Error>>()?;
         // Rows come back in no particular order: each goes to its intent's place.
         let place: HashMap<(&str, &str), usize> = intents
             .iter()
@@ -181,24 +191,23 @@ impl Ledger {
     }
 }
 
-type AdmitQuery<'q> = sqlx::query::QueryAs<
-    'q,
-    sqlx::Postgres,
-    AdmittedRow,
-    <sqlx::Postgres as sqlx::Database>::Arguments,
->;
+type AdmitQuery<'q> =
+    sqlx::query::Query<'q, sqlx::Postgres, <sqlx::Postgres as sqlx::Database>::Arguments>;
 
-#[derive(sqlx::FromRow)]
 struct AdmittedRow {
-    #[sqlx(flatten)]
     op: Operation,
     inserted: bool,
 }
 
-/// "a, b" -> "o.a, o.b"
-pub(crate) fn prefixed(alias: &str, cols: &str) -> String {
-    cols.split(',')
-        .map(|c| format!("{alias}.{}", c.trim()))
-        .collect::<Vec<_>>()
-        .join(", ")
+/// [`OPERATION_COLUMNS`] of the table aliased `o` ("o.id, o.tenant, ..."), written once: the
+/// statements that name them are formatted for every batch.
+pub(crate) fn o_columns() -> &'static str {
+    static COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        OPERATION_COLUMNS
+            .split(',')
+            .map(|c| format!("o.{}", c.trim()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    });
+    &COLUMNS
 }

@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use super::admit::prefixed;
+use super::admit::o_columns;
 use super::outbox;
-use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
+use super::{Ledger, LedgerError, Operation, State};
 use crate::answers;
 
 /// Replay windows by tool, so the first dispatch can store its protection deadline.
@@ -112,7 +112,7 @@ impl Ledger {
             "UPDATE operations o SET {DISPATCH_SET}, unsent_fence = o.fence
              WHERE o.id = $1 AND o.fence = $6 AND o.state = $7
              RETURNING {}",
-            prefixed("o", OPERATION_COLUMNS)
+            o_columns()
         );
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(id)
@@ -245,7 +245,7 @@ impl Ledger {
                  next_attempt_at = now() + make_interval(secs => $3), changed_by = $2
              FROM due WHERE o.id = due.id
              RETURNING {}",
-            prefixed("o", OPERATION_COLUMNS)
+            o_columns()
         );
         let rows: Vec<Operation> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(limit)
@@ -304,7 +304,7 @@ impl Ledger {
                  last_reported = CASE WHEN expired.sent THEN 'pending' ELSE o.last_reported END
              FROM expired WHERE o.id = expired.id
              RETURNING {}, expired.last_reported AS prev_reported",
-            prefixed("o", OPERATION_COLUMNS)
+            o_columns()
         );
         let rows: Vec<WithPrev> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(worker_id)
@@ -346,7 +346,7 @@ async fn claim_prepared_in(
         "UPDATE operations o SET {DISPATCH_SET}, fence = o.fence + 1, unsent_fence = o.fence + 1
              WHERE o.id = ANY($1) AND o.state = 'prepared'
              RETURNING {}",
-        prefixed("o", OPERATION_COLUMNS)
+        o_columns()
     );
     Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(ids)

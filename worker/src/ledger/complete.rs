@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use sqlx::PgConnection;
 
-use super::admit::prefixed;
+use super::admit::o_columns;
 use super::claim::WithPrev;
 use super::outbox::{self, NewEvent, OutboxRow};
 use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
@@ -264,7 +264,7 @@ async fn succeed_many(
     completions: &[Completion],
     indices: &[usize],
 ) -> Result<Vec<WithPrev>, LedgerError> {
-    let cols = prefixed("o", OPERATION_COLUMNS);
+    let cols = o_columns();
     let mut ids = Vec::with_capacity(indices.len());
     let mut evidences = Vec::with_capacity(indices.len());
     let mut receipts = Vec::with_capacity(indices.len());
@@ -301,14 +301,22 @@ async fn succeed_many(
            AND o.state IN ('dispatching', 'unknown', 'held', 'retry_wait')
          RETURNING {cols}, prev.last_reported AS prev_reported"
     );
-    Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+    let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(&ids)
         .bind(worker_id)
         .bind(&evidences)
         .bind(&receipts)
         .bind(&receipt_ids)
         .fetch_all(&mut *conn)
-        .await?)
+        .await?;
+    let mut decoder = super::OperationDecoder::default();
+    let rows = rows.iter().map(|row| {
+        Ok(WithPrev {
+            op: decoder.decode(row)?,
+            prev_reported: sqlx::Row::try_get(row, "prev_reported")?,
+        })
+    });
+    Ok(rows.collect::<Result<_, sqlx::Error>>()?)
 }
 
 /// One completion alone; its event (if any) is returned for the batch's insert.
@@ -331,7 +339,7 @@ async fn update_one(
     worker_id: &str,
     c: &Completion,
 ) -> Result<Option<WithPrev>, LedgerError> {
-    let cols = prefixed("o", OPERATION_COLUMNS);
+    let cols = o_columns();
     let expected = match c.phase {
         Phase::Dispatch => State::Dispatching,
         Phase::Leased(s) => s,
@@ -385,7 +393,7 @@ async fn update_one(
             } else {
                 "state = 'held', next_attempt_at = NULL, last_reported = 'pending'"
             };
-            sqlx::query_as(sqlx::AssertSqlSafe(fenced(&cols, set)))
+            sqlx::query_as(sqlx::AssertSqlSafe(fenced(cols, set)))
                 .bind(c.operation_id)
                 .bind(worker_id)
                 .bind(evidence)
@@ -409,7 +417,7 @@ async fn update_one(
                     "state = 'unknown', next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
                 }
             };
-            sqlx::query_as(sqlx::AssertSqlSafe(fenced(&cols, set)))
+            sqlx::query_as(sqlx::AssertSqlSafe(fenced(cols, set)))
                 .bind(c.operation_id)
                 .bind(worker_id)
                 .bind(evidence)

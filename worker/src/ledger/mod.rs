@@ -104,18 +104,9 @@ pub struct Operation {
     pub tracestate: Option<String>,
 }
 
-/// A state read from the database (sqlx needs a type it can build from a string).
+/// A state read from the database.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StateColumn(pub State);
-
-impl TryFrom<String> for StateColumn {
-    type Error = String;
-    fn try_from(s: String) -> Result<Self, Self::Error> {
-        State::parse(&s)
-            .map(StateColumn)
-            .ok_or_else(|| format!("unknown state {s:?} in operations.state"))
-    }
-}
 
 impl Operation {
     pub fn state(&self) -> State {
@@ -152,6 +143,8 @@ pub(crate) const OPERATION_COLUMNS: &str = "id, tenant, action_id, tool, fingerp
 
 /// How many columns [`OPERATION_COLUMNS`] names: one per field of [`Operation`].
 const OPERATION_FIELDS: usize = 27;
+// [`OperationDecoder`] keeps a bit per field.
+const _: () = assert!(OPERATION_FIELDS <= u32::BITS as usize);
 
 /// The names in [`OPERATION_COLUMNS`], in order.
 static OPERATION_COLUMN_NAMES: std::sync::LazyLock<Vec<&'static str>> =
@@ -159,49 +152,93 @@ static OPERATION_COLUMN_NAMES: std::sync::LazyLock<Vec<&'static str>> =
 
 impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for Operation {
     fn from_row(row: &'r sqlx::postgres::PgRow) -> Result<Self, sqlx::Error> {
-        decode_operation(row)
+        OperationDecoder::default().decode(row)
     }
 }
 
-/// Decodes an [`Operation`] from a row that has every column of [`OPERATION_COLUMNS`]. The
+/// Decodes [`Operation`]s from rows that have every column of [`OPERATION_COLUMNS`]. The
 /// statements of the hot path select them first and in that order: those rows are read by
 /// position once their leading column names are seen to match, because a lookup by name hashes
 /// the name for every column of every row (about a third of the decoding). Any other row is
 /// read by name.
-fn decode_operation(row: &sqlx::postgres::PgRow) -> Result<Operation, sqlx::Error> {
-    use sqlx::{Column as _, Row as _};
+///
+/// One decoder kept across the rows of one result set (which share their column list) finds
+/// the positions once, and checks each column's type against its field once, at the first
+/// value that is not NULL, as `Row::try_get` does on every call (about a fifth of the
+/// decoding). A row with another column list starts over.
+#[derive(Default)]
+pub struct OperationDecoder<'r> {
+    columns: Option<&'r [sqlx::postgres::PgColumn]>,
+    at: [usize; OPERATION_FIELDS],
+    /// Bit `i`: column `at[i]`'s type was checked against field `i`.
+    checked: u32,
+}
+
+impl<'r> OperationDecoder<'r> {
+    pub fn decode(&mut self, row: &'r sqlx::postgres::PgRow) -> Result<Operation, sqlx::Error> {
+        use sqlx::{Column as _, Row as _};
+        let names = &*OPERATION_COLUMN_NAMES;
+        let columns = row.columns();
+        if !self.columns.is_some_and(|seen| std::ptr::eq(seen, columns)) {
+            let in_order = columns.len() >= names.len()
+                && names.iter().zip(columns).all(|(n, c)| c.name() == *n);
+            for (i, (slot, name)) in self.at.iter_mut().zip(names).enumerate() {
+                *slot = if in_order {
+                    i
+                } else {
+                    sqlx::ColumnIndex::index(name, row)?
+                };
+            }
+            self.checked = 0;
+            self.columns = Some(columns);
+        }
+        decode_operation(row, &self.at, &mut self.checked)
+    }
+}
+
+/// One column of an operation row: its type checked against `T` unless `checked` says it was
+/// (and then marked), as `Row::try_get` checks it; an error names the column, as a lookup by
+/// name would.
+fn column<'r, T>(
+    row: &'r sqlx::postgres::PgRow,
+    at: usize,
+    field: usize,
+    checked: &mut u32,
+) -> Result<T, sqlx::Error>
+where
+    T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+{
+    use sqlx::{Row as _, TypeInfo as _, ValueRef as _};
+    let named = |source| sqlx::Error::ColumnDecode {
+        index: format!("{:?}", OPERATION_COLUMN_NAMES[field]),
+        source,
+    };
+    let value = row.try_get_raw(at)?;
+    if *checked & (1 << field) == 0 && !value.is_null() {
+        let ty = value.type_info();
+        if !ty.is_null() && !T::compatible(&ty) {
+            return Err(named(sqlx::error::mismatched_types::<sqlx::Postgres, T>(
+                &ty,
+            )));
+        }
+        *checked |= 1 << field;
+    }
+    T::decode(value).map_err(named)
+}
+
+fn decode_operation(
+    row: &sqlx::postgres::PgRow,
+    at: &[usize; OPERATION_FIELDS],
+    checked: &mut u32,
+) -> Result<Operation, sqlx::Error> {
     let names = &*OPERATION_COLUMN_NAMES;
-    let columns = row.columns();
-    let in_order =
-        columns.len() >= names.len() && names.iter().zip(columns).all(|(n, c)| c.name() == *n);
-    let mut at = [0usize; OPERATION_FIELDS];
-    for (i, (slot, name)) in at.iter_mut().zip(names).enumerate() {
-        *slot = if in_order {
-            i
-        } else {
-            sqlx::ColumnIndex::index(name, row)?
-        };
-    }
-    // The error names the column, as a lookup by name would.
-    fn get<'r, T>(row: &'r sqlx::postgres::PgRow, at: usize, name: &str) -> Result<T, sqlx::Error>
-    where
-        T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
-    {
-        row.try_get(at).map_err(|e| match e {
-            sqlx::Error::ColumnDecode { source, .. } => sqlx::Error::ColumnDecode {
-                index: format!("{name:?}"),
-                source,
-            },
-            other => other,
-        })
-    }
     // `col!(i)`: column `i` of OPERATION_COLUMNS, which must be the field being set.
     macro_rules! col {
         ($i:literal) => {
-            get(row, at[$i], names[$i])?
+            column(row, at[$i], $i, checked)?
         };
     }
-    let state: String = col!(8);
+    let state: &str = col!(8);
     Ok(Operation {
         id: col!(0),
         tenant: col!(1),
@@ -211,10 +248,12 @@ fn decode_operation(row: &sqlx::postgres::PgRow) -> Result<Operation, sqlx::Erro
         arguments: col!(5),
         call_id: col!(6),
         reply_to: col!(7),
-        state: StateColumn::try_from(state).map_err(|e| sqlx::Error::ColumnDecode {
-            index: format!("{:?}", names[8]),
-            source: e.into(),
-        })?,
+        state: State::parse(state)
+            .map(StateColumn)
+            .ok_or_else(|| sqlx::Error::ColumnDecode {
+                index: format!("{:?}", names[8]),
+                source: format!("unknown state {state:?} in operations.state").into(),
+            })?,
         fence: col!(9),
         lease_owner: col!(10),
         lease_until: col!(11),

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use sqlx::PgConnection;
 
-use super::admit::prefixed;
+use super::admit::o_columns;
 use super::outbox;
 use super::queries::HistoryEntry;
 use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
@@ -274,7 +274,7 @@ impl Ledger {
                  next_attempt_at = now() + make_interval(secs => $3), changed_by = $2
              WHERE o.id = $1 AND o.state = 'unknown' AND o.next_attempt_at <= now()
              RETURNING {}",
-            prefixed("o", OPERATION_COLUMNS)
+            o_columns()
         );
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(operation_id)

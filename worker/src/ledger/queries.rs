@@ -56,7 +56,7 @@ impl Ledger {
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "SELECT {cols} FROM operations o
              JOIN unnest($1::text[], $2::text[]) AS k(tenant, action_id) USING (tenant, action_id)",
-            cols = super::admit::prefixed("o", OPERATION_COLUMNS)
+            cols = super::admit::o_columns()
         )))
         .bind(&tenants)
         .bind(&action_ids)
