@@ -19,8 +19,10 @@ WORKDIR /src
 # The code uses no compile-time-checked sqlx queries, so no database is needed to build.
 ENV CARGO_TERM_COLOR=never
 COPY . .
-# The release set: never the `fault-points` feature (docs/design.md section 9). With resolver 2, only
-# the e2e test crate enables it, and that crate is not selected; the guard below proves it.
+# The release set: never the `fault-points` feature (docs/design.md section 9). With resolver 2,
+# only the e2e test crate enables it, and that crate is not selected; the guard below proves it.
+# The worker's `jemalloc` feature gives it jemalloc as its allocator (docs/benchmarks.md, "Cost
+# per intent").
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target \
@@ -31,7 +33,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
             echo "refusing to build: fault-points is enabled for $crate in the release set" >&2; exit 1; \
         fi; \
     done; \
-    cargo build --release --locked $release; \
+    cargo build --release --locked $release --features intent-worker/jemalloc; \
     mkdir -p /out; \
     cp target/release/worker target/release/publisher target/release/reference-downstream /out/
 

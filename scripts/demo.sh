@@ -306,7 +306,8 @@ if [ -z "$BIN_DIR" ]; then
         fail "cargo not found: install Rust (https://rustup.rs), or pass --bin-dir DIR with built binaries" 2
     say "--- building the release binaries (cargo may first wait for the build directory's lock)"
     # Never --workspace here: the e2e crate would turn on the worker's fault points.
-    waited cargo build --release --locked -p intent-worker -p intent-publisher -p reference-downstream ||
+    waited cargo build --release --locked -p intent-worker -p intent-publisher -p reference-downstream \
+        --features intent-worker/jemalloc ||
         fail "cargo build failed" 2
     BIN_DIR=$TARGET/release
 fi

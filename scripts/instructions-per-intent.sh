@@ -17,7 +17,8 @@
 # is what one more intent costs. Instructions are not time: a kernel call counts as one, and a
 # `rep movsb` copy (glibc's memcpy for large blocks) counts once per byte, so large copies weigh
 # more here than on the CPU. Needs valgrind and the release `cost` binary:
-#   cargo build --release -p intent-worker -p reference-downstream && cargo build --release -p e2e --bin cost
+#   cargo build --release -p intent-worker -p reference-downstream --features intent-worker/jemalloc
+#   cargo build --release -p e2e --bin cost
 set -euo pipefail
 
 bin=$(cd "${1:?usage: $0 <bin dir> [N1] [N2]}" && pwd)

@@ -5,6 +5,12 @@ use std::process::ExitCode;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use worker::config::EnvArgs;
 
+/// jemalloc with the `jemalloc` feature (release builds): glibc's malloc and free were about a
+/// quarter of the worker's instructions per intent (docs/benchmarks.md, "Cost per intent").
+#[cfg(feature = "jemalloc")]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// The intent worker: records agent intents in a Postgres ledger, dispatches each logical
 /// action at most once, and tells agents the truth (succeeded, pending, failed, rejected).
 #[derive(Parser)]
