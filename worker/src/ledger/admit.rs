@@ -147,8 +147,8 @@ impl Ledger {
         let rows = rows
             .iter()
             .map(|row| {
-                Ok(AdmittedRow {
-                    op: decoder.decode(row)?,
+                Ok(Admitted {
+                    operation: decoder.decode(row)?,
                     inserted: sqlx::Row::try_get(row, "inserted")?,
                 })
             })
@@ -160,12 +160,10 @@ impl Ledger {
             .map(|(u, i)| ((i.tenant.as_str(), i.action_id.as_str()), u))
             .collect();
         let mut found: Vec<Option<Admitted>> = intents.iter().map(|_| None).collect();
-        for r in rows {
-            if let Some(&u) = place.get(&(r.op.tenant.as_str(), r.op.action_id.as_str())) {
-                found[u] = Some(Admitted {
-                    operation: r.op,
-                    inserted: r.inserted,
-                });
+        for a in rows {
+            let key = (a.operation.tenant.as_str(), a.operation.action_id.as_str());
+            if let Some(&u) = place.get(&key) {
+                found[u] = Some(a);
             }
         }
         let mut out = Vec::with_capacity(intents.len());
@@ -193,11 +191,6 @@ impl Ledger {
 
 type AdmitQuery<'q> =
     sqlx::query::Query<'q, sqlx::Postgres, <sqlx::Postgres as sqlx::Database>::Arguments>;
-
-struct AdmittedRow {
-    op: Operation,
-    inserted: bool,
-}
 
 /// [`OPERATION_COLUMNS`] of the table aliased `o` ("o.id, o.tenant, ..."), written once: the
 /// statements that name them are formatted for every batch.
