@@ -27,9 +27,13 @@
 //! - [`url`]: service URLs as settings: redacted for logs, refused when they can never work.
 //! - [`otel`] (feature `otel`): W3C trace context on `tracing` spans (parents, links, what to
 //!   send onward); with `otel-export`, span export over OTLP/HTTP from the standard variables.
+//! - [`amqp`] (feature `amqp`): a RabbitMQ connection whose whole handshake (TCP, TLS, AMQP)
+//!   is bounded, so a node that accepts and never answers costs a time-out, not the caller.
 //! - [`pg`] (feature `pg`): a Postgres URL with several hosts, the primary among them, and
 //!   leaving a server that turned read-only or went away.
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
 pub mod backoff;
 pub mod errors;
 pub mod fault;

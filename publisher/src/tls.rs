@@ -40,8 +40,8 @@ pub async fn amqp_connect(
         identity: None,
         cert_chain: trust().extra_pem().map(str::to_owned),
     };
-    let runtime = lapin::runtime::default_runtime()?;
-    Connection::connect_with_config(url, properties, config, runtime)
+    let uri: lapin::uri::AMQPUri = url.parse().map_err(PublishError::BadUrl)?;
+    kit::amqp::connect(uri, properties, config)
         .await
         .map_err(|error| match error.kind() {
             lapin::ErrorKind::IOError(io) => match handshake_failure(io.as_ref()) {

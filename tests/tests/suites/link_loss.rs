@@ -921,3 +921,100 @@ async fn a_commit_whose_reply_was_lost_is_retried_safely() {
     drop(w);
     cleanup(env).await;
 }
+
+/// A listener that accepts TCP connections and never says a word, as a broker stuck booting or
+/// a port forwarded to nothing does; counts the connections it was offered.
+struct SilentNode {
+    addr: std::net::SocketAddr,
+    accepted: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl SilentNode {
+    fn start() -> SilentNode {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let held = accepted.clone();
+        std::thread::spawn(move || {
+            for socket in listener.incoming().flatten() {
+                held.lock().unwrap().push(socket);
+            }
+        });
+        SilentNode { addr, accepted }
+    }
+
+    fn url(&self) -> String {
+        format!(
+            "amqp://guest:guest@{}/%2f?connection_timeout=1000",
+            self.addr
+        )
+    }
+
+    fn connections(&self) -> usize {
+        self.accepted.lock().unwrap().len()
+    }
+}
+
+/// A node that accepts and never answers the AMQP handshake costs each attempt the URL's
+/// `connection_timeout`, not the link: alone in the list, both links keep trying it (each
+/// attempt a new connection); listed before a live node, the worker is ready on the live one
+/// and answers intents; the publisher gives up on it with an error instead of waiting. lapin's
+/// own `connection_timeout` bounds only the TCP connect, which this node accepts at once.
+#[tokio::test]
+async fn a_node_that_never_answers_the_handshake_costs_a_timeout_not_the_link() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let silent = SilentNode::start();
+
+    let alone = base_opts(roomy_tools(&env, ds.port)).amqp_url(&silent.url());
+    let w = Worker::spawn(&env, "alone", &alone);
+    wait_for(
+        "both links to try the silent node again and again",
+        T,
+        || async { (silent.connections() >= 6).then_some(()) },
+    )
+    .await;
+    drop(w);
+
+    let list = format!("{},{}", silent.url(), env.amqp_url);
+    let opts = base_opts(roomy_tools(&env, ds.port)).amqp_url(&list);
+    let w = Worker::start(&env, "listed", &opts).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    agent
+        .request("north-shop", "silent-1", "ticket", json!({"n": 1}))
+        .await;
+    agent.succeeded("north-shop", "silent-1").await;
+    assert_eq!(env.mutations("north-shop:silent-1").await, 1);
+    drop(w);
+
+    let offered = silent.connections();
+    let started = std::time::Instant::now();
+    let out = tokio::process::Command::new(e2e::procs::publisher_bin())
+        .args(["send", "--tenant", "north-shop", "--action-id", "silent-2"])
+        .args(["--tool", "ticket", "--args", r#"{"n":2}"#])
+        .env_clear()
+        .env("RUST_LOG", "warn")
+        .env("AMQP_URL", silent.url())
+        .env("INTENTS_EXCHANGE", &env.topology.intents_exchange)
+        .env("RESULTS_EXCHANGE", &env.topology.results_exchange)
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(T, out)
+        .await
+        .expect("the publisher gives up on a silent node")
+        .expect("run publisher");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("within 1000 ms"),
+        "names the bound: {stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(silent.connections() > offered, "the publisher tried it");
+    assert_eq!(env.writes("north-shop:silent-2").await, 0);
+    cleanup(env).await;
+}

@@ -86,17 +86,10 @@ pub async fn connect_with_heartbeat(
     if uri.query.heartbeat.is_none() && heartbeat_secs > 0 {
         uri.query.heartbeat = Some(heartbeat_secs);
     }
-    // A connect into a black hole must fail rather than hang (milliseconds).
-    if uri.query.connection_timeout.is_none() {
-        uri.query.connection_timeout = Some(10_000);
-    }
     let user = uri.authority.userinfo.username.clone();
     let props = ConnectionProperties::default().with_connection_name(name.to_string().into());
-    let runtime = lapin::runtime::default_runtime().map_err(|error| AmqpError::Connect {
-        url: redact(url),
-        error,
-    })?;
-    Connection::connect_uri_with_config(uri, props, crate::tls::amqp(trust), runtime)
+    // A node that accepts and never answers must cost a time-out, not the link.
+    kit::amqp::connect(uri, props, crate::tls::amqp(trust))
         .await
         .map_err(|error| {
             if let Some(reason) = login_refusal(&error) {
