@@ -160,12 +160,16 @@ impl Ledger {
         let ids: Vec<i64> = sends.iter().map(|s| s.id).collect();
         let fences: Vec<i64> = sends.iter().map(|s| s.fence).collect();
         let timeouts: Vec<f64> = sends.iter().map(|s| s.timeout.as_secs_f64()).collect();
+        // Each row is found by its id. The state predicate is written so that no index can
+        // serve it: the unresolved index still holds an entry for every row that was
+        // `dispatching` since the last vacuum, and a bitmap scan through it (what the planner
+        // picks when it believes few rows are `dispatching`) visits all of their pages.
         let passed: Vec<(i64, i64)> = sqlx::query_as(
             "UPDATE operations o
              SET lease_until = now() + make_interval(secs => i.timeout + $5),
                  unsent_fence = NULL
              FROM unnest($1::int8[], $2::int8[], $3::float8[]) AS i(id, fence, timeout)
-             WHERE o.id = i.id AND o.fence = i.fence AND o.state = 'dispatching'
+             WHERE o.id = i.id AND o.fence = i.fence AND (o.state = 'dispatching') IS TRUE
                AND o.lease_owner = $4 AND o.lease_until > now()
              RETURNING o.id, o.fence",
         )

@@ -282,23 +282,28 @@ async fn succeed_many(
             receipt_ids.push(receipt_id.as_str());
         }
     }
-    // `prev` locks the rows in id order (no deadlock between batches of two workers) and keeps
-    // what the agent was told before, which decides the event.
+    // `prev` locks the rows in id order (no deadlock between batches of two workers), keeps
+    // what the agent was told before, which decides the event, and carries each row's input:
+    // the arrays are unnested once, each element finding its row by id. (Joined to the update
+    // apart, the unnest was re-run for every row, the whole batch of receipts each time.) The
+    // state predicate is written so that no index can serve it: the rows are found by id, and
+    // the unresolved index still holds an entry for every row that was unresolved since the
+    // last vacuum, whose pages a bitmap scan would all visit.
     let sql = format!(
-        "WITH i AS (
-            SELECT * FROM unnest($1::int8[], $3::text[], $4::jsonb[], $5::text[])
+        "WITH prev AS (
+            SELECT o.id, o.last_reported, i.evidence, i.receipt, i.receipt_id
+            FROM unnest($1::int8[], $3::text[], $4::jsonb[], $5::text[])
                 AS i(id, evidence, receipt, receipt_id)
-         ), prev AS (
-            SELECT o.id, o.last_reported FROM operations o
-            WHERE o.id = ANY($1) ORDER BY o.id FOR UPDATE
+            JOIN operations o ON o.id = i.id
+            ORDER BY o.id FOR UPDATE OF o
          )
-         UPDATE operations o SET state = 'succeeded', receipt = i.receipt,
-                receipt_id = i.receipt_id, evidence = i.evidence, changed_by = $2,
+         UPDATE operations o SET state = 'succeeded', receipt = prev.receipt,
+                receipt_id = prev.receipt_id, evidence = prev.evidence, changed_by = $2,
                 lease_owner = NULL, lease_until = NULL, next_attempt_at = NULL,
                 last_reported = 'succeeded', updated_at = now(), state_since = now(),
                 finished_at = now()
-         FROM prev JOIN i USING (id) WHERE o.id = prev.id
-           AND o.state IN ('dispatching', 'unknown', 'held', 'retry_wait')
+         FROM prev WHERE o.id = prev.id
+           AND (o.state IN ('dispatching', 'unknown', 'held', 'retry_wait')) IS TRUE
          RETURNING {cols}, prev.last_reported AS prev_reported"
     );
     let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
