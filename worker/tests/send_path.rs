@@ -615,3 +615,130 @@ async fn the_hot_batches_find_their_rows_by_id_not_through_the_unresolved_index(
     );
     db.drop_db().await;
 }
+
+/// Sequential scans of `operations` that the statistics have counted, once they count the
+/// `inserted` and `updated` rows that the backend behind `pool` (one connection) wrote.
+async fn seq_scans_reported(db: &TestDb, pool: &sqlx::PgPool, inserted: i64, updated: i64) -> i64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        // The backend reports when it goes idle, right after this call.
+        sqlx::query("SELECT pg_stat_force_next_flush()")
+            .execute(pool)
+            .await
+            .unwrap();
+        let (ins, upd, scans): (i64, i64, i64) = sqlx::query_as(
+            "SELECT n_tup_ins, n_tup_upd, seq_scan FROM pg_stat_user_tables
+             WHERE relname = 'operations'",
+        )
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+        if (ins, upd) == (inserted, updated) {
+            return scans;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "statistics count {ins} inserts and {upd} updates, not {inserted} and {updated}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The batched send fence and receipt completion are planned for the table they meet. A plan
+/// kept from when the table was small (Postgres keeps a generic plan after five executions of
+/// a prepared statement, until the next ANALYZE) reads the whole table for every batch once it
+/// has grown: over a long run without a fresh analysis, a fence that costs more with every
+/// intent ever recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hot_batches_are_planned_for_the_table_they_meet_not_the_one_they_first_met() {
+    use worker::ledger::{Completion, Phase, SendFence, Transition};
+    let db = TestDb::new().await;
+    // One connection: the statements' plans are kept per connection.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let ledger = worker::ledger::Ledger::from_pool(pool.clone());
+    let fill = |prefix: &str, n: i32| {
+        format!(
+            "INSERT INTO operations (tenant, action_id, tool, fingerprint, arguments, state,
+                                     fence, lease_owner, lease_until, attempts)
+             SELECT 'north', '{prefix}' || n, 'refund', 'f', '{{}}', 'dispatching', 1,
+                    '{WORKER_ID}', now() + interval '1 hour', 1
+             FROM generate_series(1, {n}) n RETURNING id"
+        )
+    };
+    let batches = |ids: Vec<i64>| {
+        let sends: Vec<SendFence> = ids
+            .iter()
+            .map(|&id| SendFence {
+                id,
+                fence: 1,
+                timeout: TIMEOUT,
+            })
+            .collect();
+        let completions: Vec<Completion> = ids
+            .iter()
+            .map(|&id| Completion {
+                operation_id: id,
+                fence: 1,
+                phase: Phase::Dispatch,
+                transition: Transition::Succeeded {
+                    receipt: serde_json::json!({"receipt_id": format!("r-{id}")}),
+                    receipt_id: format!("r-{id}"),
+                    evidence: "receipt".into(),
+                },
+                trace: None,
+            })
+            .collect();
+        (sends, completions)
+    };
+    async fn run(
+        ledger: &worker::ledger::Ledger,
+        (sends, completions): (Vec<SendFence>, Vec<Completion>),
+    ) {
+        let passed = ledger.fence_sends(&sends, WORKER_ID, LEASE).await.unwrap();
+        assert!(passed.iter().all(|&p| p), "every fence passes");
+        for result in ledger.complete(WORKER_ID, &completions).await {
+            assert!(
+                matches!(result, Ok(worker::ledger::Applied::Done(_))),
+                "{result:?}"
+            );
+        }
+    }
+    // Ten batches of one while the table holds ten rows.
+    let early: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(fill("early-", 10)))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    for id in early {
+        run(&ledger, batches(vec![id])).await;
+    }
+    // The table grows to 5,000 rows, and a batch of ten.
+    for sql in [
+        fill("old-", 5000),
+        "UPDATE operations SET state = 'succeeded', receipt = '{}', lease_owner = NULL,
+                lease_until = NULL WHERE action_id LIKE 'old-%' RETURNING id"
+            .into(),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let late: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(fill("late-", 10)))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    // Each early row was written three times (inserted, fenced, completed), each old one twice.
+    let before = seq_scans_reported(&db, &pool, 5020, 5020).await;
+    run(&ledger, batches(late)).await;
+    assert_eq!(
+        seq_scans_reported(&db, &pool, 5020, 5040).await,
+        before,
+        "a batch read the whole table"
+    );
+    pool.close().await;
+    db.drop_db().await;
+}

@@ -178,6 +178,10 @@ impl Ledger {
         .bind(&timeouts)
         .bind(worker_id)
         .bind(lease.as_secs_f64())
+        // Planned at each run, for the batch and the table it meets: a prepared statement's
+        // generic plan, made while the table was small (a sequential scan), would be kept until
+        // the next ANALYZE and read the whole table for every batch once it has grown.
+        .persistent(false)
         .fetch_all(&self.pool)
         .await?;
         Ok(sends

@@ -312,6 +312,8 @@ async fn succeed_many(
         .bind(&evidences)
         .bind(&receipts)
         .bind(&receipt_ids)
+        // Planned at each run, like the send fence (`Ledger::fence_sends`).
+        .persistent(false)
         .fetch_all(&mut *conn)
         .await?;
     let mut decoder = super::OperationDecoder::default();
