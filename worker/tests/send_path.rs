@@ -519,54 +519,40 @@ async fn index_scans(pool: &sqlx::PgPool, index: &str) -> i64 {
         .unwrap()
 }
 
-/// The batched send fence and the batched receipt completion find their rows by id, never
-/// through the unresolved index. That index keeps an entry for every row that was unresolved
-/// since the last vacuum, and a bitmap scan through it (the planner's pick when it believes
-/// few rows are `dispatching`, as on a table without statistics after a burst) visits all of
-/// their pages for every batch: over a 20,000-intent drain, most of Postgres's time per
-/// intent. Here 3,000 rows went through `dispatching` to `succeeded` before a batch of 100.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_hot_batches_find_their_rows_by_id_not_through_the_unresolved_index() {
-    use worker::ledger::{Completion, Phase, SendFence, Transition};
-    let db = TestDb::new().await;
-    let fill = |prefix: &str, n: i32| {
-        format!(
-            "INSERT INTO operations (tenant, action_id, tool, fingerprint, arguments, state,
-                                     fence, lease_owner, lease_until, attempts)
-             SELECT 'north', '{prefix}' || n, 'refund', 'f', '{{}}', 'dispatching', 1,
-                    '{WORKER_ID}', now() + interval '1 hour', 1
-             FROM generate_series(1, {n}) n"
-        )
-    };
-    for sql in [
-        fill("old-", 3000),
-        "UPDATE operations SET state = 'succeeded', receipt = '{}', lease_owner = NULL,
-                lease_until = NULL WHERE action_id LIKE 'old-%'"
-            .into(),
-        fill("new-", 100),
-    ] {
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .execute(db.pool())
-            .await
-            .unwrap();
-    }
-    let ids: Vec<i64> =
-        sqlx::query_scalar("SELECT id FROM operations WHERE action_id LIKE 'new-%' ORDER BY id")
-            .fetch_all(db.pool())
-            .await
-            .unwrap();
-    let before = (
-        index_scans(db.pool(), "operations_unresolved").await,
-        index_scans(db.pool(), "operations_pkey").await,
-    );
+/// Inserts `n` rows `dispatching` at fence 1, leased by this worker, named `<prefix><i>`;
+/// answers their ids.
+async fn fill(pool: &sqlx::PgPool, prefix: &str, n: i32) -> Vec<i64> {
+    sqlx::query_scalar(
+        "INSERT INTO operations (tenant, action_id, tool, fingerprint, arguments, state,
+                                 fence, lease_owner, lease_until, attempts)
+         SELECT 'north', $1 || n, 'refund', 'f', '{}', 'dispatching', 1, $3,
+                now() + interval '1 hour', 1
+         FROM generate_series(1, $2) n RETURNING id",
+    )
+    .bind(prefix)
+    .bind(n)
+    .bind(WORKER_ID)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
 
-    // One connection of its own: closing it makes its backend report its statistics.
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&db.url)
-        .await
-        .unwrap();
-    let ledger = worker::ledger::Ledger::from_pool(pool.clone());
+/// Rows named `<prefix>...` go to `succeeded` (each leaves a version behind in every index).
+async fn finish(pool: &sqlx::PgPool, prefix: &str) {
+    sqlx::query(
+        "UPDATE operations SET state = 'succeeded', receipt = '{}', lease_owner = NULL,
+                lease_until = NULL WHERE action_id LIKE $1 || '%'",
+    )
+    .bind(prefix)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// The send path of `ids` as the worker batches it: one send fence for all, then one
+/// completion with a receipt for each; every row passes and succeeds.
+async fn fence_and_complete(ledger: &worker::ledger::Ledger, ids: &[i64]) {
+    use worker::ledger::{Applied, Completion, Phase, SendFence, Transition};
     let sends: Vec<SendFence> = ids
         .iter()
         .map(|&id| SendFence {
@@ -592,11 +578,40 @@ async fn the_hot_batches_find_their_rows_by_id_not_through_the_unresolved_index(
         })
         .collect();
     for result in ledger.complete(WORKER_ID, &completions).await {
-        assert!(
-            matches!(result, Ok(worker::ledger::Applied::Done(_))),
-            "{result:?}"
-        );
+        assert!(matches!(result, Ok(Applied::Done(_))), "{result:?}");
     }
+}
+
+/// A ledger on one connection of its own: its statements' plans are kept per connection, and
+/// closing it makes its backend report its statistics.
+async fn one_connection(db: &TestDb) -> (sqlx::PgPool, worker::ledger::Ledger) {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let ledger = worker::ledger::Ledger::from_pool(pool.clone());
+    (pool, ledger)
+}
+
+/// The batched send fence and the batched receipt completion find their rows by id, never
+/// through the unresolved index. That index keeps an entry for every row that was unresolved
+/// since the last vacuum, and a bitmap scan through it (the planner's pick when it believes
+/// few rows are `dispatching`, as on a table without statistics after a burst) visits all of
+/// their pages for every batch: over a 20,000-intent drain, most of Postgres's time per
+/// intent. Here 3,000 rows went through `dispatching` to `succeeded` before a batch of 100.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hot_batches_find_their_rows_by_id_not_through_the_unresolved_index() {
+    let db = TestDb::new().await;
+    fill(db.pool(), "old-", 3000).await;
+    finish(db.pool(), "old-").await;
+    let ids = fill(db.pool(), "new-", 100).await;
+    let before = (
+        index_scans(db.pool(), "operations_unresolved").await,
+        index_scans(db.pool(), "operations_pkey").await,
+    );
+    let (pool, ledger) = one_connection(&db).await;
+    fence_and_complete(&ledger, &ids).await;
     pool.close().await;
 
     // The primary key's count moves once the closed backend has reported.
@@ -651,89 +666,19 @@ async fn seq_scans_reported(db: &TestDb, pool: &sqlx::PgPool, inserted: i64, upd
 /// intent ever recorded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hot_batches_are_planned_for_the_table_they_meet_not_the_one_they_first_met() {
-    use worker::ledger::{Completion, Phase, SendFence, Transition};
     let db = TestDb::new().await;
-    // One connection: the statements' plans are kept per connection.
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&db.url)
-        .await
-        .unwrap();
-    let ledger = worker::ledger::Ledger::from_pool(pool.clone());
-    let fill = |prefix: &str, n: i32| {
-        format!(
-            "INSERT INTO operations (tenant, action_id, tool, fingerprint, arguments, state,
-                                     fence, lease_owner, lease_until, attempts)
-             SELECT 'north', '{prefix}' || n, 'refund', 'f', '{{}}', 'dispatching', 1,
-                    '{WORKER_ID}', now() + interval '1 hour', 1
-             FROM generate_series(1, {n}) n RETURNING id"
-        )
-    };
-    let batches = |ids: Vec<i64>| {
-        let sends: Vec<SendFence> = ids
-            .iter()
-            .map(|&id| SendFence {
-                id,
-                fence: 1,
-                timeout: TIMEOUT,
-            })
-            .collect();
-        let completions: Vec<Completion> = ids
-            .iter()
-            .map(|&id| Completion {
-                operation_id: id,
-                fence: 1,
-                phase: Phase::Dispatch,
-                transition: Transition::Succeeded {
-                    receipt: serde_json::json!({"receipt_id": format!("r-{id}")}),
-                    receipt_id: format!("r-{id}"),
-                    evidence: "receipt".into(),
-                },
-                trace: None,
-            })
-            .collect();
-        (sends, completions)
-    };
-    async fn run(
-        ledger: &worker::ledger::Ledger,
-        (sends, completions): (Vec<SendFence>, Vec<Completion>),
-    ) {
-        let passed = ledger.fence_sends(&sends, WORKER_ID, LEASE).await.unwrap();
-        assert!(passed.iter().all(|&p| p), "every fence passes");
-        for result in ledger.complete(WORKER_ID, &completions).await {
-            assert!(
-                matches!(result, Ok(worker::ledger::Applied::Done(_))),
-                "{result:?}"
-            );
-        }
-    }
+    let (pool, ledger) = one_connection(&db).await;
     // Ten batches of one while the table holds ten rows.
-    let early: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(fill("early-", 10)))
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-    for id in early {
-        run(&ledger, batches(vec![id])).await;
+    for id in fill(&pool, "early-", 10).await {
+        fence_and_complete(&ledger, &[id]).await;
     }
-    // The table grows to 5,000 rows, and a batch of ten.
-    for sql in [
-        fill("old-", 5000),
-        "UPDATE operations SET state = 'succeeded', receipt = '{}', lease_owner = NULL,
-                lease_until = NULL WHERE action_id LIKE 'old-%' RETURNING id"
-            .into(),
-    ] {
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .execute(&pool)
-            .await
-            .unwrap();
-    }
-    let late: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(fill("late-", 10)))
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+    // The table grows to 5,000 rows, then a batch of ten.
+    fill(&pool, "old-", 5000).await;
+    finish(&pool, "old-").await;
+    let late = fill(&pool, "late-", 10).await;
     // Each early row was written three times (inserted, fenced, completed), each old one twice.
     let before = seq_scans_reported(&db, &pool, 5020, 5020).await;
-    run(&ledger, batches(late)).await;
+    fence_and_complete(&ledger, &late).await;
     assert_eq!(
         seq_scans_reported(&db, &pool, 5020, 5040).await,
         before,
