@@ -143,16 +143,12 @@ impl Ledger {
             )
             .bind(col(|i| i.trace.as_ref().and_then(|t| t.state.as_deref())));
         let rows = bind_rest(query).fetch_all(&self.pool).await?;
-        let mut decoder = super::OperationDecoder::default();
-        let rows = rows
-            .iter()
-            .map(|row| {
-                Ok(Admitted {
-                    operation: decoder.decode(row)?,
-                    inserted: sqlx::Row::try_get(row, "inserted")?,
-                })
+        let rows = super::OperationDecoder::decode_all(&rows, |operation, row| {
+            Ok(Admitted {
+                operation,
+                inserted: sqlx::Row::try_get(row, "inserted")?,
             })
-            .collect::<Result<Vec<_>, sqlx::Error>>()?;
+        })?;
         // Rows come back in no particular order: each goes to its intent's place.
         let place: HashMap<(&str, &str), usize> = intents
             .iter()

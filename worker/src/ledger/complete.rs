@@ -316,14 +316,12 @@ async fn succeed_many(
         .persistent(false)
         .fetch_all(&mut *conn)
         .await?;
-    let mut decoder = super::OperationDecoder::default();
-    let rows = rows.iter().map(|row| {
+    Ok(super::OperationDecoder::decode_all(&rows, |op, row| {
         Ok(WithPrev {
-            op: decoder.decode(row)?,
+            op,
             prev_reported: sqlx::Row::try_get(row, "prev_reported")?,
         })
-    });
-    Ok(rows.collect::<Result<_, sqlx::Error>>()?)
+    })?)
 }
 
 /// One completion alone; its event (if any) is returned for the batch's insert.

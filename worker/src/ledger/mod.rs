@@ -194,6 +194,18 @@ impl<'r> OperationDecoder<'r> {
         }
         decode_operation(row, &self.at, &mut self.checked)
     }
+
+    /// Decodes every row of one result set with one decoder, each operation handed to `with`
+    /// beside its row (for the columns a statement returns after the operation's).
+    pub fn decode_all<T>(
+        rows: &'r [sqlx::postgres::PgRow],
+        mut with: impl FnMut(Operation, &'r sqlx::postgres::PgRow) -> Result<T, sqlx::Error>,
+    ) -> Result<Vec<T>, sqlx::Error> {
+        let mut decoder = OperationDecoder::default();
+        rows.iter()
+            .map(|row| with(decoder.decode(row)?, row))
+            .collect()
+    }
 }
 
 /// One column of an operation row: its type checked against `T` unless `checked` says it was

@@ -52,17 +52,9 @@ impl State {
         }
     }
 
-    /// The state's position in [`State::ALL`].
+    /// The state's position in [`State::ALL`], which lists the states in declaration order.
     pub fn index(self) -> usize {
-        match self {
-            State::Prepared => 0,
-            State::Dispatching => 1,
-            State::RetryWait => 2,
-            State::Unknown => 3,
-            State::Held => 4,
-            State::Succeeded => 5,
-            State::Failed => 6,
-        }
+        self as usize
     }
 
     pub fn parse(s: &str) -> Option<State> {
