@@ -31,7 +31,11 @@
 //! not judged and reads "not run") for `--latency-secs`; latency from publish to the
 //! `succeeded` result, p50 and p99 over the intents published after the first second (the
 //! target), and apart over those of the first second, while the worker's pooled connections
-//! still prepare their statements (the cold start, printed and not a target).
+//! still prepare their statements (the cold start, printed and not a target). Each latency run
+//! also prints the CPU per intent of every component and of this process (it publishes,
+//! follows and is the downstream) from the first publish to the last result, and the machine's
+//! busy cores: at half the drain rate batches are small, each intent costs more, and the
+//! latency is largely waiting for a core.
 //!
 //! The targets are printed with the figures (PASS/FAIL): worker ≤ 80 µs, Postgres ≤ 200 µs and
 //! RabbitMQ ≤ 120 µs per intent; at most 4 row versions per intent in the tables an intent
@@ -201,19 +205,28 @@ async fn run(args: Args) -> Result<()> {
     let half = drains.iter().map(|d| d.rate).sum::<f64>() / drains.len() as f64 / 2.0;
     let rate = args.latency_rate.unwrap_or(half);
     let mut p99s = Vec::new();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     for r in 1..=args.latency_runs {
-        let (steady, cold) = latency(rate, &downstream, &args)
+        let run = latency(rate, &downstream, &args)
             .await
             .with_context(|| format!("latency run {r}"))?;
+        let (steady, cold, n) = (run.steady, run.cold, run.intents);
         println!(
             "latency run {r}: {} intents at {rate:.0}/s: p50 {:.1} ms, p99 {:.1} ms \
-             (first second: {} intents, p50 {:.1} ms, p99 {:.1} ms)",
+             (first second: {} intents, p50 {:.1} ms, p99 {:.1} ms); per intent: worker {:.0} µs, \
+             Postgres {:.0} µs, RabbitMQ {:.0} µs, bench {:.0} µs; machine busy {:.2} of {cores} \
+             cores",
             steady.count,
             ms(steady.p50),
             ms(steady.p99),
             cold.count,
             ms(cold.p50),
-            ms(cold.p99)
+            ms(cold.p99),
+            per(run.cpu.worker, n),
+            per(run.cpu.postgres, n),
+            per(run.cpu.rabbit, n),
+            per(run.cpu.bench, n),
+            run.cpu.machine as f64 / CLK_TCK / run.elapsed.as_secs_f64().max(1e-9),
         );
         // The target is judged at half the drain rate only.
         if args.latency_rate.is_none() {
@@ -585,13 +598,19 @@ impl Percentiles {
     }
 }
 
+/// A latency run: percentiles after the first second and of the first second, and the CPU
+/// every component used from the first publish to the last result.
+struct LatencyRun {
+    steady: Percentiles,
+    cold: Percentiles,
+    cpu: CpuSplit,
+    intents: usize,
+    elapsed: Duration,
+}
+
 /// Open-loop latency at `rate`: over the intents published after the first second, and over
 /// those of the first second.
-async fn latency(
-    rate: f64,
-    downstream: &NullDownstream,
-    args: &Args,
-) -> Result<(Percentiles, Percentiles)> {
+async fn latency(rate: f64, downstream: &NullDownstream, args: &Args) -> Result<LatencyRun> {
     let env = Env::new().await;
     let result = latency_in(&env, rate, downstream, args).await;
     cleanup(env).await;
@@ -603,10 +622,11 @@ async fn latency_in(
     rate: f64,
     downstream: &NullDownstream,
     args: &Args,
-) -> Result<(Percentiles, Percentiles)> {
+) -> Result<LatencyRun> {
     let opts = worker_options(env, downstream, args);
     prepare(env, &opts).await?;
-    let _worker = Worker::start(env, "cost-lat", &opts).await;
+    let worker = Worker::start(env, "cost-lat", &opts).await;
+    let pid = worker.pid();
     let count = (rate * args.latency_secs as f64).ceil() as usize;
     let messages = build_messages(count, TENANT, TOOL);
     let mut follower =
@@ -625,6 +645,7 @@ async fn latency_in(
             (action.to_string(), i)
         })
         .collect();
+    let before = CpuSample::take(&[pid]);
     let started = Instant::now();
     let deadline = started + args.timeout;
     let sent: Arc<std::sync::Mutex<Vec<Option<Instant>>>> =
@@ -670,9 +691,17 @@ async fn latency_in(
             None => {}
         }
     }
+    let elapsed = started.elapsed();
+    let cpu = CpuSample::take(&[pid]).since(&before);
     let _ = publisher.await.context("publisher task")??;
     let _ = conn.close(200, "".into()).await;
     let _ = follower.close().await;
     ensure!(!latencies.is_empty(), "no intent after the first second");
-    Ok((Percentiles::of(latencies), Percentiles::of(cold)))
+    Ok(LatencyRun {
+        steady: Percentiles::of(latencies),
+        cold: Percentiles::of(cold),
+        cpu,
+        intents: count,
+        elapsed,
+    })
 }
