@@ -63,6 +63,13 @@ pub enum PublishError {
     #[error("invalid intent: {0}")]
     InvalidIntent(#[from] protocol::DecodeError),
 
+    /// A graceful close got no answer within the close bound (a link gone silent, a stalled
+    /// broker): the connection was dropped instead. Whatever it had not settled is the broker's
+    /// once the socket goes: unacked results go back to a named queue (they may be seen again;
+    /// results carry their `event_id`), an exclusive queue is deleted.
+    #[error("the broker did not answer the close within {0:?}; the connection was dropped (unsettled results return to a named queue)")]
+    CloseTimedOut(std::time::Duration),
+
     /// A name or value that AMQP carries as a short string (routing key, exchange or queue name,
     /// binding key, `user_id`, content type) is over 255 bytes; nothing was sent or declared.
     #[error("the {what} is {len} bytes, over the 255-byte limit of an AMQP short string")]
@@ -113,6 +120,7 @@ impl PublishError {
             PublishError::ConsumerClosed => "consumer_closed",
             PublishError::InvalidIntent(_) => "invalid_intent",
             PublishError::TooLong { .. } => "too_long",
+            PublishError::CloseTimedOut(_) => "close_timed_out",
         }
     }
 }
@@ -121,4 +129,27 @@ impl From<lapin::Error> for PublishError {
     fn from(error: lapin::Error) -> Self {
         PublishError::Amqp(error)
     }
+}
+
+/// How long a graceful close may wait for the broker before the connection is dropped: over a
+/// link that went silent, lapin's close would wait until heartbeats notice (two intervals of
+/// the one negotiated: a minute or more with RabbitMQ's default), or for ever.
+pub const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Closes `channel` (after `before`, which settles what the channel owes) and `connection`
+/// gracefully, within [`CLOSE_WAIT`] in all.
+pub(crate) async fn close_within(
+    before: impl std::future::Future<Output = Result<(), PublishError>>,
+    channel: &lapin::Channel,
+    connection: &lapin::Connection,
+) -> Result<(), PublishError> {
+    let close = async {
+        before.await?;
+        channel.close(200, "OK".into()).await?;
+        connection.close(200, "OK".into()).await?;
+        Ok(())
+    };
+    tokio::time::timeout(CLOSE_WAIT, close)
+        .await
+        .unwrap_or(Err(PublishError::CloseTimedOut(CLOSE_WAIT)))
 }

@@ -140,22 +140,32 @@ impl Follower {
 
     /// Acknowledges every result returned so far with one `multiple` ack.
     async fn ack_returned(&mut self) -> Result<(), PublishError> {
-        if let Some((tag, _)) = self.unacked.take() {
-            self.channel
-                .basic_ack(tag, BasicAckOptions { multiple: true })
-                .await?;
-        }
-        Ok(())
+        ack_through(&self.channel, &mut self.unacked).await
     }
 
     /// Acknowledges the results returned, then closes the channel and the connection
-    /// gracefully. Prefetched results not yet returned go back to a named queue.
+    /// gracefully, within [`CLOSE_WAIT`](crate::error::CLOSE_WAIT) in all; after that the
+    /// connection is dropped ([`PublishError::CloseTimedOut`]). Prefetched results not yet
+    /// returned (and, after a dropped close, returned ones whose ack did not get through) go back
+    /// to a named queue.
     pub async fn close(mut self) -> Result<(), PublishError> {
-        self.ack_returned().await?;
-        self.channel.close(200, "OK".into()).await?;
-        self.connection.close(200, "OK".into()).await?;
-        Ok(())
+        let mut unacked = self.unacked.take();
+        let ack = ack_through(&self.channel, &mut unacked);
+        crate::error::close_within(ack, &self.channel, &self.connection).await
     }
+}
+
+/// Acknowledges every result up to the one `unacked` names, in one `multiple` ack.
+async fn ack_through(
+    channel: &Channel,
+    unacked: &mut Option<(u64, u16)>,
+) -> Result<(), PublishError> {
+    if let Some((tag, _)) = unacked.take() {
+        channel
+            .basic_ack(tag, BasicAckOptions { multiple: true })
+            .await?;
+    }
+    Ok(())
 }
 
 /// The start of a body, lossily decoded, for error messages.

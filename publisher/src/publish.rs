@@ -397,11 +397,11 @@ impl Publisher {
         self.send(routing_key, body, properties).await
     }
 
-    /// Closes the channel and the connection gracefully.
+    /// Closes the channel and the connection gracefully, within
+    /// [`CLOSE_WAIT`](crate::error::CLOSE_WAIT); after that the connection is dropped
+    /// ([`PublishError::CloseTimedOut`]).
     pub async fn close(self) -> Result<(), PublishError> {
-        self.channel.close(200, "OK".into()).await?;
-        self.connection.close(200, "OK".into()).await?;
-        Ok(())
+        crate::error::close_within(async { Ok(()) }, &self.channel, &self.connection).await
     }
 
     async fn send(

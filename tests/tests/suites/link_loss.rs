@@ -836,6 +836,55 @@ async fn a_publish_cut_off_before_its_confirm_is_in_doubt_and_safe_to_send_again
     cleanup(env).await;
 }
 
+/// An agent's link that goes silent (no reset, no bytes) does not hold up the end of its
+/// session: closing a publisher or a follower returns within the close bound, not after the
+/// broker's heartbeat would have noticed (a minute with RabbitMQ's default) or never. Whatever
+/// the close could not settle is the broker's once the socket is gone: unacked results go back
+/// to a named queue, an exclusive one is deleted.
+#[tokio::test]
+async fn closing_an_agent_link_that_went_silent_returns_within_the_close_bound() {
+    let env = Env::new().await;
+    let proxy = FaultProxy::start(&broker_addr(&env)).await;
+    let url = via(&env.amqp_url, proxy.addr());
+    let publisher = publisher::Publisher::connect(&url, &env.topology.intents_exchange)
+        .await
+        .expect("connect through the proxy");
+    let follower =
+        publisher::Follower::follow(&url, &env.topology.results_exchange, "north-shop", None)
+            .await
+            .expect("follow through the proxy");
+    proxy.blackhole();
+    for (what, close) in [
+        (
+            "publisher",
+            Box::pin(async move { publisher.close().await.map_err(|e| e.to_string()) })
+                as std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>>,
+        ),
+        (
+            "follower",
+            Box::pin(async move { follower.close().await.map_err(|e| e.to_string()) }),
+        ),
+    ] {
+        let started = std::time::Instant::now();
+        let closed = tokio::time::timeout(Duration::from_secs(30), close).await;
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(10),
+            "closing the {what} over a silent link took {took:?} ({closed:?})"
+        );
+        // Said plainly: the close was not answered and the connection was dropped.
+        let err = closed
+            .unwrap()
+            .expect_err("a close nobody answered is not a clean close");
+        assert!(
+            err.contains("did not answer the close") && err.contains("dropped"),
+            "{what}: {err}"
+        );
+    }
+    drop(proxy);
+    cleanup(env).await;
+}
+
 /// Backends of the test's database asleep in `pg_sleep` (a commit held by the trigger below).
 async fn sleeping_commits(env: &Env) -> i64 {
     sqlx::query_scalar(
