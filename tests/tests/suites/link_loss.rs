@@ -836,6 +836,46 @@ async fn a_publish_cut_off_before_its_confirm_is_in_doubt_and_safe_to_send_again
     cleanup(env).await;
 }
 
+/// A publish whose link goes silent and stays silent (no reset: a partition, a dead NAT entry)
+/// is reported in doubt once two heartbeats are missed, about 20 s with the publisher's own
+/// heartbeat, not after two of the broker's default (two minutes). Sent again over a good
+/// link, it is done once.
+#[tokio::test]
+async fn a_publish_over_a_link_that_went_silent_is_in_doubt_within_two_heartbeats() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let w = Worker::start(&env, "w", &base_opts(roomy_tools(&env, ds.port))).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    let proxy = FaultProxy::start(&broker_addr(&env)).await;
+    let publisher = publisher::Publisher::connect(
+        &via(&env.amqp_url, proxy.addr()),
+        &env.topology.intents_exchange,
+    )
+    .await
+    .expect("connect through the proxy");
+    let sent = intent("north-shop", "silent-1", "ticket", json!({"n": 1}));
+    proxy.blackhole();
+    let started = std::time::Instant::now();
+    let result = tokio::time::timeout(Duration::from_secs(150), publisher.publish(&sent))
+        .await
+        .expect("the publish ends within two of the broker's default heartbeats");
+    let took = started.elapsed();
+    let err = result.expect_err("no confirm, no success");
+    assert!(err.in_doubt(), "in doubt, not a plain failure: {err}");
+    assert!(
+        took < Duration::from_secs(40),
+        "in doubt only after {took:?}"
+    );
+    // Sent again under the same key: done once.
+    agent
+        .request("north-shop", "silent-1", "ticket", json!({"n": 1}))
+        .await;
+    agent.succeeded("north-shop", "silent-1").await;
+    assert_eq!(env.mutations("north-shop:silent-1").await, 1);
+    drop(w);
+    cleanup(env).await;
+}
+
 /// An agent's link that goes silent (no reset, no bytes) does not hold up the end of its
 /// session: closing a publisher or a follower returns within the close bound, not after the
 /// broker's heartbeat would have noticed (a minute with RabbitMQ's default) or never. Whatever
