@@ -19,6 +19,8 @@ use lapin::tcp::{AMQPUriTcpExt, AsyncTcpStream, OwnedTLSConfig};
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
+use crate::lock;
+
 /// The bound on a whole connect when the URL sets no `connection_timeout`, in milliseconds.
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 10_000;
 
@@ -100,12 +102,6 @@ pub async fn connect(
         }
     }
     outcome.unwrap_or_else(|_| Err(timed_out(within)))
-}
-
-fn lock(phase: &Mutex<Phase>) -> std::sync::MutexGuard<'_, Phase> {
-    phase
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn timed_out(within: Duration) -> lapin::Error {

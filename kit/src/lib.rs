@@ -31,6 +31,7 @@
 //!   is bounded, so a node that accepts and never answers costs a time-out, not the caller.
 //! - [`pg`] (feature `pg`): a Postgres URL with several hosts, the primary among them, and
 //!   leaving a server that turned read-only or went away.
+//! - [`lock`]: a mutex taken over from a thread that panicked while holding it.
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
@@ -53,3 +54,10 @@ pub mod secret;
 pub mod signal;
 pub mod tls;
 pub mod url;
+
+/// Locks `m`, taking the value over from a thread that panicked while holding it: every state
+/// guarded this way (hand-off bookkeeping, watermarks, timestamps, a connect's sockets) stays
+/// valid between writes, so a panic elsewhere must not take the process down with it.
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -154,18 +154,12 @@ impl Hosts {
 
     /// Why the database cannot be used right now, while it looks for the primary.
     pub fn trouble(&self) -> Option<String> {
-        self.trouble
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        crate::lock(&self.trouble).clone()
     }
 
     /// Whether a pooled connection of age `age` was opened before the last retirement.
     pub fn is_retired(&self, age: Duration) -> bool {
-        let before = *self
-            .retired_before
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let before = *crate::lock(&self.retired_before);
         Instant::now()
             .checked_sub(age)
             .is_some_and(|opened| opened < before)
@@ -204,10 +198,7 @@ impl Hosts {
         let server_left = code.as_deref().is_some_and(server_left);
         let broken = broken(e);
         if server_left {
-            *self
-                .retired_before
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()) = Instant::now();
+            *crate::lock(&self.retired_before) = Instant::now();
             if code.as_deref() == Some("25006") {
                 counter!(self.role.failovers).increment(1);
                 tracing::warn!(
@@ -224,7 +215,7 @@ impl Hosts {
     }
 
     fn set_trouble(&self, why: Option<String>) {
-        *self.trouble.lock().unwrap_or_else(|e| e.into_inner()) = why;
+        *crate::lock(&self.trouble) = why;
     }
 
     /// The first host, in the URL's order, that accepts a connection (and is writable when
@@ -274,10 +265,7 @@ impl Hosts {
                         pool.set_connect_options(self.candidates[i].clone());
                         if i != before {
                             // Connections to the old host are of no use any more.
-                            *self
-                                .retired_before
-                                .lock()
-                                .unwrap_or_else(|p| p.into_inner()) = Instant::now();
+                            *crate::lock(&self.retired_before) = Instant::now();
                             counter!(self.role.failovers).increment(1);
                             tracing::warn!(
                                 from = %self.names[before], to = %self.names[i],

@@ -54,8 +54,4 @@ pub mod shutdown;
 pub mod telemetry;
 pub mod tls;
 
-/// Locks `m`, taking the value over from a thread that panicked while holding it: the state
-/// guarded this way (hand-off bookkeeping, watermarks, timestamps) stays valid between writes.
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub(crate) use kit::lock;

@@ -167,7 +167,7 @@ impl BudgetTally {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, f64>> {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+        crate::lock(&self.pending)
     }
 }
 

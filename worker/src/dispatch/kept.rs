@@ -139,7 +139,7 @@ impl KeptReceipts {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<i64, Kept>> {
-        self.kept.lock().unwrap_or_else(|e| e.into_inner())
+        crate::lock(&self.kept)
     }
 }
 
