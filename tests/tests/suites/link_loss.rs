@@ -793,6 +793,33 @@ async fn body_has_password(w: &Worker) -> bool {
     w.get("/readyz").await.1.contains("guest:guest")
 }
 
+/// A worker and its downstream, an agent on a direct link, and a publisher whose link goes
+/// through a proxy the test can silence or cut.
+async fn publisher_behind_a_proxy(
+    env: &Env,
+) -> (Downstream, Worker, Agent, FaultProxy, publisher::Publisher) {
+    let ds = Downstream::start(env).await;
+    let w = Worker::start(env, "w", &base_opts(roomy_tools(env, ds.port))).await;
+    let agent = Agent::new(env, &["north-shop"]).await;
+    let proxy = FaultProxy::start(&broker_addr(env)).await;
+    let publisher = publisher::Publisher::connect(
+        &via(&env.amqp_url, proxy.addr()),
+        &env.topology.intents_exchange,
+    )
+    .await
+    .expect("connect through the proxy");
+    (ds, w, agent, proxy, publisher)
+}
+
+/// The intent of a publish that ended in doubt, sent again under the same key: done once.
+async fn sent_again_is_done_once(env: &Env, agent: &mut Agent, action: &str) {
+    agent
+        .request("north-shop", action, "ticket", json!({"n": 1}))
+        .await;
+    agent.succeeded("north-shop", action).await;
+    assert_eq!(env.mutations(&format!("north-shop:{action}")).await, 1);
+}
+
 /// A publish whose confirm never arrives because the link died is reported as in doubt ("may
 /// or may not be queued; sending it again under the same key is safe"), never as a plain
 /// failure an agent might answer with a new key, and never as success. Sent again, it is done
@@ -800,16 +827,7 @@ async fn body_has_password(w: &Worker) -> bool {
 #[tokio::test]
 async fn a_publish_cut_off_before_its_confirm_is_in_doubt_and_safe_to_send_again() {
     let env = Env::new().await;
-    let ds = Downstream::start(&env).await;
-    let w = Worker::start(&env, "w", &base_opts(roomy_tools(&env, ds.port))).await;
-    let mut agent = Agent::new(&env, &["north-shop"]).await;
-    let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let publisher = publisher::Publisher::connect(
-        &via(&env.amqp_url, proxy.addr()),
-        &env.topology.intents_exchange,
-    )
-    .await
-    .expect("connect through the proxy");
+    let (_ds, w, mut agent, proxy, publisher) = publisher_behind_a_proxy(&env).await;
     let sent = intent("north-shop", "doubt-1", "ticket", json!({"n": 1}));
     // The link goes silent, then dies, while the publish waits for its confirm.
     proxy.blackhole();
@@ -826,12 +844,7 @@ async fn a_publish_cut_off_before_its_confirm_is_in_doubt_and_safe_to_send_again
         err.to_string().contains("safe"),
         "says that sending again is safe: {err}"
     );
-    // Sent again under the same key: done once.
-    agent
-        .request("north-shop", "doubt-1", "ticket", json!({"n": 1}))
-        .await;
-    agent.succeeded("north-shop", "doubt-1").await;
-    assert_eq!(env.mutations("north-shop:doubt-1").await, 1);
+    sent_again_is_done_once(&env, &mut agent, "doubt-1").await;
     drop(w);
     cleanup(env).await;
 }
@@ -843,16 +856,7 @@ async fn a_publish_cut_off_before_its_confirm_is_in_doubt_and_safe_to_send_again
 #[tokio::test]
 async fn a_publish_over_a_link_that_went_silent_is_in_doubt_within_two_heartbeats() {
     let env = Env::new().await;
-    let ds = Downstream::start(&env).await;
-    let w = Worker::start(&env, "w", &base_opts(roomy_tools(&env, ds.port))).await;
-    let mut agent = Agent::new(&env, &["north-shop"]).await;
-    let proxy = FaultProxy::start(&broker_addr(&env)).await;
-    let publisher = publisher::Publisher::connect(
-        &via(&env.amqp_url, proxy.addr()),
-        &env.topology.intents_exchange,
-    )
-    .await
-    .expect("connect through the proxy");
+    let (_ds, w, mut agent, proxy, publisher) = publisher_behind_a_proxy(&env).await;
     let sent = intent("north-shop", "silent-1", "ticket", json!({"n": 1}));
     proxy.blackhole();
     let started = std::time::Instant::now();
@@ -866,12 +870,7 @@ async fn a_publish_over_a_link_that_went_silent_is_in_doubt_within_two_heartbeat
         took < Duration::from_secs(40),
         "in doubt only after {took:?}"
     );
-    // Sent again under the same key: done once.
-    agent
-        .request("north-shop", "silent-1", "ticket", json!({"n": 1}))
-        .await;
-    agent.succeeded("north-shop", "silent-1").await;
-    assert_eq!(env.mutations("north-shop:silent-1").await, 1);
+    sent_again_is_done_once(&env, &mut agent, "silent-1").await;
     drop(w);
     cleanup(env).await;
 }
