@@ -208,3 +208,26 @@ async def test_user_id_tenant_proof_with_a_second_broker_user(
     assert world.mutations(f"north-shop:own-{unique}") == 1
     assert world.mutations(f"south-shop:foreign-{unique}") == 0
     assert world.mutations(f"north-shop:anonymous-{unique}") == 0
+
+
+async def test_closing_over_a_link_that_went_silent_returns_within_the_close_bound(
+    world: World,
+) -> None:
+    """A link that goes silent (no reset, no bytes) does not hold up the end of the session:
+    ``close`` returns within its bound instead of waiting for heartbeats to notice."""
+    host = urllib.parse.urlsplit(AMQP_URL)
+    proxy = await FaultProxy(host.hostname or "127.0.0.1", host.port or 5672).start()
+    try:
+        client = await IntentClient.connect(
+            proxy.amqp_url(),
+            intents_exchange=world.intents_exchange,
+            results_exchange=world.results_exchange,
+            bind_tenant=True,
+        )
+        proxy.stall()
+        started = time.monotonic()
+        await asyncio.wait_for(client.close(), 60)
+        took = time.monotonic() - started
+        assert took < 10, f"close over a silent link took {took:.1f} s"
+    finally:
+        await proxy.close()
