@@ -24,6 +24,19 @@ use crate::lock;
 /// The bound on a whole connect when the URL sets no `connection_timeout`, in milliseconds.
 pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 10_000;
 
+/// The AMQP heartbeat the worker and the publisher ask for unless told otherwise, in seconds: a
+/// link that goes silent without a reset (a partition, a dropped NAT entry) is declared lost
+/// after about two missed beats, about 20 s, instead of two of RabbitMQ's default 60 s.
+pub const DEFAULT_HEARTBEAT_SECS: u16 = 10;
+
+/// Asks for a `secs` heartbeat on `uri` unless the URL sets `?heartbeat=` itself (`secs` 0:
+/// leave it to the broker); the broker and lapin settle on the lower of both.
+pub fn ask_heartbeat(uri: &mut AMQPUri, secs: u16) {
+    if uri.query.heartbeat.is_none() && secs > 0 {
+        uri.query.heartbeat = Some(secs);
+    }
+}
+
 /// Where one connect stands, as the socket closure and the caller share it.
 enum Phase {
     /// Still connecting: the sockets handed to lapin so far (duplicated descriptors).

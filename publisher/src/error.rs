@@ -130,26 +130,3 @@ impl From<lapin::Error> for PublishError {
         PublishError::Amqp(error)
     }
 }
-
-/// How long a graceful close may wait for the broker before the connection is dropped: over a
-/// link that went silent, lapin's close would wait until heartbeats notice (two intervals of
-/// the one negotiated: a minute or more with RabbitMQ's default), or for ever.
-pub const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Closes `channel` (after `before`, which settles what the channel owes) and `connection`
-/// gracefully, within [`CLOSE_WAIT`] in all.
-pub(crate) async fn close_within(
-    before: impl std::future::Future<Output = Result<(), PublishError>>,
-    channel: &lapin::Channel,
-    connection: &lapin::Connection,
-) -> Result<(), PublishError> {
-    let close = async {
-        before.await?;
-        channel.close(200, "OK".into()).await?;
-        connection.close(200, "OK".into()).await?;
-        Ok(())
-    };
-    tokio::time::timeout(CLOSE_WAIT, close)
-        .await
-        .unwrap_or(Err(PublishError::CloseTimedOut(CLOSE_WAIT)))
-}

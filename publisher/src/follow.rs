@@ -144,14 +144,14 @@ impl Follower {
     }
 
     /// Acknowledges the results returned, then closes the channel and the connection
-    /// gracefully, within [`CLOSE_WAIT`](crate::error::CLOSE_WAIT) in all; after that the
+    /// gracefully, within [`CLOSE_WAIT`](crate::tls::CLOSE_WAIT) in all; after that the
     /// connection is dropped ([`PublishError::CloseTimedOut`]). Prefetched results not yet
     /// returned (and, after a dropped close, returned ones whose ack did not get through) go back
     /// to a named queue.
     pub async fn close(mut self) -> Result<(), PublishError> {
         let mut unacked = self.unacked.take();
         let ack = ack_through(&self.channel, &mut unacked);
-        crate::error::close_within(ack, &self.channel, &self.connection).await
+        crate::tls::close_within(ack, &self.channel, &self.connection).await
     }
 }
 

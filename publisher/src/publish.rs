@@ -398,10 +398,10 @@ impl Publisher {
     }
 
     /// Closes the channel and the connection gracefully, within
-    /// [`CLOSE_WAIT`](crate::error::CLOSE_WAIT); after that the connection is dropped
+    /// [`CLOSE_WAIT`](crate::tls::CLOSE_WAIT); after that the connection is dropped
     /// ([`PublishError::CloseTimedOut`]).
     pub async fn close(self) -> Result<(), PublishError> {
-        crate::error::close_within(async { Ok(()) }, &self.channel, &self.connection).await
+        crate::tls::close_within(async { Ok(()) }, &self.channel, &self.connection).await
     }
 
     async fn send(

@@ -5,6 +5,9 @@
 //! [`set_trust`] before connecting, else the system roots apply. Process-wide rather than a
 //! parameter of every connect entry point (`Publisher::connect`, `Follower::follow`, ...),
 //! because one agent process has one trust.
+//!
+//! The AMQP link is opened here ([`amqp_connect`]) and closed here too ([`close_within`]), each
+//! bounded, so a broker that goes silent costs a bounded wait, not the agent.
 
 use std::sync::OnceLock;
 
@@ -30,9 +33,10 @@ pub fn trust() -> &'static Trust {
     TRUST.get_or_init(Trust::system)
 }
 
-/// Opens a broker connection, asking for [`HEARTBEAT_SECS`] unless the URL sets `?heartbeat=`;
-/// an `amqps://` URL is verified against [`trust`]. A failed TLS handshake is
-/// [`PublishError::Tls`], naming RabbitMQ and the reason.
+/// Opens a broker connection, asking for the worker's heartbeat
+/// ([`kit::amqp::DEFAULT_HEARTBEAT_SECS`]) unless the URL sets `?heartbeat=`, so a publish over a
+/// link that went silent is in doubt after about 20 s; an `amqps://` URL is verified against
+/// [`trust`]. A failed TLS handshake is [`PublishError::Tls`], naming RabbitMQ and the reason.
 pub async fn amqp_connect(
     url: &str,
     properties: ConnectionProperties,
@@ -42,9 +46,7 @@ pub async fn amqp_connect(
         cert_chain: trust().extra_pem().map(str::to_owned),
     };
     let mut uri: lapin::uri::AMQPUri = url.parse().map_err(PublishError::BadUrl)?;
-    if uri.query.heartbeat.is_none() {
-        uri.query.heartbeat = Some(HEARTBEAT_SECS);
-    }
+    kit::amqp::ask_heartbeat(&mut uri, kit::amqp::DEFAULT_HEARTBEAT_SECS);
     kit::amqp::connect(uri, properties, config)
         .await
         .map_err(|error| match error.kind() {
@@ -59,11 +61,28 @@ pub async fn amqp_connect(
         })
 }
 
-/// The AMQP heartbeat asked for when the URL does not set `?heartbeat=` (the lower of this and
-/// the broker's wins): a link that goes silent without a reset is declared lost after about two
-/// missed beats, so a publish waiting on its confirm is reported in doubt after about 20 s
-/// instead of two minutes with RabbitMQ's default of 60 s. The worker asks for the same.
-pub const HEARTBEAT_SECS: u16 = 10;
+/// How long a graceful close may wait for the broker before the connection is dropped: over a
+/// link that went silent, lapin's close would wait until heartbeats notice, or for ever.
+pub const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Closes `channel` (after `before`, which settles what the channel owes) and `connection`
+/// gracefully, within [`CLOSE_WAIT`] in all; after that the connection is dropped
+/// ([`PublishError::CloseTimedOut`]).
+pub(crate) async fn close_within(
+    before: impl std::future::Future<Output = Result<(), PublishError>>,
+    channel: &lapin::Channel,
+    connection: &Connection,
+) -> Result<(), PublishError> {
+    let close = async {
+        before.await?;
+        channel.close(200, "OK".into()).await?;
+        connection.close(200, "OK".into()).await?;
+        Ok(())
+    };
+    tokio::time::timeout(CLOSE_WAIT, close)
+        .await
+        .unwrap_or(Err(PublishError::CloseTimedOut(CLOSE_WAIT)))
+}
 
 /// [`amqp_connect`] to the first node of a comma-separated list that accepts, tried in a random
 /// order ([`kit::url::shuffled`]); returns the connection and the URL it used. A refused login

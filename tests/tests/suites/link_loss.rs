@@ -875,6 +875,29 @@ async fn a_publish_over_a_link_that_went_silent_is_in_doubt_within_two_heartbeat
     cleanup(env).await;
 }
 
+/// `close` (of the `what`) returns within 10 s, saying plainly that the close was not answered
+/// and the connection was dropped.
+async fn closes_within_its_bound(
+    what: &str,
+    close: impl std::future::Future<Output = Result<(), publisher::PublishError>>,
+) {
+    let started = std::time::Instant::now();
+    let closed = tokio::time::timeout(Duration::from_secs(30), close).await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "closing the {what} over a silent link took {took:?} ({closed:?})"
+    );
+    let err = closed
+        .unwrap()
+        .expect_err("a close nobody answered is not a clean close")
+        .to_string();
+    assert!(
+        err.contains("did not answer the close") && err.contains("dropped"),
+        "{what}: {err}"
+    );
+}
+
 /// An agent's link that goes silent (no reset, no bytes) does not hold up the end of its
 /// session: closing a publisher or a follower returns within the close bound, not after the
 /// broker's heartbeat would have noticed (a minute with RabbitMQ's default) or never. Whatever
@@ -893,33 +916,8 @@ async fn closing_an_agent_link_that_went_silent_returns_within_the_close_bound()
             .await
             .expect("follow through the proxy");
     proxy.blackhole();
-    for (what, close) in [
-        (
-            "publisher",
-            Box::pin(async move { publisher.close().await.map_err(|e| e.to_string()) })
-                as std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>>,
-        ),
-        (
-            "follower",
-            Box::pin(async move { follower.close().await.map_err(|e| e.to_string()) }),
-        ),
-    ] {
-        let started = std::time::Instant::now();
-        let closed = tokio::time::timeout(Duration::from_secs(30), close).await;
-        let took = started.elapsed();
-        assert!(
-            took < Duration::from_secs(10),
-            "closing the {what} over a silent link took {took:?} ({closed:?})"
-        );
-        // Said plainly: the close was not answered and the connection was dropped.
-        let err = closed
-            .unwrap()
-            .expect_err("a close nobody answered is not a clean close");
-        assert!(
-            err.contains("did not answer the close") && err.contains("dropped"),
-            "{what}: {err}"
-        );
-    }
+    closes_within_its_bound("publisher", publisher.close()).await;
+    closes_within_its_bound("follower", follower.close()).await;
     drop(proxy);
     cleanup(env).await;
 }

@@ -83,9 +83,7 @@ pub async fn connect_with_heartbeat(
         url: redact(url),
         reason,
     })?;
-    if uri.query.heartbeat.is_none() && heartbeat_secs > 0 {
-        uri.query.heartbeat = Some(heartbeat_secs);
-    }
+    kit::amqp::ask_heartbeat(&mut uri, heartbeat_secs);
     let user = uri.authority.userinfo.username.clone();
     let props = ConnectionProperties::default().with_connection_name(name.to_string().into());
     // A node that accepts and never answers must cost a time-out, not the link.

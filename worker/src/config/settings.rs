@@ -260,7 +260,7 @@ pub struct EnvArgs {
         long,
         env = "WORKER_AMQP_HEARTBEAT_SECS",
         value_name = "WORKER_AMQP_HEARTBEAT_SECS",
-        default_value_t = 10
+        default_value_t = kit::amqp::DEFAULT_HEARTBEAT_SECS
     )]
     pub amqp_heartbeat_secs: u16,
     /// Prometheus listener (`/metrics`, `/livez`, `/readyz`); `off` or `none` disables it.
