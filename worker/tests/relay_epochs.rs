@@ -2,8 +2,10 @@
 //! published by their epoch's watermark, never by a row-by-row mark; an epoch nothing advanced
 //! for the hold is retired and every event above its watermark goes back to any relay; a batch
 //! inserting into an epoch keeps it from being retired; a retired epoch is never written to
-//! again; retention deletes what a watermark published, never what it did not; and deleting a
-//! tombstone unlinks its events and keeps them.
+//! again; retention deletes what a watermark published, never what it did not; deleting a
+//! tombstone unlinks its events and keeps them; a batch of receipts into a live epoch stores
+//! the events its rows owe as recorded (late receipts answered as if alone); and a batch meeting
+//! a retirement under way waits for it and goes into a new epoch.
 
 mod common;
 
@@ -363,5 +365,261 @@ async fn handed_events_are_the_rows_stored_under_their_ids() {
         assert_eq!(row.status, status);
         assert_eq!(handed["status"], status.as_str());
     }
+    db.drop_db().await;
+}
+
+/// A receipt of `op` as its dispatch records it, from the operation as the dispatch saw it.
+fn receipt_of(op: &worker::ledger::Operation, receipt: serde_json::Value) -> Completion {
+    let receipt_id = receipt["receipt_id"].as_str().unwrap().to_string();
+    Completion {
+        operation_id: op.id,
+        fence: op.fence,
+        phase: Phase::Dispatch,
+        transition: Transition::Succeeded {
+            receipt,
+            evidence: format!("receipt {receipt_id} from write attempt {}", op.attempts),
+            receipt_id,
+        },
+        trace: None,
+    }
+}
+
+/// The outbox row `id` as stored: (payload, relay_epoch, relay_owner, held until infinity).
+async fn stored(db: &TestDb, id: i64) -> (serde_json::Value, Option<i64>, Option<String>, bool) {
+    sqlx::query_as(
+        "SELECT payload, relay_epoch, relay_owner, relay_until = 'infinity' FROM result_outbox
+         WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_one(db.pool())
+    .await
+    .unwrap()
+}
+
+/// What an event says apart from its own id and time.
+fn said(event: &serde_json::Value) -> serde_json::Value {
+    let mut said = event.clone();
+    let map = said.as_object_mut().unwrap();
+    map.remove("event_id");
+    map.remove("occurred_at");
+    said
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receipts_into_a_live_epoch_are_stored_with_the_events_their_rows_owe() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let (first, epoch) = batch(&ctx, "live-0", None).await;
+    let mut completions = Vec::new();
+    for i in 1..=3 {
+        let op = dispatching(&ctx, "north", &format!("live-{{\"{i}\"}}"), "refund").await;
+        let mut receipt = receipt_for("north", &op.action_id, &format!("r-{{\"{i}\"}}"));
+        receipt["note"] = serde_json::json!("brace { quote \" backslash \\ 💸");
+        receipt["huge"] = serde_json::json!(123456789012345678u64);
+        completions.push(receipt_of(&op, receipt));
+    }
+    let done = ctx
+        .ledger
+        .complete_held(WORKER_ID, &completions, Some(epoch))
+        .await;
+    assert_eq!(done.epoch, Some(epoch), "the batch stays in the live epoch");
+    assert_eq!(done.events.len(), 3);
+    assert!(
+        done.events.windows(2).all(|w| w[0].id < w[1].id),
+        "in id order"
+    );
+    assert!(done.events[0].id > first.id);
+    for (c, result) in completions.iter().zip(&done.results) {
+        let Ok(worker::ledger::Applied::Done(op)) = result else {
+            panic!("not recorded: {result:?}");
+        };
+        let Transition::Succeeded { receipt, .. } = &c.transition else {
+            unreachable!()
+        };
+        assert_eq!(op.state(), worker::ledger::State::Succeeded);
+        assert_eq!(op.receipt.as_ref(), Some(receipt));
+        assert_eq!(
+            (op.lease_owner.as_deref(), op.last_reported.as_deref()),
+            (None, Some("succeeded"))
+        );
+        let row = ctx.ledger.get(op.id).await.unwrap().unwrap();
+        let events = outbox_events(db.pool(), op.id).await;
+        assert_eq!(events.len(), 1, "one event for {}", op.action_id);
+        let handed = done
+            .events
+            .iter()
+            .find(|e| e.field("action_id").as_deref() == Some(&op.action_id))
+            .expect("handed to the relay");
+        let (payload, relay_epoch, owner, held) = stored(&db, handed.id).await;
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&handed.payload).unwrap(),
+            payload,
+            "handed as stored"
+        );
+        assert_eq!(
+            (relay_epoch, owner.as_deref(), held),
+            (Some(epoch), Some(WORKER_ID), true)
+        );
+        assert_eq!(handed.relay_epoch, Some(epoch));
+        assert_eq!(handed.event_id, payload["event_id"].as_str().unwrap());
+        // What the row, as recorded, owes the agent.
+        let owed = serde_json::to_value(worker::answers::succeeded(&row).event).unwrap();
+        assert_eq!(said(&payload), said(&owed));
+    }
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receipt_whose_row_moved_since_it_was_built_gets_the_event_of_the_row_as_it_is() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let (_, epoch) = batch(&ctx, "moved-0", None).await;
+    let a = dispatching(&ctx, "north", "moved-a", "refund").await;
+    let b = dispatching(&ctx, "north", "moved-b", "refund").await;
+    let completions = vec![
+        receipt_of(&a, receipt_for("north", "moved-a", "r-a")),
+        receipt_of(&b, receipt_for("north", "moved-b", "r-b")),
+    ];
+    // Meanwhile a replay of `a` counted a write (as `Ledger::begin_replay` does).
+    sqlx::query("UPDATE operations SET attempts = attempts + 1 WHERE id = $1")
+        .bind(a.id)
+        .execute(db.pool())
+        .await
+        .unwrap();
+    let done = ctx
+        .ledger
+        .complete_held(WORKER_ID, &completions, Some(epoch))
+        .await;
+    assert!(
+        done.results
+            .iter()
+            .all(|r| matches!(r, Ok(worker::ledger::Applied::Done(_)))),
+        "{:?}",
+        done.results
+    );
+    assert_eq!(done.epoch, Some(epoch));
+    assert_eq!(done.events.len(), 2);
+    for (op, attempts) in [(&a, 2), (&b, 1)] {
+        let events = outbox_events(db.pool(), op.id).await;
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(
+            events[0].1["attempts"], attempts,
+            "{}: {events:?}",
+            op.action_id
+        );
+        let handed = done
+            .events
+            .iter()
+            .find(|e| e.field("action_id").as_deref() == Some(op.action_id.as_str()))
+            .unwrap();
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&handed.payload).unwrap(),
+            events[0].1
+        );
+        assert_eq!(handed.relay_epoch, Some(epoch));
+    }
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_receipts_in_a_batch_into_a_live_epoch_are_answered_as_if_alone() {
+    use worker::ledger::Applied;
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let (_, epoch) = batch(&ctx, "late-0", None).await;
+    let fresh = dispatching(&ctx, "north", "late-fresh", "refund").await;
+    let same = succeeded(&ctx, "north", "late-same", "refund").await;
+    let other = succeeded(&ctx, "north", "late-other", "refund").await;
+    let completions = vec![
+        receipt_of(&fresh, receipt_for("north", "late-fresh", "r-f")),
+        receipt_of(&same, receipt_for("north", "late-same", "r-auto")),
+        receipt_of(&other, receipt_for("north", "late-other", "r-other")),
+    ];
+    let done = ctx
+        .ledger
+        .complete_held(WORKER_ID, &completions, Some(epoch))
+        .await;
+    assert!(matches!(&done.results[0], Ok(Applied::Done(op)) if op.id == fresh.id));
+    assert!(matches!(&done.results[1], Ok(Applied::LateReceiptMatches(op)) if op.id == same.id));
+    assert!(
+        matches!(&done.results[2], Ok(Applied::LateReceiptConflict(op)) if op.receipt_id.as_deref() == Some("r-auto"))
+    );
+    assert_eq!(done.events.len(), 1, "{:?}", done.events);
+    assert_eq!(
+        done.events[0].field("action_id").as_deref(),
+        Some("late-fresh")
+    );
+    assert_eq!(done.epoch, Some(epoch));
+    for (op, n) in [(&fresh, 1), (&same, 1), (&other, 1)] {
+        assert_eq!(
+            outbox_events(db.pool(), op.id).await.len(),
+            n,
+            "{}",
+            op.action_id
+        );
+    }
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receipts_wait_for_an_epoch_being_retired_and_then_go_into_a_new_one() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let (first, epoch) = batch(&ctx, "retiring-0", None).await;
+    let a = dispatching(&ctx, "north", "retiring-a", "refund").await;
+    let b = dispatching(&ctx, "north", "retiring-b", "refund").await;
+    let completions = vec![
+        receipt_of(&a, receipt_for("north", "retiring-a", "r-a")),
+        receipt_of(&b, receipt_for("north", "retiring-b", "r-b")),
+    ];
+    // A retirement under way: it holds the epoch's row and deletes it (`Ledger::retire_epochs`).
+    let mut retiring = db.pool().begin().await.unwrap();
+    sqlx::query("DELETE FROM relay_epochs WHERE id = $1")
+        .bind(epoch)
+        .execute(&mut *retiring)
+        .await
+        .unwrap();
+    let ledger = ctx.ledger.clone();
+    let recording = tokio::spawn(async move {
+        ledger
+            .complete_held(WORKER_ID, &completions, Some(epoch))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !recording.is_finished(),
+        "the batch waits for the retirement"
+    );
+    retiring.commit().await.unwrap();
+    let done = recording.await.unwrap();
+    assert!(
+        done.results
+            .iter()
+            .all(|r| matches!(r, Ok(worker::ledger::Applied::Done(_)))),
+        "{:?}",
+        done.results
+    );
+    let new = done.epoch.expect("a new epoch");
+    assert_ne!(new, epoch);
+    assert!(
+        !epoch_exists(&db, epoch).await,
+        "a retired epoch is never begun again"
+    );
+    assert_eq!(done.events.len(), 2);
+    for row in &done.events {
+        assert_eq!(row.relay_epoch, Some(new));
+        assert_eq!(stored(&db, row.id).await.1, Some(new));
+    }
+    let in_old: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM result_outbox WHERE relay_epoch = $1")
+            .bind(epoch)
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        in_old, 1,
+        "only the event written before the retirement ({})",
+        first.id
+    );
     db.drop_db().await;
 }

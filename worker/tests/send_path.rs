@@ -550,8 +550,15 @@ async fn finish(pool: &sqlx::PgPool, prefix: &str) {
 }
 
 /// The send path of `ids` as the worker batches it: one send fence for all, then one
-/// completion with a receipt for each; every row passes and succeeds.
-async fn fence_and_complete(ledger: &worker::ledger::Ledger, ids: &[i64]) {
+/// completion with a receipt for each; every row passes and succeeds. With `held`, the
+/// completion is recorded as the worker records it while its relay is attached: the events
+/// held in that relay epoch (the first batch begins one, and the epoch is updated); without,
+/// the events are left to any relay.
+async fn fence_and_complete(
+    ledger: &worker::ledger::Ledger,
+    ids: &[i64],
+    held: Option<&mut Option<i64>>,
+) {
     use worker::ledger::{Applied, Completion, Phase, SendFence, Transition};
     let sends: Vec<SendFence> = ids
         .iter()
@@ -577,7 +584,16 @@ async fn fence_and_complete(ledger: &worker::ledger::Ledger, ids: &[i64]) {
             trace: None,
         })
         .collect();
-    for result in ledger.complete(WORKER_ID, &completions).await {
+    let results = match held {
+        None => ledger.complete(WORKER_ID, &completions).await,
+        Some(epoch) => {
+            let done = ledger.complete_held(WORKER_ID, &completions, *epoch).await;
+            assert_eq!(done.events.len(), ids.len(), "{:?}", done.results);
+            *epoch = Some(done.epoch.expect("an epoch to continue with"));
+            done.results
+        }
+    };
+    for result in results {
         assert!(matches!(result, Ok(Applied::Done(_))), "{result:?}");
     }
 }
@@ -611,7 +627,13 @@ async fn the_hot_batches_find_their_rows_by_id_not_through_the_unresolved_index(
         index_scans(db.pool(), "operations_pkey").await,
     );
     let (pool, ledger) = one_connection(&db).await;
-    fence_and_complete(&ledger, &ids).await;
+    // With the events left to any relay, then held for this worker's relay, batch after batch
+    // in one relay epoch.
+    fence_and_complete(&ledger, &ids[..40], None).await;
+    let mut epoch = None;
+    for batch in ids[40..].chunks(20) {
+        fence_and_complete(&ledger, batch, Some(&mut epoch)).await;
+    }
     pool.close().await;
 
     // The primary key's count moves once the closed backend has reported.
@@ -668,19 +690,23 @@ async fn seq_scans_reported(db: &TestDb, pool: &sqlx::PgPool, inserted: i64, upd
 async fn the_hot_batches_are_planned_for_the_table_they_meet_not_the_one_they_first_met() {
     let db = TestDb::new().await;
     let (pool, ledger) = one_connection(&db).await;
-    // Ten batches of one while the table holds ten rows.
-    for id in fill(&pool, "early-", 10).await {
-        fence_and_complete(&ledger, &[id]).await;
+    // Batches of two while the table holds forty rows, ten each way: with the events left to
+    // any relay, and held in a relay epoch.
+    let mut epoch = None;
+    for pair in fill(&pool, "early-", 40).await.chunks(4) {
+        fence_and_complete(&ledger, &pair[..2], None).await;
+        fence_and_complete(&ledger, &pair[2..], Some(&mut epoch)).await;
     }
-    // The table grows to 5,000 rows, then a batch of ten.
+    // The table grows to 5,000 rows, then a batch of ten each way.
     fill(&pool, "old-", 5000).await;
     finish(&pool, "old-").await;
-    let late = fill(&pool, "late-", 10).await;
+    let late = fill(&pool, "late-", 20).await;
     // Each early row was written three times (inserted, fenced, completed), each old one twice.
-    let before = seq_scans_reported(&db, &pool, 5020, 5020).await;
-    fence_and_complete(&ledger, &late).await;
+    let before = seq_scans_reported(&db, &pool, 5060, 5080).await;
+    fence_and_complete(&ledger, &late[..10], None).await;
+    fence_and_complete(&ledger, &late[10..], Some(&mut epoch)).await;
     assert_eq!(
-        seq_scans_reported(&db, &pool, 5020, 5040).await,
+        seq_scans_reported(&db, &pool, 5060, 5120).await,
         before,
         "a batch read the whole table"
     );
