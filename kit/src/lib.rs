@@ -31,6 +31,8 @@
 //!   is bounded, so a node that accepts and never answers costs a time-out, not the caller.
 //! - [`pg`] (feature `pg`): a Postgres URL with several hosts, the primary among them, and
 //!   leaving a server that turned read-only or went away.
+//! - [`schema`] (feature `pg`): migrations embedded in the binary and structs read from a row by
+//!   column name, without sqlx's macros.
 //! - [`lock`]: a mutex taken over from a thread that panicked while holding it.
 
 #[cfg(feature = "amqp")]
@@ -50,6 +52,8 @@ pub mod metrics;
 pub mod otel;
 #[cfg(feature = "pg")]
 pub mod pg;
+#[cfg(feature = "pg")]
+pub mod schema;
 pub mod secret;
 pub mod signal;
 pub mod tls;

@@ -32,6 +32,16 @@ pub enum OutboxError {
     Migrate(#[from] sqlx::migrate::MigrateError),
 }
 
+/// The outbox's migrations, embedded in the library. A new file in `migrations/` is listed here
+/// too (a test fails until it is).
+fn migrator() -> sqlx::migrate::Migrator {
+    kit::embed_migrations!("migrations":
+        "0001_intent_outbox.sql",
+        "0002_outbox_failed_rows.sql",
+        "0003_outbox_trace_context.sql",
+    )
+}
+
 /// Enqueues intents into `intent_outbox`.
 pub struct Outbox;
 
@@ -39,7 +49,7 @@ impl Outbox {
     /// Creates `intent_outbox` and its index if missing (idempotent; bookkeeping in
     /// [`MIGRATIONS_TABLE`]).
     pub async fn migrate(pool: &PgPool) -> Result<(), OutboxError> {
-        let mut migrator = sqlx::migrate!("./migrations");
+        let mut migrator = migrator();
         migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
         migrator.run(pool).await?;
         Ok(())
@@ -79,5 +89,19 @@ impl Outbox {
         .fetch_one(&mut **tx)
         .await?;
         Ok(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_migration_file_is_embedded() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+        let migrator = super::migrator();
+        assert_eq!(
+            kit::schema::unlisted(&dir, &migrator).unwrap(),
+            Vec::<String>::new()
+        );
+        assert_eq!(migrator.iter().count(), 3);
     }
 }

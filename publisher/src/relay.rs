@@ -88,7 +88,7 @@ pub enum RelayError {
 }
 
 /// A claimed row.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct Claimed {
     pub id: i64,
     pub tenant: String,
@@ -98,8 +98,22 @@ pub struct Claimed {
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
     /// The body's tool once [`Relay::step`] has decoded it (named on the publish span).
-    #[sqlx(skip)]
     pub tool: Option<String>,
+}
+
+impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for Claimed {
+    fn from_row(row: &'r sqlx::postgres::PgRow) -> Result<Self, sqlx::Error> {
+        use sqlx::Row as _;
+        Ok(Claimed {
+            id: row.try_get("id")?,
+            tenant: row.try_get("tenant")?,
+            action_id: row.try_get("action_id")?,
+            body: row.try_get("body")?,
+            traceparent: row.try_get("traceparent")?,
+            tracestate: row.try_get("tracestate")?,
+            tool: None,
+        })
+    }
 }
 
 impl Claimed {

@@ -267,23 +267,27 @@ impl Env {
     }
 }
 
-/// The trace context headers one request to the downstream carried (`downstream.requests`).
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
-pub struct SeenTraceContext {
-    /// `write` or `lookup`.
-    pub kind: String,
-    pub traceparent: Option<String>,
-    pub tracestate: Option<String>,
+kit::pg_row! {
+    /// The trace context headers one request to the downstream carried (`downstream.requests`).
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct SeenTraceContext {
+        /// `write` or `lookup`.
+        pub kind: String,
+        pub traceparent: Option<String>,
+        pub tracestate: Option<String>,
+    }
 }
 
-/// A row of `operations`, as tests read it.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct OpRow {
-    pub state: String,
-    pub receipt: Option<serde_json::Value>,
-    pub attempts: i32,
-    pub fence: i64,
-    pub fingerprint: String,
-    pub recovery_attempts: i32,
-    pub evidence: Option<String>,
+kit::pg_row! {
+    /// A row of `operations`, as tests read it.
+    #[derive(Debug, Clone)]
+    pub struct OpRow {
+        pub state: String,
+        pub receipt: Option<serde_json::Value>,
+        pub attempts: i32,
+        pub fence: i64,
+        pub fingerprint: String,
+        pub recovery_attempts: i32,
+        pub evidence: Option<String>,
+    }
 }

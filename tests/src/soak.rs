@@ -1324,37 +1324,40 @@ async fn settle(
     }
 }
 
-#[derive(sqlx::FromRow)]
-struct LedgerRow {
-    tenant: String,
-    action_id: String,
-    state: String,
-    receipt: Option<Value>,
-    evidence: Option<String>,
+kit::pg_row! {
+    struct LedgerRow {
+        tenant: String,
+        action_id: String,
+        state: String,
+        receipt: Option<Value>,
+        evidence: Option<String>,
+    }
 }
 
-#[derive(sqlx::FromRow)]
-struct DownstreamKey {
-    idem_key: String,
-    mutations: i64,
-    first_receipt: Option<Value>,
-    writes: i64,
-    lookups: i64,
-    /// HTTP status of each write request in arrival order (`None`: dropped on purpose).
-    write_statuses: Vec<Option<i32>>,
-    /// When the downstream finished sending each true answer for the key (a 2xx that is not
-    /// a `wrong_receipt` fault) to a client that was still connected (`requests.replied_at`).
-    delivered: Vec<DateTime<Utc>>,
+kit::pg_row! {
+    struct DownstreamKey {
+        idem_key: String,
+        mutations: i64,
+        first_receipt: Option<Value>,
+        writes: i64,
+        lookups: i64,
+        /// HTTP status of each write request in arrival order (`None`: dropped on purpose).
+        write_statuses: Vec<Option<i32>>,
+        /// When the downstream finished sending each true answer for the key (a 2xx that is not
+        /// a `wrong_receipt` fault) to a client that was still connected (`requests.replied_at`).
+        delivered: Vec<DateTime<Utc>>,
+    }
 }
 
-/// A change of a ledger row, as `operation_history` has it.
-#[derive(sqlx::FromRow)]
-struct HistoryRow {
-    at: DateTime<Utc>,
-    from_state: Option<String>,
-    to_state: String,
-    fence: i64,
-    actor: String,
+kit::pg_row! {
+    /// A change of a ledger row, as `operation_history` has it.
+    struct HistoryRow {
+        at: DateTime<Utc>,
+        from_state: Option<String>,
+        to_state: String,
+        fence: i64,
+        actor: String,
+    }
 }
 
 /// An unresolved key whose downstream delivered a true answer.

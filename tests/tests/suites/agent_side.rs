@@ -145,12 +145,14 @@ async fn consume_all(env: &Env, queue: &str) -> Vec<String> {
     ids
 }
 
-#[derive(Debug, sqlx::FromRow)]
-struct Row {
-    attempts: i32,
-    last_error: Option<String>,
-    sent: bool,
-    due_in_secs: f64,
+kit::pg_row! {
+    #[derive(Debug)]
+    struct Row {
+        attempts: i32,
+        last_error: Option<String>,
+        sent: bool,
+        due_in_secs: f64,
+    }
 }
 
 async fn outbox_row(env: &Env, id: i64) -> Row {

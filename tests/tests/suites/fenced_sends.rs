@@ -174,15 +174,17 @@ async fn a_replay_paused_past_its_window_is_abandoned() {
     cleanup(env).await;
 }
 
-/// Retries sent against a downstream that sheds every other write (429), as the downstream's
-/// own request log shows them: what the budget's accounting allows whatever became of them.
-#[derive(Debug, sqlx::FromRow)]
-struct ShedCounts {
-    firsts: i64,
-    retries: i64,
-    retry_successes: i64,
-    first_successes: i64,
-    phase_secs: f64,
+kit::pg_row! {
+    /// Retries sent against a downstream that sheds every other write (429), as the downstream's
+    /// own request log shows them: what the budget's accounting allows whatever became of them.
+    #[derive(Debug)]
+    struct ShedCounts {
+        firsts: i64,
+        retries: i64,
+        retry_successes: i64,
+        first_successes: i64,
+        phase_secs: f64,
+    }
 }
 
 #[tokio::test]

@@ -189,12 +189,14 @@ impl Drop for RelayProc {
     }
 }
 
-#[derive(Debug, sqlx::FromRow)]
-struct OutboxRow {
-    failed: bool,
-    failure: Option<String>,
-    sent: bool,
-    attempts: i32,
+kit::pg_row! {
+    #[derive(Debug)]
+    struct OutboxRow {
+        failed: bool,
+        failure: Option<String>,
+        sent: bool,
+        attempts: i32,
+    }
 }
 
 async fn outbox_row(env: &Env, id: i64) -> OutboxRow {

@@ -55,21 +55,23 @@ async fn count_outbox_updates(env: &Env) {
     }
 }
 
-/// The `succeeded` event row of one operation, as the outbox holds it.
-#[derive(Debug, Clone, sqlx::FromRow)]
-struct EventRow {
-    event_id: String,
-    relay_owner: Option<String>,
-    relay_epoch: Option<i64>,
-    published: bool,
-    /// Updates of the row since the counting trigger was installed.
-    updates: i64,
-    /// The worker that recorded the completion.
-    completed_by: Option<String>,
-    /// `created_at`, `relay_until` and `published_at` as Unix seconds.
-    created_at: f64,
-    relay_until: Option<f64>,
-    published_at: Option<f64>,
+kit::pg_row! {
+    /// The `succeeded` event row of one operation, as the outbox holds it.
+    #[derive(Debug, Clone)]
+    struct EventRow {
+        event_id: String,
+        relay_owner: Option<String>,
+        relay_epoch: Option<i64>,
+        published: bool,
+        /// Updates of the row since the counting trigger was installed.
+        updates: i64,
+        /// The worker that recorded the completion.
+        completed_by: Option<String>,
+        /// `created_at`, `relay_until` and `published_at` as Unix seconds.
+        created_at: f64,
+        relay_until: Option<f64>,
+        published_at: Option<f64>,
+    }
 }
 
 async fn event_row(env: &Env, action_id: &str) -> Option<EventRow> {

@@ -31,11 +31,13 @@ fn refund_tool(env: &Env, port: u16, settings: &str) -> std::path::PathBuf {
     ))
 }
 
-#[derive(Debug, sqlx::FromRow)]
-struct Scheduled {
-    at: DateTime<Utc>,
-    attempts: Option<i32>,
-    next_attempt_at: Option<DateTime<Utc>>,
+kit::pg_row! {
+    #[derive(Debug)]
+    struct Scheduled {
+        at: DateTime<Utc>,
+        attempts: Option<i32>,
+        next_attempt_at: Option<DateTime<Utc>>,
+    }
 }
 
 async fn retry_schedule(env: &Env, action: &str) -> Vec<Scheduled> {

@@ -332,11 +332,18 @@ impl Ledger {
     }
 }
 
-#[derive(sqlx::FromRow)]
 pub(crate) struct WithPrev {
-    #[sqlx(flatten)]
     pub op: Operation,
     pub prev_reported: Option<String>,
+}
+
+impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for WithPrev {
+    fn from_row(row: &'r sqlx::postgres::PgRow) -> Result<Self, sqlx::Error> {
+        Ok(WithPrev {
+            op: Operation::from_row(row)?,
+            prev_reported: sqlx::Row::try_get(row, "prev_reported")?,
+        })
+    }
 }
 
 /// The claim statement of [`Ledger::claim_prepared`], on a caller's connection or transaction.

@@ -9,23 +9,25 @@ use chrono::{DateTime, Utc};
 
 use super::{Ledger, LedgerError};
 
-/// One audited step.
-#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
-pub struct DeadLetterAction {
-    pub request_id: String,
-    /// `republish` or `discard`.
-    pub action: String,
-    pub dead_letter_id: String,
-    pub message_id: Option<String>,
-    pub reason: Option<String>,
-    pub tenant: Option<String>,
-    pub original_user: Option<String>,
-    pub operator: String,
-    pub note: String,
-    /// `started`, `done` or `not_found`.
-    pub status: String,
-    pub created_at: DateTime<Utc>,
-    pub finished_at: Option<DateTime<Utc>>,
+kit::pg_row! {
+    /// One audited step.
+    #[derive(Debug, Clone, serde::Serialize)]
+    pub struct DeadLetterAction {
+        pub request_id: String,
+        /// `republish` or `discard`.
+        pub action: String,
+        pub dead_letter_id: String,
+        pub message_id: Option<String>,
+        pub reason: Option<String>,
+        pub tenant: Option<String>,
+        pub original_user: Option<String>,
+        pub operator: String,
+        pub note: String,
+        /// `started`, `done` or `not_found`.
+        pub status: String,
+        pub created_at: DateTime<Utc>,
+        pub finished_at: Option<DateTime<Utc>>,
+    }
 }
 
 /// What a new step records.

@@ -12,29 +12,31 @@ use chrono::{DateTime, Utc};
 use super::queries::{bind_search, OperationSearch};
 use super::{Ledger, LedgerError};
 
-/// One bulk job, as its page shows it.
-#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
-pub struct Job {
-    pub id: i64,
-    pub request_id: String,
-    pub action: String,
-    pub filter: serde_json::Value,
-    pub operator: String,
-    pub reason: String,
-    pub cap: i32,
-    pub total: i32,
-    pub done: i32,
-    pub skipped: i32,
-    pub refused: i32,
-    /// `running`, `finished`, `cancelled` or `abandoned`.
-    pub status: String,
-    pub owner: Option<String>,
-    pub lease_until: Option<DateTime<Utc>>,
-    pub claims: i32,
-    pub last_error: Option<String>,
-    pub created_at: DateTime<Utc>,
-    pub updated_at: DateTime<Utc>,
-    pub finished_at: Option<DateTime<Utc>>,
+kit::pg_row! {
+    /// One bulk job, as its page shows it.
+    #[derive(Debug, Clone, serde::Serialize)]
+    pub struct Job {
+        pub id: i64,
+        pub request_id: String,
+        pub action: String,
+        pub filter: serde_json::Value,
+        pub operator: String,
+        pub reason: String,
+        pub cap: i32,
+        pub total: i32,
+        pub done: i32,
+        pub skipped: i32,
+        pub refused: i32,
+        /// `running`, `finished`, `cancelled` or `abandoned`.
+        pub status: String,
+        pub owner: Option<String>,
+        pub lease_until: Option<DateTime<Utc>>,
+        pub claims: i32,
+        pub last_error: Option<String>,
+        pub created_at: DateTime<Utc>,
+        pub updated_at: DateTime<Utc>,
+        pub finished_at: Option<DateTime<Utc>>,
+    }
 }
 
 impl Job {
@@ -44,16 +46,18 @@ impl Job {
     }
 }
 
-/// One item of a job.
-#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
-pub struct JobItem {
-    pub operation_id: i64,
-    /// None when retention deleted the operation.
-    pub tenant: Option<String>,
-    pub action_id: Option<String>,
-    /// None until the item is processed.
-    pub outcome: Option<String>,
-    pub detail: Option<String>,
+kit::pg_row! {
+    /// One item of a job.
+    #[derive(Debug, Clone, serde::Serialize)]
+    pub struct JobItem {
+        pub operation_id: i64,
+        /// None when retention deleted the operation.
+        pub tenant: Option<String>,
+        pub action_id: Option<String>,
+        /// None until the item is processed.
+        pub outcome: Option<String>,
+        pub detail: Option<String>,
+    }
 }
 
 /// What creating a job needs.

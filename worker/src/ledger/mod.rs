@@ -305,7 +305,27 @@ pub struct Ledger {
     hosts: std::sync::Arc<primary::Hosts>,
 }
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+/// The ledger's migrations, embedded in the binary. A new file in `migrations/` is listed here
+/// too (a test fails until it is).
+static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> = std::sync::LazyLock::new(|| {
+    kit::embed_migrations!("../migrations":
+        "0001_ledger.sql",
+        "0002_retry_budget_and_poison_guard.sql",
+        "0003_operator_requests.sql",
+        "0004_history_schedule.sql",
+        "0005_retry_spend_operation.sql",
+        "0006_retry_tokens.sql",
+        "0007_send_marker_hot_fence.sql",
+        "0008_history_per_statement.sql",
+        "0009_trace_context.sql",
+        "0010_operator_console.sql",
+        "0011_history_of_left_versions.sql",
+        "0012_fewer_index_entries.sql",
+        "0013_room_for_hot_updates.sql",
+        "0014_published_watermark.sql",
+        "0015_outbox_link_without_trigger.sql",
+    )
+});
 
 impl Ledger {
     /// Connects with the URL alone (TLS trusts the system roots and the URL's `sslrootcert`).
@@ -424,6 +444,16 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_migration_file_is_embedded() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations");
+        assert_eq!(
+            kit::schema::unlisted(&dir, &MIGRATOR).unwrap(),
+            Vec::<String>::new()
+        );
+        assert_eq!(MIGRATOR.iter().count(), 15);
+    }
 
     #[test]
     fn every_operation_column_has_its_field() {

@@ -88,11 +88,18 @@ pub enum OperatorOutcome {
     Refused { current: Operation },
 }
 
-#[derive(sqlx::FromRow)]
 struct HistoryRow {
     operation_id: i64,
-    #[sqlx(flatten)]
     entry: HistoryEntry,
+}
+
+impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for HistoryRow {
+    fn from_row(row: &'r sqlx::postgres::PgRow) -> Result<Self, sqlx::Error> {
+        Ok(HistoryRow {
+            operation_id: sqlx::Row::try_get(row, "operation_id")?,
+            entry: HistoryEntry::from_row(row)?,
+        })
+    }
 }
 
 impl Ledger {

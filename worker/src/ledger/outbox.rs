@@ -109,16 +109,17 @@ fn string_field<'a>(event: &'a serde_json::Value, name: &str) -> Option<&'a str>
     event.get(name)?.as_str()
 }
 
-/// An outbox row as a relay's claim reads it back.
-#[derive(sqlx::FromRow)]
-struct ClaimedRow {
-    id: i64,
-    relay_epoch: Option<i64>,
-    routing_key: String,
-    status: String,
-    payload: serde_json::Value,
-    traceparent: Option<String>,
-    tracestate: Option<String>,
+kit::pg_row! {
+    /// An outbox row as a relay's claim reads it back.
+    struct ClaimedRow {
+        id: i64,
+        relay_epoch: Option<i64>,
+        routing_key: String,
+        status: String,
+        payload: serde_json::Value,
+        traceparent: Option<String>,
+        tracestate: Option<String>,
+    }
 }
 
 impl From<ClaimedRow> for OutboxRow {

@@ -4,27 +4,31 @@ use chrono::{DateTime, Utc};
 
 use super::{Ledger, LedgerError, Operation, OPERATION_COLUMNS};
 
-/// One history entry of an operation (appended by the database on every change).
-#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize, serde::Deserialize)]
-pub struct HistoryEntry {
-    pub at: DateTime<Utc>,
-    pub from_state: Option<String>,
-    pub to_state: String,
-    pub fence: i64,
-    pub actor: String,
-    pub evidence: Option<String>,
-    /// Write attempts so far, and the next attempt the change scheduled (if any).
-    pub attempts: Option<i32>,
-    pub next_attempt_at: Option<DateTime<Utc>>,
+kit::pg_row! {
+    /// One history entry of an operation (appended by the database on every change).
+    #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+    pub struct HistoryEntry {
+        pub at: DateTime<Utc>,
+        pub from_state: Option<String>,
+        pub to_state: String,
+        pub fence: i64,
+        pub actor: String,
+        pub evidence: Option<String>,
+        /// Write attempts so far, and the next attempt the change scheduled (if any).
+        pub attempts: Option<i32>,
+        pub next_attempt_at: Option<DateTime<Utc>>,
+    }
 }
 
-/// Oldest unresolved operation of one tool in one state.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct UnresolvedAge {
-    pub tool: String,
-    pub state: String,
-    pub count: i64,
-    pub oldest_age_secs: f64,
+kit::pg_row! {
+    /// Oldest unresolved operation of one tool in one state.
+    #[derive(Debug, Clone)]
+    pub struct UnresolvedAge {
+        pub tool: String,
+        pub state: String,
+        pub count: i64,
+        pub oldest_age_secs: f64,
+    }
 }
 
 impl Ledger {
@@ -142,28 +146,32 @@ pub struct Page {
     pub limit: i64,
 }
 
-/// One group of a search grouped by cause: its class, tool and size.
-#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
-pub struct CauseGroup {
-    pub cause: String,
-    pub tool: String,
-    pub count: i64,
-    pub oldest: DateTime<Utc>,
+kit::pg_row! {
+    /// One group of a search grouped by cause: its class, tool and size.
+    #[derive(Debug, Clone, serde::Serialize)]
+    pub struct CauseGroup {
+        pub cause: String,
+        pub tool: String,
+        pub count: i64,
+        pub oldest: DateTime<Utc>,
+    }
 }
 
-/// Operations of one state and tool, for the overview.
-#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
-pub struct StateCount {
-    pub state: String,
-    pub tool: String,
-    pub count: i64,
-    /// How many of them are unresolved work: every row of an unresolved state except a
-    /// `dispatching` row whose lease is still live (the same rule as the unresolved gauges).
-    pub unresolved: i64,
-    /// Age since recording of the oldest unresolved one.
-    pub oldest_unresolved_secs: Option<f64>,
-    /// Unresolved ones recorded longer ago than the threshold asked for.
-    pub past_threshold: i64,
+kit::pg_row! {
+    /// Operations of one state and tool, for the overview.
+    #[derive(Debug, Clone, serde::Serialize)]
+    pub struct StateCount {
+        pub state: String,
+        pub tool: String,
+        pub count: i64,
+        /// How many of them are unresolved work: every row of an unresolved state except a
+        /// `dispatching` row whose lease is still live (the same rule as the unresolved gauges).
+        pub unresolved: i64,
+        /// Age since recording of the oldest unresolved one.
+        pub oldest_unresolved_secs: Option<f64>,
+        /// Unresolved ones recorded longer ago than the threshold asked for.
+        pub past_threshold: i64,
+    }
 }
 
 /// Most rows a grouping reads (the newest that match): grouping every finished row of a large

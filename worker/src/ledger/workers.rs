@@ -5,17 +5,19 @@ use chrono::{DateTime, Utc};
 
 use super::{Ledger, LedgerError};
 
-/// A worker as it last reported itself.
-#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
-pub struct Heartbeat {
-    pub worker_id: String,
-    pub ready: bool,
-    /// Why it is not ready (empty when ready).
-    pub reasons: String,
-    pub started_at: DateTime<Utc>,
-    pub seen_at: DateTime<Utc>,
-    /// Seconds since `seen_at`, on the database clock.
-    pub silent_secs: f64,
+kit::pg_row! {
+    /// A worker as it last reported itself.
+    #[derive(Debug, Clone, serde::Serialize)]
+    pub struct Heartbeat {
+        pub worker_id: String,
+        pub ready: bool,
+        /// Why it is not ready (empty when ready).
+        pub reasons: String,
+        pub started_at: DateTime<Utc>,
+        pub seen_at: DateTime<Utc>,
+        /// Seconds since `seen_at`, on the database clock.
+        pub silent_secs: f64,
+    }
 }
 
 impl Ledger {
