@@ -396,6 +396,38 @@ async fn stored(db: &TestDb, id: i64) -> (serde_json::Value, Option<i64>, Option
     .unwrap()
 }
 
+/// Two operations claimed for `<prefix>-a` and `<prefix>-b`, and their receipts.
+async fn two_receipts(
+    ctx: &worker::context::Context,
+    prefix: &str,
+) -> ([worker::ledger::Operation; 2], Vec<Completion>) {
+    let a = dispatching(ctx, "north", &format!("{prefix}-a"), "refund").await;
+    let b = dispatching(ctx, "north", &format!("{prefix}-b"), "refund").await;
+    let completions = vec![
+        receipt_of(&a, receipt_for("north", &a.action_id, "r-a")),
+        receipt_of(&b, receipt_for("north", &b.action_id, "r-b")),
+    ];
+    ([a, b], completions)
+}
+
+fn assert_all_done(done: &Completed) {
+    assert!(
+        done.results
+            .iter()
+            .all(|r| matches!(r, Ok(worker::ledger::Applied::Done(_)))),
+        "{:?}",
+        done.results
+    );
+}
+
+/// The event of `action_id` among those a batch handed to the relay.
+fn handed<'a>(done: &'a Completed, action_id: &str) -> &'a OutboxRow {
+    done.events
+        .iter()
+        .find(|e| e.field("action_id").as_deref() == Some(action_id))
+        .unwrap_or_else(|| panic!("no event of {action_id} handed: {:?}", done.events))
+}
+
 /// What an event says apart from its own id and time.
 fn said(event: &serde_json::Value) -> serde_json::Value {
     let mut said = event.clone();
@@ -445,11 +477,7 @@ async fn receipts_into_a_live_epoch_are_stored_with_the_events_their_rows_owe() 
         let row = ctx.ledger.get(op.id).await.unwrap().unwrap();
         let events = outbox_events(db.pool(), op.id).await;
         assert_eq!(events.len(), 1, "one event for {}", op.action_id);
-        let handed = done
-            .events
-            .iter()
-            .find(|e| e.field("action_id").as_deref() == Some(&op.action_id))
-            .expect("handed to the relay");
+        let handed = handed(&done, &op.action_id);
         let (payload, relay_epoch, owner, held) = stored(&db, handed.id).await;
         assert_eq!(
             serde_json::from_str::<serde_json::Value>(&handed.payload).unwrap(),
@@ -474,12 +502,7 @@ async fn a_receipt_whose_row_moved_since_it_was_built_gets_the_event_of_the_row_
     let db = TestDb::new().await;
     let ctx = context(&db);
     let (_, epoch) = batch(&ctx, "moved-0", None).await;
-    let a = dispatching(&ctx, "north", "moved-a", "refund").await;
-    let b = dispatching(&ctx, "north", "moved-b", "refund").await;
-    let completions = vec![
-        receipt_of(&a, receipt_for("north", "moved-a", "r-a")),
-        receipt_of(&b, receipt_for("north", "moved-b", "r-b")),
-    ];
+    let ([a, b], completions) = two_receipts(&ctx, "moved").await;
     // Meanwhile a replay of `a` counted a write (as `Ledger::begin_replay` does).
     sqlx::query("UPDATE operations SET attempts = attempts + 1 WHERE id = $1")
         .bind(a.id)
@@ -490,13 +513,7 @@ async fn a_receipt_whose_row_moved_since_it_was_built_gets_the_event_of_the_row_
         .ledger
         .complete_held(WORKER_ID, &completions, Some(epoch))
         .await;
-    assert!(
-        done.results
-            .iter()
-            .all(|r| matches!(r, Ok(worker::ledger::Applied::Done(_)))),
-        "{:?}",
-        done.results
-    );
+    assert_all_done(&done);
     assert_eq!(done.epoch, Some(epoch));
     assert_eq!(done.events.len(), 2);
     for (op, attempts) in [(&a, 2), (&b, 1)] {
@@ -507,11 +524,7 @@ async fn a_receipt_whose_row_moved_since_it_was_built_gets_the_event_of_the_row_
             "{}: {events:?}",
             op.action_id
         );
-        let handed = done
-            .events
-            .iter()
-            .find(|e| e.field("action_id").as_deref() == Some(op.action_id.as_str()))
-            .unwrap();
+        let handed = handed(&done, &op.action_id);
         assert_eq!(
             serde_json::from_str::<serde_json::Value>(&handed.payload).unwrap(),
             events[0].1
@@ -566,12 +579,7 @@ async fn receipts_wait_for_an_epoch_being_retired_and_then_go_into_a_new_one() {
     let db = TestDb::new().await;
     let ctx = context(&db);
     let (first, epoch) = batch(&ctx, "retiring-0", None).await;
-    let a = dispatching(&ctx, "north", "retiring-a", "refund").await;
-    let b = dispatching(&ctx, "north", "retiring-b", "refund").await;
-    let completions = vec![
-        receipt_of(&a, receipt_for("north", "retiring-a", "r-a")),
-        receipt_of(&b, receipt_for("north", "retiring-b", "r-b")),
-    ];
+    let (_, completions) = two_receipts(&ctx, "retiring").await;
     // A retirement under way: it holds the epoch's row and deletes it (`Ledger::retire_epochs`).
     let mut retiring = db.pool().begin().await.unwrap();
     sqlx::query("DELETE FROM relay_epochs WHERE id = $1")
@@ -592,13 +600,7 @@ async fn receipts_wait_for_an_epoch_being_retired_and_then_go_into_a_new_one() {
     );
     retiring.commit().await.unwrap();
     let done = recording.await.unwrap();
-    assert!(
-        done.results
-            .iter()
-            .all(|r| matches!(r, Ok(worker::ledger::Applied::Done(_)))),
-        "{:?}",
-        done.results
-    );
+    assert_all_done(&done);
     let new = done.epoch.expect("a new epoch");
     assert_ne!(new, epoch);
     assert!(
