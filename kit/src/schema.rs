@@ -22,12 +22,9 @@ pub fn migrator(files: &[(&'static str, &'static str)]) -> Migrator {
     let migrations = files
         .iter()
         .map(|&(name, sql)| {
-            let (version, rest) = name
-                .split_once('_')
-                .unwrap_or_else(|| panic!("migration {name}: no `<version>_` prefix"));
-            let version: i64 = version
-                .parse()
-                .unwrap_or_else(|_| panic!("migration {name}: the version is not a number"));
+            let (version, rest) = parse_name(name).unwrap_or_else(|| {
+                panic!("migration {name}: not `<numeric version>_<description>.sql`")
+            });
             assert_eq!(
                 MigrationType::from_filename(rest),
                 MigrationType::Simple,
@@ -53,16 +50,21 @@ pub fn unlisted(dir: &Path, migrator: &Migrator) -> std::io::Result<Vec<String>>
     let mut missing = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let name = entry?.file_name().to_string_lossy().into_owned();
-        let version = name
-            .split_once('_')
-            .and_then(|(v, rest)| rest.ends_with(".sql").then_some(v))
-            .and_then(|v| v.parse::<i64>().ok());
-        if version.is_some_and(|v| !listed.contains(&v)) {
+        if parse_name(&name).is_some_and(|(v, _)| !listed.contains(&v)) {
             missing.push(name);
         }
     }
     missing.sort();
     Ok(missing)
+}
+
+/// A migration file's version and the rest of its name (`<description>.sql`, or `.up.sql` /
+/// `.down.sql`), as sqlx reads a migrations folder: None for any other file.
+fn parse_name(name: &str) -> Option<(i64, &str)> {
+    let (version, rest) = name.split_once('_')?;
+    rest.ends_with(".sql")
+        .then(|| version.parse().ok().map(|v| (v, rest)))
+        .flatten()
 }
 
 /// A [`Migrator`] holding the named files of `dir` (relative to the calling crate's manifest),
