@@ -8,7 +8,8 @@
 //! process every time that action is taken from the queue: a poison message.
 
 /// Points a test can stop at.
-pub const POINTS: [&str; 8] = [
+pub const POINTS: [&str; 9] = [
+    "after_ledger_connected",
     "after_prepared",
     "after_dispatching",
     "before_send",

@@ -375,6 +375,47 @@ async fn postgres_link_cut_and_restored_all_succeed() {
     cleanup(env).await;
 }
 
+/// The ledger link is lost just after the worker's first connection to Postgres, while it
+/// still checks for a pooler and applies its migrations (a database restarting, a flapping
+/// network): start-up waits for the link as it waits for a Postgres that is not up yet, and
+/// the worker then runs; it does not exit for a supervisor to restart.
+#[tokio::test]
+async fn a_ledger_link_lost_during_start_up_is_waited_for() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let pg = FaultProxy::start(&host_port(&env.db_url)).await;
+    let opts = base_opts(roomy_tools(&env, ds.port))
+        .database_url(&via(&env.db_url, pg.addr()))
+        .fault("after_ledger_connected", None);
+    let mut w = Worker::spawn(&env, "w", &opts);
+    w.wait_output("fault point reached: after_ledger_connected", T)
+        .await;
+    pg.cut();
+    w.resume();
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            w.is_running(),
+            "the worker exited while its ledger link was down at start-up:\n{}",
+            w.output.text()
+        );
+    }
+    assert!(
+        w.output.contains("Postgres not reachable yet; retrying"),
+        "the wait is logged:\n{}",
+        w.output.text()
+    );
+    pg.restore();
+    w.wait_ready().await;
+    let agent = Agent::new(&env, &["north-shop"]).await;
+    let all = ids("start", 3);
+    publish_with(&agent, "north-shop", &all, &["refund"]).await;
+    all_succeed(&env, "north-shop", &all, T).await;
+    one_mutation_each(&env, "north-shop", &all).await;
+    drop(w);
+    cleanup(env).await;
+}
+
 /// SIGTERM while the broker is unreachable exits cleanly (code 0) and in time; losing the link
 /// is not itself a failure exit.
 #[tokio::test]

@@ -109,6 +109,7 @@ impl Application {
         let metrics = m::install(&names)
             .map_err(|e| anyhow::anyhow!("cannot install the metrics recorder: {e}"))?;
         let ledger = connect_ledger(&settings, &trust).await?;
+        crate::fault::point("after_ledger_connected", "");
         startup::prepare(&ledger, settings.migrate).await?;
         let ctx = Context::new(
             ledger,

@@ -67,8 +67,43 @@ pub async fn connect_retrying(
 
 /// Makes the schema ready after [`connect_retrying`]: probes for a pooler that breaks
 /// prepared statements, then applies the migrations (`migrate`) or waits until another process
-/// has (`WORKER_MIGRATE=false`). Errors that look like such a pooler say what to change.
+/// has (`WORKER_MIGRATE=false`). Errors that look like such a pooler say what to change. A link
+/// lost on the way (Postgres restarting just after the first connection, a flapping network)
+/// is waited for as [`connect_retrying`] waits, up to 60 s, and the whole step is run again:
+/// the probe opens fresh connections, and each migration commits with its own record.
 pub async fn prepare(ledger: &Ledger, migrate: bool) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut attempt = 0u32;
+    loop {
+        match prepare_once(ledger, migrate).await {
+            Err(e) if link_lost(&e) && tokio::time::Instant::now() < deadline => {
+                tracing::warn!(error = %format!("{e:#}"), "Postgres not reachable yet; retrying");
+                attempt += 1;
+                tokio::time::sleep(kit::backoff::delay(&CONNECT_RETRY, attempt)).await;
+            }
+            r => return r,
+        }
+    }
+}
+
+/// Whether start-up failed because the link to Postgres was lost or could not be made, which
+/// waiting can fix, rather than for an answer the server gave.
+fn link_lost(e: &anyhow::Error) -> bool {
+    use sqlx::migrate::MigrateError;
+    e.chain().any(|c| {
+        // A `LedgerError` carries its cause in its message, not as a source.
+        let db = c.downcast_ref::<sqlx::Error>().or(match c.downcast_ref() {
+            Some(LedgerError::Db(e)) => Some(e),
+            Some(LedgerError::Migrate(
+                MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _),
+            )) => Some(e),
+            _ => None,
+        });
+        matches!(db, Some(sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut))
+    })
+}
+
+async fn prepare_once(ledger: &Ledger, migrate: bool) -> anyhow::Result<()> {
     // The pool's own options: the URL and trust `connect_retrying` already resolved.
     probe_pooler(&ledger.pool().connect_options())
         .await
@@ -157,5 +192,44 @@ async fn wait_for_migrations(ledger: &Ledger) -> anyhow::Result<()> {
             "WORKER_MIGRATE=false: waiting for `worker migrate` to apply migrations"
         );
         tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reset() -> sqlx::Error {
+        sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
+    }
+
+    #[test]
+    fn a_lost_link_is_waited_for_wherever_start_up_met_it() {
+        let probe = anyhow::Error::from(reset()).context("checking for a pooler");
+        let migrating = anyhow::Error::from(LedgerError::Migrate(
+            sqlx::migrate::MigrateError::Execute(reset()),
+        ))
+        .context("applying migrations");
+        let in_a_migration = anyhow::Error::from(LedgerError::Migrate(
+            sqlx::migrate::MigrateError::ExecuteMigration(reset(), 3),
+        ));
+        let awaiting = anyhow::Error::from(LedgerError::Db(sqlx::Error::PoolTimedOut))
+            .context("checking applied migrations");
+        for e in [probe, migrating, in_a_migration, awaiting] {
+            assert!(link_lost(&e), "{e:#}");
+        }
+    }
+
+    #[test]
+    fn an_answer_from_the_server_is_not_waited_for() {
+        let refused = anyhow::Error::from(LedgerError::Db(sqlx::Error::Protocol(
+            "prepared statement \"sqlx_s_1\" already exists".into(),
+        )));
+        let dirty =
+            anyhow::Error::from(LedgerError::Migrate(sqlx::migrate::MigrateError::Dirty(4)));
+        let plain = anyhow::anyhow!("a second connection did not answer within 15 s");
+        for e in [refused, dirty, plain] {
+            assert!(!link_lost(&e), "{e:#}");
+        }
     }
 }
