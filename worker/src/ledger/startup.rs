@@ -33,34 +33,58 @@ pub async fn connect_retrying(
     .context("invalid DATABASE_URL")?;
     let hosts = std::sync::Arc::new(hosts);
     let options = hosts.current_options();
-    let mut attempt = 0u32;
+    waiting_for_postgres(
+        || Ledger::connect_hosts(hosts.clone(), pool_size, acquire_timeout),
+        |e| refusal(e, &options).is_none(),
+    )
+    .await
+    .map_err(|e| {
+        refusal(&e, &options).unwrap_or_else(|| {
+            anyhow::Error::new(e).context("cannot connect to Postgres (DATABASE_URL)")
+        })
+    })
+}
+
+/// The error that ends start-up at once when Postgres answered and refused: the login
+/// (SQLSTATE class 28) or the TLS handshake. None for anything waiting may fix.
+fn refusal(e: &LedgerError, options: &sqlx::postgres::PgConnectOptions) -> Option<anyhow::Error> {
+    let LedgerError::Db(e) = e else { return None };
+    if let sqlx::Error::Database(db) = e {
+        if db.code().is_some_and(|c| c.starts_with("28")) {
+            return Some(anyhow::anyhow!(
+                "Postgres refused the credentials of user {:?} (DATABASE_URL): {}; not retrying",
+                options.get_username(),
+                db.message()
+            ));
+        }
+    }
+    crate::tls::postgres_failure(e).map(|reason| {
+        anyhow::anyhow!(
+            "Postgres ledger (DATABASE_URL) at {}:{}: TLS handshake failed: {reason}; not retrying",
+            options.get_host(),
+            options.get_port(),
+        )
+    })
+}
+
+/// Runs `step` until it succeeds, fails in a way `wait` does not accept, or has failed for 60 s
+/// (each start-up step gets its own 60 s), logging each failure it waits out.
+async fn waiting_for_postgres<T, E, F, Fut>(mut step: F, wait: impl Fn(&E) -> bool) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+    E: std::fmt::Display,
+{
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut attempt = 0u32;
     loop {
-        match Ledger::connect_hosts(hosts.clone(), pool_size, acquire_timeout).await {
-            Ok(l) => return Ok(l),
-            Err(LedgerError::Db(sqlx::Error::Database(db)))
-                if db.code().is_some_and(|c| c.starts_with("28")) =>
-            {
-                anyhow::bail!(
-                    "Postgres refused the credentials of user {:?} (DATABASE_URL): {}; not retrying",
-                    options.get_username(),
-                    db.message()
-                );
-            }
-            Err(LedgerError::Db(e)) if crate::tls::postgres_failure(&e).is_some() => {
-                anyhow::bail!(
-                    "Postgres ledger (DATABASE_URL) at {}:{}: TLS handshake failed: {}; not retrying",
-                    options.get_host(),
-                    options.get_port(),
-                    crate::tls::postgres_failure(&e).unwrap_or_default()
-                );
-            }
-            Err(e) if tokio::time::Instant::now() < deadline => {
-                tracing::warn!(error = %e, "Postgres not reachable yet; retrying");
+        match step().await {
+            Err(e) if wait(&e) && tokio::time::Instant::now() < deadline => {
+                tracing::warn!(error = %format!("{e:#}"), "Postgres not reachable yet; retrying");
                 attempt += 1;
                 tokio::time::sleep(kit::backoff::delay(&CONNECT_RETRY, attempt)).await;
             }
-            Err(e) => return Err(e).context("cannot connect to Postgres (DATABASE_URL)"),
+            r => return r,
         }
     }
 }
@@ -72,18 +96,7 @@ pub async fn connect_retrying(
 /// is waited for as [`connect_retrying`] waits, up to 60 s, and the whole step is run again:
 /// the probe opens fresh connections, and each migration commits with its own record.
 pub async fn prepare(ledger: &Ledger, migrate: bool) -> anyhow::Result<()> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let mut attempt = 0u32;
-    loop {
-        match prepare_once(ledger, migrate).await {
-            Err(e) if link_lost(&e) && tokio::time::Instant::now() < deadline => {
-                tracing::warn!(error = %format!("{e:#}"), "Postgres not reachable yet; retrying");
-                attempt += 1;
-                tokio::time::sleep(kit::backoff::delay(&CONNECT_RETRY, attempt)).await;
-            }
-            r => return r,
-        }
-    }
+    waiting_for_postgres(|| prepare_once(ledger, migrate), link_lost).await
 }
 
 /// Whether start-up failed because the link to Postgres was lost or could not be made, which
