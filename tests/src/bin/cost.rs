@@ -35,7 +35,12 @@
 //! also prints the CPU per intent of every component and of this process (it publishes,
 //! follows and is the downstream) from the first publish to the last result, and the machine's
 //! busy cores: at half the drain rate batches are small, each intent costs more, and the
-//! latency is largely waiting for a core.
+//! latency is largely waiting for a core. Before each latency run, the **broker floor** at the
+//! same rate: the same publisher and intents into a quorum queue of their own; a relay here
+//! consumes it with prefetch P and, for each delivery, publishes the `succeeded` result event the
+//! worker would send to a topic exchange with a confirm, acking the intents in batches; the same
+//! follower reads the results. Its p50 and p99 are what the broker and its clients leave of the
+//! 50 ms with no ledger and no downstream; its CPU is RabbitMQ's and this process's per message.
 //!
 //! The targets are printed with the figures (PASS/FAIL): worker ≤ 80 µs, Postgres ≤ 200 µs and
 //! RabbitMQ ≤ 120 µs per intent; at most 4 row versions per intent in the tables an intent
@@ -207,6 +212,19 @@ async fn run(args: Args) -> Result<()> {
     let mut p99s = Vec::new();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     for r in 1..=args.latency_runs {
+        let floor = broker_floor(rate, &args)
+            .await
+            .with_context(|| format!("broker floor {r}"))?;
+        println!(
+            "broker floor {r}: {} at {rate:.0}/s: p50 {:.1} ms, p99 {:.1} ms; per message: \
+             RabbitMQ {:.0} µs, bench {:.0} µs; machine busy {:.2} of {cores} cores",
+            floor.steady.count,
+            ms(floor.steady.p50),
+            ms(floor.steady.p99),
+            per(floor.cpu.rabbit, floor.intents),
+            per(floor.cpu.bench, floor.intents),
+            floor.busy(),
+        );
         let run = latency(rate, &downstream, &args)
             .await
             .with_context(|| format!("latency run {r}"))?;
@@ -226,7 +244,7 @@ async fn run(args: Args) -> Result<()> {
             per(run.cpu.postgres, n),
             per(run.cpu.rabbit, n),
             per(run.cpu.bench, n),
-            run.cpu.machine as f64 / CLK_TCK / run.elapsed.as_secs_f64().max(1e-9),
+            run.busy(),
         );
         // The target is judged at half the drain rate only.
         if args.latency_rate.is_none() {
@@ -371,49 +389,16 @@ async fn relay_ceiling(messages: &Arc<Vec<(String, Vec<u8>)>>, args: &Args) -> R
         let (_consume_ch, mut consumer) = consume_on(&conn, &a, args.prefetch, "relay").await?;
         let before = CpuSample::take(&[]);
         let started = Instant::now();
-        let mut relayed = 0usize;
-        // As a careful relay does it: take what has arrived (up to half the prefetch, so the
-        // broker keeps delivering meanwhile), publish it, await those confirms together, then
-        // ack the lot with one `multiple` ack.
-        let batch = (args.prefetch as usize / 2).max(1);
-        while relayed < messages.len() {
-            let mut deliveries = Vec::with_capacity(batch);
-            let first = tokio::time::timeout_at(deadline, consumer.next())
-                .await
-                .context("relay: no delivery before the deadline")?
-                .context("relay consumer ended")?
-                .context("relay delivery")?;
-            deliveries.push(first);
-            while deliveries.len() < batch {
-                match futures_lite::future::poll_once(consumer.next()).await {
-                    Some(Some(d)) => deliveries.push(d.context("relay delivery")?),
-                    _ => break,
-                }
-            }
-            let mut confirms = Vec::with_capacity(deliveries.len());
-            for d in &deliveries {
-                confirms.push(
-                    out.basic_publish(
-                        "".into(),
-                        b.as_str().into(),
-                        BasicPublishOptions::default(),
-                        &d.data,
-                        BasicProperties::default().with_delivery_mode(2),
-                    )
-                    .await
-                    .context("relay publish")?,
-                );
-            }
-            for c in confirms {
-                check_confirm(c, deadline).await?;
-            }
-            let last = deliveries.last().expect("at least one delivery");
-            last.acker
-                .ack(BasicAckOptions { multiple: true })
-                .await
-                .context("relay ack")?;
-            relayed += deliveries.len();
-        }
+        relay_batches(
+            &mut consumer,
+            &out,
+            messages.len(),
+            args.prefetch,
+            deadline,
+            ("", b.as_str()),
+            |_| None,
+        )
+        .await?;
         let elapsed = started.elapsed();
         let after = CpuSample::take(&[]);
         Ok(Relay {
@@ -431,6 +416,62 @@ async fn relay_ceiling(messages: &Arc<Vec<(String, Vec<u8>)>>, args: &Args) -> R
     }
     let _ = conn.close(200, "".into()).await;
     result
+}
+
+/// Relays `n` deliveries as a careful relay does: takes what has arrived (up to half the
+/// prefetch, so the broker keeps delivering meanwhile), publishes each (persistent, mandatory)
+/// to `(exchange, routing key)` with the body `body_for` gives (else the delivery's own),
+/// awaits those confirms together, then acks the lot with one `multiple` ack.
+async fn relay_batches<'a>(
+    consumer: &mut lapin::Consumer,
+    out: &lapin::Channel,
+    n: usize,
+    prefetch: u16,
+    deadline: Instant,
+    (exchange, key): (&str, &str),
+    body_for: impl Fn(&lapin::message::Delivery) -> Option<&'a [u8]>,
+) -> Result<()> {
+    let batch = (prefetch as usize / 2).max(1);
+    let mut relayed = 0usize;
+    while relayed < n {
+        let mut deliveries = Vec::with_capacity(batch);
+        let first = tokio::time::timeout_at(deadline, consumer.next())
+            .await
+            .context("relay: no delivery before the deadline")?
+            .context("relay consumer ended")?
+            .context("relay delivery")?;
+        deliveries.push(first);
+        while deliveries.len() < batch {
+            match futures_lite::future::poll_once(consumer.next()).await {
+                Some(Some(d)) => deliveries.push(d.context("relay delivery")?),
+                _ => break,
+            }
+        }
+        let mut confirms = Vec::with_capacity(deliveries.len());
+        for d in &deliveries {
+            confirms.push(
+                out.basic_publish(
+                    exchange.into(),
+                    key.into(),
+                    BasicPublishOptions::default(),
+                    body_for(d).unwrap_or(&d.data),
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .context("relay publish")?,
+            );
+        }
+        for c in confirms {
+            check_confirm(c, deadline).await?;
+        }
+        let last = deliveries.last().expect("at least one delivery");
+        last.acker
+            .ack(BasicAckOptions { multiple: true })
+            .await
+            .context("relay ack")?;
+        relayed += deliveries.len();
+    }
+    Ok(())
 }
 
 /// The tools file of the runs: one `none` tool on the null downstream.
@@ -608,6 +649,13 @@ struct LatencyRun {
     elapsed: Duration,
 }
 
+impl LatencyRun {
+    /// Cores of the machine busy over the run.
+    fn busy(&self) -> f64 {
+        self.cpu.machine as f64 / CLK_TCK / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
 /// Open-loop latency at `rate`: over the intents published after the first second, and over
 /// those of the first second.
 async fn latency(rate: f64, downstream: &NullDownstream, args: &Args) -> Result<LatencyRun> {
@@ -629,11 +677,30 @@ async fn latency_in(
     let pid = worker.pid();
     let count = (rate * args.latency_secs as f64).ceil() as usize;
     let messages = build_messages(count, TENANT, TOOL);
-    let mut follower =
-        Follower::follow(&env.amqp_url, &env.topology.results_exchange, TENANT, None)
-            .await
-            .context("follow results")?;
-    let conn = Connection::connect(&env.amqp_url, ConnectionProperties::default())
+    let follower = Follower::follow(&env.amqp_url, &env.topology.results_exchange, TENANT, None)
+        .await
+        .context("follow results")?;
+    let target = (
+        env.amqp_url.as_str(),
+        env.topology.intents_exchange.as_str(),
+        TENANT,
+    );
+    open_loop(target, messages, follower, &[pid], rate, args).await
+}
+
+/// Publishes `messages` open-loop at `rate` to `(url, exchange, routing key)` and reads a
+/// `succeeded` result for each from `follower`: publish → result, apart for the first second;
+/// the CPU of every component (`pids` the worker's) from the first publish to the last result.
+async fn open_loop(
+    (url, exchange, routing_key): (&str, &str, &str),
+    messages: Vec<(String, Vec<u8>)>,
+    mut follower: Follower,
+    pids: &[u32],
+    rate: f64,
+    args: &Args,
+) -> Result<LatencyRun> {
+    let count = messages.len();
+    let conn = Connection::connect(url, ConnectionProperties::default())
         .await
         .context("connect publisher")?;
     let ch = confirm_channel(&conn).await?;
@@ -645,19 +712,19 @@ async fn latency_in(
             (action.to_string(), i)
         })
         .collect();
-    let before = CpuSample::take(&[pid]);
+    let before = CpuSample::take(pids);
     let started = Instant::now();
     let deadline = started + args.timeout;
     let sent: Arc<std::sync::Mutex<Vec<Option<Instant>>>> =
         Arc::new(std::sync::Mutex::new(vec![None; count]));
     let publisher = {
         let sent = sent.clone();
-        let exchange = env.topology.intents_exchange.clone();
+        let (exchange, routing_key) = (exchange.to_string(), routing_key.to_string());
         tokio::spawn(async move {
             publish_open_loop(
                 &ch,
                 &exchange,
-                TENANT,
+                &routing_key,
                 &messages,
                 rate,
                 started,
@@ -692,7 +759,7 @@ async fn latency_in(
         }
     }
     let elapsed = started.elapsed();
-    let cpu = CpuSample::take(&[pid]).since(&before);
+    let cpu = CpuSample::take(pids).since(&before);
     let _ = publisher.await.context("publisher task")??;
     let _ = conn.close(200, "".into()).await;
     let _ = follower.close().await;
@@ -704,4 +771,105 @@ async fn latency_in(
         intents: count,
         elapsed,
     })
+}
+
+/// The broker's part of a latency run at `rate`, with no worker: the same publisher sends the
+/// same intents to a quorum queue; a relay here consumes it with the worker's prefetch and, for
+/// each delivery, publishes the `succeeded` result event the worker would send (its size, its
+/// routing key) to a topic exchange with a confirm, then acks the intents with one `multiple`
+/// ack; the same follower reads the results. What the broker and its clients cost at that rate
+/// on this machine, and the latency they leave the worker.
+async fn broker_floor(rate: f64, args: &Args) -> Result<LatencyRun> {
+    let url = e2e::env::amqp_url();
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let (queue, exchange) = (
+        format!("cost.floor.{id}"),
+        format!("cost.floor.results.{id}"),
+    );
+    let conn = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .context("connect")?;
+    let result = async {
+        declare_quorum(&conn.create_channel().await?, &queue).await?;
+        let follower = Follower::follow(&url, &exchange, TENANT, None)
+            .await
+            .context("follow results")?;
+        let count = (rate * args.latency_secs as f64).ceil() as usize;
+        let messages = build_messages(count, TENANT, TOOL);
+        let ids: std::collections::HashMap<String, usize> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, (key, _))| (key.clone(), i))
+            .collect();
+        let results: Vec<Vec<u8>> = messages
+            .iter()
+            .map(|(key, _)| result_event(key))
+            .collect::<Result<_>>()?;
+        let out = confirm_channel(&conn).await?;
+        let (consume_ch, mut consumer) = consume_on(&conn, &queue, args.prefetch, "floor").await?;
+        let key = protocol::result_routing_key(TENANT, Some(TENANT));
+        let deadline = Instant::now() + args.timeout;
+        let (prefetch, exchange_out) = (args.prefetch, exchange.clone());
+        let relay = tokio::spawn(async move {
+            let body_for = |d: &lapin::message::Delivery| {
+                let id = d.properties.message_id().as_ref()?;
+                ids.get(id.as_str()).map(|&i| results[i].as_slice())
+            };
+            let relayed = relay_batches(
+                &mut consumer,
+                &out,
+                count,
+                prefetch,
+                deadline,
+                (&exchange_out, &key),
+                body_for,
+            )
+            .await;
+            drop(consume_ch);
+            relayed
+        });
+        let run = open_loop((&url, "", &queue), messages, follower, &[], rate, args).await;
+        if run.is_err() {
+            relay.abort();
+        }
+        let run = run?;
+        relay.await.context("floor relay")??;
+        Ok(run)
+    }
+    .await;
+    if let Ok(ch) = conn.create_channel().await {
+        let _ = ch
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        let _ = ch
+            .exchange_delete(exchange.as_str().into(), Default::default())
+            .await;
+    }
+    let _ = conn.close(200, "".into()).await;
+    result
+}
+
+/// The `succeeded` event the worker publishes for the intent with `key` (`<tenant>:<action>`),
+/// as JSON.
+fn result_event(key: &str) -> Result<Vec<u8>> {
+    let action_id = key.split_once(':').map_or(key, |(_, a)| a);
+    let event = protocol::ResultEvent {
+        tenant: TENANT.into(),
+        action_id: action_id.into(),
+        tool: TOOL.into(),
+        status: Status::Succeeded,
+        receipt: Some(serde_json::json!({
+            "receipt_id": format!("r-{action_id}"),
+            "idempotency_key": key,
+        })),
+        next_action: None,
+        attempts: 1,
+        message: "The action succeeded; the receipt is attached.".into(),
+        fingerprint: Some("0".repeat(64)),
+        reason: None,
+        detail: None,
+        event_id: uuid::Uuid::new_v4().to_string(),
+        occurred_at: chrono::Utc::now().to_rfc3339(),
+    };
+    Ok(serde_json::to_vec(&event)?)
 }

@@ -1250,6 +1250,7 @@ async fn broker_floor_on(
         .map(|(i, (id, _))| (id.clone(), i))
         .collect();
     let sent: Sent = Arc::new(std::sync::Mutex::new(vec![None; n]));
+    let cpu_before = CpuSample::take(&[]);
     let started = Instant::now();
     let deadline = started + Duration::from_secs(secs) + args.phase_timeout;
     let relay = tokio::spawn(floor_relay(from_a, relay_out, queue_b.clone(), n, deadline));
@@ -1299,6 +1300,7 @@ async fn broker_floor_on(
     }
     let received = follower.await.context("follower on B")??;
     relay.await.context("relay")??;
+    let (elapsed, cpu) = (started.elapsed(), CpuSample::take(&[]).since(&cpu_before));
     let sent = sent.lock().expect("not poisoned");
     let samples = sent
         .iter()
@@ -1311,8 +1313,12 @@ async fn broker_floor_on(
     Ok(Latency {
         head: format!(
             "broker floor (2 quorum hops + relay with confirm) P={} at {rate:.0}/s open loop, \
-             publish -> received on B, {n} messages",
-            args.prefetch
+             publish -> received on B, {n} messages (RabbitMQ {:.0} µs and this process {:.0} µs \
+             per message, machine busy {:.2} cores)",
+            args.prefetch,
+            cpu.rabbit as f64 / CLK_TCK * 1e6 / n as f64,
+            cpu.bench as f64 / CLK_TCK * 1e6 / n as f64,
+            cpu.machine as f64 / CLK_TCK / elapsed.as_secs_f64().max(1e-9),
         ),
         samples,
         steady: Vec::new(),
