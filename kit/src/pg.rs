@@ -15,6 +15,9 @@
 //! - With several hosts, such a failure (or a broken connection) starts a search: the hosts are
 //!   tried in the URL's order and the first writable one becomes where new connections go.
 //!
+//! At start, [`waiting_at_start`] waits for a server that is not reachable yet (compose or
+//! Kubernetes starting everything at once) instead of exiting.
+//!
 //! The statement that failed is retried by its caller (the worker's batch or outcome, the
 //! relay's next step); an indeterminate commit is safe to repeat because every state change is
 //! a conditional statement on a unique key (docs/design.md).
@@ -313,6 +316,44 @@ fn broken(e: &sqlx::Error) -> bool {
 pub fn unreachable(e: &sqlx::Error) -> bool {
     broken(e)
         || matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| server_left(&c)))
+}
+
+/// Waits between tries to reach Postgres at start: from 250 ms doubling to 5 s.
+const START_RETRY: crate::backoff::Backoff = crate::backoff::Backoff {
+    initial: Duration::from_millis(250),
+    multiplier: 2.0,
+    max: Duration::from_secs(5),
+    jitter: 0.2,
+};
+
+/// How long each start-up step waits for Postgres before the process gives up.
+pub const START_WAIT: Duration = Duration::from_secs(60);
+
+/// Runs `step` until it succeeds, fails in a way `wait` does not accept (an answer the server
+/// gave, which waiting cannot change), or has failed for [`START_WAIT`], logging each failure it
+/// waits out with `database` (which one, and its setting).
+pub async fn waiting_at_start<T, E, F, Fut>(
+    database: &str,
+    mut step: F,
+    wait: impl Fn(&E) -> bool,
+) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+    E: std::fmt::Display,
+{
+    let deadline = tokio::time::Instant::now() + START_WAIT;
+    let mut attempt = 0u32;
+    loop {
+        match step().await {
+            Err(e) if wait(&e) && tokio::time::Instant::now() < deadline => {
+                tracing::warn!(database, error = %format!("{e:#}"), "Postgres not reachable yet; retrying");
+                attempt += 1;
+                tokio::time::sleep(crate::backoff::delay(&START_RETRY, attempt)).await;
+            }
+            r => return r,
+        }
+    }
 }
 
 /// The pool's size and how it hands out connections.

@@ -574,7 +574,9 @@ const AGENT_DB: kit::pg::Role = kit::pg::Role {
 
 /// Connects to the agent database: one host, or the primary among several (libpq's
 /// multi-host URL, [`kit::pg`]); the hosts are returned for the pool's users to
-/// [`kit::pg::Hosts::observe`] failed statements.
+/// [`kit::pg::Hosts::observe`] failed statements. A database not reachable yet is waited for
+/// (up to [`kit::pg::START_WAIT`]), as the worker waits for its ledger; an answer waiting cannot
+/// change (a refused login, SQLSTATE class 28, or a failed TLS handshake) ends the wait at once.
 async fn connect_db(url: &str, max: u32) -> anyhow::Result<(sqlx::PgPool, Arc<kit::pg::Hosts>)> {
     usable_url("PUBLISHER_DATABASE_URL", url, &["postgres", "postgresql"])?;
     let hosts = kit::pg::Hosts::from_url(url, AGENT_DB, crate::tls::postgres)
@@ -586,7 +588,17 @@ async fn connect_db(url: &str, max: u32) -> anyhow::Result<(sqlx::PgPool, Arc<ki
         acquire_timeout: Duration::from_secs(10),
         ping_if_idle_for: Duration::from_secs(1),
     };
-    match kit::pg::pool(hosts.clone(), settings).await {
+    let refused = |e: &sqlx::Error| {
+        crate::tls::postgres_failure(e).is_some()
+            || matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("28")))
+    };
+    let connected = kit::pg::waiting_at_start(
+        "agent database (PUBLISHER_DATABASE_URL)",
+        || kit::pg::pool(hosts.clone(), settings),
+        |e| !refused(e),
+    )
+    .await;
+    match connected {
         Ok(pool) => Ok((pool, hosts)),
         Err(e) => Err(match crate::tls::postgres_failure(&e) {
             Some(reason) => anyhow::anyhow!(

@@ -561,6 +561,46 @@ async fn relay_survives_a_cut_broker_link_and_stops_on_sigterm_mid_outage() {
     cleanup(env).await;
 }
 
+/// A relay started before its database can be reached (compose or Kubernetes bringing both up,
+/// a network not there yet) waits for it, as the worker waits for its ledger, and then relays.
+#[tokio::test]
+async fn a_relay_started_while_its_database_is_unreachable_waits_for_it() {
+    let env = Env::new().await;
+    declare_worker_topology(&env).await;
+    Outbox::migrate(&env.pool).await.unwrap();
+    let proxy = e2e::FaultProxy::start("127.0.0.1:5432").await;
+    let via_proxy = env
+        .db_url
+        .replacen("127.0.0.1:5432", &proxy.addr().to_string(), 1);
+    assert_ne!(via_proxy, env.db_url);
+    proxy.cut();
+    let mut relay = RelayProc::spawn(&env, "relay", &[("PUBLISHER_DATABASE_URL", &via_proxy)]);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        relay.child.try_wait().unwrap().is_none(),
+        "the relay gave up on an unreachable database:\n{}",
+        relay.output()
+    );
+    assert!(
+        relay.output().contains("not reachable yet"),
+        "the wait is logged:\n{}",
+        relay.output()
+    );
+    let id = enqueue(&env, &refund("north-shop", "late-db")).await;
+    proxy.restore();
+    relay.wait_output("relay running", T).await;
+    e2e::wait_for("the row sent once the database is reachable", T, || async {
+        outbox_row(&env, id).await.sent.then_some(())
+    })
+    .await;
+    assert_eq!(
+        consume_all(&env, &env.topology.intents_queue).await.len(),
+        1
+    );
+    relay.kill();
+    cleanup(env).await;
+}
+
 #[tokio::test]
 async fn relay_killed_between_publish_and_mark_publishes_again_and_the_inbox_suppresses_it() {
     let (env, _ds, _w) = setup("").await;

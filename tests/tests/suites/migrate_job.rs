@@ -101,3 +101,63 @@ fn the_k8s_tools_configmap_passes_the_workers_start_up_checks() {
     let settings = worker::config::Settings::from_env().expect("settings");
     worker::config::check_proof(&settings, &tools).expect("start-up checks");
 }
+
+/// The Job's `worker migrate` whose link to Postgres is lost just after it connected (Postgres
+/// restarting, a network settling) waits for the link as the worker's start-up does, applies
+/// the migrations once it is back and exits 0: a Job that failed here would need a retry from
+/// the orchestrator while the workers wait on it.
+#[tokio::test]
+async fn the_migrate_job_waits_out_a_link_lost_after_it_connected() {
+    let env = Env::new().await;
+    let pg = e2e::FaultProxy::start("127.0.0.1:5432").await;
+    let via_proxy = env
+        .db_url
+        .replacen("127.0.0.1:5432", &pg.addr().to_string(), 1);
+    assert_ne!(via_proxy, env.db_url);
+    let log = env.dir.join("migrate.log");
+    let mut job = Command::new(bin_dir().join("worker"))
+        .arg("migrate")
+        .env_clear()
+        .env("DATABASE_URL", &via_proxy)
+        .env("RUST_LOG", "info,sqlx=warn")
+        .env("WORKER_FAULT_POINT", "after_ledger_connected")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("run worker migrate");
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    e2e::wait_for("the fault point", Duration::from_secs(20), || async {
+        text()
+            .contains("fault point reached: after_ledger_connected")
+            .then_some(())
+    })
+    .await;
+    pg.cut();
+    let _ = Command::new("kill")
+        .args(["-CONT", &job.id().to_string()])
+        .status();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        job.try_wait().unwrap().is_none(),
+        "worker migrate gave up on a lost link:\n{}",
+        text()
+    );
+    assert!(
+        text().contains("Postgres not reachable yet; retrying"),
+        "{}",
+        text()
+    );
+    assert!(!table_exists(&env, "operations").await);
+    pg.restore();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = job.try_wait().unwrap() {
+            break status;
+        }
+        assert!(std::time::Instant::now() < deadline, "{}", text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(status.success(), "worker migrate: {status}\n{}", text());
+    assert!(table_exists(&env, "operations").await);
+    cleanup(env).await;
+}

@@ -49,11 +49,14 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         .await
 }
 
-/// `worker migrate`: applies migrations and exits.
+/// `worker migrate`: applies migrations and exits. It waits for Postgres as the worker's
+/// start-up does, also for a link lost after the first connection, and refuses a
+/// transaction-mode pooler the same way ([`startup::prepare`]).
 pub async fn migrate(settings: &Settings) -> anyhow::Result<()> {
     let trust = crate::tls::load(settings.ca_file.as_deref())?;
     let ledger = connect_ledger(settings, &trust).await?;
-    ledger.migrate().await.context("applying migrations")?;
+    crate::fault::point("after_ledger_connected", "");
+    startup::prepare(&ledger, true).await?;
     tracing::info!("migrations applied");
     Ok(())
 }

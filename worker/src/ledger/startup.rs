@@ -9,14 +9,6 @@ use anyhow::Context as _;
 use super::{Ledger, LedgerError};
 use crate::tls::Trust;
 
-/// Waits between tries to reach Postgres at start-up: from 250 ms doubling to 5 s.
-const CONNECT_RETRY: kit::backoff::Backoff = kit::backoff::Backoff {
-    initial: Duration::from_millis(250),
-    multiplier: 2.0,
-    max: Duration::from_secs(5),
-    jitter: 0.2,
-};
-
 /// Connects to the ledger, retrying while it starts (compose, k8s). A login Postgres refuses
 /// (SQLSTATE class 28: unknown role, wrong password, no `pg_hba.conf` entry) is not retried:
 /// the server answered, and waiting cannot fix the credentials. Nor is a failed TLS handshake
@@ -33,7 +25,8 @@ pub async fn connect_retrying(
     .context("invalid DATABASE_URL")?;
     let hosts = std::sync::Arc::new(hosts);
     let options = hosts.current_options();
-    waiting_for_postgres(
+    kit::pg::waiting_at_start(
+        LEDGER,
         || Ledger::connect_hosts(hosts.clone(), pool_size, acquire_timeout),
         |e| refusal(e, &options).is_none(),
     )
@@ -67,27 +60,8 @@ fn refusal(e: &LedgerError, options: &sqlx::postgres::PgConnectOptions) -> Optio
     })
 }
 
-/// Runs `step` until it succeeds, fails in a way `wait` does not accept, or has failed for 60 s
-/// (each start-up step gets its own 60 s), logging each failure it waits out.
-async fn waiting_for_postgres<T, E, F, Fut>(mut step: F, wait: impl Fn(&E) -> bool) -> Result<T, E>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, E>>,
-    E: std::fmt::Display,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let mut attempt = 0u32;
-    loop {
-        match step().await {
-            Err(e) if wait(&e) && tokio::time::Instant::now() < deadline => {
-                tracing::warn!(error = %format!("{e:#}"), "Postgres not reachable yet; retrying");
-                attempt += 1;
-                tokio::time::sleep(kit::backoff::delay(&CONNECT_RETRY, attempt)).await;
-            }
-            r => return r,
-        }
-    }
-}
+/// The ledger, as start-up's log lines name it.
+const LEDGER: &str = "ledger (DATABASE_URL)";
 
 /// Makes the schema ready after [`connect_retrying`]: probes for a pooler that breaks
 /// prepared statements, then applies the migrations (`migrate`) or waits until another process
@@ -96,7 +70,7 @@ where
 /// is waited for as [`connect_retrying`] waits, up to 60 s, and the whole step is run again:
 /// the probe opens fresh connections, and each migration commits with its own record.
 pub async fn prepare(ledger: &Ledger, migrate: bool) -> anyhow::Result<()> {
-    waiting_for_postgres(|| prepare_once(ledger, migrate), link_lost).await
+    kit::pg::waiting_at_start(LEDGER, || prepare_once(ledger, migrate), link_lost).await
 }
 
 /// Whether start-up failed because the link to Postgres was lost or could not be made, which
