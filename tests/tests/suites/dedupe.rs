@@ -415,7 +415,10 @@ async fn tenant_must_be_proven_by_the_broker_validated_user_id() {
 async fn sigterm_lets_in_flight_work_finish_and_publish() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""));
+    // A roomy request timeout and lease: the answer takes 1.5 s, and on a loaded machine
+    // more; the subject here is shutdown, not a timeout.
+    let mut opts = WorkerOptions::new(env.standard_tools_timed(ds.port, 8000, ""));
+    opts.lease_secs = 20;
     ds.fault(json!({"kind": "slow", "delay_ms": 1500, "key": "north-shop:refund-g"}))
         .await;
     let mut w = Worker::start(&env, "w", &opts).await;
