@@ -318,6 +318,22 @@ pub fn unreachable(e: &sqlx::Error) -> bool {
         || matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| server_left(&c)))
 }
 
+/// Why a Postgres connection failed TLS, if it did: a refused handshake, or a TLS set-up sqlx
+/// refused before it (`sslmode=require`/`verify-*` against a server without TLS, an unusable
+/// root file). Both are configuration, not an outage.
+pub fn tls_failure(error: &sqlx::Error) -> Option<String> {
+    crate::tls::handshake_failure(error).or_else(|| match error {
+        sqlx::Error::Tls(e) => Some(e.to_string()),
+        _ => None,
+    })
+}
+
+/// Whether Postgres refused the login (SQLSTATE class 28: unknown role, wrong password, no
+/// `pg_hba.conf` entry): the server answered, and waiting cannot fix the credentials.
+pub fn login_refused(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("28")))
+}
+
 /// Waits between tries to reach Postgres at start: from 250 ms doubling to 5 s.
 const START_RETRY: crate::backoff::Backoff = crate::backoff::Backoff {
     initial: Duration::from_millis(250),

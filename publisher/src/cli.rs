@@ -588,19 +588,15 @@ async fn connect_db(url: &str, max: u32) -> anyhow::Result<(sqlx::PgPool, Arc<ki
         acquire_timeout: Duration::from_secs(10),
         ping_if_idle_for: Duration::from_secs(1),
     };
-    let refused = |e: &sqlx::Error| {
-        crate::tls::postgres_failure(e).is_some()
-            || matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("28")))
-    };
     let connected = kit::pg::waiting_at_start(
         "agent database (PUBLISHER_DATABASE_URL)",
         || kit::pg::pool(hosts.clone(), settings),
-        |e| !refused(e),
+        |e| !kit::pg::login_refused(e) && kit::pg::tls_failure(e).is_none(),
     )
     .await;
     match connected {
         Ok(pool) => Ok((pool, hosts)),
-        Err(e) => Err(match crate::tls::postgres_failure(&e) {
+        Err(e) => Err(match kit::pg::tls_failure(&e) {
             Some(reason) => anyhow::anyhow!(
                 "cannot connect to the agent database (PUBLISHER_DATABASE_URL): TLS handshake failed: {reason}"
             ),

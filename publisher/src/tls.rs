@@ -128,12 +128,3 @@ pub fn postgres(url: &str) -> Result<PgConnectOptions, sqlx::Error> {
 pub fn http_client() -> reqwest::ClientBuilder {
     reqwest::Client::builder().tls_backend_preconfigured(trust().client_config())
 }
-
-/// Why a Postgres connection failed TLS, if it did (a refused handshake, or a TLS set-up sqlx
-/// refused before it, such as `sslmode=verify-full` against a server without TLS).
-pub fn postgres_failure(error: &sqlx::Error) -> Option<String> {
-    handshake_failure(error).or_else(|| match error {
-        sqlx::Error::Tls(e) => Some(e.to_string()),
-        _ => None,
-    })
-}

@@ -467,8 +467,18 @@ pub struct CpuSplit {
     pub machine: u64,
 }
 
+/// CPU `ticks` spread over `n` intents (or messages), in µs each.
+pub fn us_per(ticks: u64, n: usize) -> f64 {
+    ticks as f64 / CLK_TCK * 1e6 / n as f64
+}
+
 impl CpuSplit {
     pub const HEADER: &'static str = "worker  pg  rabbit  bench  | machine";
+
+    /// The machine's busy cores over `elapsed`.
+    pub fn busy_cores(&self, elapsed: Duration) -> f64 {
+        self.machine as f64 / CLK_TCK / elapsed.as_secs_f64().max(1e-9)
+    }
 
     /// Cores used per group over `elapsed`, and the whole machine's busy cores.
     pub fn cores(&self, elapsed: Duration) -> String {

@@ -54,13 +54,3 @@ pub fn postgres(url: &str, trust: &Trust) -> Result<PgConnectOptions, sqlx::Erro
         _ => options,
     })
 }
-
-/// Why a Postgres connection failed TLS, if it did: a refused handshake, or a TLS set-up sqlx
-/// refused before it (`sslmode=require`/`verify-*` against a server without TLS, an unusable
-/// root file). Both are configuration, not an outage.
-pub fn postgres_failure(error: &sqlx::Error) -> Option<String> {
-    handshake_failure(error).or_else(|| match error {
-        sqlx::Error::Tls(e) => Some(e.to_string()),
-        _ => None,
-    })
-}

@@ -53,8 +53,8 @@ use anyhow::{anyhow, bail, ensure, Context as _, Result};
 use chrono::{DateTime, Utc};
 use e2e::bench::{
     build_messages, check_confirm, confirm_channel, consume_on, declare_quorum, pct, peak_rss_kib,
-    publish_all, publish_open_loop, run_backends, state_counts, wal_syncs, xact_commit, CpuSample,
-    CpuSplit, NullDownstream, Written, CLK_TCK,
+    publish_all, publish_open_loop, run_backends, state_counts, us_per, wal_syncs, xact_commit,
+    CpuSample, CpuSplit, NullDownstream, Written,
 };
 use e2e::{cleanup, Env, Worker, WorkerOptions};
 use futures_lite::StreamExt;
@@ -389,7 +389,7 @@ async fn run(args: Args, bin_dir: std::path::PathBuf) -> Result<()> {
     for p in &runs {
         if let Some(w) = &p.written {
             let per = |v: i64| v as f64 / p.count as f64;
-            let us = |ticks: u64| ticks as f64 / CLK_TCK * 1e6 / p.count as f64;
+            let us = |ticks: u64| us_per(ticks, p.count);
             println!(
                 "{:<18} {:>9.2} {:>6.0} {:>9.0} {:>9.0} {:>11.0} {:>11}",
                 p.label,
@@ -1316,9 +1316,9 @@ async fn broker_floor_on(
              publish -> received on B, {n} messages (RabbitMQ {:.0} µs and this process {:.0} µs \
              per message, machine busy {:.2} cores)",
             args.prefetch,
-            cpu.rabbit as f64 / CLK_TCK * 1e6 / n as f64,
-            cpu.bench as f64 / CLK_TCK * 1e6 / n as f64,
-            cpu.machine as f64 / CLK_TCK / elapsed.as_secs_f64().max(1e-9),
+            us_per(cpu.rabbit, n),
+            us_per(cpu.bench, n),
+            cpu.busy_cores(elapsed),
         ),
         samples,
         steady: Vec::new(),

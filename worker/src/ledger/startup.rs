@@ -42,16 +42,14 @@ pub async fn connect_retrying(
 /// (SQLSTATE class 28) or the TLS handshake. None for anything waiting may fix.
 fn refusal(e: &LedgerError, options: &sqlx::postgres::PgConnectOptions) -> Option<anyhow::Error> {
     let LedgerError::Db(e) = e else { return None };
-    if let sqlx::Error::Database(db) = e {
-        if db.code().is_some_and(|c| c.starts_with("28")) {
-            return Some(anyhow::anyhow!(
-                "Postgres refused the credentials of user {:?} (DATABASE_URL): {}; not retrying",
-                options.get_username(),
-                db.message()
-            ));
-        }
+    if kit::pg::login_refused(e) {
+        return Some(anyhow::anyhow!(
+            "Postgres refused the credentials of user {:?} (DATABASE_URL): {}; not retrying",
+            options.get_username(),
+            e.as_database_error().map_or("", |db| db.message())
+        ));
     }
-    crate::tls::postgres_failure(e).map(|reason| {
+    kit::pg::tls_failure(e).map(|reason| {
         anyhow::anyhow!(
             "Postgres ledger (DATABASE_URL) at {}:{}: TLS handshake failed: {reason}; not retrying",
             options.get_host(),
