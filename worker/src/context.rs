@@ -46,6 +46,9 @@ pub struct Context {
     pub completions: CompletionBatcher,
     /// The batchers' tasks.
     pub batchers: crate::batch::Tasks,
+    /// The least time between two batches of one stage under load (`WORKER_BATCH_PACE_MS`):
+    /// the batchers', the intake's and the relay's.
+    pub batch_pace: Duration,
 }
 
 impl Context {
@@ -57,6 +60,7 @@ impl Context {
         lease: Duration,
         receipt_keep: Duration,
         max_in_flight: usize,
+        batch_pace: Duration,
     ) -> Arc<Context> {
         let windows = ReplayWindows::new(tools.replay_windows());
         let relay_wake = Arc::new(Notify::new());
@@ -67,9 +71,16 @@ impl Context {
             worker_id.clone(),
             relay_wake.clone(),
             relay_hold,
+            batch_pace,
             &batchers,
         );
-        let fences = FenceBatcher::spawn(ledger.clone(), worker_id.clone(), lease, &batchers);
+        let fences = FenceBatcher::spawn(
+            ledger.clone(),
+            worker_id.clone(),
+            lease,
+            batch_pace,
+            &batchers,
+        );
         Arc::new(Context {
             ledger,
             tools,
@@ -86,6 +97,7 @@ impl Context {
             fences,
             completions,
             batchers,
+            batch_pace,
         })
     }
 

@@ -606,3 +606,50 @@ async fn a_dead_letter_outlives_the_ttl_its_intent_was_published_with() {
     let _ = conn.close(200, "".into()).await;
     cleanup(env).await;
 }
+
+/// Under a steady stream each stage starts its batches at least `WORKER_BATCH_PACE_MS` apart,
+/// and what arrived meanwhile goes with the next batch: counted on the ledger's own clock, where
+/// an operation's `created_at` and `finished_at` are the starts of the admission's and the
+/// completion's transactions. Without the pace, intents 10 ms apart each find their stage idle
+/// and go alone.
+#[tokio::test]
+async fn a_steady_stream_is_recorded_in_paced_batches() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts =
+        WorkerOptions::new(env.standard_tools(ds.port, "")).env("WORKER_BATCH_PACE_MS", "100");
+    let _w = Worker::start(&env, "w1", &opts).await;
+    let agent = Agent::new(&env, &["north-shop"]).await;
+    let ids: Vec<String> = (0..40).map(|i| format!("paced-{i}")).collect();
+    let started = std::time::Instant::now();
+    for id in &ids {
+        agent
+            .request(
+                "north-shop",
+                id,
+                "ticket",
+                json!({"order": id, "amount_cents": 100, "currency": "USD"}),
+            )
+            .await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stream = started.elapsed();
+    for id in &ids {
+        assert_eq!(env.final_state("north-shop", id, T).await, "succeeded");
+        assert_eq!(env.mutations(&format!("north-shop:{id}")).await, 1);
+    }
+    let (admissions, completions): (i64, i64) = sqlx::query_as(
+        "SELECT count(DISTINCT created_at), count(DISTINCT finished_at) FROM operations
+         WHERE tenant = 'north-shop' AND action_id LIKE 'paced-%'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    // One batch per 100 ms of the stream, and a few more for its ends.
+    let most = stream.as_millis() as i64 / 100 + 3;
+    assert!(
+        admissions <= most && completions <= most,
+        "{admissions} admissions and {completions} completions for 40 intents in {stream:?}"
+    );
+    cleanup(env).await;
+}

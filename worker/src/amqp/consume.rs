@@ -92,6 +92,7 @@ pub async fn run(
     let (channel, mut dlx, mut consumer) = open(connection, &ctx, config).await?;
     let max_batch = config.prefetch as usize;
     let mut acks = Acks::default();
+    let mut pace = crate::batch::Pace::new(ctx.batch_pace);
     'consume: loop {
         // Biased: once stopping, no further delivery is taken, even if one is buffered.
         let first = tokio::select! {
@@ -102,6 +103,10 @@ pub async fn run(
         let mut batch = vec![delivered(first)?];
         // A redelivered message is handled alone so a poison message cannot take others with it.
         if !batch[0].redelivered {
+            // What arrives while the pace is waited out joins this batch (the broker keeps
+            // delivering up to the prefetch meanwhile).
+            pace.wait(&stop).await;
+            pace.started();
             while batch.len() < max_batch && !stop.is_cancelled() {
                 let Some(next) = futures_lite::future::poll_once(consumer.next()).await else {
                     break;

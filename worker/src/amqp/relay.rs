@@ -322,7 +322,10 @@ impl Relay {
     /// Runs until `stop`, then does a last round so committed results leave before exit: what
     /// was handed first, then the outbox backlog.
     pub async fn run(self, stop: CancellationToken) -> Result<(), AmqpError> {
+        let mut pace = crate::batch::Pace::new(self.ctx.batch_pace);
         loop {
+            pace.wait(&stop).await;
+            pace.started();
             let n = self.step().await?;
             if n as i64 == BATCH || self.ctx.completions.handed_waiting() {
                 continue;

@@ -121,6 +121,7 @@ impl Application {
             settings.lease,
             settings.receipt_keep,
             settings.max_in_flight,
+            settings.batch_pace,
         );
         Ok(Application {
             settings,

@@ -2,10 +2,15 @@
 //! [`fence`] (send fences, one statement per batch) and [`completion`] (outcomes, one commit
 //! per batch, and the hand-off of the committed result events to this process's relay).
 //!
-//! Both follow one rule, and it lives here: a batcher has no timer. A request that finds it
-//! idle runs at once, alone; requests that arrive while a statement is running wait for it and
-//! then go together. So a lone intent never waits for a batch to fill, and a busy worker pays
-//! one statement per batch.
+//! Both follow one rule, and it lives here: a batcher never waits for a batch to fill. A
+//! request that finds it idle runs at once, alone; requests that arrive while a statement is
+//! running wait for it and then go together. So a lone intent never waits, and a busy worker
+//! pays one statement per batch. Under a steady load the [`Pace`] keeps batches from starting
+//! closer together than `WORKER_BATCH_PACE_MS`: each statement, commit and wake-up costs
+//! about the same for a few requests as for many, so a worker at a moderate rate would
+//! otherwise spend its cores (and Postgres's and the broker's) on many small batches, and the
+//! latency of everything would grow with the queueing for those cores. The intake and the
+//! result relay keep the same pace.
 //!
 //! Each batcher runs on a [`TaskTracker`] until its [`CancellationToken`] is cancelled: then it
 //! stops taking requests (callers fall back to a statement of their own), records what is
@@ -14,7 +19,10 @@
 pub mod completion;
 pub mod fence;
 
+use std::time::Duration;
+
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -36,12 +44,55 @@ impl Tasks {
     }
 }
 
-/// The batching loop both batchers share: takes whatever requests are waiting (up to `max`) and
-/// hands them to `run` together; once `stop` is cancelled, closes the queue (new requests are
-/// refused, so their callers go alone), runs what was queued and returns.
+/// The least time between the starts of two batches of one stage (`WORKER_BATCH_PACE_MS`).
+/// Work that finds its stage idle for at least that long goes at once; work that arrives
+/// sooner after the last batch started waits out the rest of the interval, and whatever
+/// arrived meanwhile goes with it.
+#[derive(Debug, Clone, Copy)]
+pub struct Pace {
+    every: Duration,
+    last: Option<Instant>,
+}
+
+impl Pace {
+    /// A pace of `every` (zero: no pace).
+    pub fn new(every: Duration) -> Self {
+        Pace { every, last: None }
+    }
+
+    /// Waits until the interval since the last batch's start has passed, or `stop` is
+    /// cancelled; at once when it already has. Returns whether it waited.
+    pub async fn wait(&self, stop: &CancellationToken) -> bool {
+        let Some(due) = self.last.map(|last| last + self.every) else {
+            return false;
+        };
+        if Instant::now() >= due {
+            return false;
+        }
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => {}
+            _ = tokio::time::sleep_until(due) => {}
+        }
+        true
+    }
+
+    /// Marks the start of a batch.
+    pub fn started(&mut self) {
+        if !self.every.is_zero() {
+            self.last = Some(Instant::now());
+        }
+    }
+}
+
+/// The batching loop both batchers share: takes whatever requests are waiting (up to `max`),
+/// keeps `pace` (a batch already full goes at once), and hands them to `run` together; once
+/// `stop` is cancelled, closes the queue (new requests are refused, so their callers go
+/// alone), runs what was queued and returns.
 pub(crate) async fn run_batches<T, F, Fut>(
     mut rx: mpsc::Receiver<T>,
     max: usize,
+    mut pace: Pace,
     stop: CancellationToken,
     mut run: F,
 ) where
@@ -61,6 +112,13 @@ pub(crate) async fn run_batches<T, F, Fut>(
         if n == 0 {
             return;
         }
+        if batch.len() < max && pace.wait(&stop).await {
+            while batch.len() < max {
+                let Ok(request) = rx.try_recv() else { break };
+                batch.push(request);
+            }
+        }
+        pace.started();
         run(std::mem::replace(&mut batch, Vec::with_capacity(max))).await;
     }
 }
@@ -71,51 +129,119 @@ mod tests {
 
     use super::*;
 
-    /// The batches the loop handed over, in order.
-    type Seen = Arc<Mutex<Vec<Vec<u32>>>>;
+    /// The batches the loop handed over, in order, each with when it was handed over.
+    type Seen = Arc<Mutex<Vec<(Instant, Vec<u32>)>>>;
 
     /// Runs the loop over a channel of numbers, recording each batch it hands over.
-    fn start(max: usize) -> (mpsc::Sender<u32>, Tasks, Seen) {
+    fn start(max: usize, pace: Duration) -> (mpsc::Sender<u32>, Tasks, Seen) {
         let (tx, rx) = mpsc::channel(16);
         let tasks = Tasks::default();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let record = seen.clone();
-        tasks
-            .tracker
-            .spawn(run_batches(rx, max, tasks.stop.clone(), move |batch| {
-                record.lock().unwrap().push(batch);
+        tasks.tracker.spawn(run_batches(
+            rx,
+            max,
+            Pace::new(pace),
+            tasks.stop.clone(),
+            move |batch| {
+                record.lock().unwrap().push((Instant::now(), batch));
                 std::future::ready(())
-            }));
+            },
+        ));
         (tx, tasks, seen)
+    }
+
+    fn batches(seen: &Seen) -> Vec<Vec<u32>> {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .map(|(_, b)| b.clone())
+            .collect()
     }
 
     #[tokio::test]
     async fn requests_waiting_together_go_together_up_to_the_batch_size() {
-        let (tx, tasks, seen) = start(2);
+        let (tx, tasks, seen) = start(2, Duration::ZERO);
         for n in 1..=5 {
             tx.send(n).await.unwrap();
         }
         tasks.stop().await;
-        assert_eq!(*seen.lock().unwrap(), vec![vec![1, 2], vec![3, 4], vec![5]]);
+        assert_eq!(batches(&seen), vec![vec![1, 2], vec![3, 4], vec![5]]);
     }
 
     #[tokio::test]
     async fn a_stopped_batcher_records_what_was_queued_and_refuses_the_rest() {
-        let (tx, tasks, seen) = start(8);
+        let (tx, tasks, seen) = start(8, Duration::ZERO);
         tx.send(1).await.unwrap();
         tx.send(2).await.unwrap();
         tasks.stop().await;
-        assert_eq!(*seen.lock().unwrap(), vec![vec![1, 2]]);
+        assert_eq!(batches(&seen), vec![vec![1, 2]]);
         assert!(tx.send(3).await.is_err(), "the caller goes alone");
     }
 
     #[tokio::test]
     async fn a_batcher_whose_callers_are_gone_ends_by_itself() {
-        let (tx, tasks, seen) = start(8);
+        let (tx, tasks, seen) = start(8, Duration::ZERO);
         tx.send(1).await.unwrap();
         drop(tx);
         tasks.tracker.close();
         tasks.tracker.wait().await;
-        assert_eq!(*seen.lock().unwrap(), vec![vec![1]]);
+        assert_eq!(batches(&seen), vec![vec![1]]);
+    }
+
+    #[tokio::test]
+    async fn under_a_steady_load_batches_start_a_pace_apart_and_an_idle_batcher_goes_at_once() {
+        let (tx, tasks, seen) = start(8, Duration::from_millis(300));
+        let ms = |n| tokio::time::sleep(Duration::from_millis(n));
+        let first = Instant::now();
+        tx.send(1).await.unwrap();
+        ms(20).await;
+        let second = Instant::now();
+        tx.send(2).await.unwrap();
+        ms(20).await;
+        tx.send(3).await.unwrap();
+        // Idle for longer than the pace once the second batch started: the next goes at once.
+        ms(700).await;
+        let sent = Instant::now();
+        tx.send(4).await.unwrap();
+        ms(50).await;
+        tasks.stop().await;
+        let seen = seen.lock().unwrap().clone();
+        let got: Vec<_> = seen.iter().map(|(_, b)| b.clone()).collect();
+        assert_eq!(got, vec![vec![1], vec![2, 3], vec![4]]);
+        let (lone, paced, idle) = (seen[0].0 - first, seen[1].0 - second, seen[2].0 - sent);
+        assert!(
+            lone < Duration::from_millis(150),
+            "a lone request goes at once: {lone:?}"
+        );
+        assert!(
+            seen[1].0 - seen[0].0 >= Duration::from_millis(300),
+            "the second batch waits out the pace ({paced:?} after its first request)"
+        );
+        assert!(
+            idle < Duration::from_millis(150),
+            "an idle batcher does not wait: {idle:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_full_batch_and_a_stop_do_not_wait_for_the_pace() {
+        let started = Instant::now();
+        let (tx, tasks, seen) = start(2, Duration::from_secs(120));
+        for n in 1..=5 {
+            tx.send(n).await.unwrap();
+        }
+        while seen.lock().unwrap().len() < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            batches(&seen),
+            vec![vec![1, 2], vec![3, 4]],
+            "the rest waits"
+        );
+        tasks.stop().await;
+        assert_eq!(batches(&seen), vec![vec![1, 2], vec![3, 4], vec![5]]);
+        assert!(started.elapsed() < Duration::from_secs(60));
     }
 }

@@ -73,6 +73,9 @@ pub struct Settings {
     pub receipt_keep: Duration,
     /// How often the recovery scheduler looks for due work.
     pub recovery_interval: Duration,
+    /// The least time between the starts of two batches of one stage (intake, send fence,
+    /// completion, result relay) while work keeps arriving (`WORKER_BATCH_PACE_MS`).
+    pub batch_pace: Duration,
     /// Dispatches running at once in this process.
     pub max_in_flight: usize,
     /// Identity written into leases and history.
@@ -217,6 +220,12 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_RECOVERY_INTERVAL_MS", value_name = "WORKER_RECOVERY_INTERVAL_MS",
           default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
     pub recovery_interval_ms: u64,
+    /// Milliseconds (0 to 100) between the starts of two batches of one stage (intake, send
+    /// fence, completion, result relay) while work keeps arriving; 0 starts each batch as soon
+    /// as the last one ended. Work that finds its stage idle for longer goes at once.
+    #[arg(long, env = "WORKER_BATCH_PACE_MS", value_name = "WORKER_BATCH_PACE_MS",
+          default_value_t = 5, value_parser = clap::value_parser!(u64).range(0..=100))]
+    pub batch_pace_ms: u64,
     /// Dispatches and recovery rounds running at once in this process (at least 1).
     #[arg(long, env = "WORKER_MAX_IN_FLIGHT", value_name = "WORKER_MAX_IN_FLIGHT",
           default_value_t = 256,
@@ -625,6 +634,7 @@ impl Settings {
             shards,
             receipt_keep: Duration::from_secs(a.receipt_keep_secs),
             recovery_interval: Duration::from_millis(a.recovery_interval_ms),
+            batch_pace: Duration::from_millis(a.batch_pace_ms),
             max_in_flight: a.max_in_flight,
             worker_id,
             shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
@@ -703,6 +713,8 @@ mod tests {
             ("--lease-secs=0", "WORKER_LEASE_SECS"),
             ("--recovery-interval-ms=9", "WORKER_RECOVERY_INTERVAL_MS"),
             ("--max-in-flight=0", "WORKER_MAX_IN_FLIGHT"),
+            ("--batch-pace-ms=101", "WORKER_BATCH_PACE_MS"),
+            ("--batch-pace-ms=5ms", "WORKER_BATCH_PACE_MS"),
             ("--db-pool-size=1", "WORKER_DB_POOL_SIZE"),
             ("--migrate=sometimes", "WORKER_MIGRATE"),
             ("--admin-addr=nowhere", "WORKER_ADMIN_ADDR"),

@@ -599,6 +599,7 @@ budget = { ratio = 0.2 }
             amqp_url: "amqp://x".into(),
             tools_path: PathBuf::from("t.toml"),
             prefetch: 1,
+            batch_pace: Duration::ZERO,
             max_message_bytes: protocol::MAX_INTENT_BYTES,
             metrics_addr: None,
             admin_addr: None,

@@ -471,6 +471,7 @@ fn context(
         settings.lease,
         settings.receipt_keep,
         settings.max_in_flight,
+        settings.batch_pace,
     ))
 }
 

@@ -111,6 +111,7 @@ pub fn context(db: &TestDb) -> Arc<Context> {
         Duration::from_secs(30),
         Duration::from_secs(600),
         16,
+        Duration::from_millis(5),
     )
 }
 
