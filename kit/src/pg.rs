@@ -135,11 +135,6 @@ impl Hosts {
         self.read_write
     }
 
-    /// Every host's port (for socket options set by port).
-    pub fn ports(&self) -> Vec<u16> {
-        self.candidates.iter().map(|o| o.get_port()).collect()
-    }
-
     /// Makes host `i` the one new connections go to.
     pub fn select(&self, i: usize) {
         self.current.store(i, Ordering::SeqCst);
@@ -401,20 +396,12 @@ pub async fn pool(hosts: Arc<Hosts>, settings: PoolSettings) -> Result<PgPool, s
     // of the backend) before each statement. A connection used within `ping_if_idle_for` has
     // just proven itself; only longer-idle ones are pinged. A connection that broke since its
     // last use fails its statement, which every caller already survives.
-    let ports = hosts.ports();
     let (on_connect, on_acquire) = (hosts.clone(), hosts.clone());
     let ping_if_idle_for = settings.ping_if_idle_for;
     let pool = PgPoolOptions::new()
         .after_connect(move |conn, _meta| {
             let hosts = on_connect.clone();
-            let ports = ports.clone();
-            Box::pin(async move {
-                // sqlx 0.9.0 sets no TCP_NODELAY (see the function).
-                for port in ports {
-                    crate::tls::set_nodelay_on_sockets_to(port);
-                }
-                hosts.check_new(conn).await
-            })
+            Box::pin(async move { hosts.check_new(conn).await })
         })
         .max_connections(settings.max_connections)
         .min_connections(settings.min_connections)
@@ -474,7 +461,8 @@ mod tests {
         assert_eq!(h.len(), 2);
         assert!(h.read_write());
         assert_eq!(h.current_name(), "h1:5432");
-        assert_eq!(h.ports(), vec![5432, 5433]);
+        h.select(1);
+        assert_eq!(h.current_name(), "h2:5433");
         let h = parse("postgres://u@h/db?target_session_attrs=any").unwrap();
         assert_eq!(h.len(), 1);
         assert!(!h.read_write());

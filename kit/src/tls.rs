@@ -202,66 +202,9 @@ fn describe(error: &rustls::Error) -> String {
     format!("{verdict} ({error})")
 }
 
-/// sqlx 0.9.0 stopped setting `TCP_NODELAY` on its sockets (transact-rs/sqlx#4335, closed; no
-/// release carries the fix yet). Over TLS a message can leave in more than one write, and Nagle
-/// then holds the second one until the server acknowledges the first, which a delayed ACK puts
-/// off by up to 40 ms while the server waits for the rest of the message: measured here, a worker
-/// on a TLS ledger drained at half the rate of one on plain TCP, its connections idle in
-/// `ClientRead`. Until sqlx sets it again, the worker and the publisher call this for each new
-/// pool connection: it sets `TCP_NODELAY` on every socket of this process connected to `port`
-/// (Linux; elsewhere it does nothing). lapin and reqwest set it themselves.
-#[cfg(target_os = "linux")]
-pub fn set_nodelay_on_sockets_to(port: u16) {
-    use std::os::fd::FromRawFd;
-    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else {
-        return;
-    };
-    for entry in fds.flatten() {
-        let is_socket = std::fs::read_link(entry.path())
-            .is_ok_and(|t| t.to_string_lossy().starts_with("socket:"));
-        let fd = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok());
-        let (true, Some(fd)) = (is_socket, fd) else {
-            continue;
-        };
-        // SAFETY: the descriptor is only borrowed for getpeername and setsockopt and is never
-        // closed (ManuallyDrop). Had it been closed and reused since it was listed, both calls act
-        // on whatever it is now and fail harmlessly on anything but a TCP socket.
-        let stream = std::mem::ManuallyDrop::new(unsafe { std::net::TcpStream::from_raw_fd(fd) });
-        if stream.peer_addr().is_ok_and(|a| a.port() == port) {
-            let _ = stream.set_nodelay(true);
-        }
-    }
-}
-
-/// See the Linux version: elsewhere sqlx's sockets are left as they are.
-#[cfg(not(target_os = "linux"))]
-pub fn set_nodelay_on_sockets_to(_port: u16) {}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[cfg(target_os = "linux")]
-    #[test]
-    fn nodelay_is_set_on_sockets_to_the_port_and_only_those() {
-        let db = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let to_db = std::net::TcpStream::connect(db.local_addr().unwrap()).unwrap();
-        let to_other = std::net::TcpStream::connect(other.local_addr().unwrap()).unwrap();
-        assert!(
-            !to_db.nodelay().unwrap(),
-            "a new socket starts with Nagle on"
-        );
-        set_nodelay_on_sockets_to(db.local_addr().unwrap().port());
-        assert!(to_db.nodelay().unwrap());
-        assert!(!to_other.nodelay().unwrap(), "other peers are left alone");
-        // Still open and usable: the descriptor was borrowed, not closed.
-        use std::io::Write;
-        (&to_db).write_all(b"x").unwrap();
-    }
 
     #[test]
     fn a_missing_or_empty_ca_file_names_the_variable() {

@@ -31,6 +31,7 @@ pub mod procs;
 pub mod proxy;
 pub mod rabbit_cluster;
 pub mod soak;
+pub mod sockets;
 pub mod tls;
 pub mod wait;
 

@@ -21,7 +21,8 @@
 //!    acked, one confirmed publish out) with nothing else. Rate and RabbitMQ CPU per message.
 //! 2. **drain**: a fresh database and broker names; the migrations applied (`worker migrate`);
 //!    N distinct intents published to the intents exchange (the backlog); then one worker is
-//!    started and the clock runs from its start to the N-th `succeeded` result. CPU of every
+//!    started and the clock runs from its start to the N-th `succeeded` result (printed too:
+//!    from its start to the first result, the start-up the drain includes). CPU of every
 //!    process of each component from `/proc/<pid>/stat` before and after (`e2e::bench`),
 //!    row versions (`pg_stat_user_tables`), WAL bytes (`pg_current_wal_lsn`). Verified: every
 //!    operation `succeeded`, one downstream write per intent.
@@ -159,6 +160,8 @@ fn start() -> Result<()> {
 /// One drain's figures.
 struct Drain {
     rate: f64,
+    /// From the worker's start to the first `succeeded` result.
+    first_result: Duration,
     cpu: CpuSplit,
     written: Option<Written>,
     n: usize,
@@ -196,10 +199,11 @@ async fn run(args: Args) -> Result<()> {
             .await
             .context("drain")?;
         println!(
-            "run {r}: drain {:.0}/s ({:.3} of the relay ceiling); per intent: worker {:.0} µs, \
-             Postgres {:.0} µs, RabbitMQ {:.0} µs",
+            "run {r}: drain {:.0}/s ({:.3} of the relay ceiling), first result after {} ms; per \
+             intent: worker {:.0} µs, Postgres {:.0} µs, RabbitMQ {:.0} µs",
             drain.rate,
             drain.rate / relay.rate,
+            drain.first_result.as_millis(),
             us_per(drain.cpu.worker, n),
             us_per(drain.cpu.postgres, n),
             us_per(drain.cpu.rabbit, n)
@@ -566,10 +570,12 @@ async fn drain_in(
     let mut worker = Worker::spawn(env, "cost-w", &opts);
     let pid = worker.pid();
     let mut succeeded: HashSet<String> = HashSet::with_capacity(n);
+    let mut first_result = None;
     while succeeded.len() < n {
         let left = deadline.saturating_duration_since(Instant::now());
         match follower.next(left).await.context("read results")? {
             Some(ev) if ev.status == Status::Succeeded => {
+                first_result.get_or_insert_with(|| started.elapsed());
                 succeeded.insert(ev.action_id);
             }
             Some(ev) => bail!("unexpected result {:?} for {}", ev.status, ev.action_id),
@@ -602,6 +608,7 @@ async fn drain_in(
     );
     Ok(Drain {
         rate: n as f64 / elapsed.as_secs_f64(),
+        first_result: first_result.unwrap_or(elapsed),
         cpu,
         written,
         n,

@@ -37,6 +37,7 @@ mod shutdown;
 mod soak_cluster;
 mod soak_failover;
 mod soak_short;
+mod sockets;
 mod tenant_proof;
 mod tls;
 mod trace_agent_side;

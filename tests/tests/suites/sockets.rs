@@ -1,0 +1,138 @@
+//! What the processes' connections do on the wire. Every TCP connection the worker and the
+//! publisher's relay open (Postgres, RabbitMQ, the downstream) sends small writes at once
+//! (`TCP_NODELAY`), from its first byte. With Nagle's algorithm on, a client that writes twice
+//! before reading waits for the server's delayed ACK (at least 40 ms on Linux) each time: a TLS
+//! handshake to Postgres does that twice, so every new ledger connection took about 90 ms
+//! instead of a few, at start-up (the whole pool, one connection after another) and after every
+//! failover.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use e2e::sockets::{tcp_connections, TcpConnection};
+use e2e::{cleanup, host_port, procs::RelayProc, Agent, Downstream, Env, Worker, WorkerOptions};
+use serde_json::json;
+use sqlx::postgres::{PgConnectOptions, PgSslMode};
+
+const T: Duration = Duration::from_secs(20);
+
+fn port_of(url: &str) -> u16 {
+    let hp = host_port(url);
+    hp.rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {hp}"))
+}
+
+/// Asserts that `conns` include a connection to each of `ports` and that none has Nagle on.
+fn assert_every_connection_sends_at_once(
+    who: &str,
+    conns: &[TcpConnection],
+    ports: &[(&str, u16)],
+) {
+    for (what, port) in ports {
+        assert!(
+            conns.iter().any(|c| c.peer.port() == *port),
+            "{who}: no connection to {what} (port {port}) among {conns:?}"
+        );
+    }
+    let delayed: Vec<_> = conns.iter().filter(|c| !c.nodelay).collect();
+    assert!(
+        delayed.is_empty(),
+        "{who}: connections with Nagle's algorithm on (TCP_NODELAY unset): {delayed:?}"
+    );
+}
+
+#[tokio::test]
+async fn every_connection_of_the_worker_and_the_relay_sends_small_writes_at_once() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = env.standard_tools(ds.port, "");
+    let worker = Worker::start(&env, "w1", &WorkerOptions::new(tools)).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    agent
+        .request(
+            "north-shop",
+            "nodelay-1",
+            "refund",
+            json!({"order": "order-731", "amount_cents": 4850, "currency": "USD"}),
+        )
+        .await;
+    agent.succeeded("north-shop", "nodelay-1").await;
+    let pg = port_of(&env.db_url);
+    let amqp = port_of(&env.amqp_url);
+    // The downstream's keep-alive connection may have closed by now: checked if it is there.
+    assert_every_connection_sends_at_once(
+        "worker",
+        &tcp_connections(worker.pid()),
+        &[("Postgres", pg), ("RabbitMQ", amqp)],
+    );
+
+    publisher::Outbox::migrate(&env.pool)
+        .await
+        .expect("the agent's outbox");
+    let relay = RelayProc::spawn(&env, "relay", &[]);
+    relay.wait_output("relay running", T).await;
+    assert_every_connection_sends_at_once(
+        "publisher relay",
+        &tcp_connections(relay.child.id()),
+        &[("Postgres", pg), ("RabbitMQ", amqp)],
+    );
+    drop(relay);
+    drop(worker);
+    cleanup(env).await;
+}
+
+/// The pool the worker and the publisher build (`kit::pg::pool`), over TLS (`sslmode=require`):
+/// each new connection is opened and checked in a few milliseconds. Nagle's stalls put a floor
+/// of 80 ms under each (two delayed ACKs in the handshake); the median of eight is compared with
+/// half that floor, so a busy machine does not fail it.
+#[tokio::test]
+async fn new_ledger_connections_over_tls_open_without_waiting_for_delayed_acks() {
+    let env = Env::new().await;
+    let options: PgConnectOptions = env.db_url.parse().expect("TEST_DATABASE_URL");
+    let options = options.ssl_mode(PgSslMode::Require);
+    let role = kit::pg::Role {
+        what: "ledger",
+        var: "DATABASE_URL",
+        failovers: "test_failovers_total",
+    };
+    let hosts = Arc::new(kit::pg::Hosts::single(role, options, true));
+    let pool = kit::pg::pool(
+        hosts,
+        kit::pg::PoolSettings {
+            max_connections: 8,
+            min_connections: 0,
+            acquire_timeout: T,
+            ping_if_idle_for: Duration::from_secs(1),
+        },
+    )
+    .await
+    .expect("pool");
+    let mut held = Vec::new();
+    let mut took = Vec::new();
+    for _ in 0..8 {
+        let t0 = Instant::now();
+        let mut conn = pool.acquire().await.expect("a new connection over TLS");
+        took.push(t0.elapsed());
+        let tls: bool =
+            sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+                .fetch_one(&mut *conn)
+                .await
+                .expect("pg_stat_ssl");
+        assert!(
+            tls,
+            "the connection is not encrypted: the server must have ssl=on"
+        );
+        held.push(conn);
+    }
+    took.sort();
+    let median = took[took.len() / 2];
+    assert!(
+        median < Duration::from_millis(40),
+        "new TLS connections took {took:?} (median {median:?}): Nagle's algorithm holds the \
+         handshake behind the server's delayed ACKs"
+    );
+    drop(held);
+    pool.close().await;
+    cleanup(env).await;
+}
