@@ -6,7 +6,7 @@
 //! parameter of every connect entry point (`Publisher::connect`, `Follower::follow`, ...),
 //! because one agent process has one trust.
 //!
-//! The AMQP link is opened here ([`amqp_connect`]) and closed here too ([`close_within`]), each
+//! The AMQP link is opened here ([`amqp_connect`]) and closed here too (`close_within`), each
 //! bounded, so a broker that goes silent costs a bounded wait, not the agent.
 
 use std::sync::OnceLock;

@@ -5,10 +5,10 @@
 //!
 //! # Layout
 //! - [`broker_user`]: second RabbitMQ users for tenant-proof tests, publishing as them.
-//! - [`env`]: the per-test database, broker names and tools file.
+//! - [`env`](mod@env): the per-test database, broker names and tools file.
 //! - [`procs`]: worker and downstream child processes.
 //! - [`agent`]: publishing intents and reading result events as an agent would.
-//! - [`bench`]: what the benchmarks share: publishing with confirms, a null downstream, CPU
+//! - [`bench`](mod@bench): what the benchmarks share: publishing with confirms, a null downstream, CPU
 //!   per process group from `/proc`, what a run wrote.
 //! - [`flags`]: command-line flags of the e2e binaries.
 //! - [`mcp_gateway`]: `publisher mcp` as a child process.

@@ -38,7 +38,7 @@ struct State {
 }
 
 impl FaultProxy {
-    /// Starts forwarding 127.0.0.1:<ephemeral> to `upstream` (host:port).
+    /// Starts forwarding `127.0.0.1:<ephemeral>` to `upstream` (host:port).
     pub async fn start(upstream: &str) -> FaultProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy addr");

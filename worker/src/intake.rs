@@ -6,7 +6,7 @@
 //!    is dead-lettered and answers nobody, whatever else is wrong with it;
 //! 3. **look up the inbox**: admissible intents are admitted (inserted or matched to their
 //!    row); refused messages' keys are looked up, read-only, in one query;
-//! 4. **answer or claim** ([`refusal_answer`], [`Answers`]): new rows are claimed for
+//! 4. **answer or claim** ([`refusal_answer`], `Answers`): new rows are claimed for
 //!    dispatch; everything else is answered — from the key's row whenever it has one.
 //!
 //! The tenant proof ([`TenantAuth`], the tools file's `[auth]` section) is applied in stage 2.

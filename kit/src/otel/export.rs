@@ -17,7 +17,7 @@
 //!   a full queue drops spans (the SDK counts and logs them), never blocks a worker.
 //! - [`Export::shutdown`] flushes what is queued within a budget, on a blocking thread.
 //! - **Sampling** is `OTEL_TRACES_SAMPLER` (default `parentbased_always_on`), with one addition:
-//!   a root span linked to a sampled span is sampled ([`FollowLinks`]). A recovery round or an
+//!   a root span linked to a sampled span is sampled (`FollowLinks`). A recovery round or an
 //!   operator action, a new root in the action's trace linked to its intent, is then recorded
 //!   exactly when the intent's trace is; a commit batch, when something it carried is.
 //! - [`decide`] asks the same sampler **before** a span exists, so hot paths create no span at
@@ -287,7 +287,7 @@ pub fn decide(parent: Option<&TraceContext>) -> Decision {
     }
 }
 
-/// Whether a root span linked to these contexts would be recorded ([`FollowLinks`]): when any
+/// Whether a root span linked to these contexts would be recorded (`FollowLinks`): when any
 /// of them is sampled, unless the sampler is `always_off`.
 pub fn any_sampled<'a>(links: impl IntoIterator<Item = &'a TraceContext>) -> bool {
     let Some(sampler) = SAMPLER.get() else {

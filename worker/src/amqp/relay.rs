@@ -5,11 +5,11 @@
 //! Two sources feed it. This worker's own completions arrive in memory, already claimed for
 //! it in the outbox by the commit that wrote them, in the batcher's relay epoch
 //! ([`crate::batch::completion`]); they go first, cost no claim statement, and are recorded
-//! published by advancing the epoch's watermark at most every [`POLL`] (a crash before that
+//! published by advancing the epoch's watermark at most every `POLL` (a crash before that
 //! publishes them again, never loses them). Everything else (intake answers, expiries,
 //! operator events, other workers' lapsed rows, hand-offs that were dropped, epochs retired
 //! here) is claimed from the outbox with `claim_unpublished`, when nothing was handed or at
-//! least every [`POLL`], and marked published row by row.
+//! least every `POLL`, and marked published row by row.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -100,7 +100,7 @@ impl Relay {
     }
 
     /// One relay round: take the handed events (up to a batch), claim from the outbox when
-    /// nothing was handed or the last claim is [`POLL`] old (so a steady stream of hand-offs
+    /// nothing was handed or the last claim is `POLL` old (so a steady stream of hand-offs
     /// never starves intake answers or lapsed rows), publish, await confirms, mark. Returns
     /// events published.
     pub async fn step(&self) -> Result<usize, AmqpError> {

@@ -233,6 +233,8 @@ pub struct EnvArgs {
     pub max_in_flight: usize,
     /// Identity in leases, history and the AMQP connection name; must differ per process
     /// [default: $HOSTNAME-<pid>].
+    // The text is `--help`'s, where <pid> is a placeholder, not an HTML tag.
+    #[allow(rustdoc::invalid_html_tags)]
     #[arg(long, env = "WORKER_ID", value_name = "WORKER_ID")]
     pub worker_id: Option<String>,
     /// Seconds in-flight work gets to record its outcome after SIGTERM (at least 1; see

@@ -68,8 +68,8 @@ impl From<sqlx::migrate::MigrateError> for LedgerError {
     }
 }
 
-/// One row of `operations`, as the worker reads it (decoded by [`decode_operation`]; its fields
-/// are [`OPERATION_COLUMNS`], in that order).
+/// One row of `operations`, as the worker reads it (decoded by `decode_operation`; its fields
+/// are `OPERATION_COLUMNS`, in that order).
 #[derive(Debug, Clone)]
 pub struct Operation {
     pub id: i64,
@@ -141,12 +141,12 @@ pub(crate) const OPERATION_COLUMNS: &str = "id, tenant, action_id, tool, fingerp
      first_dispatch_at, replay_deadline, receipt, receipt_id, evidence, last_reported, created_at, \
      updated_at, state_since, swept_at, traceparent, tracestate";
 
-/// How many columns [`OPERATION_COLUMNS`] names: one per field of [`Operation`].
+/// How many columns `OPERATION_COLUMNS` names: one per field of [`Operation`].
 const OPERATION_FIELDS: usize = 27;
 // [`OperationDecoder`] keeps a bit per field.
 const _: () = assert!(OPERATION_FIELDS <= u32::BITS as usize);
 
-/// The names in [`OPERATION_COLUMNS`], in order.
+/// The names in `OPERATION_COLUMNS`, in order.
 static OPERATION_COLUMN_NAMES: std::sync::LazyLock<Vec<&'static str>> =
     std::sync::LazyLock::new(|| OPERATION_COLUMNS.split(',').map(str::trim).collect());
 
@@ -156,7 +156,7 @@ impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for Operation {
     }
 }
 
-/// Decodes [`Operation`]s from rows that have every column of [`OPERATION_COLUMNS`]. The
+/// Decodes [`Operation`]s from rows that have every column of `OPERATION_COLUMNS`. The
 /// statements of the hot path select them first and in that order: those rows are read by
 /// position once their leading column names are seen to match, because a lookup by name hashes
 /// the name for every column of every row (about a third of the decoding). Any other row is
