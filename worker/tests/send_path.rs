@@ -23,6 +23,36 @@ async fn secs_ahead(db: &TestDb, id: i64, column: &str) -> f64 {
     .unwrap()
 }
 
+/// The database's clock, in seconds since the epoch.
+async fn db_clock(db: &TestDb) -> f64 {
+    sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+}
+
+/// Asserts that a statement run after `before` (the database's clock just before it) set
+/// `column` to its own `now()` plus `secs`. Measured against the clocks around the statement,
+/// not a later `now()`, so a busy machine pausing between the statement and this check does
+/// not fail it.
+async fn assert_set_ahead(db: &TestDb, id: i64, column: &str, before: f64, secs: f64) {
+    let after = db_clock(db).await;
+    let at: f64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT extract(epoch FROM {column})::float8 FROM operations WHERE id = $1"
+    )))
+    .bind(id)
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    // Float seconds since the epoch keep about a microsecond.
+    let slack = 0.001;
+    assert!(
+        at - before >= secs - slack && at - after <= secs + slack,
+        "{column} should be {secs} s past the statement's start, which lies between {before} \
+         and {after}: it is {at}"
+    );
+}
+
 async fn set(db: &TestDb, id: i64, assignment: &str) {
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE operations SET {assignment} WHERE id = $1"
@@ -47,15 +77,13 @@ async fn the_dispatch_fence_needs_this_fence_and_a_live_lease_and_renews_it_past
         .fence_send(op.id, op.fence, "another-worker", LEASE, TIMEOUT)
         .await
         .unwrap());
+    let before = db_clock(&db).await;
     assert!(l
         .fence_send(op.id, op.fence, WORKER_ID, LEASE, TIMEOUT)
         .await
         .unwrap());
-    let ahead = secs_ahead(&db, op.id, "lease_until").await;
-    assert!(
-        (4.5..=5.0).contains(&ahead),
-        "lease renewed to timeout + lease ahead: {ahead}"
-    );
+    // The lease is renewed to timeout + lease ahead.
+    assert_set_ahead(&db, op.id, "lease_until", before, 5.0).await;
     // The lease ran out on the database clock (a paused worker): no send.
     set(&db, op.id, "lease_until = now() - interval '1 millisecond'").await;
     assert!(!l
@@ -80,15 +108,13 @@ async fn the_replay_fence_needs_a_live_lease_and_an_answer_before_the_window_end
         &format!("lease_owner = '{WORKER_ID}', lease_until = now() + interval '30 seconds', replay_deadline = now() + interval '10 seconds'"),
     )
     .await;
+    let before = db_clock(&db).await;
     assert!(l
         .begin_replay(op.id, op.fence, WORKER_ID, LEASE, TIMEOUT, window, margin)
         .await
         .unwrap());
-    let next = secs_ahead(&db, op.id, "next_attempt_at").await;
-    assert!(
-        (4.5..=5.0).contains(&next),
-        "the next round waits past this replay: {next}"
-    );
+    // The next round waits past this replay (timeout + lease).
+    assert_set_ahead(&db, op.id, "next_attempt_at", before, 5.0).await;
     // 2.5 s left: a request sent now could be answered only 0.5 s before the end, inside the
     // 1 s margin.
     set(
@@ -205,6 +231,7 @@ async fn a_batched_fence_checks_each_row_on_its_own() {
             timeout: TIMEOUT,
         },
     ];
+    let before = db_clock(&db).await;
     let passed = db
         .ledger
         .fence_sends(&sends, WORKER_ID, LEASE)
@@ -215,11 +242,8 @@ async fn a_batched_fence_checks_each_row_on_its_own() {
         vec![false, true, false],
         "one answer per send, in order"
     );
-    let ahead = secs_ahead(&db, live.id, "lease_until").await;
-    assert!(
-        (4.5..=5.0).contains(&ahead),
-        "only the live row renewed: {ahead}"
-    );
+    // Only the live row renewed.
+    assert_set_ahead(&db, live.id, "lease_until", before, 5.0).await;
     assert!(secs_ahead(&db, expired.id, "lease_until").await < 0.0);
     // Through the worker's batcher: the same answer.
     assert!(ctx
