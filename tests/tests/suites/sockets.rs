@@ -91,12 +91,7 @@ async fn new_ledger_connections_over_tls_open_without_waiting_for_delayed_acks()
     let env = Env::new().await;
     let options: PgConnectOptions = env.db_url.parse().expect("TEST_DATABASE_URL");
     let options = options.ssl_mode(PgSslMode::Require);
-    let role = kit::pg::Role {
-        what: "ledger",
-        var: "DATABASE_URL",
-        failovers: "test_failovers_total",
-    };
-    let hosts = Arc::new(kit::pg::Hosts::single(role, options, true));
+    let hosts = Arc::new(kit::pg::Hosts::single(worker::ledger::ROLE, options, true));
     let pool = kit::pg::pool(
         hosts,
         kit::pg::PoolSettings {
