@@ -615,3 +615,74 @@ pub fn machine_busy() -> u64 {
         .filter_map(|&i| v.get(i))
         .sum()
 }
+
+/// The Erlang expression that rolls the local node's quorum-queue WAL over and returns once its
+/// segment writer has flushed the closed file: names from the `quorum_queues` Ra system, so it
+/// holds on 3.10 and 4.x alike.
+const WAL_ROLL_OVER: &str = "#{wal := W, segment_writer := S} = \
+maps:get(names, ra_system:fetch(quorum_queues)), ok = ra_log_wal:force_roll_over(W), \
+_ = sys:get_state(W), ra_log_segment_writer:await(S).";
+
+/// Rolls the quorum-queue write-ahead log of the RabbitMQ node on this machine over now
+/// (`rabbitmqctl eval`; `RABBITMQCTL` names another `rabbitmqctl`), and returns once the closed
+/// file's entries are in their queues' segments. The tool is an Erlang VM of its own (about
+/// 0.3 s of CPU): call it between measurements, not in one. Every quorum queue of a node appends to one
+/// WAL; at `raft.wal_max_size_bytes` (512 MiB by default) the node rolls it over by itself, and
+/// for tens of milliseconds while the segment writer flushes, every queue's deliveries wait.
+/// Where that falls depends on everything written before, so a benchmark that compares runs
+/// rolls it over between them. Needs the node's Erlang cookie (root or the `rabbitmq` user).
+pub async fn roll_over_broker_wal() -> Result<()> {
+    let ctl = std::env::var("RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
+    let out = tokio::process::Command::new(&ctl)
+        .args(["eval", WAL_ROLL_OVER])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .with_context(|| format!("run {ctl}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success() && stdout.trim() == "ok",
+        "{ctl} eval (roll the quorum WAL over): {}: {}{}",
+        out.status,
+        stdout.trim(),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(())
+}
+
+/// The quorum-queue WAL files the RabbitMQ processes on this machine hold open, sorted (empty
+/// when `/proc/<pid>/fd` of the broker cannot be read: another user without privileges). Two
+/// readings that differ mean the broker rolled its WAL over between them.
+pub fn broker_wal_files() -> Vec<String> {
+    let mut files = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return files;
+    };
+    for entry in dir.flatten() {
+        let pid = entry.file_name();
+        let Some(pid) = pid
+            .to_str()
+            .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let is_beam = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .is_ok_and(|c| c.trim() == "beam.smp");
+        let Some(fds) = is_beam
+            .then(|| std::fs::read_dir(format!("/proc/{pid}/fd")).ok())
+            .flatten()
+        else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if let Ok(target) = std::fs::read_link(fd.path()) {
+                let target = target.to_string_lossy().into_owned();
+                if target.contains("/quorum/") && target.ends_with(".wal") {
+                    files.push(target);
+                }
+            }
+        }
+    }
+    files.sort();
+    files
+}

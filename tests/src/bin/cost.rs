@@ -7,7 +7,7 @@
 //! ```sh
 //! cargo build --release --workspace
 //! INTENT_BIN_DIR=target/release target/release/cost [--intents 20000] [--prefetch 256] \
-//!     [--runs 2] [--latency-runs 5] [--latency-secs 10]
+//!     [--runs 2] [--latency-runs 5] [--latency-secs 10] [--wal-roll-over before|off]
 //! ```
 //!
 //! Needs Postgres and RabbitMQ as the e2e suites do (`TEST_DATABASE_URL`, `TEST_AMQP_URL`),
@@ -24,8 +24,10 @@
 //!    started and the clock runs from its start to the N-th `succeeded` result (printed too:
 //!    from its start to the first result, the start-up the drain includes). CPU of every
 //!    process of each component from `/proc/<pid>/stat` before and after (`e2e::bench`),
-//!    row versions (`pg_stat_user_tables`), WAL bytes (`pg_current_wal_lsn`). Verified: every
-//!    operation `succeeded`, one downstream write per intent.
+//!    row versions (`pg_stat_user_tables`, read once the worker has been stopped and its
+//!    backends have exited: a live backend reports its counters seconds late), WAL bytes
+//!    (`pg_current_wal_lsn`). Verified: every operation `succeeded`, one downstream write per
+//!    intent.
 //!
 //! Then `--latency-runs` times: a fresh worker, intents published open-loop at half the mean
 //! drain rate (or at `--latency-rate`, to compare workers at one rate; the p99 target is then
@@ -43,6 +45,16 @@
 //! follower reads the results. Its p50 and p99 are what the broker and its clients leave of the
 //! 50 ms with no ledger and no downstream; its CPU is RabbitMQ's and this process's per message.
 //!
+//! RabbitMQ's quorum queues share one write-ahead log per node; left alone, the broker rolls it
+//! over every 512 MiB written, wherever the bytes written before (earlier phases, other tests)
+//! bring it due, and while its segment writer flushes the closed file every queue's deliveries
+//! wait for tens of milliseconds: a stall that lands in one latency run and not in the next. So
+//! the benchmark rolls it over itself before each measured phase (`--wal-roll-over before`, the
+//! default; `rabbitmqctl eval`, which needs the node's Erlang cookie: without it the benchmark
+//! says so and leaves the WAL alone); `--wal-roll-over off` leaves it alone. Every phase's line
+//! says when the broker's WAL rolled over during it, and a latency line how many intents took
+//! over 50 ms and when they were published.
+//!
 //! The targets are printed with the figures (PASS/FAIL): worker ≤ 80 µs, Postgres ≤ 200 µs and
 //! RabbitMQ ≤ 120 µs per intent; at most 4 row versions per intent in the tables an intent
 //! writes (every table's count, with the per-second writes of heartbeats and relay watermarks,
@@ -56,8 +68,9 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context as _, Result};
 use e2e::bench::{
-    build_messages, check_confirm, confirm_channel, consume_on, declare_quorum, pct, publish_all,
-    publish_open_loop, state_counts, us_per, CpuSample, CpuSplit, NullDownstream, Written,
+    broker_wal_files, build_messages, check_confirm, confirm_channel, consume_on, declare_quorum,
+    pct, publish_all, publish_open_loop, roll_over_broker_wal, run_backends, state_counts, us_per,
+    CpuSample, CpuSplit, NullDownstream, Written,
 };
 use e2e::{cleanup, Env, Worker, WorkerOptions};
 use futures_lite::StreamExt;
@@ -75,10 +88,23 @@ const WAL_REFERENCE: f64 = 5080.0;
 
 const USAGE: &str = "usage: cost [--intents N (20000)] [--prefetch P (256)] [--runs R (2)] \
 [--latency-runs L (5)] [--latency-secs S (10)] [--latency-rate R (half the drain rate)] \
-[--timeout-secs T (300)] [--worker-env K=V]...
+[--timeout-secs T (300)] [--wal-roll-over before|off (before)] [--worker-env K=V]...
 
 Set INTENT_BIN_DIR to the directory holding the release `worker` binary (default: the directory
 of this executable). Postgres/RabbitMQ: TEST_DATABASE_URL / TEST_AMQP_URL.";
+
+/// When the benchmark rolls RabbitMQ's quorum-queue WAL over
+/// ([`roll_over_broker_wal`]). Every phase's line says whether the broker's WAL rolled over
+/// during it ([`broker_wal_files`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum WalRoll {
+    /// Before every measured phase: each starts with the broker's WAL fresh, so none holds a
+    /// roll-over that the bytes written before it (earlier phases, other tests) happened to
+    /// bring due.
+    Before,
+    /// Never: the broker rolls over where its WAL fills.
+    Off,
+}
 
 struct Args {
     intents: usize,
@@ -90,6 +116,7 @@ struct Args {
     /// target's rate): to compare workers at one rate.
     latency_rate: Option<f64>,
     timeout: Duration,
+    wal_roll: WalRoll,
     /// More environment for the workers (`--worker-env RUST_LOG=warn`), to measure a setting.
     worker_env: Vec<(String, String)>,
 }
@@ -103,6 +130,7 @@ fn parse_args() -> Result<Args> {
         latency_secs: 10,
         latency_rate: None,
         timeout: Duration::from_secs(300),
+        wal_roll: WalRoll::Before,
         worker_env: Vec::new(),
     };
     let raw: Vec<String> = std::env::args().skip(1).collect();
@@ -120,6 +148,13 @@ fn parse_args() -> Result<Args> {
             "--latency-secs" => args.latency_secs = n()?,
             "--latency-rate" => args.latency_rate = Some(n()? as f64),
             "--timeout-secs" => args.timeout = Duration::from_secs(n()?),
+            "--wal-roll-over" => {
+                args.wal_roll = match value.as_str() {
+                    "before" => WalRoll::Before,
+                    "off" => WalRoll::Off,
+                    _ => bail!("--wal-roll-over {value:?}: expected before or off"),
+                }
+            }
             "--worker-env" => {
                 let (k, v) = value
                     .split_once('=')
@@ -173,7 +208,7 @@ struct Relay {
     cpu: CpuSplit,
 }
 
-async fn run(args: Args) -> Result<()> {
+async fn run(mut args: Args) -> Result<()> {
     let n = args.intents;
     println!(
         "cost: N={n} P={} runs={} worker binary={} started={}",
@@ -182,31 +217,51 @@ async fn run(args: Args) -> Result<()> {
         e2e::procs::bin_dir().join("worker").display(),
         chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
     );
+    if args.wal_roll != WalRoll::Off {
+        if let Err(e) = roll_over_broker_wal().await {
+            println!(
+                "RabbitMQ's quorum WAL cannot be rolled over from here ({e:#}); it rolls over \
+                 where it fills"
+            );
+            args.wal_roll = WalRoll::Off;
+        }
+    }
+    println!(
+        "RabbitMQ's quorum WAL: {}",
+        match args.wal_roll {
+            WalRoll::Before => "rolled over before each measured phase",
+            WalRoll::Off => "left to roll over where it fills",
+        }
+    );
     let messages = Arc::new(build_messages(n, TENANT, TOOL));
     let downstream = NullDownstream::start().await?;
     let mut drains = Vec::new();
     let mut relays = Vec::new();
     for r in 1..=args.runs {
+        let wal = before_phase(&args).await?;
         let relay = relay_ceiling(&messages, &args)
             .await
             .context("relay ceiling")?;
         println!(
-            "run {r}: relay ceiling {:.0}/s, RabbitMQ {:.0} µs per message",
+            "run {r}: relay ceiling {:.0}/s, RabbitMQ {:.0} µs per message{}",
             relay.rate,
-            us_per(relay.cpu.rabbit, n)
+            us_per(relay.cpu.rabbit, n),
+            rolled_over_since(&wal)
         );
+        let wal = before_phase(&args).await?;
         let drain = drain(&messages, &downstream, &args)
             .await
             .context("drain")?;
         println!(
             "run {r}: drain {:.0}/s ({:.3} of the relay ceiling), first result after {} ms; per \
-             intent: worker {:.0} µs, Postgres {:.0} µs, RabbitMQ {:.0} µs",
+             intent: worker {:.0} µs, Postgres {:.0} µs, RabbitMQ {:.0} µs{}",
             drain.rate,
             drain.rate / relay.rate,
             drain.first_result.as_millis(),
             us_per(drain.cpu.worker, n),
             us_per(drain.cpu.postgres, n),
-            us_per(drain.cpu.rabbit, n)
+            us_per(drain.cpu.rabbit, n),
+            rolled_over_since(&wal)
         );
         relays.push(relay);
         drains.push(drain);
@@ -216,31 +271,37 @@ async fn run(args: Args) -> Result<()> {
     let mut p99s = Vec::new();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     for r in 1..=args.latency_runs {
+        let wal = before_phase(&args).await?;
         let floor = broker_floor(rate, &args)
             .await
             .with_context(|| format!("broker floor {r}"))?;
         println!(
-            "broker floor {r}: {} at {rate:.0}/s: p50 {:.1} ms, p99 {:.1} ms; per message: \
-             RabbitMQ {:.0} µs, bench {:.0} µs; machine busy {:.2} of {cores} cores",
+            "broker floor {r}: {} at {rate:.0}/s: p50 {:.1} ms, p99 {:.1} ms{}; per message: \
+             RabbitMQ {:.0} µs, bench {:.0} µs; machine busy {:.2} of {cores} cores{}",
             floor.steady.count,
             ms(floor.steady.p50),
             ms(floor.steady.p99),
+            floor.slow_note(),
             us_per(floor.cpu.rabbit, floor.intents),
             us_per(floor.cpu.bench, floor.intents),
             floor.busy(),
+            rolled_over_since(&wal)
         );
+        let wal = before_phase(&args).await?;
         let run = latency(rate, &downstream, &args)
             .await
             .with_context(|| format!("latency run {r}"))?;
         let (steady, cold, n) = (run.steady, run.cold, run.intents);
+        let rolled = rolled_over_since(&wal);
         println!(
-            "latency run {r}: {} intents at {rate:.0}/s: p50 {:.1} ms, p99 {:.1} ms \
+            "latency run {r}: {} intents at {rate:.0}/s: p50 {:.1} ms, p99 {:.1} ms{} \
              (first second: {} intents, p50 {:.1} ms, p99 {:.1} ms); per intent: worker {:.0} µs, \
              Postgres {:.0} µs, RabbitMQ {:.0} µs, bench {:.0} µs; machine busy {:.2} of {cores} \
-             cores",
+             cores{rolled}",
             steady.count,
             ms(steady.p50),
             ms(steady.p99),
+            run.slow_note(),
             cold.count,
             ms(cold.p50),
             ms(cold.p99),
@@ -252,7 +313,7 @@ async fn run(args: Args) -> Result<()> {
         );
         // The target is judged at half the drain rate only.
         if args.latency_rate.is_none() {
-            p99s.push(steady.p99);
+            p99s.push((steady.p99, !rolled.is_empty()));
         }
     }
     report(&drains, &relays, &p99s, half);
@@ -263,7 +324,30 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-fn report(drains: &[Drain], relays: &[Relay], p99s: &[Duration], half: f64) {
+/// Rolls the broker's WAL over before a phase when `--wal-roll-over` asks for it; returns the
+/// WAL files open as the phase starts, for [`rolled_over_since`].
+async fn before_phase(args: &Args) -> Result<Vec<String>> {
+    if args.wal_roll == WalRoll::Before {
+        roll_over_broker_wal()
+            .await
+            .context("roll RabbitMQ's quorum WAL over")?;
+    }
+    Ok(broker_wal_files())
+}
+
+/// "; RabbitMQ's WAL rolled over during it" when the broker's open WAL file is another than at
+/// the phase's start (nothing when either reading is empty: the broker's `/proc` unreadable).
+fn rolled_over_since(at_start: &[String]) -> &'static str {
+    let now = broker_wal_files();
+    if !at_start.is_empty() && !now.is_empty() && now != at_start {
+        "; RabbitMQ's WAL rolled over during it"
+    } else {
+        ""
+    }
+}
+
+/// `p99s`: each judged latency run's p99, and whether the broker's WAL rolled over during it.
+fn report(drains: &[Drain], relays: &[Relay], p99s: &[(Duration, bool)], half: f64) {
     println!();
     println!(
         "{:<6} {:>8} {:>8} {:>7} {:>10} {:>10} {:>10} {:>8} {:>8} {:>9}   relay: rabbit µs/msg",
@@ -319,7 +403,8 @@ fn report(drains: &[Drain], relays: &[Relay], p99s: &[Duration], half: f64) {
         d.written
             .map_or(f64::MAX, |w| w.wal_bytes as f64 / d.n as f64)
     });
-    let p99 = p99s.iter().max().copied();
+    let p99 = p99s.iter().map(|&(p, _)| p).max();
+    let rolled = p99s.iter().filter(|&&(_, rolled)| rolled).count();
     let targets: [(&str, String, bool); 7] = [
         (
             "worker ≤ 80 µs per intent",
@@ -354,7 +439,15 @@ fn report(drains: &[Drain], relays: &[Relay], p99s: &[Duration], half: f64) {
         (
             "p99 ≤ 50 ms at half the drain rate, every run",
             p99.map_or("not run".into(), |p| {
-                format!("{:.1} ms worst of {} at {half:.0}/s", ms(p), p99s.len())
+                let rolled = match rolled {
+                    0 => String::new(),
+                    k => format!(" ({k} with a WAL roll-over)"),
+                };
+                format!(
+                    "{:.1} ms worst of {}{rolled} at {half:.0}/s",
+                    ms(p),
+                    p99s.len()
+                )
             }),
             p99.is_some_and(|p| p <= Duration::from_millis(50)),
         ),
@@ -565,6 +658,7 @@ async fn drain_in(
     // Settle the statistics of the set-up, then sample and start the worker.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let written_before = Written::take(env).await;
+    let own_backends = run_backends(env).await.unwrap_or_default();
     let before = CpuSample::take(&[]);
     let started = Instant::now();
     let mut worker = Worker::spawn(env, "cost-w", &opts);
@@ -589,12 +683,15 @@ async fn drain_in(
     let after = CpuSample::take(&[pid]);
     // The worker's pid was unknown at the first sample: it started from zero.
     let cpu = after.since(&before);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    ensure!(worker.is_running(), "the worker exited during the drain");
+    // A live backend hands its table counters to the statistics only now and then (up to
+    // seconds late once it is idle); one that exits hands them over as it goes. So the rows
+    // are counted once the worker's backends are gone.
+    drop(worker);
+    backends_gone(env, &own_backends).await;
     let written = written_before
         .zip(Written::take(env).await)
         .map(|(a, b)| b.since(&a));
-    ensure!(worker.is_running(), "the worker exited during the drain");
-    drop(worker);
     let _ = follower.close().await;
     let states = state_counts(env).await?;
     ensure!(
@@ -613,6 +710,28 @@ async fn drain_in(
         written,
         n,
     })
+}
+
+/// Waits (up to 10 s, then warns) until the only backends of the run's database are `own`, the
+/// benchmark's.
+async fn backends_gone(env: &Env, own: &[u32]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: Vec<u32> = run_backends(env)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|pid| !own.contains(pid))
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        if Instant::now() >= deadline {
+            eprintln!("warning: backends {left:?} still connected; rows counted without them");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Latency percentiles over a set of intents.
@@ -647,12 +766,30 @@ impl Percentiles {
 struct LatencyRun {
     steady: Percentiles,
     cold: Percentiles,
+    /// Of the intents after the first second, those over the target's 50 ms: how many, and
+    /// when the first and the last of them were published (from the run's start): a stall
+    /// shows as many in a short span.
+    slow: Option<(usize, Duration, Duration)>,
     cpu: CpuSplit,
     intents: usize,
     elapsed: Duration,
 }
 
+/// The latency target of one intent.
+const SLOW: Duration = Duration::from_millis(50);
+
 impl LatencyRun {
+    /// ", N over 50 ms published between a and b s in", or nothing.
+    fn slow_note(&self) -> String {
+        self.slow.map_or(String::new(), |(n, first, last)| {
+            format!(
+                ", {n} over 50 ms published {:.2}–{:.2} s in",
+                first.as_secs_f64(),
+                last.as_secs_f64()
+            )
+        })
+    }
+
     /// Cores of the machine busy over the run.
     fn busy(&self) -> f64 {
         self.cpu.busy_cores(self.elapsed)
@@ -739,6 +876,7 @@ async fn open_loop(
         })
     };
     let mut latencies = Vec::with_capacity(count);
+    let mut slow: Option<(usize, Duration, Duration)> = None;
     let mut cold = Vec::new();
     let warm = started + Duration::from_secs(1);
     let mut done = 0usize;
@@ -756,7 +894,17 @@ async fn open_loop(
             .get(&ev.action_id)
             .and_then(|&i| sent.lock().expect("not poisoned")[i]);
         match at {
-            Some(at) if at >= warm => latencies.push(now - at),
+            Some(at) if at >= warm => {
+                let took = now - at;
+                if took > SLOW {
+                    let since = at - started;
+                    let (n, first, last) = slow.get_or_insert((0, since, since));
+                    *n += 1;
+                    *first = (*first).min(since);
+                    *last = (*last).max(since);
+                }
+                latencies.push(took);
+            }
             Some(at) => cold.push(now - at),
             None => {}
         }
@@ -770,6 +918,7 @@ async fn open_loop(
     Ok(LatencyRun {
         steady: Percentiles::of(latencies),
         cold: Percentiles::of(cold),
+        slow,
         cpu,
         intents: count,
         elapsed,

@@ -5,6 +5,7 @@
 
 mod agent_side;
 mod alert_metrics;
+mod bench_tools;
 mod check_tool;
 mod cluster_failover;
 mod config;
