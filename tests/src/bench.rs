@@ -1,7 +1,7 @@
 //! What the benchmarks share (`throughput`, `cost`): intents to publish and publishing them with a
 //! window of confirms, consuming, a null downstream that answers every write with a matching
-//! receipt at once, CPU time per process group read from `/proc`, and what a run wrote into its
-//! database.
+//! receipt at once, CPU time per process group read from `/proc`, what a run wrote into its
+//! database, and RabbitMQ's quorum-queue WAL (rolled over between phases, a roll-over seen).
 //!
 //! CPU accounting counts every process of a group for the whole interval: the live processes'
 //! own time (utime + stime, all threads), and the time of those that exited meanwhile, which
@@ -626,11 +626,12 @@ _ = sys:get_state(W), ra_log_segment_writer:await(S).";
 /// Rolls the quorum-queue write-ahead log of the RabbitMQ node on this machine over now
 /// (`rabbitmqctl eval`; `RABBITMQCTL` names another `rabbitmqctl`), and returns once the closed
 /// file's entries are in their queues' segments. The tool is an Erlang VM of its own (about
-/// 0.3 s of CPU): call it between measurements, not in one. Every quorum queue of a node appends to one
-/// WAL; at `raft.wal_max_size_bytes` (512 MiB by default) the node rolls it over by itself, and
-/// for tens of milliseconds while the segment writer flushes, every queue's deliveries wait.
-/// Where that falls depends on everything written before, so a benchmark that compares runs
-/// rolls it over between them. Needs the node's Erlang cookie (root or the `rabbitmq` user).
+/// 0.3 s of CPU): call it between measurements, not in one. Every quorum queue of a node
+/// appends to one WAL; at `raft.wal_max_size_bytes` (512 MiB by default) the node rolls it over
+/// by itself, and for tens of milliseconds while the segment writer flushes, every queue's
+/// deliveries wait. Where that falls depends on everything written before, so a benchmark that
+/// compares runs rolls it over between them. Needs the node's Erlang cookie (root or the
+/// `rabbitmq` user).
 pub async fn roll_over_broker_wal() -> Result<()> {
     let ctl = std::env::var("RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
     let out = tokio::process::Command::new(&ctl)
