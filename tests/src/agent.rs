@@ -237,18 +237,8 @@ pub(crate) async fn remove_test_objects(
 /// that reused a pid is hit).
 fn kill_workers_of(id: &str) {
     let suffix = format!("-{id}");
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+    for pid in crate::procs::all_pids() {
+        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
             continue;
         };
         let ours = environ.split(|&b| b == 0).any(|var| {

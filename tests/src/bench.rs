@@ -498,6 +498,13 @@ impl CpuSplit {
 /// The component of a process named `comm` (not a worker): Postgres is every `postgres`
 /// process (postmaster, backends, WAL writer, checkpointer, autovacuum...), RabbitMQ the Erlang
 /// VM and its helpers.
+/// The command name of process `pid` (`/proc/<pid>/comm`), if it still runs.
+fn comm(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .ok()
+        .map(|c| c.trim().to_string())
+}
+
 fn group_of(comm: &str) -> Option<Group> {
     match comm {
         "postgres" => Some(Group::Postgres),
@@ -509,29 +516,17 @@ fn group_of(comm: &str) -> Option<Group> {
 impl CpuSample {
     pub fn take(worker_pids: &[u32]) -> CpuSample {
         let mut per_pid = HashMap::new();
-        if let Ok(dir) = std::fs::read_dir("/proc") {
-            for entry in dir.flatten() {
-                let Some(pid) = entry
-                    .file_name()
-                    .to_str()
-                    .and_then(|s| s.parse::<u32>().ok())
-                else {
-                    continue;
-                };
-                let group = if worker_pids.contains(&pid) {
-                    Group::Worker
-                } else {
-                    match std::fs::read_to_string(format!("/proc/{pid}/comm")) {
-                        Ok(comm) => match group_of(comm.trim()) {
-                            Some(g) => g,
-                            None => continue,
-                        },
-                        Err(_) => continue,
-                    }
-                };
-                if let Some((own, children)) = proc_times(&format!("/proc/{pid}/stat")) {
-                    per_pid.insert(pid, (group, own, children));
+        for pid in crate::procs::all_pids() {
+            let group = if worker_pids.contains(&pid) {
+                Group::Worker
+            } else {
+                match comm(pid).as_deref().and_then(group_of) {
+                    Some(g) => g,
+                    None => continue,
                 }
+            };
+            if let Some((own, children)) = proc_times(&format!("/proc/{pid}/stat")) {
+                per_pid.insert(pid, (group, own, children));
             }
         }
         CpuSample {
@@ -656,23 +651,11 @@ pub async fn roll_over_broker_wal() -> Result<()> {
 /// readings that differ mean the broker rolled its WAL over between them.
 pub fn broker_wal_files() -> Vec<String> {
     let mut files = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return files;
-    };
-    for entry in dir.flatten() {
-        let pid = entry.file_name();
-        let Some(pid) = pid
-            .to_str()
-            .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
-        else {
+    for pid in crate::procs::all_pids() {
+        if comm(pid).as_deref() != Some("beam.smp") {
             continue;
-        };
-        let is_beam = std::fs::read_to_string(format!("/proc/{pid}/comm"))
-            .is_ok_and(|c| c.trim() == "beam.smp");
-        let Some(fds) = is_beam
-            .then(|| std::fs::read_dir(format!("/proc/{pid}/fd")).ok())
-            .flatten()
-        else {
+        }
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
             continue;
         };
         for fd in fds.flatten() {

@@ -11,6 +11,17 @@ use std::time::Duration;
 
 use crate::env::Env;
 
+/// Every process on this machine, by pid: the numeric entries of `/proc` (none when it cannot
+/// be read). A process may be gone by the time its entries are read; callers skip those.
+pub fn all_pids() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
 /// Directory holding the workspace's built binaries: `INTENT_BIN_DIR` when set (e.g.
 /// `target/release` for the throughput benchmark), else target/debug.
 pub fn bin_dir() -> PathBuf {

@@ -544,18 +544,14 @@ rm -rf "$DIR""#;
 
 /// SIGKILLs every process (but this one) whose working directory is `dir` or inside it.
 fn kill_processes_under(dir: &Path) {
-    let me = std::process::id().to_string();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let pid = entry.file_name().to_string_lossy().to_string();
-        if pid == me || !pid.bytes().all(|b| b.is_ascii_digit()) {
+    let me = std::process::id();
+    for pid in crate::procs::all_pids() {
+        if pid == me {
             continue;
         }
-        if std::fs::read_link(entry.path().join("cwd")).is_ok_and(|cwd| cwd.starts_with(dir)) {
+        if std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(dir)) {
             let _ = Command::new("kill")
-                .args(["-KILL", &pid])
+                .args(["-KILL", &pid.to_string()])
                 .stderr(Stdio::null())
                 .status();
         }

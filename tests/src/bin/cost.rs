@@ -246,7 +246,7 @@ async fn run(mut args: Args) -> Result<()> {
             "run {r}: relay ceiling {:.0}/s, RabbitMQ {:.0} µs per message{}",
             relay.rate,
             us_per(relay.cpu.rabbit, n),
-            rolled_over_since(&wal)
+            rolled_note(rolled_over_since(&wal))
         );
         let wal = before_phase(&args).await?;
         let drain = drain(&messages, &downstream, &args)
@@ -261,7 +261,7 @@ async fn run(mut args: Args) -> Result<()> {
             us_per(drain.cpu.worker, n),
             us_per(drain.cpu.postgres, n),
             us_per(drain.cpu.rabbit, n),
-            rolled_over_since(&wal)
+            rolled_note(rolled_over_since(&wal))
         );
         relays.push(relay);
         drains.push(drain);
@@ -285,7 +285,7 @@ async fn run(mut args: Args) -> Result<()> {
             us_per(floor.cpu.rabbit, floor.intents),
             us_per(floor.cpu.bench, floor.intents),
             floor.busy(),
-            rolled_over_since(&wal)
+            rolled_note(rolled_over_since(&wal))
         );
         let wal = before_phase(&args).await?;
         let run = latency(rate, &downstream, &args)
@@ -297,7 +297,7 @@ async fn run(mut args: Args) -> Result<()> {
             "latency run {r}: {} intents at {rate:.0}/s: p50 {:.1} ms, p99 {:.1} ms{} \
              (first second: {} intents, p50 {:.1} ms, p99 {:.1} ms); per intent: worker {:.0} µs, \
              Postgres {:.0} µs, RabbitMQ {:.0} µs, bench {:.0} µs; machine busy {:.2} of {cores} \
-             cores{rolled}",
+             cores{}",
             steady.count,
             ms(steady.p50),
             ms(steady.p99),
@@ -310,10 +310,11 @@ async fn run(mut args: Args) -> Result<()> {
             us_per(run.cpu.rabbit, n),
             us_per(run.cpu.bench, n),
             run.busy(),
+            rolled_note(rolled),
         );
         // The target is judged at half the drain rate only.
         if args.latency_rate.is_none() {
-            p99s.push((steady.p99, !rolled.is_empty()));
+            p99s.push((steady.p99, rolled));
         }
     }
     report(&drains, &relays, &p99s, half);
@@ -335,11 +336,16 @@ async fn before_phase(args: &Args) -> Result<Vec<String>> {
     Ok(broker_wal_files())
 }
 
-/// "; RabbitMQ's WAL rolled over during it" when the broker's open WAL file is another than at
-/// the phase's start (nothing when either reading is empty: the broker's `/proc` unreadable).
-fn rolled_over_since(at_start: &[String]) -> &'static str {
+/// Whether the broker's open WAL file is another than at the phase's start (never when either
+/// reading is empty: the broker's `/proc` unreadable).
+fn rolled_over_since(at_start: &[String]) -> bool {
     let now = broker_wal_files();
-    if !at_start.is_empty() && !now.is_empty() && now != at_start {
+    !at_start.is_empty() && !now.is_empty() && now != at_start
+}
+
+/// The end of a phase's line: whether the broker's WAL rolled over during it.
+fn rolled_note(rolled: bool) -> &'static str {
+    if rolled {
         "; RabbitMQ's WAL rolled over during it"
     } else {
         ""
