@@ -1,6 +1,8 @@
 # syntax=docker/dockerfile:1
 # Two images from one build stage:
-#   worker (default target): `worker` and `publisher`, the production image.
+#   worker (default target): `worker` and `publisher`, the production image, and `demo-agent`
+#       (examples/demo-agent, the compose demo's agent; an example built on the publisher library,
+#       no part of a release of your own).
 #       docker build -t intent-worker:dev .
 #   downstream: `reference-downstream`, the demo's and tests' business service; never in the
 #       worker's image.
@@ -19,15 +21,17 @@ WORKDIR /src
 # The code uses no compile-time-checked sqlx queries, so no database is needed to build.
 ENV CARGO_TERM_COLOR=never
 COPY . .
-# The release set: never the `fault-points` feature (docs/design.md section 9). With resolver 2,
-# only the e2e test crate enables it, and that crate is not selected; the guard below proves it.
+# The release set (README, "Development") and the example agent: never the `fault-points`
+# feature (docs/design.md section 9). With resolver 2, only the e2e test crate enables it, and
+# that crate is not selected; the guard below proves it. The example links the publisher library
+# and adds no feature to the others, so the worker and publisher binaries are the release set's.
 # The worker's `jemalloc` feature gives it jemalloc as its allocator (docs/benchmarks.md, "Cost
 # per intent").
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target \
     set -eux; \
-    release="-p intent-worker -p intent-publisher -p reference-downstream"; \
+    release="-p intent-worker -p intent-publisher -p reference-downstream -p demo-agent"; \
     for crate in intent-worker intent-publisher; do \
         if cargo tree --locked -e features -i $crate $release | grep -q 'feature "fault-points"'; then \
             echo "refusing to build: fault-points is enabled for $crate in the release set" >&2; exit 1; \
@@ -35,7 +39,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     done; \
     cargo build --release --locked $release --features intent-worker/jemalloc; \
     mkdir -p /out; \
-    cp target/release/worker target/release/publisher target/release/reference-downstream /out/
+    cp target/release/worker target/release/publisher target/release/reference-downstream \
+        target/release/demo-agent /out/
 
 # ---- runtime base --------------------------------------------------------------------------------
 FROM debian:bookworm-20251229-slim AS runtime
@@ -72,7 +77,7 @@ LABEL org.opencontainers.image.title="intent-worker" \
       org.opencontainers.image.source="${SOURCE}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="${VERSION}"
-COPY --from=build /out/worker /out/publisher /usr/local/bin/
+COPY --from=build /out/worker /out/publisher /out/demo-agent /usr/local/bin/
 # Listen on all interfaces inside the container: metrics/health (9464) and the admin API (8080,
 # which stays off until WORKER_ADMIN_TOKEN or WORKER_TENANT_TOKENS is set).
 ENV METRICS_ADDR=0.0.0.0:9464 \

@@ -7,16 +7,18 @@
 #   scripts/demo.sh --once              the same, then check the summary against the
 #                                       downstream's own table, stop everything and exit
 #                                       (0: every check passed, 1: one failed, 2: set-up)
-#   scripts/demo.sh --bin-dir DIR       use the worker, publisher and reference-downstream
-#                                       binaries in DIR instead of building (e.g. target/debug)
+#   scripts/demo.sh --bin-dir DIR       use the worker, publisher, reference-downstream and
+#                                       demo-agent binaries in DIR instead of building (e.g.
+#                                       target/debug)
 #
 # It creates (dropping any earlier copy) the databases intent_demo_ledger, intent_demo_agent and
 # intent_demo_downstream, starts the reference downstream, two workers (worker-1 with the admin
 # and status API) and the agent-side relay (`publisher relay`), then runs the demo agent
-# (`publisher demo --scenario full`): refunds through the agent's transactional outbox, every
-# third one again with its JSON reordered and re-spaced (answered from the ledger), one action id
-# reused with other arguments (refused: intent_conflict) and one `deploy` (a tool without
-# recovery) whose reply the downstream loses after committing (pending, then held for a person).
+# (`demo-agent --scenario full`, examples/demo-agent): refunds through the agent's transactional
+# outbox, every third one again with its JSON reordered and re-spaced (answered from the ledger),
+# one action id reused with other arguments (refused: intent_conflict) and one `deploy` (a tool
+# without recovery) whose reply the downstream loses after committing (pending, then held for a
+# person).
 # Broker names are its own (intent-demo.intents, intent-demo.results, intent-demo.intents.dlx,
 # intent-demo.intents.dead); the admin API on worker-1 takes DEMO_ADMIN_TOKEN, the status API
 # also the tenant token demo-shop-status-token.
@@ -305,14 +307,15 @@ if [ -z "$BIN_DIR" ]; then
     command -v cargo >/dev/null 2>&1 ||
         fail "cargo not found: install Rust (https://rustup.rs), or pass --bin-dir DIR with built binaries" 2
     say "--- building the release binaries (cargo may first wait for the build directory's lock)"
-    # Never --workspace here: the e2e crate would turn on the worker's fault points.
+    # Never --workspace here: the e2e crate would turn on the worker's fault points. The release
+    # set (README, "Development") and the example agent.
     waited cargo build --release --locked -p intent-worker -p intent-publisher -p reference-downstream \
-        --features intent-worker/jemalloc ||
+        -p demo-agent --features intent-worker/jemalloc ||
         fail "cargo build failed" 2
     BIN_DIR=$TARGET/release
 fi
 BIN_DIR=$(cd "$BIN_DIR" 2>/dev/null && pwd) || fail "--bin-dir: no such directory" 2
-for bin in worker publisher reference-downstream; do
+for bin in worker publisher reference-downstream demo-agent; do
     [ -x "$BIN_DIR/$bin" ] || fail "$BIN_DIR/$bin is missing (build it, or run without --bin-dir)" 2
 done
 say "binaries: $BIN_DIR ($((SECONDS - t_build))s)"
@@ -375,7 +378,7 @@ say "armed the downstream's drop_after_commit fault for $TENANT:$HELD"
 t_agent=$SECONDS
 agent_rc=0
 waited timeout 120 "${PUBLISHER_ENV[@]}" "PUBLISHER_STATUS_URL=http://127.0.0.1:$ADMIN_PORT" \
-    "PUBLISHER_STATUS_TOKEN=$TENANT_TOKEN" "$BIN_DIR/publisher" demo --scenario full \
+    "PUBLISHER_STATUS_TOKEN=$TENANT_TOKEN" "$BIN_DIR/demo-agent" --scenario full \
     --tenant "$TENANT" --tool refund --count "$COUNT" --interval-ms 100 --duplicate-every 3 \
     --held-tool deploy --run-id "$RUN_ID" --answer-timeout 20s \
     >"$STATE/agent.out" 2>"$STATE/agent.log" || agent_rc=$?

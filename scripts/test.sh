@@ -328,9 +328,10 @@ step "promtool check rules" promtool check rules deploy/prometheus/alerts.yml
 step "promtool test rules" promtool test rules deploy/prometheus/alerts_test.yml
 step "kubernetes manifests (offline)" scripts/validate-k8s.sh
 step "compose file" check_compose
-# The end-to-end suites run the built binaries (worker with fault points, reference-downstream);
-# the Python client's differential test runs the protocol's decoder example. One cargo build for
-# all of them, so the example compiles while the binaries link.
+# The end-to-end suites run the built binaries (worker with fault points, reference-downstream,
+# publisher, the example agent demo-agent); the Python client's differential test runs the
+# protocol's decoder example. One cargo build for all of them, so the example compiles while the
+# binaries link.
 step "cargo build (libraries, binaries, examples; clippy's lints, -D warnings)" \
     cargo build --workspace --locked --lib --bins --examples
 
@@ -350,7 +351,7 @@ stage_binaries() {
     STAGED_BIN=$target/staged-bin
     rm -rf "$STAGED_BIN" && mkdir -p "$STAGED_BIN" || return 1
     cp "$target/debug/worker" "$target/debug/publisher" "$target/debug/reference-downstream" \
-        "$target/debug/examples/decode_hex" "$STAGED_BIN/" || return 1
+        "$target/debug/demo-agent" "$target/debug/examples/decode_hex" "$STAGED_BIN/" || return 1
     await_venvs
 }
 

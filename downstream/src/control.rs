@@ -10,24 +10,23 @@
 
 use serde_json::json;
 
-use crate::faults::FaultSpec;
+use crate::faults::{FaultBook, FaultSpec};
 use crate::http::{Request, Response};
-use crate::routes::App;
 
-/// `segments` is the path after `_control`.
-pub fn handle(app: &App, req: &Request, segments: &[&str]) -> Response {
+/// `segments` is the path after `_control`; `faults` is the service's fault book.
+pub fn handle(faults: &FaultBook, req: &Request, segments: &[&str]) -> Response {
     if segments != ["faults"] {
         return Response::error(404, "no_route");
     }
     match req.method.as_str() {
-        "GET" => Response::json(200, json!({ "faults": app.faults.list() })),
-        "DELETE" => Response::json(200, json!({ "cleared": app.faults.clear() })),
-        "POST" => add(app, &req.body),
+        "GET" => Response::json(200, json!({ "faults": faults.list() })),
+        "DELETE" => Response::json(200, json!({ "cleared": faults.clear() })),
+        "POST" => add(faults, &req.body),
         _ => Response::error(405, "method_not_allowed"),
     }
 }
 
-fn add(app: &App, body: &[u8]) -> Response {
+fn add(faults: &FaultBook, body: &[u8]) -> Response {
     let spec: FaultSpec = match serde_json::from_slice(body) {
         Ok(spec) => spec,
         Err(err) => {
@@ -37,7 +36,7 @@ fn add(app: &App, body: &[u8]) -> Response {
             )
         }
     };
-    match app.faults.add(spec) {
+    match faults.add(spec) {
         Ok(fault) => {
             tracing::info!(?fault, "fault armed");
             Response::json(201, json!(fault))

@@ -151,7 +151,7 @@ pub async fn handle(app: &App, req: Request, too_large: bool) -> Reply {
         (_, ["_control", ..]) if too_large => {
             Reply::Respond(Response::error(413, "body_too_large"))
         }
-        (_, ["_control", ..]) => Reply::Respond(control::handle(app, &req, &segments[1..])),
+        (_, ["_control", ..]) => Reply::Respond(control::handle(&app.faults, &req, &segments[1..])),
         _ => business(app, &req, &segments, too_large).await,
     }
 }

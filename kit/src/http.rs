@@ -16,6 +16,12 @@
 //! - **Idle timeout** (`idle_timeout`): a keep-alive connection with no request in flight and
 //!   no byte read or written for this long is closed. A request being handled is never cut by
 //!   either timeout (its handler's own limits apply).
+//! - **Body timeout** (`body_timeout`): a request's body must be received whole within it from
+//!   the moment its head was. A body still incomplete then (a client sending one byte every few
+//!   seconds) fails the handler's read, the answer is `408 Request Timeout` and the connection is
+//!   closed, so a slow sender holds a connection for at most the header and body timeouts.
+//! - **Peer**: every request carries its connection's remote address as a [`Peer`] extension,
+//!   for per-client limits (e.g. [`crate::guard::FailureBudget`]).
 //! - **Graceful shutdown**: once `shutdown` resolves the listener is closed (nothing more is
 //!   accepted), idle connections close, and requests in flight finish before their connection
 //!   closes; `serve` returns when every connection is gone, like `axum::serve`'s
@@ -36,11 +42,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::Request;
-use axum::response::Response;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::Router;
-use hyper::body::Incoming;
+use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -57,21 +64,62 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// Connections open at once; more wait in the kernel's backlog.
     pub max_connections: usize,
+    /// Time for a request's whole body, from its complete head.
+    pub body_timeout: Duration,
 }
 
 impl Limits {
-    /// The documented defaults: 10 s, 60 s, 256.
+    /// The documented defaults: 10 s, 60 s, 256, 10 s.
     pub const DEFAULT: Limits = Limits {
         header_timeout: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(60),
         max_connections: 256,
+        body_timeout: Duration::from_secs(10),
     };
 }
+
+/// The remote address of the connection a request came on (a request extension).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer(pub std::net::SocketAddr);
 
 impl Default for Limits {
     fn default() -> Limits {
         Limits::DEFAULT
     }
+}
+
+/// Whether a request's `Content-Length` announces more than `max` bytes: such a request can be
+/// refused (`413`) before any of its body is read. A body limit on the extractor alone reads
+/// up to `max` bytes first, at whatever pace the client sends them.
+pub fn announces_more_than(headers: &axum::http::HeaderMap, max: usize) -> bool {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .is_some_and(|n| n > max as u64)
+}
+
+/// A listener that could not be bound, naming the setting it came from.
+#[derive(Debug, thiserror::Error)]
+#[error("{var}={addr}: cannot listen there: {source} (another process may hold the port; choose another address, or `off`)")]
+pub struct BindError {
+    /// The variable that gave the address (e.g. `METRICS_ADDR`).
+    pub var: &'static str,
+    pub addr: std::net::SocketAddr,
+    pub source: std::io::Error,
+}
+
+/// Binds the address `var` names, at start-up: a listener that cannot bind is a start-up
+/// failure, never a process running without it. Non-blocking, ready for [`serve`] through
+/// [`TcpListener::from_std`].
+pub fn bind(
+    var: &'static str,
+    addr: std::net::SocketAddr,
+) -> Result<std::net::TcpListener, BindError> {
+    let fail = |source| BindError { var, addr, source };
+    let listener = std::net::TcpListener::bind(addr).map_err(fail)?;
+    listener.set_nonblocking(true).map_err(fail)?;
+    Ok(listener)
 }
 
 /// How long the loop waits after an accept error it cannot skip (e.g. EMFILE: the pending
@@ -103,7 +151,7 @@ where
             _ = &mut shutdown => break,
             permit = permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
         };
-        let (stream, _peer) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             biased;
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
@@ -132,7 +180,7 @@ where
         let router = router.clone();
         let close = close_rx.clone();
         tokio::spawn(async move {
-            connection(stream, router, limits, close).await;
+            connection(stream, peer, router, limits, close).await;
             drop(permit);
         });
     }
@@ -227,6 +275,7 @@ impl Activity {
 /// finishes its in-flight request.
 async fn connection(
     stream: TcpStream,
+    peer: std::net::SocketAddr,
     router: Router,
     limits: Limits,
     mut close: watch::Receiver<()>,
@@ -239,6 +288,8 @@ async fn connection(
     let service = Service {
         router,
         activity: activity.clone(),
+        peer: Peer(peer),
+        body_timeout: limits.body_timeout,
     };
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -286,11 +337,13 @@ async fn connection(
 }
 
 /// The router as a hyper service that tells [`Activity`] when a request starts and its
-/// response is ready.
+/// response is ready, gives the request its [`Peer`] and puts its body under the body timeout.
 #[derive(Clone)]
 struct Service {
     router: Router,
     activity: Arc<Activity>,
+    peer: Peer,
+    body_timeout: Duration,
 }
 
 impl hyper::service::Service<hyper::Request<Incoming>> for Service {
@@ -303,7 +356,18 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Service {
         self.activity.request_started();
         let done = Done(self.activity.clone());
         let mut router = self.router.clone();
-        let request: Request = request.map(Body::new);
+        let expired = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let deadline = Instant::now() + self.body_timeout;
+        let timed = expired.clone();
+        let mut request: Request = request.map(|body| {
+            Body::new(Deadline {
+                inner: body,
+                sleep: Box::pin(tokio::time::sleep_until(deadline)),
+                expired: timed,
+            })
+        });
+        request.extensions_mut().insert(self.peer);
+        let limit = self.body_timeout;
         Box::pin(async move {
             let _done = done;
             // A Router is always ready.
@@ -311,8 +375,70 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Service {
                 tower_service::Service::<Request>::poll_ready(&mut router, cx)
             })
             .await?;
-            tower_service::Service::<Request>::call(&mut router, request).await
+            let response = tower_service::Service::<Request>::call(&mut router, request).await?;
+            if expired.load(Ordering::Relaxed) {
+                return Ok(body_timed_out(limit));
+            }
+            Ok(response)
         })
+    }
+}
+
+/// The answer to a request whose body did not arrive within the body timeout, whatever the
+/// handler made of its failed read: `408` in the JSON error shape of the APIs, and the
+/// connection closed (the rest of the body is never read).
+fn body_timed_out(limit: Duration) -> Response {
+    let body = format!(
+        "{{\"error\":\"request_timeout\",\"message\":\"the request body was not received within {} ms\"}}",
+        limit.as_millis()
+    );
+    let mut response = (StatusCode::REQUEST_TIMEOUT, body).into_response();
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// The error a request body's read ends with past the body timeout.
+#[derive(Debug, thiserror::Error)]
+#[error("request body not received within the body timeout")]
+pub struct BodyTimeout;
+
+/// A request body that fails with [`BodyTimeout`] once its deadline passes before its end,
+/// and says so in `expired`.
+struct Deadline {
+    inner: Incoming,
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    expired: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl hyper::body::Body for Deadline {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
+        if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        if self.sleep.as_mut().poll(cx).is_ready() {
+            self.expired.store(true, Ordering::Relaxed);
+            return Poll::Ready(Some(Err(BodyTimeout.into())));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        hyper::body::Body::is_end_stream(&self.inner)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        hyper::body::Body::size_hint(&self.inner)
     }
 }
 
@@ -397,19 +523,34 @@ mod tests {
             header_timeout: Duration::from_millis(header_ms),
             idle_timeout: Duration::from_millis(idle_ms),
             max_connections: max,
+            body_timeout: Duration::from_secs(5),
         }
     }
 
     /// Serves a router whose `/` answers "ok" and `/slow` after 400 ms; returns the address and
     /// the trigger of its shutdown.
     async fn start(limits: Limits) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
-        let router = Router::new().route("/", get(|| async { "ok" })).route(
-            "/slow",
-            get(|| async {
-                tokio::time::sleep(Duration::from_millis(400)).await;
-                "slow"
-            }),
-        );
+        let router = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .route(
+                "/slow",
+                get(|| async {
+                    tokio::time::sleep(Duration::from_millis(400)).await;
+                    "slow"
+                }),
+            )
+            .route(
+                "/echo",
+                axum::routing::post(|body: Bytes| async move { format!("got {}", body.len()) }),
+            )
+            .route(
+                "/peer",
+                get(
+                    |axum::Extension(Peer(peer)): axum::Extension<Peer>| async move {
+                        format!("peer {}", peer.ip())
+                    },
+                ),
+            );
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -490,6 +631,81 @@ mod tests {
             text.starts_with("HTTP/1.1 200") && text.ends_with("slow"),
             "{text:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_body_sent_too_slowly_is_answered_408_and_its_connection_closed() {
+        let mut l = limits(5_000, 5_000, 8);
+        l.body_timeout = Duration::from_millis(300);
+        let (addr, _stop) = start(l).await;
+        let (mut rx, mut tx) = TcpStream::connect(addr).await.unwrap().into_split();
+        tx.write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nab")
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        // One more byte now and then, as a slow sender does: it does not extend the deadline.
+        let trickle = tokio::spawn(async move {
+            for _ in 0..40 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                if tx.write_all(b"x").await.is_err() {
+                    break;
+                }
+            }
+        });
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        let closed = loop {
+            match tokio::time::timeout(Duration::from_secs(3), rx.read(&mut buf)).await {
+                Err(_) => break false,
+                Ok(Ok(0)) | Ok(Err(_)) => break true,
+                Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            }
+        };
+        let took = started.elapsed();
+        trickle.abort();
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 408"), "{text:?}");
+        assert!(text.contains("request_timeout"), "{text:?}");
+        assert!(closed, "the connection is closed after the 408");
+        assert!(
+            took >= Duration::from_millis(250) && took < Duration::from_millis(1_800),
+            "{took:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_that_arrives_in_time_is_read_whole() {
+        let mut l = limits(5_000, 5_000, 8);
+        l.body_timeout = Duration::from_millis(800);
+        let (addr, _stop) = start(l).await;
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        s.write_all(b"cd").await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !String::from_utf8_lossy(&got).ends_with("got 4") {
+            let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+                .await
+                .expect("an answer")
+                .unwrap();
+            assert!(n > 0, "closed: {:?}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"));
+    }
+
+    #[tokio::test]
+    async fn every_request_knows_its_peer() {
+        let (addr, _stop) = start(limits(5_000, 5_000, 8)).await;
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /peer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let (text, _) = read_until_closed(&mut s, Duration::from_secs(2)).await;
+        assert!(text.ends_with("peer 127.0.0.1"), "{text:?}");
     }
 
     #[tokio::test]

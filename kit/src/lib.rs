@@ -18,12 +18,17 @@
 //!   exhaustion (EMFILE, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL).
 //! - [`logs`]: the log subscriber, and the rule that no message payload (arguments,
 //!   receipts) is ever logged, whatever `RUST_LOG` says.
+//! - [`cli`] (feature `cli`): a blank environment variable counts as unset for clap.
 //! - [`backoff`]: the one back-off function every retry and reconnect loop uses.
 //! - [`errors`]: an error and its causes on one line, each cause once.
 //! - [`signal`]: the stop signal (SIGTERM or Ctrl-C).
 //! - [`join`]: several futures at once on the current task, first polled and answered in order.
 //! - [`fault`]: how a fault point stops the process for a crash test.
 //! - [`secret`]: comparing bearer tokens in constant time.
+//! - [`guard`]: the failure budget of bearer tokens (per client and overall) and the least token
+//!   length the processes accept.
+//! - [`text`]: characters that change how text looks without being seen (bidirectional
+//!   controls, zero-width and other default-ignorable characters), written out for display.
 //! - [`url`]: service URLs as settings: redacted for logs, refused when they can never work.
 //! - [`otel`] (feature `otel`): W3C trace context on `tracing` spans (parents, links, what to
 //!   send onward); with `otel-export`, span export over OTLP/HTTP from the standard variables.
@@ -38,9 +43,12 @@
 #[cfg(feature = "amqp")]
 pub mod amqp;
 pub mod backoff;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod errors;
 pub mod fault;
 pub mod fd;
+pub mod guard;
 #[cfg(feature = "server")]
 pub mod http;
 pub mod join;
@@ -56,6 +64,7 @@ pub mod pg;
 pub mod schema;
 pub mod secret;
 pub mod signal;
+pub mod text;
 pub mod tls;
 pub mod url;
 

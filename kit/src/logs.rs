@@ -92,10 +92,11 @@ pub fn init_with(json: bool, ansi: bool, default_filter: &str, traces: Traces<'_
 }
 
 /// What the span exporter records: our own spans at INFO and above (not the libraries'), and
-/// our warnings and errors as span events.
+/// our warnings and errors as span events. Ours: the workspace's crates, the example agent
+/// (examples/demo-agent, whose `agent turn` spans start each intent's trace) among them.
 #[cfg_attr(not(feature = "otel-export"), allow(dead_code))]
 fn exported(meta: &Metadata<'_>) -> bool {
-    let ours = ["worker", "publisher", "kit"]
+    let ours = ["worker", "publisher", "kit", "demo_agent"]
         .iter()
         .any(|crate_name| meta.target().starts_with(crate_name));
     ours && if meta.is_span() {

@@ -2,7 +2,6 @@
 //! Prometheus text format, and whatever health routes the binary adds, served with the
 //! listener limits of [`crate::http`].
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::http::header::CONTENT_TYPE;
@@ -17,16 +16,17 @@ pub fn exposition(handle: &PrometheusHandle) -> impl IntoResponse {
     )
 }
 
-/// Binds `addr`, keeps the exporter's histograms and idle series tidy (upkeep every 5 s), and
-/// serves `routes` with `limits` until `shutdown` resolves.
+/// Keeps the exporter's histograms and idle series tidy (upkeep every 5 s), and serves
+/// `routes` on `listener` (bound at start-up: [`crate::http::bind`]) with `limits` until
+/// `shutdown` resolves.
 pub async fn serve(
-    addr: SocketAddr,
+    listener: std::net::TcpListener,
     limits: crate::http::Limits,
     handle: PrometheusHandle,
     routes: axum::Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let listener = tokio::net::TcpListener::from_std(listener)?;
     tracing::info!(addr = %listener.local_addr()?, "metrics listening");
     let upkeep = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(5));

@@ -1,5 +1,5 @@
 //! The `publisher` command line: `send` (optionally `--wait`), `wait`, `follow`, `migrate`,
-//! `relay`, `mcp` and `demo`, and the exit codes scripts rely on.
+//! `relay` and `mcp`, and the exit codes scripts rely on.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 
 use crate::wait::{Answer, AnswerConfig, StatusApi, WaitError};
-use crate::{demo, Follower, Outbox, PublishError, Publisher, Relay, RelayConfig};
+use crate::{Follower, Outbox, PublishError, Publisher, Relay, RelayConfig};
 
 /// Exit codes of `send --wait` and `wait` (docs/agents.md, "Waiting for one action's answer").
 pub mod exit {
@@ -131,6 +131,11 @@ pub struct HttpLimitArgs {
     #[arg(long, env = "PUBLISHER_HTTP_MAX_CONNECTIONS", value_name = "PUBLISHER_HTTP_MAX_CONNECTIONS",
           default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub http_max_connections: u32,
+    /// Time a client gets to send a request's whole body, from its complete head; a body still
+    /// incomplete then is answered 408 and its connection closed.
+    #[arg(long, env = "PUBLISHER_HTTP_BODY_TIMEOUT", value_name = "PUBLISHER_HTTP_BODY_TIMEOUT",
+          default_value = "10s", value_parser = parse_positive_duration)]
+    pub http_body_timeout: Duration,
 }
 
 impl HttpLimitArgs {
@@ -139,6 +144,7 @@ impl HttpLimitArgs {
             header_timeout: self.http_header_timeout,
             idle_timeout: self.http_idle_timeout,
             max_connections: self.http_max_connections as usize,
+            body_timeout: self.http_body_timeout,
         }
     }
 }
@@ -193,8 +199,6 @@ pub enum Command {
     Follow(FollowArgs),
     /// MCP gateway: serve the tools of PUBLISHER_MCP_TOOLS to MCP clients, each call an intent.
     Mcp(McpArgs),
-    /// Demo agent: publish a series of intents, re-sending some to show deduplication.
-    Demo(DemoArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -299,10 +303,14 @@ pub struct SendArgs {
     /// Intents exchange.
     #[arg(long, env = "INTENTS_EXCHANGE", default_value = "intents")]
     pub exchange: String,
-    /// Wait for the answer; the exit code tells the status (0 succeeded, 10 pending,
-    /// 11 failed, 12 rejected, 3 no answer).
+    /// Wait for the worker's answer and exit with it (0 succeeded, 10 pending, 11 failed,
+    /// 12 rejected, 3 no answer): the first answer ends the wait, a `pending` one too (the
+    /// outcome is unknown for now; ask again later with `publisher wait`).
     #[arg(long)]
     pub wait: bool,
+    /// With --wait: wait past a `pending` answer for a final one, until the timeout.
+    #[arg(long, requires = "wait")]
+    pub until_final: bool,
     /// How long `--wait` waits (e.g. 30s, 500ms, 2m).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub timeout: Duration,
@@ -428,57 +436,6 @@ pub struct FollowArgs {
     pub results_exchange: String,
 }
 
-#[derive(Debug, Args)]
-pub struct DemoArgs {
-    /// Tenant of the demo intents.
-    #[arg(long)]
-    pub tenant: String,
-    /// Tool of the demo intents.
-    #[arg(long)]
-    pub tool: String,
-    /// Number of distinct intents.
-    #[arg(long)]
-    pub count: u64,
-    /// Pause between publishes, in milliseconds.
-    #[arg(long, default_value_t = 500)]
-    pub interval_ms: u64,
-    /// Re-publish every k-th intent (new call id, reordered JSON); 0 disables.
-    #[arg(long, default_value_t = 3)]
-    pub duplicate_every: u64,
-    /// Intents exchange.
-    #[arg(long, env = "INTENTS_EXCHANGE", default_value = "intents")]
-    pub exchange: String,
-    /// Results exchange.
-    #[arg(long, env = "RESULTS_EXCHANGE", default_value = "results")]
-    pub results_exchange: String,
-    /// Enqueue through this agent database's `intent_outbox` (published by `publisher
-    /// relay`) instead of publishing directly.
-    #[arg(long, env = "PUBLISHER_DATABASE_URL", hide_env_values = true)]
-    pub database_url: Option<String>,
-    /// How long to wait for the last answers after the last intent (`full`: for each phase's
-    /// answers).
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
-    pub answer_timeout: Duration,
-    /// `stream`: intents at --interval-ms, every k-th again at once, every answer printed
-    /// (docker compose). `full`: refunds, repeats answered from the ledger, one conflicting
-    /// reuse, one lost reply held for a person, then a `key=value` summary (scripts/demo.sh).
-    #[arg(long, value_enum, default_value_t = demo::Scenario::Stream)]
-    pub scenario: demo::Scenario,
-    /// The id in every action id (default: one unique to this run).
-    #[arg(long)]
-    pub run_id: Option<String>,
-    /// `full`: the tool, declared `recovery = "none"`, of the action `<held-tool>-<run id>`
-    /// whose reply the downstream is to lose after commit.
-    #[arg(long, default_value = "deploy")]
-    pub held_tool: String,
-    /// `full`: the worker's status API root, asked whether the pending action is held.
-    #[arg(long, env = "PUBLISHER_STATUS_URL")]
-    pub status_url: Option<String>,
-    /// A tenant (or admin) token for --status-url.
-    #[arg(long, env = "PUBLISHER_STATUS_TOKEN", hide_env_values = true)]
-    pub status_token: Option<String>,
-}
-
 /// The process's TLS trust (`PUBLISHER_CA_FILE`, set for every client of the process) and the
 /// span exporter the standard `OTEL_*` variables ask for (`None`: export is off). `main` calls
 /// it before logging starts, so that the log subscriber can carry the span layer. An unusable
@@ -521,36 +478,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Command::Relay(args) => relay(&cli.amqp_url, set_user_id, args).await.map(|()| 0),
         Command::Mcp(args) => mcp(cli.amqp_url, set_user_id, args).await.map(|()| 0),
-        Command::Demo(args) => {
-            if let Some(url) = &args.database_url {
-                usable_url("PUBLISHER_DATABASE_URL", url, &["postgres", "postgresql"])?;
-            }
-            demo::run(demo::DemoConfig {
-                scenario: args.scenario,
-                run_id: args.run_id,
-                held_tool: args.held_tool,
-                status: match (args.status_url, args.status_token) {
-                    (Some(url), Some(token)) => Some((url, token)),
-                    (Some(_), None) => {
-                        return Err(UsageError("--status-url needs --status-token".into()).into())
-                    }
-                    _ => None,
-                },
-                amqp_url: cli.amqp_url,
-                exchange: args.exchange,
-                results_exchange: args.results_exchange,
-                tenant: args.tenant,
-                tool: args.tool,
-                count: args.count,
-                interval: Duration::from_millis(args.interval_ms),
-                duplicate_every: args.duplicate_every,
-                set_user_id,
-                database_url: args.database_url,
-                answer_timeout: args.answer_timeout,
-            })
-            .await
-            .map(|()| 0)
-        }
     }
 }
 
@@ -617,11 +544,20 @@ fn metrics_addr(var: &str, text: &str) -> Result<Option<SocketAddr>, UsageError>
     }
 }
 
+/// Binds the listener `var` names at start-up: an address that cannot be bound is a usage
+/// error (exit 2) naming the variable and the address, never a process running without it.
+fn listen(var: &'static str, addr: SocketAddr) -> Result<std::net::TcpListener, UsageError> {
+    kit::http::bind(var, addr).map_err(|e| UsageError(e.to_string()))
+}
+
 async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Result<()> {
     if args.batch < 1 {
         return Err(UsageError("--batch must be at least 1".into()).into());
     }
     let metrics_addr = metrics_addr("PUBLISHER_METRICS_ADDR", &args.metrics_addr)?;
+    let metrics_listener = metrics_addr
+        .map(|addr| listen("PUBLISHER_METRICS_ADDR", addr))
+        .transpose()?;
     let concurrency = args.concurrency.max(1);
     let limits = args.http.limits();
     let mut budget = kit::fd::Budget::new().add(
@@ -652,10 +588,11 @@ async fn relay(amqp_url: &str, set_user_id: bool, args: RelayArgs) -> anyhow::Re
             let _ = rx.wait_for(|stop| *stop).await;
         }
     };
-    if let Some(addr) = metrics_addr {
+    if let Some(listener) = metrics_listener {
         let handle = crate::metrics::install(crate::metrics::RELAY_TRACE_SOURCES)
             .map_err(|e| anyhow::anyhow!(e))?;
-        let listener = crate::metrics::serve(addr, limits, handle, Some(pool.clone()), stopped());
+        let listener =
+            crate::metrics::serve(listener, limits, handle, Some(pool.clone()), stopped());
         tokio::spawn(async move {
             if let Err(error) = listener.await {
                 tracing::error!(%error, "metrics listener failed");
@@ -708,6 +645,12 @@ async fn mcp(amqp_url: String, set_user_id: bool, args: McpArgs) -> anyhow::Resu
         .map_err(|e| UsageError(format!("PUBLISHER_MCP_ALLOWED_ORIGINS: {e}")))?;
     let limits = args.http.limits();
     let metrics_addr = metrics_addr("PUBLISHER_MCP_METRICS_ADDR", &args.metrics_addr)?;
+    let metrics_listener = metrics_addr
+        .map(|addr| listen("PUBLISHER_MCP_METRICS_ADDR", addr))
+        .transpose()?;
+    let gateway_listener = (args.transport == McpTransport::Http)
+        .then(|| listen("PUBLISHER_MCP_ADDR", args.listen))
+        .transpose()?;
     let mut budget = kit::fd::Budget::new();
     if args.database_url.is_some() {
         budget = budget.add("database pool", 8);
@@ -773,20 +716,20 @@ async fn mcp(amqp_url: String, set_user_id: bool, args: McpArgs) -> anyhow::Resu
         .connect()
         .await
         .with_context(|| format!("cannot connect to the broker at {}", redact(&amqp_url)))?;
-    if let Some(addr) = metrics_addr {
+    if let Some(listener) = metrics_listener {
         let handle = crate::metrics::install(crate::metrics::MCP_TRACE_SOURCES)
             .map_err(|e| anyhow::anyhow!(e))?;
-        let listener = crate::metrics::serve(addr, limits, handle, None, shutdown_signal());
+        let listener = crate::metrics::serve(listener, limits, handle, None, shutdown_signal());
         tokio::spawn(async move {
             if let Err(error) = listener.await {
                 tracing::error!(%error, "metrics listener failed");
             }
         });
     }
-    match tokens {
-        Some(tokens) => {
+    match (tokens, gateway_listener) {
+        (Some(tokens), Some(listener)) => {
             let options = mcp::HttpOptions {
-                addr: args.listen,
+                listener,
                 path: args.path.clone(),
                 allowed_hosts: args.allowed_hosts,
                 allowed_origins,
@@ -794,7 +737,7 @@ async fn mcp(amqp_url: String, set_user_id: bool, args: McpArgs) -> anyhow::Resu
             };
             mcp::serve_http(gateway, tokens, options, shutdown_signal()).await?
         }
-        None => mcp::serve_stdio(gateway).await?,
+        _ => mcp::serve_stdio(gateway).await?,
     }
     Ok(())
 }
@@ -846,6 +789,11 @@ async fn send(amqp_url: &str, set_user_id: bool, args: SendArgs) -> anyhow::Resu
         let answers = AnswerConfig {
             results_exchange: args.answers.results_exchange.clone(),
             status_api: args.answers.status_api()?,
+            until: if args.until_final {
+                crate::wait::Until::Final
+            } else {
+                crate::wait::Until::First
+            },
             ..AnswerConfig::default()
         };
         let publisher = publisher.with_answers(answers);

@@ -9,8 +9,14 @@ pub enum PublishError {
     /// The broker connection or channel failed (refused connection, closed channel,
     /// missing exchange, precondition failure, ...). lapin's message already carries
     /// its causes, so it is not chained again as a `source`.
-    #[error("AMQP error: {0}")]
+    #[error("AMQP error: {0}{hint}", hint = amqp_hint(.0))]
     Amqp(lapin::Error),
+
+    /// The broker answered and refused the connection: the login (wrong user or password) or
+    /// the virtual host (none of that name, or the user may not use it). Every node of a
+    /// cluster would answer the same, and retrying cannot help until the setting is fixed.
+    #[error("RabbitMQ refused the connection: {reason}{hint}")]
+    Refused { reason: String, hint: &'static str },
 
     /// The message was published with `mandatory = true` and no queue was bound for
     /// its routing key, so the broker returned it (basic.return). Nothing was queued.
@@ -115,6 +121,7 @@ impl PublishError {
             PublishError::Nacked => "nacked",
             PublishError::NotConfirmed => "not_confirmed",
             PublishError::Tls { .. } => "tls",
+            PublishError::Refused { .. } => "refused",
             PublishError::BadUrl(_) => "bad_url",
             PublishError::BadResult(_) => "bad_result",
             PublishError::ConsumerClosed => "consumer_closed",
@@ -123,6 +130,40 @@ impl PublishError {
             PublishError::CloseTimedOut(_) => "close_timed_out",
         }
     }
+}
+
+/// What to do about a broker refusal a newcomer meets first (appended to its message), or "".
+pub fn amqp_hint(error: &lapin::Error) -> &'static str {
+    let lapin::ErrorKind::ProtocolError(e) = error.kind() else {
+        return "";
+    };
+    let message = e.get_message().as_str();
+    match e.get_id() {
+        404 if message.contains("no exchange") => {
+            " (the exchange does not exist yet: start a worker, which declares its exchanges and \
+             queues, or load the broker definitions, deploy/rabbitmq/definitions.json; or check \
+             INTENTS_EXCHANGE)"
+        }
+        530 if message.contains("vhost") => {
+            " (the virtual host named by AMQP_URL's path does not exist on this broker, or this \
+             user may not use it: create it and grant the user, or fix the URL; %2f is the \
+             default vhost)"
+        }
+        403 => " (check the user and password in AMQP_URL)",
+        _ => "",
+    }
+}
+
+/// The refusal a connection attempt ended with, when the broker answered with one (a login or
+/// virtual host it refuses), else `None`.
+pub fn connection_refusal(error: &lapin::Error) -> Option<PublishError> {
+    let lapin::ErrorKind::ProtocolError(e) = error.kind() else {
+        return None;
+    };
+    matches!(e.get_id(), 403 | 530).then(|| PublishError::Refused {
+        reason: e.get_message().to_string(),
+        hint: amqp_hint(error),
+    })
 }
 
 impl From<lapin::Error> for PublishError {

@@ -10,21 +10,25 @@
 //! the same key, and the worker's inbox deduplicates it. Results come back on the results
 //! exchange under `<tenant>.@.<reply_to>` (or `<tenant>` without `reply_to`).
 //!
+//! An agent built on this library's public API, as an example: `examples/demo-agent` (the demo
+//! agent of docker compose and `scripts/demo.sh`).
+//!
 //! # Layout
 //! - `publish.rs` ([`publish`]): [`Publisher`]: connect in confirm mode, `publish`,
 //!   `publish_encoded`, pipelined `publish_batch` (each with a `*_with` form taking
 //!   [`PublishOptions`]), `publish_raw`; tenant proof (`user_id`).
 //! - `trace.rs` ([`trace`]): the W3C trace context every intent carries (`traceparent` and
 //!   `tracestate` headers): the caller's, else the current one (feature `otel`); the
-//!   `publish intents` producer span; reading and counting a received context.
+//!   `publish intents` producer span; reading and counting a received context (the
+//!   `intent_publisher_trace_context_invalid_total` counter).
 //! - `wait.rs` ([`wait`]): `Publisher::send_and_wait` on a queue bound to the agent's own
 //!   routing key, [`StatusApi`] fallback, [`Answer`], [`WaitError`].
 //! - `outbox.rs` ([`outbox`]): the agent-side `intent_outbox` table (`migrations/`) and
 //!   [`Outbox::enqueue`] in the caller's transaction (with the intent's trace context).
 //! - `relay.rs` ([`relay`]): [`Relay`]: claim due outbox rows, publish (each with its row's
-//!   trace context), settle, sweep.
-//! - `metrics.rs` ([`metrics`]): the Prometheus metrics of the relay and the MCP gateway and
-//!   their `/metrics` listener.
+//!   trace context), settle, sweep; the counters of the rows it publishes, fails and sweeps.
+//! - `metrics.rs` ([`metrics`]): the recorder and `/metrics` listener of the relay and the MCP
+//!   gateway (the outbox gauges, measured on every scrape; every series pre-registered at 0).
 //! - `follow.rs` ([`follow`]): [`Follower`]: a results queue bound to the tenant (or to given
 //!   keys), `next` with a timeout.
 //! - `topology.rs` ([`topology`]): the only declarations this side makes (results
@@ -33,9 +37,8 @@
 //!   the connect helpers every broker, database and HTTP client here goes through.
 //! - `error.rs` ([`error`]): [`PublishError`].
 //! - `cli.rs` ([`cli`]): the `publisher` command line (`send [--wait]`, `wait`, `follow`,
-//!   `migrate`, `relay`, `mcp`, `demo`) and its exit codes; `main.rs` only sets up logging, parses
+//!   `migrate`, `relay`, `mcp`) and its exit codes; `main.rs` only sets up logging, parses
 //!   arguments and calls [`cli::run`].
-//! - `demo.rs` ([`demo`]): the demo agent for docker compose.
 //! - `mcp/` ([`mcp`]): `publisher mcp`, the MCP gateway (tools file, bearer token → tenant,
 //!   action id and trace context from the request `_meta`, answers and tasks from the ledger).
 //!
@@ -47,8 +50,6 @@
 
 #[cfg(feature = "cli")]
 pub mod cli;
-#[cfg(feature = "cli")]
-pub mod demo;
 pub mod error;
 pub mod follow;
 #[cfg(feature = "cli")]
@@ -72,4 +73,4 @@ pub use outbox::{Outbox, OutboxError};
 pub use protocol::trace::{TraceContext, TraceParent};
 pub use publish::{action_key, PublishOptions, Publisher, Traced};
 pub use relay::{Relay, RelayConfig};
-pub use wait::{Answer, AnswerConfig, StatusApi, WaitError};
+pub use wait::{Answer, AnswerConfig, StatusApi, Until, WaitError};

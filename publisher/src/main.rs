@@ -1,11 +1,11 @@
 //! `publisher`: send intents (and wait for answers), relay the outbox, follow results, run
-//! the MCP gateway and the demo agent. Here: TLS trust and span export (before logging starts,
-//! so the log subscriber carries the span layer), logging, the command, the export's flush.
+//! the MCP gateway. Here: TLS trust and span export (before logging starts, so the log
+//! subscriber carries the span layer), logging, the command, the export's flush.
 
 use std::io::IsTerminal;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
 /// What is logged unless `RUST_LOG` says otherwise.
 const LOG_FILTER: &str = "info,lapin=off";
@@ -16,7 +16,9 @@ const EXPORT_FLUSH: Duration = Duration::from_secs(5);
 async fn main() {
     // One crypto provider (ring) for every TLS client of the process.
     publisher::tls::install_default_provider();
-    let cli = publisher::cli::Cli::parse();
+    // A blank variable (`PUBLISHER_STATUS_TOKEN=` when the token was not exported) is unset.
+    let matches = kit::cli::blank_env_is_unset(publisher::cli::Cli::command()).get_matches();
+    let cli = publisher::cli::Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let ansi = std::io::stderr().is_terminal();
     let export = match publisher::cli::prepare(&cli) {
         Ok(export) => export,

@@ -1,5 +1,8 @@
-//! Prometheus metrics of `publisher relay` and `publisher mcp`: names, the recorder and the
-//! `/metrics` listener (`PUBLISHER_METRICS_ADDR`, `PUBLISHER_MCP_METRICS_ADDR`).
+//! Prometheus metrics of `publisher relay` and `publisher mcp`: the recorder and the
+//! `/metrics` listener (`PUBLISHER_METRICS_ADDR`, `PUBLISHER_MCP_METRICS_ADDR`), the names of
+//! what they measure themselves (the outbox gauges, database failovers) and the label values
+//! they pre-register. A module that records a counter owns its name: the relay's rows
+//! ([`crate::relay`]), malformed trace context ([`crate::trace::TRACE_CONTEXT_INVALID`]).
 //!
 //! The backlog gauges come from the outbox table and are refreshed on every scrape, so every
 //! relay reports the same global figure: alert rules aggregate them with `max()`. The gateway's
@@ -10,31 +13,26 @@ pub use exporter::{install, serve};
 
 pub const BACKLOG: &str = "intent_publisher_outbox_backlog";
 pub const OLDEST_UNSENT: &str = "intent_publisher_outbox_oldest_unsent_age_seconds";
-pub const PUBLISH_FAILURES: &str = "intent_publisher_publish_failures_total";
-pub const ROWS_SENT: &str = "intent_publisher_rows_sent_total";
-pub const ROWS_SWEPT: &str = "intent_publisher_rows_swept_total";
-pub const ROWS_FAILED: &str = "intent_publisher_rows_failed_total";
 pub const FAILED_ROWS: &str = "intent_publisher_outbox_failed_rows";
 pub const DB_FAILOVERS: &str = "intent_publisher_db_failovers_total";
-/// Malformed trace context received on the agent side, by `source` (`outbox`, `mcp_meta`,
-/// `http_header`) and `header` (`traceparent`: ignored, `tracestate`: dropped alone).
-pub const TRACE_CONTEXT_INVALID: &str = "intent_publisher_trace_context_invalid_total";
-
-/// The `source` labels of [`TRACE_CONTEXT_INVALID`] in `publisher relay`.
+/// The `source` labels of [`TRACE_CONTEXT_INVALID`](crate::trace::TRACE_CONTEXT_INVALID) in
+/// `publisher relay`.
 pub const RELAY_TRACE_SOURCES: &[&str] = &["outbox"];
-/// The `source` labels of [`TRACE_CONTEXT_INVALID`] in `publisher mcp`.
+/// The `source` labels of [`TRACE_CONTEXT_INVALID`](crate::trace::TRACE_CONTEXT_INVALID) in
+/// `publisher mcp`.
 pub const MCP_TRACE_SOURCES: &[&str] = &["mcp_meta", "http_header"];
 
 /// The recorder and the listener: the `publisher` binary's (feature `cli`).
 #[cfg(feature = "cli")]
 mod exporter {
-    use std::net::SocketAddr;
 
     use metrics::{counter, describe_counter, describe_gauge, gauge};
     use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
     use sqlx::PgPool;
 
     use super::*;
+    use crate::relay::{PUBLISH_FAILURES, ROWS_FAILED, ROWS_SENT, ROWS_SWEPT};
+    use crate::trace::TRACE_CONTEXT_INVALID;
 
     /// Failure reasons, pre-registered at 0 so rates exist before the first failure.
     const REASONS: [&str; 4] = ["unroutable", "nacked", "not_confirmed", "amqp"];
@@ -99,7 +97,7 @@ mod exporter {
     /// Serves `GET /metrics` with the listener `limits` ([`kit::http`]) until `shutdown` resolves.
     /// With `pool` (the relay's), the outbox gauges are measured on every scrape.
     pub async fn serve(
-        addr: SocketAddr,
+        listener: std::net::TcpListener,
         limits: kit::http::Limits,
         handle: PrometheusHandle,
         pool: Option<PgPool>,
@@ -131,6 +129,6 @@ mod exporter {
                 }
             }),
         );
-        kit::metrics::serve(addr, limits, exporter, app, shutdown).await
+        kit::metrics::serve(listener, limits, exporter, app, shutdown).await
     }
 }

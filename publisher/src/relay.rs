@@ -32,9 +32,17 @@ use metrics::counter;
 use sqlx::PgPool;
 use tracing::{info, warn};
 
-use crate::metrics as m;
 use crate::publish::{Encoded, Traced};
 use crate::{PublishError, PublishOptions, Publisher};
+
+/// Outbox rows whose publish failed, by `reason` (unroutable, nacked, not_confirmed, amqp).
+pub const PUBLISH_FAILURES: &str = "intent_publisher_publish_failures_total";
+/// Outbox rows published, confirmed and marked sent.
+pub const ROWS_SENT: &str = "intent_publisher_rows_sent_total";
+/// Sent outbox rows deleted after the retention.
+pub const ROWS_SWEPT: &str = "intent_publisher_rows_swept_total";
+/// Rows marked failed, by `reason` ([`refusal`]).
+pub const ROWS_FAILED: &str = "intent_publisher_rows_failed_total";
 
 /// Waits between reconnects to the broker: from 500 ms doubling to 10 s, ±50 % so relays that
 /// lost the broker together do not return in lockstep.
@@ -240,7 +248,7 @@ impl Relay {
                 Err(error) => {
                     let reason = failure_reason(error);
                     link_failed |= reason == "amqp";
-                    counter!(m::PUBLISH_FAILURES, "reason" => reason).increment(1);
+                    counter!(PUBLISH_FAILURES, "reason" => reason).increment(1);
                     failed.push(row.id);
                     errors.push(error.to_string());
                 }
@@ -253,7 +261,7 @@ impl Relay {
             .bind(&sent)
             .execute(&self.pool)
             .await?;
-            counter!(m::ROWS_SENT).increment(sent.len() as u64);
+            counter!(ROWS_SENT).increment(sent.len() as u64);
         }
         if !failed.is_empty() {
             sqlx::query(
@@ -305,7 +313,7 @@ impl Relay {
         .execute(&self.pool)
         .await?;
         for (row, why) in rows {
-            counter!(m::ROWS_FAILED, "reason" => why.reason).increment(1);
+            counter!(ROWS_FAILED, "reason" => why.reason).increment(1);
             warn!(
                 id = row.id,
                 key = %shorten(&protocol::action_key(&row.tenant, &row.action_id)),
@@ -355,7 +363,7 @@ impl Relay {
         .bind(self.config.retention.as_secs_f64())
         .execute(&self.pool)
         .await?;
-        counter!(m::ROWS_SWEPT).increment(done.rows_affected());
+        counter!(ROWS_SWEPT).increment(done.rows_affected());
         Ok(done.rows_affected())
     }
 

@@ -57,7 +57,7 @@ pub async fn amqp_connect(
                 },
                 None => PublishError::Amqp(error),
             },
-            _ => PublishError::Amqp(error),
+            _ => crate::error::connection_refusal(&error).unwrap_or(PublishError::Amqp(error)),
         })
 }
 
@@ -98,7 +98,9 @@ pub async fn amqp_connect_any(
                 tracing::debug!(node = %kit::url::host_port(&url), "connected to RabbitMQ");
                 return Ok((connection, url));
             }
-            Err(e @ PublishError::Tls { .. }) => return Err(e),
+            // A cluster's nodes share their users, vhosts and certificates: a refusal by one is
+            // the answer of all.
+            Err(e @ (PublishError::Tls { .. } | PublishError::Refused { .. })) => return Err(e),
             Err(e) => {
                 tracing::warn!(node = %kit::url::host_port(&url), error = %e, "RabbitMQ node not reachable; trying the next");
                 last = e;

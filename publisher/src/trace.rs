@@ -17,10 +17,14 @@
 //!
 //! A context is advisory: a malformed one is never a reason to refuse an intent. The agent side
 //! ignores a malformed `traceparent` (and drops a malformed `tracestate` alone), and counts each
-//! in [`TRACE_CONTEXT_INVALID`](crate::metrics::TRACE_CONTEXT_INVALID).
+//! in [`TRACE_CONTEXT_INVALID`].
 
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use protocol::trace::{Incoming, TraceContext, TRACEPARENT, TRACESTATE};
+
+/// Malformed trace context received on the agent side, by `source` (`outbox`, `mcp_meta`,
+/// `http_header`) and `header` (`traceparent`: ignored, `tracestate`: dropped alone).
+pub const TRACE_CONTEXT_INVALID: &str = "intent_publisher_trace_context_invalid_total";
 
 /// What a publish (or an outbox row) carries besides the intent: for now, its trace context.
 ///
@@ -269,7 +273,7 @@ pub fn receive(
 /// Counts one malformed `header` (`traceparent` or `tracestate`) received from `source`.
 pub fn invalid(source: &'static str, header: &'static str) {
     metrics::counter!(
-        crate::metrics::TRACE_CONTEXT_INVALID,
+        TRACE_CONTEXT_INVALID,
         "source" => source,
         "header" => header
     )

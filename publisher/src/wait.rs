@@ -184,6 +184,20 @@ pub struct AnswerConfig {
     pub reply_to: String,
     /// Asked at the timeout when the queue gave no final answer.
     pub status_api: Option<StatusApi>,
+    /// Which answer ends the wait (default: a final one, or the timeout).
+    pub until: Until,
+}
+
+/// Which answer ends a wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Until {
+    /// A final answer (`succeeded`, `failed`, `rejected`); a `pending` one is kept and returned
+    /// at the timeout if nothing final came.
+    #[default]
+    Final,
+    /// The first answer about the action, `pending` included: the worker's answer for now
+    /// (`publisher send --wait`).
+    First,
 }
 
 impl Default for AnswerConfig {
@@ -192,6 +206,7 @@ impl Default for AnswerConfig {
             results_exchange: "results".into(),
             reply_to: generated_reply_to(),
             status_api: None,
+            until: Until::Final,
         }
     }
 }
@@ -282,7 +297,7 @@ impl Publisher {
 
         let outcome = async {
             send(intent.clone()).await?;
-            latest_answer(&mut consumer, &intent, deadline).await
+            latest_answer(&mut consumer, &intent, deadline, self.answers.until).await
         }
         .await;
         channel.close(200, "OK".into()).await.ok();
@@ -337,7 +352,8 @@ impl Publisher {
         intent: &Intent,
         timeout: Duration,
     ) -> Result<Answer, WaitError> {
-        if let Some(event) = from_queue.as_ref().filter(|e| is_final(e.status)) {
+        let settled = |e: &&ResultEvent| is_final(e.status) || self.answers.until == Until::First;
+        if let Some(event) = from_queue.as_ref().filter(settled) {
             return Ok(Answer {
                 event: event.clone(),
                 source: Source::Queue,
@@ -368,12 +384,13 @@ impl Publisher {
     }
 }
 
-/// Reads answers about `intent` until a final one or the deadline; returns the final one, or
-/// the latest pending one, or none.
+/// Reads answers about `intent` until a final one (or, with [`Until::First`], any one) or the
+/// deadline; returns it, or the latest pending one, or none.
 async fn latest_answer(
     consumer: &mut lapin::Consumer,
     intent: &Intent,
     deadline: Instant,
+    until: Until,
 ) -> Result<Option<ResultEvent>, WaitError> {
     let mut latest: Option<ResultEvent> = None;
     loop {
@@ -390,7 +407,7 @@ async fn latest_answer(
         if event.tenant != intent.tenant || event.action_id != intent.action_id {
             continue;
         }
-        if is_final(event.status) {
+        if is_final(event.status) || until == Until::First {
             return Ok(Some(event));
         }
         latest = Some(event);

@@ -61,6 +61,18 @@ pub fn publisher_bin() -> PathBuf {
     bin
 }
 
+/// The example agent `demo-agent` (examples/demo-agent), beside the worker in [`bin_dir`]:
+/// `cargo build --workspace` builds it (a test build of `-p e2e` alone does not).
+pub fn demo_agent_bin() -> PathBuf {
+    let bin = bin_dir().join("demo-agent");
+    assert!(
+        bin.exists(),
+        "{} missing: cargo build --workspace (or -p demo-agent)",
+        bin.display()
+    );
+    bin
+}
+
 /// `publisher relay` as a child process against the test's broker names and database
 /// (`extra` overrides or adds variables); stderr goes to `<name>.log` in the test's directory.
 /// Resumed (if stopped) and killed on drop.

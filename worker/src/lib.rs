@@ -10,7 +10,10 @@
 //!   is one conditional statement.
 //! - [`answers`]: every agent-facing answer: result-event shapes, their texts and reason codes,
 //!   the dead-letter reasons (metric labels derive from them).
-//! - [`adapter`]: the `ToolAdapter` trait, outcome classification, the HTTP adapter.
+//! - [`outcome`]: what one downstream call established ([`outcome::Outcome`]): the vocabulary
+//!   the adapters classify into, the retry policy prices and dispatch maps to a next state.
+//! - [`adapter`]: the `ToolAdapter` trait, outcome classification, the HTTP adapter, receipt
+//!   checks, and every downstream call timed and counted (`meters`).
 //! - [`intake`]: one consumer step for a batch, in stages — decode, prove the tenant
 //!   ([`intake::TenantAuth`]), look up the inbox, answer or claim.
 //! - [`dispatch`]: sending a claimed operation and recording what happened; `next_state`, the
@@ -29,7 +32,9 @@
 //!   retention, `worker check-tool`.
 //! - [`console`]: the operator console, server-rendered pages under `/ui` on the admin
 //!   listener (sessions, filters, pages), acting only through [`ops`].
-//! - [`telemetry`]: logs, Prometheus metrics, `/livez` and `/readyz`, `worker probe`.
+//! - [`telemetry`]: logs, Prometheus metrics (the exporter, every series described and
+//!   pre-registered; a lower layer keeps the names it records, as the ledger does), `/livez`
+//!   and `/readyz`, `worker probe`.
 //! - [`tls`]: the one trust (system roots + `WORKER_CA_FILE`) every TLS client uses.
 //! - [`fault`]: named stop points for crash tests (feature `fault-points`).
 //! - [`app`]: start-up ([`app::Application::build`]), the link supervisor that reconnects the
@@ -49,6 +54,7 @@ pub mod fault;
 pub mod intake;
 pub mod ledger;
 pub mod ops;
+pub mod outcome;
 pub mod recovery;
 pub mod retry;
 pub mod shutdown;

@@ -129,6 +129,11 @@ async fn main() -> ExitCode {
     }
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // A listener that cannot bind is a setting to change, like any other bad value.
+        Err(e) if e.downcast_ref::<kit::http::BindError>().is_some() => {
+            eprintln!("worker: configuration error: {e}");
+            ExitCode::from(2)
+        }
         Err(e) => {
             eprintln!("worker: {}", worker::telemetry::chain(e.as_ref()));
             ExitCode::FAILURE

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::adapter::Outcome;
+use crate::outcome::Outcome;
 use serde::Deserialize;
 
 /// Retry policy of one tool: the ledger scheduler is the only retry layer (docs/design.md section 6).

@@ -21,7 +21,6 @@ pub mod answer;
 pub mod server;
 pub mod tools;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
@@ -40,11 +39,6 @@ pub use tools::{ToolCatalog, ToolsError};
 pub enum McpError {
     #[error("PUBLISHER_MCP_TOKENS: {0}")]
     Tokens(String),
-    #[error("cannot listen on {addr}: {source}")]
-    Listen {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
     #[error("MCP server: {0}")]
     Serve(String),
 }
@@ -61,9 +55,6 @@ impl std::fmt::Debug for TokenMap {
     }
 }
 
-/// Tokens shorter than this are refused: they could be guessed.
-const MIN_TOKEN_LEN: usize = 16;
-
 impl TokenMap {
     /// Parses `tenant=token,tenant=token`. A tenant may have several tokens (rotation); a
     /// token may not serve two tenants.
@@ -74,11 +65,15 @@ impl TokenMap {
                 McpError::Tokens(format!("{:?} is not tenant=token", redact(item)))
             })?;
             let (tenant, token) = (tenant.trim(), token.trim());
-            if tenant.is_empty() || token.len() < MIN_TOKEN_LEN {
+            if tenant.is_empty() {
                 return Err(McpError::Tokens(format!(
-                    "tenant {tenant:?}: need a tenant and a token of at least {MIN_TOKEN_LEN} characters"
+                    "{:?}: need a tenant before '='",
+                    redact(item)
                 )));
             }
+            // Tokens shorter than the minimum could be guessed (kit::guard).
+            kit::guard::check_token(&format!("the token of tenant {tenant:?}"), token)
+                .map_err(McpError::Tokens)?;
             let digest = kit::secret::digest(token.as_bytes());
             if pairs.iter().any(|(t, k)| *k == digest && t != tenant) {
                 return Err(McpError::Tokens(format!(
@@ -141,9 +136,10 @@ async fn authenticate(
 }
 
 /// Where and how the HTTP transport listens.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct HttpOptions {
-    pub addr: SocketAddr,
+    /// Bound at start-up ([`kit::http::bind`]): an address that cannot be bound stops it.
+    pub listener: std::net::TcpListener,
     /// The MCP endpoint's path (e.g. `/mcp`).
     pub path: String,
     /// The `Host` header allow-list (DNS rebinding protection; empty = the SDK's loopback
@@ -153,6 +149,47 @@ pub struct HttpOptions {
     pub allowed_origins: AllowedOrigins,
     /// Header and idle timeouts and connection cap of the listener.
     pub limits: kit::http::Limits,
+}
+
+/// What the edge guard checks before the token: the `Host` and `Origin` allow-lists.
+struct Edge {
+    hosts: AllowedHosts,
+    origins: AllowedOrigins,
+}
+
+/// The `Host` allow-list (`PUBLISHER_MCP_ALLOWED_HOSTS`; empty: the loopback names), checked
+/// by the gateway itself as the MCP SDK checks it (a host, or `host:port`), so that a refusal
+/// can name the setting.
+struct AllowedHosts(Vec<String>);
+
+impl AllowedHosts {
+    fn new(entries: &[String]) -> AllowedHosts {
+        let entries: Vec<String> = entries
+            .iter()
+            .map(|e| e.trim().to_ascii_lowercase())
+            .filter(|e| !e.is_empty())
+            .collect();
+        if entries.is_empty() {
+            return AllowedHosts(vec!["localhost".into(), "127.0.0.1".into(), "::1".into()]);
+        }
+        AllowedHosts(entries)
+    }
+
+    fn allows(&self, host_header: &str) -> bool {
+        let Ok(host) = axum::http::uri::Authority::try_from(host_header) else {
+            return false;
+        };
+        let name = host.host().trim_matches(['[', ']']).to_ascii_lowercase();
+        self.0.iter().any(
+            |entry| match axum::http::uri::Authority::try_from(entry.as_str()) {
+                Ok(a) => {
+                    a.host().trim_matches(['[', ']']) == name
+                        && a.port_u16().is_none_or(|p| host.port_u16() == Some(p))
+                }
+                Err(_) => entry.trim_matches(['[', ']']) == name,
+            },
+        )
+    }
 }
 
 /// The `Origin` allow-list. A request without `Origin` (a non-browser client) is always
@@ -243,11 +280,8 @@ impl AllowedOrigins {
 /// gateway could disagree on which host was meant); an `Origin` not on the allow-list answers
 /// 403 (the MCP streamable HTTP transport requires servers to validate it: a web page must not
 /// drive a local gateway).
-async fn edge_guard(
-    State(origins): State<Arc<AllowedOrigins>>,
-    request: Request,
-    next: Next,
-) -> Response {
+async fn edge_guard(State(edge): State<Arc<Edge>>, request: Request, next: Next) -> Response {
+    let origins = &edge.origins;
     let bad = |why: &'static str| (StatusCode::BAD_REQUEST, why).into_response();
     let hosts: Vec<&axum::http::HeaderValue> =
         request.headers().get_all(header::HOST).iter().collect();
@@ -279,6 +313,19 @@ async fn edge_guard(
             return bad("Bad Request: the request URI names another host than the Host header\n");
         }
     }
+    let host = hosts.first().and_then(|h| h.to_str().ok()).unwrap_or("");
+    if !edge.hosts.allows(host) {
+        tracing::warn!(
+            host,
+            "refused a request for a Host not in PUBLISHER_MCP_ALLOWED_HOSTS"
+        );
+        return (
+            StatusCode::FORBIDDEN,
+            "Forbidden: this Host is not in PUBLISHER_MCP_ALLOWED_HOSTS (default: localhost, \
+             127.0.0.1, ::1); add the name clients use to reach the gateway\n",
+        )
+            .into_response();
+    }
     if let Some(origin) = request.headers().get(header::ORIGIN) {
         let allowed = origin.to_str().is_ok_and(|o| origins.allows(o));
         if !allowed {
@@ -301,7 +348,7 @@ pub async fn serve_http(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), McpError> {
     let HttpOptions {
-        addr,
+        listener,
         path,
         allowed_hosts,
         allowed_origins,
@@ -313,6 +360,10 @@ pub async fn serve_http(
         // serves the same client without a new handshake.
         .with_legacy_session_mode(false)
         .with_json_response(true);
+    let edge = Edge {
+        hosts: AllowedHosts::new(&allowed_hosts),
+        origins: allowed_origins,
+    };
     if !allowed_hosts.is_empty() {
         config = config.with_allowed_hosts(allowed_hosts);
     }
@@ -327,13 +378,14 @@ pub async fn serve_http(
         .route_service(path, service)
         .layer(axum::middleware::from_fn_with_state(tokens, authenticate))
         .layer(axum::middleware::from_fn_with_state(
-            Arc::new(allowed_origins),
+            Arc::new(edge),
             edge_guard,
         ));
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| McpError::Listen { addr, source })?;
-    let local = listener.local_addr().unwrap_or(addr);
+    let listener = tokio::net::TcpListener::from_std(listener)
+        .map_err(|e| McpError::Serve(format!("cannot serve the bound listener: {e}")))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| McpError::Serve(e.to_string()))?;
     tracing::info!("publisher mcp listening on http://{local}{path}");
     kit::http::serve(listener, router, limits, shutdown)
         .await
@@ -356,6 +408,22 @@ pub async fn serve_stdio(gateway: Gateway) -> Result<(), McpError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hosts_are_allowed_as_the_sdk_allows_them() {
+        let loopback = AllowedHosts::new(&[]);
+        for host in ["localhost", "127.0.0.1:9470", "[::1]:9470", "LOCALHOST:1"] {
+            assert!(loopback.allows(host), "{host}");
+        }
+        for host in ["mcp.example.com", "127.0.0.2", "", "a b"] {
+            assert!(!loopback.allows(host), "{host}");
+        }
+        let listed = AllowedHosts::new(&["mcp.example.com".into(), "gw.internal:8443".into()]);
+        assert!(listed.allows("mcp.example.com:443"));
+        assert!(listed.allows("gw.internal:8443"));
+        assert!(!listed.allows("gw.internal:9000"));
+        assert!(!listed.allows("localhost"));
+    }
 
     #[test]
     fn token_map() {

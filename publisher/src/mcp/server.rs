@@ -110,6 +110,7 @@ impl Gateway {
                 results_exchange: self.config.results_exchange.clone(),
                 reply_to: self.reply_to.to_string(),
                 status_api: self.config.status_api.clone(),
+                until: crate::wait::Until::Final,
             });
         tracing::info!(node = %publisher.node(), "the MCP gateway is connected to RabbitMQ");
         let publisher = Arc::new(publisher);

@@ -730,6 +730,7 @@ fn answers(env: &Env, w: Option<&Worker>, reply_to: &str) -> AnswerConfig {
         results_exchange: env.topology.results_exchange.clone(),
         reply_to: reply_to.to_string(),
         status_api: w.map(|w| StatusApi::new(&status_url(w), TENANT_TOKEN).unwrap()),
+        ..AnswerConfig::default()
     }
 }
 

@@ -1,9 +1,11 @@
-//! The Quick start's demo agent (`publisher demo --scenario full`, run by scripts/demo.sh): with
-//! two real workers, the reference downstream (one reply lost after commit) and the agent-side
-//! relay, its `key=value` summary agrees with the downstream's own tables and the ledger:
-//! downstream writes == distinct actions (never intents sent), every reordered and re-spaced
-//! repeat answered from the ledger, the conflicting reuse refused, the lost reply pending and
-//! then held. Without the fault and without an outbox, the same scenario succeeds throughout.
+//! The Quick start's demo agent (`demo-agent --scenario full`, the example agent of
+//! examples/demo-agent, run by scripts/demo.sh): with two real workers, the reference downstream
+//! (one reply lost after commit) and the agent-side relay, its `key=value` summary agrees with
+//! the downstream's own tables and the ledger: downstream writes == distinct actions (never
+//! intents sent), every reordered and re-spaced repeat answered from the ledger, the conflicting
+//! reuse refused, the lost reply pending and then held. Without the fault and without an outbox,
+//! the same scenario succeeds throughout. Its binary is found beside the worker's
+//! (`e2e::procs::demo_agent_bin`: `cargo build --workspace` builds it).
 //! The scripts themselves parse, answer --help and refuse unknown flags (shellcheck-clean where
 //! shellcheck is installed); scripts/test.sh runs `scripts/demo.sh --once` for the whole thing.
 
@@ -38,7 +40,16 @@ impl Drop for Proc {
 
 /// `publisher <args>` with a clean environment, the test's broker names and `extra`.
 fn publisher(env: &Env, args: &[&str], extra: &[(&str, String)]) -> Command {
-    let mut cmd = Command::new(e2e::procs::publisher_bin());
+    command(e2e::procs::publisher_bin(), env, args, extra)
+}
+
+/// `demo-agent <args>`, as [`publisher`].
+fn demo_agent(env: &Env, args: &[&str], extra: &[(&str, String)]) -> Command {
+    command(e2e::procs::demo_agent_bin(), env, args, extra)
+}
+
+fn command(bin: PathBuf, env: &Env, args: &[&str], extra: &[(&str, String)]) -> Command {
+    let mut cmd = Command::new(bin);
     cmd.args(args)
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
@@ -61,10 +72,9 @@ fn run_agent(
 ) -> (Option<i32>, BTreeMap<String, String>, String, String) {
     let out = env.dir.join(format!("agent-{run_id}.out"));
     let err = env.dir.join(format!("agent-{run_id}.log"));
-    let mut cmd = publisher(
+    let mut cmd = demo_agent(
         env,
         &[
-            "demo",
             "--scenario",
             "full",
             "--tenant",
@@ -88,7 +98,7 @@ fn run_agent(
     );
     cmd.stdout(File::create(&out).unwrap())
         .stderr(File::create(&err).unwrap());
-    let mut child = Proc(cmd.spawn().expect("spawn publisher demo"));
+    let mut child = Proc(cmd.spawn().expect("spawn demo-agent"));
     let deadline = Instant::now() + Duration::from_secs(90);
     let code = loop {
         if let Some(status) = child.0.try_wait().unwrap() {
@@ -268,6 +278,149 @@ async fn without_a_lost_reply_and_without_an_outbox_every_action_succeeds() {
     .await;
     assert_eq!(writes, 7, "{context}");
     cleanup(env).await;
+}
+
+/// With span export on (as the compose demo exports to Jaeger), each intent's trace starts at the
+/// agent's `agent turn` span, exported as service `demo-agent`, and goes on through the outbox
+/// row (written as is, with that span's context) and the relay into the worker and the
+/// downstream's request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_export_on_each_intents_trace_starts_at_the_agents_turn() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let receiver = e2e::OtlpReceiver::start();
+    let _w1 = Worker::start(
+        &env,
+        "w1",
+        &WorkerOptions::new(env.standard_tools(ds.port, "")),
+    )
+    .await;
+    let db = ("PUBLISHER_DATABASE_URL", env.db_url.clone());
+    let migrate = publisher(&env, &["migrate"], std::slice::from_ref(&db))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("publisher migrate");
+    assert!(migrate.success(), "publisher migrate failed");
+    let _relay = Proc(
+        publisher(
+            &env,
+            &["relay"],
+            &[
+                db.clone(),
+                ("PUBLISHER_IDLE_POLL", "20ms".into()),
+                ("PUBLISHER_METRICS_ADDR", "off".into()),
+            ],
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn publisher relay"),
+    );
+
+    // Nothing armed: every action succeeds.
+    let run_id = format!("x{}", env.id);
+    let (code, summary, _stdout, stderr) = run_agent(
+        &env,
+        &run_id,
+        &[
+            db,
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100".into()),
+        ],
+    );
+    let context = format!("summary {summary:?}\n--- stderr\n{stderr}");
+    assert_eq!(code, Some(0), "{context}");
+    assert_eq!(get(&summary, "complete"), "true", "{context}");
+    assert!(
+        stderr.contains("exporting spans over OTLP/HTTP") && stderr.contains("service=demo-agent"),
+        "{context}"
+    );
+
+    // One turn per intent sent; refund 2 and the deploy are sent once each.
+    let turns = receiver
+        .wait_for_spans("the agent's turns", Duration::from_secs(20), 10, |s| {
+            s.name == "agent turn" && s.service_name == "demo-agent"
+        })
+        .await;
+    for action in [format!("refund-{run_id}-2"), format!("deploy-{run_id}")] {
+        let key = format!("{TENANT}:{action}");
+        let turn: Vec<_> = turns
+            .iter()
+            .filter(|s| s.attr_str("intent_worker.action_key") == Some(key.as_str()))
+            .collect();
+        assert_eq!(turn.len(), 1, "{key}: {}", receiver.dump());
+        let seen = env.traceparents_for(&key).await;
+        assert_eq!(seen.len(), 1, "{key}: {seen:?}");
+        let traceparent = seen[0]
+            .as_deref()
+            .expect("the downstream got a trace context");
+        assert_eq!(
+            traceparent.split('-').nth(1),
+            Some(turn[0].trace_id.as_str()),
+            "{key}: {traceparent} is not in the agent turn's trace"
+        );
+    }
+    cleanup(env).await;
+}
+
+/// Settings that can never work end the agent at once with exit code 2, naming the setting,
+/// before it connects to anything (as `publisher demo` did).
+#[test]
+fn the_demo_agent_refuses_settings_that_can_never_work() {
+    let base = ["--tenant", TENANT, "--tool", "refund", "--count", "1"];
+    /// Extra arguments, extra environment, what the error must name.
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 4] = [
+        (&[], &[("AMQP_URL", "http://nowhere:5672")], "AMQP_URL="),
+        (
+            &[],
+            &[("PUBLISHER_DATABASE_URL", "mysql://u:secret@h/db")],
+            "PUBLISHER_DATABASE_URL=",
+        ),
+        (
+            &["--status-url", "http://127.0.0.1:1"],
+            &[],
+            "--status-url needs --status-token",
+        ),
+        (&["--answer-timeout", "soon"], &[], "--answer-timeout"),
+    ];
+    for (args, vars, needle) in cases {
+        let out = Command::new(e2e::procs::demo_agent_bin())
+            .args(base)
+            .args(args)
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(vars.iter().copied())
+            .output()
+            .expect("run demo-agent");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?} {vars:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?} {vars:?}: {stderr}");
+        assert!(!stderr.contains("secret"), "a password in {stderr}");
+    }
+    let missing = Command::new(e2e::procs::demo_agent_bin())
+        .env_clear()
+        .output()
+        .expect("run demo-agent");
+    assert_eq!(missing.status.code(), Some(2));
+    let help = Command::new(e2e::procs::demo_agent_bin())
+        .arg("--help")
+        .env_clear()
+        .output()
+        .expect("demo-agent --help");
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(help.status.success(), "{text}");
+    for flag in [
+        "--scenario",
+        "--held-tool",
+        "--set-user-id",
+        "--ca-file",
+        "PUBLISHER_STATUS_TOKEN",
+        "INTENTS_EXCHANGE",
+    ] {
+        assert!(text.contains(flag), "--help lacks {flag}: {text}");
+    }
 }
 
 #[test]

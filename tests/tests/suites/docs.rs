@@ -2,9 +2,11 @@
 //! of `docs/` and the Python client's README names a file that exists, and every `#anchor`
 //! names a heading of its target under GitHub's slug rules (lowercase, spaces to `-`,
 //! punctuation other than `-` and `_` dropped, repeated headings suffixed `-1`, `-2`, ...).
-//! README.md stays a front door (at most 400 lines), and the documentation describes behaviour,
-//! never tracker issue numbers. A broken sample in a temporary directory proves the checker
-//! fails when a link or an anchor does not resolve.
+//! README.md stays a front door and every `docs/` page a reference of one subject (see
+//! [`BUDGETS`]), and the documentation describes what is true now: never tracker issue numbers,
+//! commit hashes (history belongs in CHANGELOG.md and commit messages) or a chronicle of
+//! machines and runs ("the seventh machine"). A broken sample in a temporary directory proves
+//! the checker fails when a link or an anchor does not resolve.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -244,14 +246,247 @@ fn every_relative_link_and_anchor_resolves() {
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
 
+/// Line budgets: the README is a front door (what, why, one command to run, one to test, where
+/// to read on); a `docs/` page is the reference of one subject, and past 700 lines it is either
+/// two subjects or a chronicle. Both limits are about twice what a reader takes in one sitting,
+/// and every page is under them today by a margin for growth.
+const BUDGETS: [(&str, usize); 2] = [("README.md", 350), ("docs/*.md", 700)];
+
+/// README.md and every `docs/*.md`: the pages that speak of what is true now (CHANGELOG.md is
+/// the history).
+fn reference_pages(root: &Path) -> Vec<PathBuf> {
+    documents(root)
+        .into_iter()
+        .filter(|p| !p.ends_with("CHANGELOG.md") && !p.ends_with("clients/python/README.md"))
+        .collect()
+}
+
+/// Pages over their line budget, as `path: N lines (budget M)`.
+fn over_budget(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for page in reference_pages(root) {
+        let rel = page.strip_prefix(root).unwrap_or(&page);
+        let budget = if rel == Path::new("README.md") {
+            BUDGETS[0].1
+        } else {
+            BUDGETS[1].1
+        };
+        let lines = std::fs::read_to_string(&page)
+            .expect("read page")
+            .lines()
+            .count();
+        if lines > budget {
+            out.push(format!(
+                "{}: {lines} lines (budget {budget})",
+                rel.display()
+            ));
+        }
+    }
+    out
+}
+
 #[test]
-fn the_readme_stays_a_front_door() {
-    let readme = std::fs::read_to_string(repo().join("README.md")).expect("read README.md");
-    let lines = readme.lines().count();
+fn every_page_stays_within_its_line_budget() {
+    let over = over_budget(&repo());
     assert!(
-        lines <= 400,
-        "README.md has {lines} lines; move reference material into docs/"
+        over.is_empty(),
+        "pages over budget (move reference material into a page of its own, history into \
+         CHANGELOG.md):\n{}",
+        over.join("\n")
     );
+}
+
+/// Runs of 7 to 40 hexadecimal characters standing alone (not inside a longer word), with
+/// their line numbers: the candidates for commit hashes.
+fn hex_words(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        for word in line.split(|c: char| !c.is_ascii_alphanumeric()) {
+            if (7..=40).contains(&word.len())
+                && word.chars().all(|c| c.is_ascii_hexdigit())
+                && word.chars().any(|c| c.is_ascii_alphabetic())
+                && word.chars().any(|c| c.is_ascii_digit())
+            {
+                out.push((n + 1, word.to_ascii_lowercase()));
+            }
+        }
+    }
+    out
+}
+
+/// The words of `candidates` that name an object of the repository at `root` (`git cat-file
+/// --batch-check`: an abbreviated hash resolves too, an ambiguous one counts as resolving).
+fn resolving_objects(root: &Path, candidates: &[String]) -> Vec<String> {
+    use std::io::Write as _;
+    if candidates.is_empty() {
+        return Vec::new();
+    }
+    let mut child = std::process::Command::new("git")
+        .args(["cat-file", "--batch-check"])
+        .current_dir(root)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("git cat-file");
+    let mut input = child.stdin.take().expect("stdin");
+    let words = candidates.join("\n") + "\n";
+    let writer = std::thread::spawn(move || input.write_all(words.as_bytes()));
+    let out = child.wait_with_output().expect("git cat-file output");
+    writer.join().expect("writer").expect("write to git");
+    assert!(out.status.success(), "git cat-file --batch-check failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .zip(candidates)
+        .filter(|(answer, _)| !answer.ends_with(" missing"))
+        .map(|(_, word)| word.clone())
+        .collect()
+}
+
+/// Commit hashes (or any git object) named in `text`, as `line: hash`.
+fn commit_hashes(root: &Path, text: &str) -> Vec<String> {
+    let words = hex_words(text);
+    let plain: Vec<String> = words.iter().map(|(_, w)| w.clone()).collect();
+    let found = resolving_objects(root, &plain);
+    words
+        .into_iter()
+        .filter(|(_, w)| found.contains(w))
+        .map(|(n, w)| format!("{n}: {w}"))
+        .collect()
+}
+
+#[test]
+fn the_documentation_names_no_commits() {
+    let root = repo();
+    let mut found = Vec::new();
+    for page in reference_pages(&root) {
+        let text = std::fs::read_to_string(&page).expect("read page");
+        for hit in commit_hashes(&root, &text) {
+            found.push(format!("{}:{hit}", page.display()));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "commit hashes (history goes in CHANGELOG.md and commit messages):\n{}",
+        found.join("\n")
+    );
+}
+
+/// Ordinal words, and whether a run or a session counted by them reads as a chronicle: "the
+/// first run" and "a second run" are ordinary prose, "the seventh run" is a log.
+const ORDINALS: [&str; 20] = [
+    "first",
+    "second",
+    "third",
+    "fourth",
+    "fifth",
+    "sixth",
+    "seventh",
+    "eighth",
+    "ninth",
+    "tenth",
+    "eleventh",
+    "twelfth",
+    "thirteenth",
+    "fourteenth",
+    "fifteenth",
+    "sixteenth",
+    "seventeenth",
+    "eighteenth",
+    "nineteenth",
+    "twentieth",
+];
+
+/// Whether `word` is an ordinal, and its rank (`7th` is 7).
+fn ordinal(word: &str) -> Option<usize> {
+    if let Some(i) = ORDINALS.iter().position(|o| *o == word) {
+        return Some(i + 1);
+    }
+    let digits: String = word.chars().take_while(char::is_ascii_digit).collect();
+    let suffix = &word[digits.len()..];
+    (!digits.is_empty() && matches!(suffix, "st" | "nd" | "rd" | "th"))
+        .then(|| digits.parse().ok())
+        .flatten()
+}
+
+/// A chronicle of machines or runs: an ordinal followed within two words by "machine" (any
+/// rank), or by "run", "session" or "round" (from the third on), as `line: words`.
+fn chronicle(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let lower = line.to_lowercase();
+        let words: Vec<&str> = lower
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .filter(|w| !w.is_empty())
+            .collect();
+        for (i, w) in words.iter().enumerate() {
+            let Some(rank) = ordinal(w) else { continue };
+            for (k, next) in words.iter().enumerate().skip(i + 1).take(3) {
+                let noun = next.trim_end_matches('s');
+                if noun == "machine" || (rank >= 3 && matches!(noun, "run" | "session" | "round")) {
+                    out.push(format!("{}: {}", n + 1, words[i..=k].join(" ")));
+                    break;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_documentation_keeps_no_chronicle_of_machines_or_runs() {
+    let root = repo();
+    let mut found = Vec::new();
+    for page in reference_pages(&root) {
+        let text = std::fs::read_to_string(&page).expect("read page");
+        for hit in chronicle(&text) {
+            found.push(format!("{}:{hit}", page.display()));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "a chronicle of machines or runs (state the current figures; history goes in \
+         CHANGELOG.md):\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_history_checks_tell_history_from_prose() {
+    assert_eq!(
+        chronicle(
+            "On the seventh fresh machine, and on an 8th machine.\nThe eleventh run.\n\
+             A second run is safe; the first run builds; the first machine you try.\n\
+             The third session's drains.\nA second-hand machine. Seventh heaven."
+        ),
+        [
+            "1: seventh fresh machine",
+            "1: 8th machine",
+            "2: eleventh run",
+            "3: first machine",
+            "4: third session",
+            "5: second hand machine",
+        ]
+    );
+    let hexes: Vec<String> =
+        hex_words("see 74232e2, 0x1f, deadbeef, 20261201, a3f9c2d1e\n`abc1234`")
+            .into_iter()
+            .map(|(n, w)| format!("{n}:{w}"))
+            .collect();
+    assert_eq!(hexes, ["1:74232e2", "1:a3f9c2d1e", "2:abc1234"]);
+    // The repository's first commit resolves; a hex word that names no object does not.
+    let root = repo();
+    let first = std::process::Command::new("git")
+        .args(["rev-list", "--max-parents=0", "HEAD"])
+        .current_dir(&root)
+        .output()
+        .expect("git rev-list");
+    let first = String::from_utf8_lossy(&first.stdout)
+        .lines()
+        .next()
+        .expect("a first commit")[..9]
+        .to_string();
+    let text = format!("landed in {first}; an example id 0000000a0b0c0d");
+    assert_eq!(commit_hashes(&root, &text), [format!("1: {first}")]);
 }
 
 #[test]

@@ -154,8 +154,9 @@ async fn a_nul_in_the_arguments_is_refused_before_dispatch() {
 }
 
 /// The dead-letter queue a worker declares for itself is bounded like the one the broker
-/// definitions declare (length, age, overflow rule): redeclaring it with the arguments the
-/// definitions' `intents-dead` policy implies succeeds only if they are the queue's own.
+/// definitions declare (length, age, overflow rule, and a delivery limit no reading reaches):
+/// redeclaring it with the arguments the definitions' `intents-dead` policy implies succeeds
+/// only if they are the queue's own.
 #[tokio::test]
 async fn the_self_declared_dead_letter_queue_is_bounded_like_the_definitions() {
     use lapin::options::QueueDeclareOptions;
@@ -189,6 +190,14 @@ async fn the_self_declared_dead_letter_queue_is_bounded_like_the_definitions() {
         "x-overflow".into(),
         AMQPValue::LongString(LongString::from(overflow)),
     );
+    let limit = policy["delivery-limit"]
+        .as_i64()
+        .expect("policy delivery-limit");
+    assert!(
+        limit >= 1_000_000,
+        "a delivery limit that reading the queue could reach: {limit}"
+    );
+    args.insert("x-delivery-limit".into(), AMQPValue::LongInt(limit as i32));
 
     let env = Env::new().await;
     let (_ds, _w) = start(&env, None).await;

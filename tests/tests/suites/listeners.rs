@@ -359,3 +359,210 @@ async fn running_out_of_descriptors_is_retried_never_the_downstreams_failure() {
     drop(w);
     cleanup(env).await;
 }
+
+/// Sends a request head announcing `length` body bytes, then one body byte every `every`
+/// until the peer answers or closes; returns (the answer read, how long it took from the end
+/// of the head, whether the connection was closed). Gives up after `within`.
+async fn slow_body(
+    addr: &str,
+    head: &str,
+    every: Duration,
+    within: Duration,
+) -> (String, Duration, bool) {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut rx, mut tx) = stream.into_split();
+    tx.write_all(head.as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let trickle = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            if tx.write_all(b"x").await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + within;
+    let closed = loop {
+        match tokio::time::timeout_at(deadline, rx.read(&mut buf)).await {
+            Err(_) => break false,
+            Ok(Ok(0)) | Ok(Err(_)) => break true,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    };
+    trickle.abort();
+    (
+        String::from_utf8_lossy(&got).into_owned(),
+        started.elapsed(),
+        closed,
+    )
+}
+
+/// A body sent a byte at a time is cut at the body timeout on every listener route that takes
+/// one, authenticated or not; the unauthenticated sign-in refuses a large body at once; and a
+/// crowd of slow senders past the connection cap does not keep an operator's request waiting
+/// longer than one body timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_body_is_cut_at_the_body_timeout_and_cannot_starve_the_listener() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, ""))
+        .with_metrics()
+        .with_admin(ADMIN)
+        .env("WORKER_HTTP_BODY_TIMEOUT_MS", "1500")
+        .env("WORKER_HTTP_MAX_CONNECTIONS", "24");
+    let w = Worker::start(&env, "w", &opts).await;
+    let admin = format!("127.0.0.1:{}", w.admin_port.unwrap());
+    let metrics = format!("127.0.0.1:{}", w.metrics_port.unwrap());
+
+    // The unauthenticated sign-in form takes a small body only: refused before it is sent.
+    let mut s = TcpStream::connect(&admin).await.unwrap();
+    s.write_all(
+        format!(
+            "POST /ui/login HTTP/1.1\r\nHost: {admin}\r\n\
+             Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 100000\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let answer = response_head(&mut s, Duration::from_secs(3)).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 413"),
+        "a 100 kB sign-in form: {answer:?}"
+    );
+
+    // A small sign-in form, an operator's resolve and the metrics listener's POST: each body
+    // sent a byte every 300 ms is cut at the 1.5 s body timeout.
+    for (addr, head) in [
+        (
+            &admin,
+            format!(
+                "POST /ui/login HTTP/1.1\r\nHost: {admin}\r\n\
+                 Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 900\r\n\r\n"
+            ),
+        ),
+        (
+            &admin,
+            format!(
+                "POST /v1/operations/north-shop/a-1/resolve HTTP/1.1\r\nHost: {admin}\r\n\
+                 Authorization: Bearer {ADMIN}\r\nContent-Type: application/json\r\n\
+                 Content-Length: 5000\r\n\r\n{{"
+            ),
+        ),
+        (
+            &metrics,
+            format!("POST /metrics HTTP/1.1\r\nHost: {metrics}\r\nContent-Length: 5000\r\n\r\n"),
+        ),
+    ] {
+        let (text, took, closed) = slow_body(
+            addr,
+            &head,
+            Duration::from_millis(300),
+            Duration::from_secs(8),
+        )
+        .await;
+        let first = head.lines().next().unwrap();
+        assert!(
+            closed && took < Duration::from_secs(5),
+            "{first}: the slow body was still being read after {took:?} (closed: {closed}): {text:?}"
+        );
+        if addr == &admin {
+            assert!(
+                text.starts_with("HTTP/1.1 408") && text.contains("request_timeout"),
+                "{first}: {text:?}"
+            );
+        }
+    }
+
+    // 40 slow senders (past the cap of 24) on the sign-in form: an operator's listing is
+    // answered within a body timeout or two, not after the slow senders give up.
+    let mut crowd = Vec::new();
+    for _ in 0..40 {
+        let head = format!(
+            "POST /ui/login HTTP/1.1\r\nHost: {admin}\r\n\
+             Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 900\r\n\r\n"
+        );
+        let addr = admin.clone();
+        crowd.push(tokio::spawn(async move {
+            slow_body(
+                &addr,
+                &head,
+                Duration::from_millis(500),
+                Duration::from_secs(30),
+            )
+            .await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let r = e2e::http_builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap()
+        .get(format!("http://{admin}/v1/operations"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .expect("the operator's listing is answered");
+    assert_eq!(r.status(), 200);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(6),
+        "the operator waited {took:?} behind slow senders"
+    );
+    for c in crowd {
+        let (_, took, closed) = c.await.unwrap();
+        assert!(closed && took < Duration::from_secs(8), "{took:?} {closed}");
+    }
+
+    drop(w);
+    cleanup(env).await;
+}
+
+/// The MCP gateway's listener has the same body timeout: a slow POST to /mcp is cut.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_mcp_gateway_cuts_a_slow_body_too() {
+    let env = Env::new().await;
+    let tools = env.dir.join("mcp-tools.toml");
+    std::fs::write(
+        &tools,
+        "[tools.refund]\ndescription = \"Refund\"\ninput_schema = { type = \"object\" }\n",
+    )
+    .unwrap();
+    let settings = [
+        ("AMQP_URL", env.amqp_url.clone()),
+        ("INTENTS_EXCHANGE", env.topology.intents_exchange.clone()),
+        ("RESULTS_EXCHANGE", env.topology.results_exchange.clone()),
+        ("PUBLISHER_MCP_TOOLS", tools.display().to_string()),
+        (
+            "PUBLISHER_MCP_TOKENS",
+            "north-shop=north-mcp-token-0123456789".to_string(),
+        ),
+        ("PUBLISHER_HTTP_BODY_TIMEOUT", "1500ms".to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let gateway = e2e::McpGateway::start(e2e::free_port(), settings).await;
+    let addr = format!("127.0.0.1:{}", gateway.port);
+    let head = format!(
+        "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer north-mcp-token-0123456789\r\n\
+         Accept: application/json, text/event-stream\r\nContent-Type: application/json\r\n\
+         Content-Length: 5000\r\n\r\n{{"
+    );
+    let (text, took, closed) = slow_body(
+        &addr,
+        &head,
+        Duration::from_millis(300),
+        Duration::from_secs(8),
+    )
+    .await;
+    assert!(
+        closed && took < Duration::from_secs(5),
+        "the slow body was still being read after {took:?}: {text:?}"
+    );
+    drop(gateway);
+    cleanup(env).await;
+}

@@ -8,8 +8,9 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AF
 use reqwest::{Method, StatusCode};
 use tracing::{Instrument as _, Span};
 
-use super::{receipt, BoxFuture, Outcome, Request, ToolAdapter};
+use super::{receipt, BoxFuture, Request, ToolAdapter};
 use crate::config::ToolConfig;
+use crate::outcome::Outcome;
 use crate::recovery::Capability;
 
 /// Largest response body read; the evidence keeps an excerpt.
@@ -225,10 +226,10 @@ impl HttpAdapter {
             Err(e) => {
                 let why = match crate::tls::handshake_failure(&e) {
                     Some(reason) => format!(
-                        "TLS handshake with tool {} at {url} failed: {reason}",
-                        self.config.name
+                        "TLS handshake with {} failed: {reason}",
+                        where_is(&self.config, url)
                     ),
-                    None => error_chain(&e),
+                    None => error_chain(&e, &self.config),
                 };
                 return Answer::bare(Outcome::Unknown {
                     evidence: format!("lookup failed: {why}"),
@@ -363,15 +364,14 @@ impl ToolAdapter for HttpAdapter {
 /// files", ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL anywhere in the error's source chain) is
 /// [`Outcome::LocalExhaustion`]: not sent, and not the downstream's doing.
 pub fn classify_error(e: &reqwest::Error, config: &ToolConfig) -> Outcome {
-    let chain = error_chain(e);
+    let chain = error_chain(e, config);
     if e.is_connect() && kit::fd::local_exhaustion(e).is_some() {
         local_exhaustion(e, config, "write")
     } else if e.is_connect() {
         let evidence = match crate::tls::handshake_failure(e) {
             Some(reason) => format!(
-                "not sent: TLS handshake with tool {} at {} failed: {reason}",
-                config.name,
-                e.url().map_or(config.url.as_str(), |u| u.as_str())
+                "not sent: TLS handshake with {} failed: {reason}",
+                where_is(config, &config.url)
             ),
             None => format!("not sent: {chain}"),
         };
@@ -394,6 +394,12 @@ pub fn classify_error(e: &reqwest::Error, config: &ToolConfig) -> Outcome {
     }
 }
 
+/// "tool <name> at <host:port>": how evidence and logs name a tool's downstream. Never the URL
+/// itself: its query, user part or an interpolated `${VAR}` may hold a secret.
+fn where_is(config: &ToolConfig, url: &str) -> String {
+    format!("tool {} at {}", config.name, kit::url::host_port(url))
+}
+
 /// The evidence of a connect this worker's own exhaustion stopped.
 fn local_exhaustion(e: &reqwest::Error, config: &ToolConfig, kind: &str) -> Outcome {
     let cause = kit::fd::local_exhaustion(e).map_or_else(String::new, |io| io.to_string());
@@ -401,7 +407,7 @@ fn local_exhaustion(e: &reqwest::Error, config: &ToolConfig, kind: &str) -> Outc
         evidence: format!(
             "not sent: worker out of local resources ({cause}) before the {kind} to tool {} could              connect; retried without spending an attempt: {}",
             config.name,
-            error_chain(e)
+            error_chain(e, config)
         ),
     }
 }
@@ -438,9 +444,27 @@ async fn read_body(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
                 out.extend_from_slice(&chunk);
             }
             Ok(None) => return Ok(out),
-            Err(e) => return Err(error_chain(&e)),
+            Err(e) => return Err(body_error(&e)),
         }
     }
+}
+
+/// An HTTP client error and its causes on one line, without the URL the client puts in its
+/// text (see [`error_chain`]).
+fn body_error(e: &reqwest::Error) -> String {
+    let mut s = e.to_string();
+    if let Some(url) = e.url() {
+        s = s.replace(&format!(" for url ({url})"), "");
+        // Anywhere else it would be quoted, e.g. by a redirect error.
+        s = s.replace(url.as_str(), &kit::url::host_port(url.as_str()));
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
 }
 
 fn excerpt(bytes: &[u8]) -> String {
@@ -452,15 +476,12 @@ fn excerpt(bytes: &[u8]) -> String {
     s
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    s
+/// An HTTP client error and its causes on one line, naming the tool and its host first and
+/// without the URL the client puts in its text: the URL's query, user part or an interpolated
+/// `${VAR}` may hold a secret, and the chain goes into evidence, results and logs.
+fn error_chain(e: &reqwest::Error, config: &ToolConfig) -> String {
+    let url = e.url().map_or(config.url.as_str(), |u| u.as_str());
+    format!("{}: {}", where_is(config, url), body_error(e))
 }
 
 /// `Retry-After` as delay-seconds or an HTTP date (RFC 9110 section 10.2.3).

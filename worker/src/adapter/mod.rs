@@ -1,12 +1,16 @@
 //! Tool adapters: how the worker talks to a downstream service.
 //!
 //! An adapter sends the write, looks an operation up by its stable key, checks receipts, and
-//! classifies every answer into an [`Outcome`]. The classification is the safety boundary: only
+//! classifies every answer into an [`Outcome`] (the vocabulary of [`crate::outcome`], which the
+//! retry policy and dispatch speak too). The classification is the safety boundary: only
 //! [`Outcome::NotSent`], [`Outcome::LocalExhaustion`] and [`Outcome::NotApplied`] may lead to
-//! another write; anything that may have been applied is [`Outcome::Unknown`]. Library users plug in their own adapters by
-//! implementing [`ToolAdapter`]; the generic [`http::HttpAdapter`] is configured per tool.
+//! another write; anything that may have been applied is [`Outcome::Unknown`]. Library users
+//! plug in their own adapters by implementing [`ToolAdapter`]; the generic
+//! [`http::HttpAdapter`] is configured per tool. Every call is timed and counted per tool
+//! ([`meters`]).
 
 pub mod http;
+pub mod meters;
 pub mod receipt;
 
 use std::collections::BTreeMap;
@@ -16,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{ToolConfig, Tools};
+use crate::outcome::Outcome;
 use crate::recovery::Capability;
 
 /// A boxed future, so adapters can be trait objects.
@@ -34,92 +39,6 @@ pub struct Request {
     /// The trace context of the intent. An adapter sends the context of its own request span
     /// when spans are recorded ([`kit::otel::outgoing`]), else this one unchanged.
     pub trace: Option<protocol::trace::TraceContext>,
-}
-
-/// What one downstream call established.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
-    /// A 2xx (or lookup hit) whose receipt matches this operation.
-    Succeeded {
-        receipt: serde_json::Value,
-        receipt_id: String,
-    },
-    /// The request was never written (e.g. connection refused): safe to send again.
-    NotSent { evidence: String },
-    /// The request never left because this worker ran out of a local resource before it could
-    /// connect (no file descriptor, no socket buffer, no memory, no local port: EMFILE, ENFILE,
-    /// ENOBUFS, ENOMEM, EADDRNOTAVAIL). Not sent, like [`Outcome::NotSent`], but says nothing
-    /// about the downstream: retried without spending the operation's attempts.
-    LocalExhaustion { evidence: String },
-    /// The downstream answered with a status it documents as "not applied" (default 429).
-    NotApplied {
-        evidence: String,
-        retry_after: Option<Duration>,
-    },
-    /// A definitive rejection (4xx other than 408/409/429): it did not and will not apply.
-    /// Answered to a replay it proves nothing about the original write; recovery keeps the row
-    /// unknown unless the tool lists the status in `replay_final_statuses`.
-    Rejected { status: u16, evidence: String },
-    /// It may have been applied: timeout, reset after writing, 5xx, 408, 409, a receipt that
-    /// does not match, an unreadable 2xx.
-    Unknown {
-        evidence: String,
-        retry_after: Option<Duration>,
-    },
-    /// A lookup found nothing. Not proof of absence: the row stays unknown.
-    LookupMiss { evidence: String },
-}
-
-impl Outcome {
-    /// Every outcome's metric label, in [`Outcome::index`] order.
-    pub const LABELS: [&'static str; 7] = [
-        "succeeded",
-        "not_sent",
-        "local_exhaustion",
-        "not_applied",
-        "rejected",
-        "unknown",
-        "miss",
-    ];
-
-    /// This outcome's place in [`Outcome::LABELS`].
-    pub fn index(&self) -> usize {
-        match self {
-            Outcome::Succeeded { .. } => 0,
-            Outcome::NotSent { .. } => 1,
-            Outcome::LocalExhaustion { .. } => 2,
-            Outcome::NotApplied { .. } => 3,
-            Outcome::Rejected { .. } => 4,
-            Outcome::Unknown { .. } => 5,
-            Outcome::LookupMiss { .. } => 6,
-        }
-    }
-
-    /// Low-cardinality label for metrics.
-    pub fn label(&self) -> &'static str {
-        Outcome::LABELS[self.index()]
-    }
-
-    pub fn evidence(&self) -> String {
-        match self {
-            Outcome::Succeeded { receipt_id, .. } => format!("receipt {receipt_id}"),
-            Outcome::NotSent { evidence }
-            | Outcome::LocalExhaustion { evidence }
-            | Outcome::NotApplied { evidence, .. }
-            | Outcome::Rejected { evidence, .. }
-            | Outcome::Unknown { evidence, .. }
-            | Outcome::LookupMiss { evidence } => evidence.clone(),
-        }
-    }
-
-    pub fn retry_after(&self) -> Option<Duration> {
-        match self {
-            Outcome::NotApplied { retry_after, .. } | Outcome::Unknown { retry_after, .. } => {
-                *retry_after
-            }
-            _ => None,
-        }
-    }
 }
 
 /// A downstream the worker can drive.
@@ -144,8 +63,8 @@ pub trait ToolAdapter: Send + Sync {
 pub struct Tool {
     pub config: ToolConfig,
     pub adapter: Arc<dyn ToolAdapter>,
-    /// Its downstream request metrics ([`crate::dispatch::timed`]).
-    pub meters: Arc<crate::dispatch::RequestMeters>,
+    /// Its downstream request metrics ([`meters::timed`]).
+    pub meters: Arc<meters::RequestMeters>,
 }
 
 /// The tools this worker serves, by name.

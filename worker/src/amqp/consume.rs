@@ -39,7 +39,7 @@ use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
 use super::dead_letters::proven_user;
-use super::AmqpError;
+use super::{hex, AmqpError};
 use crate::answers::DeadLetterReason;
 use crate::config::Topology;
 use crate::context::Context;
@@ -133,11 +133,8 @@ pub async fn run(
         }
     }
     tracing::info!("consumer stopped; unacked deliveries return to the queue");
-    let _ = tokio::time::timeout(
-        Duration::from_secs(2),
-        channel.close(200, "shutdown".into()),
-    )
-    .await;
+    super::close_channel(&channel, "shutdown").await;
+    super::close_channel(&dlx.channel, "shutdown").await;
     Ok(())
 }
 
@@ -649,11 +646,6 @@ pub fn dead_letter_properties(
         text("x-intent-worker-user-id", &user);
     }
     super::persistent_copy(original, headers)
-}
-
-/// Lower-case hex.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

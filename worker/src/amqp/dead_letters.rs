@@ -135,6 +135,13 @@ pub struct DeadLetter {
 }
 
 impl DeadLetter {
+    /// A copy with its body cut at `max` bytes (for keeping, not for acting on).
+    pub fn cut(&self, max: usize) -> DeadLetter {
+        let mut copy = self.clone();
+        copy.body.truncate(max);
+        copy
+    }
+
     fn read(delivery: &lapin::message::Delivery, position: usize) -> DeadLetter {
         let props = &delivery.properties;
         let headers = props.headers().as_ref();
@@ -182,7 +189,7 @@ pub fn dead_letter_id(message_id: Option<&str>, routing_key: &str, body: &[u8]) 
     h.update(routing_key.as_bytes());
     h.update([0]);
     h.update(body);
-    super::consume::hex(&h.finalize()[..8])
+    super::hex(&h.finalize()[..8])
 }
 
 /// The properties of a republished intent (see the module doc): the original ones without the

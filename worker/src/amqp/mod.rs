@@ -113,17 +113,38 @@ pub async fn connect_with_heartbeat(
 }
 
 /// The broker's reason when `error` is a refused login (ACCESS_REFUSED while opening the
-/// connection, or a failing authentication provider), else `None`.
+/// connection, or a failing authentication provider) or a refused virtual host (NOT_ALLOWED:
+/// none of that name, or the user may not use it), else `None`.
 fn login_refusal(error: &lapin::Error) -> Option<String> {
-    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
     match error.kind() {
         lapin::ErrorKind::ProtocolError(e)
             if matches!(e.kind(), AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)) =>
         {
             Some(e.get_message().to_string())
         }
+        lapin::ErrorKind::ProtocolError(e)
+            if matches!(e.kind(), AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)) =>
+        {
+            Some(format!(
+                "{} (the virtual host named by AMQP_URL's path does not exist on this broker, or \
+                 this user may not use it: create it and grant the user, or fix the URL; %2f is \
+                 the default vhost)",
+                e.get_message()
+            ))
+        }
         lapin::ErrorKind::AuthProviderError(reason) => Some(reason.clone()),
         _ => None,
+    }
+}
+
+/// Closes `channel` and waits (at most 2 s: the link may be a black hole) for the broker's
+/// answer. Every channel a link opened is closed this way before its connection is: a channel
+/// dropped open closes itself in the background, and when the connection has begun to close by
+/// then, lapin logs that close's failure as a connection ERROR on a clean shutdown.
+pub async fn close_channel(channel: &lapin::Channel, why: &str) {
+    if channel.status().connected() {
+        let _ = tokio::time::timeout(Duration::from_secs(2), channel.close(200, why.into())).await;
     }
 }
 
@@ -203,6 +224,11 @@ impl LinkState {
 /// Hides the password of an AMQP URL for logs.
 pub fn redact(url: &str) -> String {
     kit::url::redact(url)
+}
+
+/// Lower-case hex: the body digest the consumer logs, a dead letter's id, the console's cookies.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A persistent copy of a message's properties with `headers` instead of its own: what a

@@ -346,6 +346,7 @@ impl Relay {
         }
         while self.step().await? > 0 || self.ctx.completions.handed_waiting() {}
         self.write_watermark(Duration::ZERO, false).await;
+        super::close_channel(&self.channel, "shutdown").await;
         Ok(())
     }
 }

@@ -110,9 +110,18 @@ pub const DEAD_LETTER_TTL_MS: i64 = 14 * 24 * 3600 * 1000;
 /// the worker then counts it (`intent_worker_dead_letter_refused_total`) and logs its key.
 pub const DEAD_LETTER_OVERFLOW: &str = "reject-publish";
 
+/// The dead-letter queue's delivery limit: so high that reading the queue (every read returns
+/// the letters it does not act on, and a quorum queue counts each return) never drops a letter.
+/// RabbitMQ 4 gives a quorum queue without one a limit of 20; `-1`, which 4 reads as "none",
+/// makes RabbitMQ 3 drop a letter on its first return, so a large positive limit it is, valid on
+/// both.
+pub const DEAD_LETTER_DELIVERY_LIMIT: i32 = 1_000_000_000;
+
 /// The dead-letter queue's arguments when the worker declares it: bounded in length and age
 /// like the queue the broker definitions declare, so a flood of bad messages cannot fill the
-/// broker's disk.
+/// broker's disk, and with a delivery limit no reading reaches
+/// ([`DEAD_LETTER_DELIVERY_LIMIT`]). A queue that exists with other arguments (declared before,
+/// or by definitions) is used as it is: its `intents-dead` policy should carry the limit.
 pub fn dead_letter_queue_arguments() -> FieldTable {
     let mut args = FieldTable::default();
     args.insert(
@@ -130,6 +139,10 @@ pub fn dead_letter_queue_arguments() -> FieldTable {
     args.insert(
         "x-overflow".into(),
         AMQPValue::LongString(LongString::from(DEAD_LETTER_OVERFLOW)),
+    );
+    args.insert(
+        "x-delivery-limit".into(),
+        AMQPValue::LongInt(DEAD_LETTER_DELIVERY_LIMIT),
     );
     args
 }

@@ -83,6 +83,33 @@ pub struct Application {
     metrics: PrometheusHandle,
     /// Broker link state, for `/readyz`.
     links: LinkState,
+    /// The metrics and admin listeners, bound before anything else starts.
+    listeners: Listeners,
+}
+
+/// The listeners a worker serves, each when enabled.
+struct Listeners {
+    metrics: Option<std::net::TcpListener>,
+    admin: Option<std::net::TcpListener>,
+}
+
+impl Listeners {
+    /// Binds `METRICS_ADDR` and, when the API is enabled, `WORKER_ADMIN_ADDR`: an address that
+    /// cannot be bound stops start-up (exit 2), never a worker without `/readyz` or its API.
+    fn bind(s: &Settings) -> Result<Listeners, kit::http::BindError> {
+        let api_enabled = s.admin_token.is_some() || !s.tenant_tokens.is_empty();
+        Ok(Listeners {
+            metrics: s
+                .metrics_addr
+                .map(|addr| kit::http::bind("METRICS_ADDR", addr))
+                .transpose()?,
+            admin: s
+                .admin_addr
+                .filter(|_| api_enabled)
+                .map(|addr| kit::http::bind("WORKER_ADMIN_ADDR", addr))
+                .transpose()?,
+        })
+    }
 }
 
 /// What [`Application::run_until_stopped`] started and shuts down.
@@ -102,6 +129,7 @@ impl Application {
     /// Loads and checks the tools file, installs the metrics recorder, connects to the ledger
     /// and makes its schema ready, and builds the shared context. Nothing runs yet.
     pub async fn build(settings: Settings) -> anyhow::Result<Application> {
+        let listeners = Listeners::bind(&settings)?;
         let trust = crate::tls::load(settings.ca_file.as_deref())?;
         let tools_file = Tools::load(&settings.tools_path)?;
         let tools = ToolSet::from_config(&tools_file, &trust)?;
@@ -130,12 +158,16 @@ impl Application {
             ctx,
             metrics,
             links: LinkState::default(),
+            listeners,
         })
     }
 
     /// Runs until `signal` resolves (or the consumer ends on its own), then shuts down in
     /// order (see the module doc). Err when the consumer could not start.
-    pub async fn run_until_stopped(self, signal: impl Future<Output = ()>) -> anyhow::Result<()> {
+    pub async fn run_until_stopped(
+        mut self,
+        signal: impl Future<Output = ()>,
+    ) -> anyhow::Result<()> {
         let running = self.start();
         let consumer = supervise(
             ConsumerSession {
@@ -197,7 +229,7 @@ impl Application {
     }
 
     /// Starts everything but the consumer: listeners, scheduler, sweeper, relay.
-    fn start(&self) -> Running {
+    fn start(&mut self) -> Running {
         let stop = CancellationToken::new();
         let tasks = TaskTracker::new();
         self.start_listeners(&tasks, &stop);
@@ -242,11 +274,11 @@ impl Application {
         }
     }
 
-    /// The metrics listener (with `/livez` and `/readyz`) and the admin API, each when enabled;
-    /// both stop at `stop`.
-    fn start_listeners(&self, tasks: &TaskTracker, stop: &CancellationToken) {
+    /// The metrics listener (with `/livez` and `/readyz`) and the admin API, each when enabled
+    /// (bound in [`Application::build`]); both stop at `stop`.
+    fn start_listeners(&mut self, tasks: &TaskTracker, stop: &CancellationToken) {
         let s = &self.settings;
-        if let Some(addr) = s.metrics_addr {
+        if let Some(listener) = self.listeners.metrics.take() {
             let (limits, handle, ledger) =
                 (s.http_limits, self.metrics.clone(), self.ctx.ledger.clone());
             let (names, links, stop) = (
@@ -256,14 +288,14 @@ impl Application {
             );
             tasks.spawn(async move {
                 let stopped = stop.cancelled_owned();
-                if let Err(e) = m::serve(addr, limits, handle, ledger, names, links, stopped).await
+                if let Err(e) =
+                    m::serve(listener, limits, handle, ledger, names, links, stopped).await
                 {
-                    tracing::error!(%addr, error = %e, "metrics listener failed");
+                    tracing::error!(error = %e, "metrics listener failed");
                 }
             });
         }
-        let api_enabled = s.admin_token.is_some() || !s.tenant_tokens.is_empty();
-        if let Some(addr) = s.admin_addr.filter(|_| api_enabled) {
+        if let Some(listener) = self.listeners.admin.take() {
             let mut api = crate::ops::api::AdminApi::with_tokens(
                 self.ctx.clone(),
                 s.admin_token.clone(),
@@ -271,12 +303,13 @@ impl Application {
             )
             .with_limits(s.http_limits);
             if s.console.enabled {
-                api = api.with_console(self.console(tasks, stop));
+                let console = self.console(tasks, stop, api.budget());
+                api = api.with_console(console);
             }
             let stop = stop.clone();
             tasks.spawn(async move {
-                if let Err(e) = api.serve(addr, stop.cancelled_owned()).await {
-                    tracing::error!(%addr, error = %e, "admin API listener failed");
+                if let Err(e) = api.serve(listener, stop.cancelled_owned()).await {
+                    tracing::error!(error = %e, "admin API listener failed");
                 }
             });
         } else if s.admin_addr.is_some() {
@@ -287,7 +320,12 @@ impl Application {
     }
 
     /// The operator console, and its bulk-job runner's takeover loop (stops at `stop`).
-    fn console(&self, tasks: &TaskTracker, stop: &CancellationToken) -> crate::console::Console {
+    fn console(
+        &self,
+        tasks: &TaskTracker,
+        stop: &CancellationToken,
+        budget: Arc<kit::guard::FailureBudget>,
+    ) -> crate::console::Console {
         let s = &self.settings;
         let runner = crate::ops::bulk::Runner::new(
             self.ctx.clone(),
@@ -309,6 +347,7 @@ impl Application {
             broker,
             self.tools_file.auth.clone(),
             runner,
+            budget,
         )
     }
 

@@ -34,20 +34,24 @@ pub(super) fn tenant_auth(path: &Path, raw: Option<RawAuth>) -> Result<TenantAut
     }
 }
 
-/// The admin token, if set (blank counts as unset): at least 16 characters.
+/// The admin token, if set (blank counts as unset): at least [`kit::guard::MIN_TOKEN_CHARS`]
+/// characters, without whitespace.
 pub(super) fn admin_token(raw: Option<String>) -> Result<Option<String>, ConfigError> {
     let token = raw.filter(|t| !t.trim().is_empty());
-    if token.as_ref().is_some_and(|t| t.len() < 16) {
-        return Err(ConfigError::Invalid {
-            name: "WORKER_ADMIN_TOKEN",
-            value: "<redacted>".into(),
-            reason: "must be at least 16 characters".into(),
-        });
+    if let Some(t) = &token {
+        kit::guard::check_token("WORKER_ADMIN_TOKEN", t).map_err(|reason| {
+            ConfigError::Invalid {
+                name: "WORKER_ADMIN_TOKEN",
+                value: "<redacted>".into(),
+                reason,
+            }
+        })?;
     }
     Ok(token)
 }
 
-/// Parses `tenant=token,tenant2=token2`.
+/// Parses `tenant=token,tenant2=token2`: tokens of at least [`kit::guard::MIN_TOKEN_CHARS`]
+/// characters (guessing one is then hopeless within the failure budget, [`kit::guard`]).
 pub(super) fn parse_tenant_tokens(
     raw: Option<String>,
 ) -> Result<BTreeMap<String, String>, ConfigError> {
@@ -57,16 +61,24 @@ pub(super) fn parse_tenant_tokens(
             continue;
         }
         match pair.split_once('=') {
-            Some((t, tok)) if !t.trim().is_empty() && tok.trim().len() >= 8 => {
-                map.insert(t.trim().to_string(), tok.trim().to_string());
+            Some((t, tok)) if !t.trim().is_empty() => {
+                let tenant = t.trim();
+                kit::guard::check_token(&format!("the token of tenant {tenant:?}"), tok.trim())
+                    .map_err(|reason| ConfigError::Invalid {
+                        name: "WORKER_TENANT_TOKENS",
+                        value: "<redacted>".into(),
+                        reason,
+                    })?;
+                map.insert(tenant.to_string(), tok.trim().to_string());
             }
             _ => {
                 return Err(ConfigError::Invalid {
                     name: "WORKER_TENANT_TOKENS",
                     value: "<redacted>".into(),
-                    reason:
-                        "expected tenant=token pairs separated by commas, tokens of 8+ characters"
-                            .into(),
+                    reason: format!(
+                        "expected tenant=token pairs separated by commas, tokens of {}+ characters",
+                        kit::guard::MIN_TOKEN_CHARS
+                    ),
                 })
             }
         }

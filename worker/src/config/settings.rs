@@ -299,6 +299,12 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_HTTP_MAX_CONNECTIONS", value_name = "WORKER_HTTP_MAX_CONNECTIONS",
           default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub http_max_connections: u32,
+    /// Milliseconds a client of each HTTP listener gets to send a request's whole body, from its
+    /// complete head; a body still incomplete then is answered 408 and its connection closed
+    /// (at least 1).
+    #[arg(long, env = "WORKER_HTTP_BODY_TIMEOUT_MS", value_name = "WORKER_HTTP_BODY_TIMEOUT_MS",
+          default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub http_body_timeout_ms: u64,
     /// Bearer token for every admin API route (at least 16 characters).
     #[arg(
         long,
@@ -446,23 +452,7 @@ fn parse_bool(raw: &str) -> Result<bool, String> {
     }
 }
 
-/// Makes an environment variable that is set but blank count as unset for every argument of
-/// `cmd` and its subcommands, as the documentation promises (compose files and Helm values
-/// often render `FOO=`). clap itself would hand the empty string to the value parser.
-pub fn blank_env_is_unset(cmd: clap::Command) -> clap::Command {
-    cmd.mut_args(|arg| {
-        let blank = arg
-            .get_env()
-            .and_then(std::env::var_os)
-            .is_some_and(|v| v.to_string_lossy().trim().is_empty());
-        if blank {
-            arg.env(None::<&'static str>)
-        } else {
-            arg
-        }
-    })
-    .mut_subcommands(blank_env_is_unset)
-}
+pub use kit::cli::blank_env_is_unset;
 
 /// Resolves a shared name and its deprecated worker-only alias.
 fn aliased(
@@ -548,63 +538,36 @@ impl Settings {
 
     /// Builds the settings from parsed arguments, checking what clap cannot: secrets (whose
     /// values must not be echoed in an error) and the exchange aliases.
-    pub fn from_args(a: EnvArgs) -> Result<Settings, ConfigError> {
-        let admin_token = super::auth::admin_token(a.admin_token)?;
-        check_url("DATABASE_URL", &a.database_url, &["postgres", "postgresql"])?;
-        kit::url::check_list(&a.amqp_url, &["amqp", "amqps"]).map_err(|reason| {
-            ConfigError::Invalid {
-                name: "AMQP_URL",
-                value: kit::url::redact_list(&a.amqp_url),
-                reason,
-            }
-        })?;
+    ///
+    /// The first failure is returned, checked in this order: the admin token, the service URLs
+    /// (`check_urls`), the exchange names and their aliases (`topology`), the in-flight
+    /// bytes (`bounded_prefetch`), the receipt keep against the lease
+    /// (`check_receipt_keep`), the tenant tokens, the console secret.
+    pub fn from_args(mut a: EnvArgs) -> Result<Settings, ConfigError> {
+        let admin_token = super::auth::admin_token(a.admin_token.take())?;
+        check_urls(&a.database_url, &a.amqp_url)?;
         let mut warnings = Vec::new();
-        let intents_exchange = aliased(
-            "INTENTS_EXCHANGE",
-            a.intents_exchange,
-            "WORKER_INTENTS_EXCHANGE",
-            a.worker_intents_exchange,
-            "intents",
-            &mut warnings,
-        )?;
-        let results_exchange = aliased(
-            "RESULTS_EXCHANGE",
-            a.results_exchange,
-            "WORKER_RESULTS_EXCHANGE",
-            a.worker_results_exchange,
-            "results",
-            &mut warnings,
-        )?;
+        let topology = topology(&a, &mut warnings)?;
         let shards = crate::amqp::topology::Shards {
             count: a.intent_shards,
             draining: a.drain_shards.filter(|old| *old != a.intent_shards),
         };
-        // The prefetch is per consumed queue: the in-flight bound is shared among them.
-        let queues = match shards.draining {
-            Some(old) if old > 1 && shards.count > 1 => shards.count.max(old),
-            Some(old) => shards.count + old,
-            None => shards.count,
-        } as u64;
         let prefetch = bounded_prefetch(
             a.prefetch,
             a.max_message_bytes,
-            (a.max_inflight_bytes / queues).max(a.max_message_bytes.min(a.max_inflight_bytes)),
+            inflight_per_queue(a.max_inflight_bytes, a.max_message_bytes, &shards),
             &mut warnings,
         )?;
-        if a.receipt_keep_secs < a.lease_secs {
-            return Err(ConfigError::Invalid {
-                name: "WORKER_RECEIPT_KEEP_SECS",
-                value: a.receipt_keep_secs.to_string(),
-                reason: format!("must be at least WORKER_LEASE_SECS ({})", a.lease_secs),
-            });
-        }
-        let worker_id = a.worker_id.unwrap_or_else(|| {
-            let host = std::env::var("HOSTNAME")
-                .ok()
-                .filter(|h| !h.trim().is_empty())
-                .unwrap_or_else(|| "worker".into());
-            format!("{host}-{}", std::process::id())
-        });
+        check_receipt_keep(a.receipt_keep_secs, a.lease_secs)?;
+        let worker_id = a.worker_id.take().unwrap_or_else(default_worker_id);
+        let tenant_tokens = super::auth::parse_tenant_tokens(a.tenant_tokens.take())?;
+        let console = ConsoleSettings {
+            enabled: a.console,
+            secret: super::auth::console_secret(a.console_secret.take())?,
+            session: Duration::from_secs(a.console_session_secs),
+            secure_cookie: a.console_secure_cookie,
+            alert_age: Duration::from_secs(a.console_alert_age_secs),
+        };
         Ok(Settings {
             database_url: a.database_url,
             amqp_url: a.amqp_url,
@@ -618,20 +581,11 @@ impl Settings {
                 header_timeout: Duration::from_millis(a.http_header_timeout_ms),
                 idle_timeout: Duration::from_millis(a.http_idle_timeout_ms),
                 max_connections: a.http_max_connections as usize,
+                body_timeout: Duration::from_millis(a.http_body_timeout_ms),
             },
             admin_token,
-            tenant_tokens: super::auth::parse_tenant_tokens(a.tenant_tokens)?,
-            topology: Topology {
-                intents_exchange,
-                intents_queue: a.intents_queue,
-                results_exchange,
-                dead_letter_exchange: a.dead_letter_exchange,
-                dead_letter_queue: a.dead_letter_queue,
-                delivery_limit: a.delivery_limit,
-                queue_delivery_limit: a
-                    .queue_delivery_limit
-                    .unwrap_or_else(|| Topology::default_queue_delivery_limit(a.delivery_limit)),
-            },
+            tenant_tokens,
+            topology,
             lease: Duration::from_secs(a.lease_secs),
             shards,
             receipt_keep: Duration::from_secs(a.receipt_keep_secs),
@@ -649,16 +603,87 @@ impl Settings {
             trace_url: a.trace_url,
             amqp_heartbeat_secs: a.amqp_heartbeat_secs,
             declare_topology: a.declare_topology,
-            console: ConsoleSettings {
-                enabled: a.console,
-                secret: super::auth::console_secret(a.console_secret)?,
-                session: Duration::from_secs(a.console_session_secs),
-                secure_cookie: a.console_secure_cookie,
-                alert_age: Duration::from_secs(a.console_alert_age_secs),
-            },
+            console,
             warnings,
         })
     }
+}
+
+/// Refuses a `DATABASE_URL`, then an `AMQP_URL` (a comma-separated list), that can never work.
+fn check_urls(database_url: &str, amqp_url: &str) -> Result<(), ConfigError> {
+    check_url("DATABASE_URL", database_url, &["postgres", "postgresql"])?;
+    kit::url::check_list(amqp_url, &["amqp", "amqps"]).map_err(|reason| ConfigError::Invalid {
+        name: "AMQP_URL",
+        value: kit::url::redact_list(amqp_url),
+        reason,
+    })
+}
+
+/// The broker names: the two shared exchange names, each resolved against its deprecated
+/// worker-only alias ([`aliased`]; intents first), and the worker's own queues and limits.
+fn topology(a: &EnvArgs, warnings: &mut Vec<String>) -> Result<Topology, ConfigError> {
+    let intents_exchange = aliased(
+        "INTENTS_EXCHANGE",
+        a.intents_exchange.clone(),
+        "WORKER_INTENTS_EXCHANGE",
+        a.worker_intents_exchange.clone(),
+        "intents",
+        warnings,
+    )?;
+    let results_exchange = aliased(
+        "RESULTS_EXCHANGE",
+        a.results_exchange.clone(),
+        "WORKER_RESULTS_EXCHANGE",
+        a.worker_results_exchange.clone(),
+        "results",
+        warnings,
+    )?;
+    Ok(Topology {
+        intents_exchange,
+        intents_queue: a.intents_queue.clone(),
+        results_exchange,
+        dead_letter_exchange: a.dead_letter_exchange.clone(),
+        dead_letter_queue: a.dead_letter_queue.clone(),
+        delivery_limit: a.delivery_limit,
+        queue_delivery_limit: a
+            .queue_delivery_limit
+            .unwrap_or_else(|| Topology::default_queue_delivery_limit(a.delivery_limit)),
+    })
+}
+
+/// The in-flight bytes one consumed queue may hold unacked: the prefetch is per queue, and
+/// `inflight` is shared among the queues consumed (the shards, and an old layout being
+/// drained: a sharded old layout's queues are the new one's, a single old queue is one more).
+/// Never below one message of `message` bytes, unless `inflight` itself is
+/// ([`bounded_prefetch`] refuses that).
+fn inflight_per_queue(inflight: u64, message: u64, shards: &crate::amqp::topology::Shards) -> u64 {
+    let queues = match shards.draining {
+        Some(old) if old > 1 && shards.count > 1 => shards.count.max(old),
+        Some(old) => shards.count + old,
+        None => shards.count,
+    } as u64;
+    (inflight / queues).max(message.min(inflight))
+}
+
+/// A receipt must be kept in memory at least as long as a claim lasts.
+fn check_receipt_keep(receipt_keep_secs: u64, lease_secs: u64) -> Result<(), ConfigError> {
+    if receipt_keep_secs < lease_secs {
+        return Err(ConfigError::Invalid {
+            name: "WORKER_RECEIPT_KEEP_SECS",
+            value: receipt_keep_secs.to_string(),
+            reason: format!("must be at least WORKER_LEASE_SECS ({lease_secs})"),
+        });
+    }
+    Ok(())
+}
+
+/// `WORKER_ID` unset: `HOSTNAME` (else `worker`) and the process id.
+fn default_worker_id() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.trim().is_empty())
+        .unwrap_or_else(|| "worker".into());
+    format!("{host}-{}", std::process::id())
 }
 
 #[cfg(test)]
@@ -745,6 +770,35 @@ mod tests {
             !err.contains("short-secret"),
             "a secret is never echoed: {err}"
         );
+    }
+
+    #[test]
+    fn the_in_flight_bytes_are_shared_among_the_queues_consumed() {
+        use crate::amqp::topology::Shards;
+        const MB: u64 = 1 << 20;
+        // (shards, draining, in-flight bytes, message bytes, bytes per queue)
+        let cases: &[(u16, Option<u16>, u64, u64, u64)] = &[
+            (1, None, 64 * MB, MB, 64 * MB),
+            (4, None, 64 * MB, MB, 16 * MB),
+            // Draining one old queue into shards: one queue more.
+            (4, Some(1), 64 * MB, MB, 64 * MB / 5),
+            // Sharded into sharded: the same queues, the larger count.
+            (4, Some(8), 64 * MB, MB, 8 * MB),
+            (8, Some(4), 64 * MB, MB, 8 * MB),
+            // Back to one queue from shards: the old ones and the new one.
+            (1, Some(4), 64 * MB, MB, 64 * MB / 5),
+            // Never below one message, unless the in-flight bytes are (refused later).
+            (100, None, 64 * MB, MB, MB),
+            (1, None, MB / 2, MB, MB / 2),
+        ];
+        for &(count, draining, inflight, message, want) in cases {
+            let shards = Shards { count, draining };
+            assert_eq!(
+                inflight_per_queue(inflight, message, &shards),
+                want,
+                "{shards:?}, {inflight} in flight, {message} per message"
+            );
+        }
     }
 
     #[test]

@@ -195,10 +195,8 @@ fn check_request(name: &str, t: &RawTool) -> Result<(String, BTreeMap<String, St
         return Err("tool names use letters, digits, '-', '_', '.'".into());
     }
     if !(t.url.starts_with("http://") || t.url.starts_with("https://")) {
-        return Err(format!(
-            "url {:?} must start with http:// or https://",
-            t.url
-        ));
+        // Not the URL itself: an interpolated `${VAR}` in it may be a secret.
+        return Err("url must start with http:// or https://".into());
     }
     let method = t.method.to_ascii_uppercase();
     if !matches!(method.as_str(), "POST" | "PUT" | "PATCH") {
@@ -241,18 +239,17 @@ fn capability(t: &RawTool) -> Result<Capability, String> {
                 .clone()
                 .ok_or_else(|| "recovery = \"lookup\" needs lookup_url".to_string())?;
             if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(format!(
-                    "lookup_url {url:?} must start with http:// or https://"
-                ));
+                return Err("lookup_url must start with http:// or https://".into());
             }
             // A lookup must name the whole operation, or it may find another one.
             let names_key = url.contains("{key}");
             let names_both = url.contains("{tenant}") && url.contains("{action_id}");
             if !names_key && !names_both {
-                return Err(format!(
-                    "lookup_url {url:?} must contain {{key}}, or both {{tenant}} and {{action_id}}, \
+                return Err(
+                    "lookup_url must contain {key}, or both {tenant} and {action_id}, \
                      so a lookup can only find this operation"
-                ));
+                        .into(),
+                );
             }
             Ok(Capability::Lookup { url_template: url })
         }

@@ -132,7 +132,16 @@ pub async fn list(
             p { (listing.letters.len()) " shown, " (listing.scanned) " read"
                 @if listing.remaining > 0 { ", " (listing.remaining) " more behind them" } "." }
         } @else {
-            p { (listing.letters.len()) " of your tenant's dead letters." }
+            @match listing.as_of {
+                Some(at) if at == dl::Listing::NEVER => p.notice {
+                    "Your tenant's dead letters show here once an operator has read the queue on this worker: reading it is the operator's, so that nobody else's letters are touched."
+                },
+                Some(at) => p {
+                    (listing.letters.len()) " of your tenant's dead letters, as of "
+                    (views::time(at)) ", when an operator last read the queue."
+                },
+                None => p { (listing.letters.len()) " of your tenant's dead letters." },
+            }
         }
         @if admin && !listing.letters.is_empty() {
             (bulk_forms(&signed, &filter, listing.letters.len()))

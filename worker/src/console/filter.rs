@@ -174,93 +174,128 @@ fn name_field(query: &BTreeMap<String, String>, name: &str) -> Result<Option<Str
     }
 }
 
-impl ConsoleFilter {
-    /// Reads and checks the query string. The message names the first field that is wrong.
-    pub fn parse(query: &BTreeMap<String, String>) -> Result<ConsoleFilter, String> {
-        let scope = match field(query, "scope").as_deref() {
-            None | Some("unresolved") => Scope::Unresolved,
-            Some("finished") => Scope::Finished,
-            Some("all") => Scope::All,
-            Some(other) => {
-                return Err(format!(
-                    "scope {other:?}: expected unresolved, finished or all"
-                ))
-            }
-        };
-        let mut states = Vec::new();
-        for part in field(query, "state").iter().flat_map(|s| s.split(',')) {
-            let part = part.trim();
-            if part.is_empty() {
-                continue;
-            }
-            let state = State::parse(part).ok_or_else(|| {
-                format!("state {part:?}: expected one of prepared, dispatching, retry_wait, unknown, held, succeeded, failed")
-            })?;
-            if !states.contains(&state) {
-                states.push(state);
-            }
+/// A field read with `read` (an age, a time): as typed and as understood, an error naming it.
+fn typed_field<T>(
+    query: &BTreeMap<String, String>,
+    name: &str,
+    read: impl Fn(&str) -> Result<T, String>,
+) -> Result<(Option<String>, Option<T>), String> {
+    match field(query, name) {
+        Some(raw) => {
+            let value = read(&raw).map_err(|e| format!("{name}: {e}"))?;
+            Ok((Some(raw), Some(value)))
         }
-        let cause = name_field(query, "cause")?;
-        if let Some(c) = cause.as_deref() {
-            if !crate::ledger::cause::is_known(c) {
-                return Err(format!(
-                    "cause {c:?} is not a cause class (e.g. http_503, timeout, connection)"
-                ));
-            }
+        None => Ok((None, None)),
+    }
+}
+
+/// `scope`: `unresolved` (the default), `finished` or `all`.
+fn scope_field(query: &BTreeMap<String, String>) -> Result<Scope, String> {
+    match field(query, "scope").as_deref() {
+        None | Some("unresolved") => Ok(Scope::Unresolved),
+        Some("finished") => Ok(Scope::Finished),
+        Some("all") => Ok(Scope::All),
+        Some(other) => Err(format!(
+            "scope {other:?}: expected unresolved, finished or all"
+        )),
+    }
+}
+
+/// `state`: state names, comma-separated; blanks and repeats ignored, the order kept.
+fn states_field(query: &BTreeMap<String, String>) -> Result<Vec<State>, String> {
+    let mut states = Vec::new();
+    for part in field(query, "state").iter().flat_map(|s| s.split(',')) {
+        let part = part.trim();
+        if part.is_empty() {
+            continue;
         }
-        let text = field(query, "q");
-        if text
-            .as_ref()
-            .is_some_and(|t| t.chars().count() > MAX_TEXT || t.contains('\0'))
-        {
-            return Err(format!("q must be at most {MAX_TEXT} characters"));
+        let state = State::parse(part).ok_or_else(|| {
+            format!("state {part:?}: expected one of prepared, dispatching, retry_wait, unknown, held, succeeded, failed")
+        })?;
+        if !states.contains(&state) {
+            states.push(state);
         }
-        let age = |name: &str| -> Result<(Option<String>, Option<f64>), String> {
-            match field(query, name) {
-                Some(raw) => {
-                    let secs = parse_age(&raw).map_err(|e| format!("{name}: {e}"))?;
-                    Ok((Some(raw), Some(secs)))
-                }
-                None => Ok((None, None)),
-            }
-        };
-        let time = |name: &str| -> Result<(Option<String>, Option<DateTime<Utc>>), String> {
-            match field(query, name) {
-                Some(raw) => {
-                    let t = parse_time(&raw).map_err(|e| format!("{name}: {e}"))?;
-                    Ok((Some(raw), Some(t)))
-                }
-                None => Ok((None, None)),
-            }
-        };
-        let (min_age, min_age_secs) = age("min_age")?;
-        let (max_age, max_age_secs) = age("max_age")?;
-        let (created_after, created_after_t) = time("created_after")?;
-        let (created_before, created_before_t) = time("created_before")?;
-        let (updated_after, updated_after_t) = time("updated_after")?;
-        let (updated_before, updated_before_t) = time("updated_before")?;
-        let groups = match field(query, "view").as_deref() {
-            None | Some("list") => false,
-            Some("groups") => true,
-            Some(other) => return Err(format!("view {other:?}: expected list or groups")),
-        };
-        let after = match field(query, "after") {
-            Some(a) => Some(
-                a.parse::<i64>()
-                    .ok()
-                    .filter(|a| *a >= 0)
-                    .ok_or("after must be an operation id")?,
-            ),
-            None => None,
-        };
-        let limit = match field(query, "limit") {
-            Some(l) => l
-                .parse::<i64>()
+    }
+    Ok(states)
+}
+
+/// `cause`: a cause class of [`crate::ledger::cause`].
+fn cause_field(query: &BTreeMap<String, String>) -> Result<Option<String>, String> {
+    let cause = name_field(query, "cause")?;
+    if let Some(c) = cause.as_deref() {
+        if !crate::ledger::cause::is_known(c) {
+            return Err(format!(
+                "cause {c:?} is not a cause class (e.g. http_503, timeout, connection)"
+            ));
+        }
+    }
+    Ok(cause)
+}
+
+/// `q`: at most [`MAX_TEXT`] characters, no NUL.
+fn text_field(query: &BTreeMap<String, String>) -> Result<Option<String>, String> {
+    let text = field(query, "q");
+    if text
+        .as_ref()
+        .is_some_and(|t| t.chars().count() > MAX_TEXT || t.contains('\0'))
+    {
+        return Err(format!("q must be at most {MAX_TEXT} characters"));
+    }
+    Ok(text)
+}
+
+/// `view`: `list` (the default) or `groups` (true).
+fn groups_field(query: &BTreeMap<String, String>) -> Result<bool, String> {
+    match field(query, "view").as_deref() {
+        None | Some("list") => Ok(false),
+        Some("groups") => Ok(true),
+        Some(other) => Err(format!("view {other:?}: expected list or groups")),
+    }
+}
+
+/// `after`: the page cursor, an operation id.
+fn after_field(query: &BTreeMap<String, String>) -> Result<Option<i64>, String> {
+    match field(query, "after") {
+        Some(a) => Ok(Some(
+            a.parse::<i64>()
                 .ok()
-                .filter(|l| (1..=MAX_LIMIT).contains(l))
-                .ok_or_else(|| format!("limit must be between 1 and {MAX_LIMIT}"))?,
-            None => DEFAULT_LIMIT,
-        };
+                .filter(|a| *a >= 0)
+                .ok_or("after must be an operation id")?,
+        )),
+        None => Ok(None),
+    }
+}
+
+/// `limit`: 1 to [`MAX_LIMIT`], default [`DEFAULT_LIMIT`].
+fn limit_field(query: &BTreeMap<String, String>) -> Result<i64, String> {
+    match field(query, "limit") {
+        Some(l) => l
+            .parse::<i64>()
+            .ok()
+            .filter(|l| (1..=MAX_LIMIT).contains(l))
+            .ok_or_else(|| format!("limit must be between 1 and {MAX_LIMIT}")),
+        None => Ok(DEFAULT_LIMIT),
+    }
+}
+
+impl ConsoleFilter {
+    /// Reads and checks the query string. The message names the first field that is wrong, in
+    /// this order: scope, state, cause, q, min_age, max_age, created_after, created_before,
+    /// updated_after, updated_before, view, after, limit, tenant, tool.
+    pub fn parse(query: &BTreeMap<String, String>) -> Result<ConsoleFilter, String> {
+        let scope = scope_field(query)?;
+        let states = states_field(query)?;
+        let cause = cause_field(query)?;
+        let text = text_field(query)?;
+        let (min_age, min_age_secs) = typed_field(query, "min_age", parse_age)?;
+        let (max_age, max_age_secs) = typed_field(query, "max_age", parse_age)?;
+        let (created_after, created_after_t) = typed_field(query, "created_after", parse_time)?;
+        let (created_before, created_before_t) = typed_field(query, "created_before", parse_time)?;
+        let (updated_after, updated_after_t) = typed_field(query, "updated_after", parse_time)?;
+        let (updated_before, updated_before_t) = typed_field(query, "updated_before", parse_time)?;
+        let groups = groups_field(query)?;
+        let after = after_field(query)?;
+        let limit = limit_field(query)?;
         Ok(ConsoleFilter {
             scope,
             states,
@@ -502,6 +537,36 @@ mod tests {
         }
         assert!(ConsoleFilter::parse(&q(&[("q", &"x".repeat(201))])).is_err());
         assert!(ConsoleFilter::parse(&q(&[("min_age", "99999999999999d")])).is_err());
+    }
+
+    #[test]
+    fn of_two_bad_fields_the_first_in_the_documented_order_is_named() {
+        let order = [
+            ("scope", "everything"),
+            ("state", "lost"),
+            ("cause", "gremlins"),
+            ("q", "a\0b"),
+            ("min_age", "soon"),
+            ("max_age", "5y"),
+            ("created_after", "yesterday"),
+            ("created_before", "tomorrow"),
+            ("updated_after", "then"),
+            ("updated_before", "now"),
+            ("view", "table"),
+            ("after", "-1"),
+            ("limit", "0"),
+            ("tenant", "a\u{1b}b"),
+            ("tool", "a\u{7}b"),
+        ];
+        for (i, first) in order.iter().enumerate() {
+            for later in &order[i + 1..] {
+                let err = ConsoleFilter::parse(&q(&[*later, *first])).unwrap_err();
+                assert!(
+                    err.starts_with(first.0),
+                    "{first:?} before {later:?}: {err}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub mod views;
 
 use std::sync::Arc;
 
-use axum::extract::{Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -54,10 +54,6 @@ pub const CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self'; 
 /// The stylesheet, served from `/ui/static/console.css`.
 const CSS: &str = include_str!("static/console.css");
 
-/// How long a failed sign-in is held before its answer, one at a time per worker: guessing a
-/// token costs at least this much per try.
-pub const SIGN_IN_FAILURE_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
-
 /// The console and what it reads and acts on.
 pub struct Console {
     state: Arc<ConsoleState>,
@@ -74,8 +70,8 @@ pub struct ConsoleState {
     /// The tenant proof of the tools file (whose dead letters a tenant sees).
     pub auth: TenantAuth,
     pub runner: Runner,
-    /// Held through the delay of a failed sign-in.
-    failed_sign_ins: tokio::sync::Mutex<()>,
+    /// Wrong tokens taken at sign-in, per client and overall (the admin API's budget).
+    pub budget: Arc<kit::guard::FailureBudget>,
 }
 
 /// The session of a signed-in request and its CSRF token.
@@ -106,6 +102,7 @@ impl Console {
         broker: Broker,
         auth: TenantAuth,
         runner: Runner,
+        budget: Arc<kit::guard::FailureBudget>,
     ) -> Console {
         let keys = Keys::new(settings.secret.as_deref(), &tokens);
         Console {
@@ -117,7 +114,7 @@ impl Console {
                 broker,
                 auth,
                 runner,
-                failed_sign_ins: tokio::sync::Mutex::new(()),
+                budget,
             }),
         }
     }
@@ -146,7 +143,13 @@ impl Console {
             .route("/ui", get(|| async { redirect("/ui/overview") }))
             .route("/ui/", get(|| async { redirect("/ui/overview") }))
             .route("/ui/static/console.css", get(stylesheet))
-            .route("/ui/login", get(login::form).post(login::sign_in))
+            .route(
+                "/ui/login",
+                get(login::form)
+                    .post(login::sign_in)
+                    .layer(DefaultBodyLimit::max(login::SIGN_IN_FORM_BYTES))
+                    .layer(middleware::from_fn(login::small_form)),
+            )
             .merge(signed_in)
             .route("/ui/{*rest}", get(not_found).post(not_found))
             .layer(middleware::from_fn(security_headers))
@@ -169,13 +172,23 @@ impl ConsoleState {
         self.settings.session.as_secs() as i64
     }
 
-    /// The session a request's cookie carries, if valid.
-    pub fn session(&self, headers: &HeaderMap) -> Option<Session> {
+    /// The session a request's cookie carries, if valid and not signed out. A ledger that
+    /// cannot say whether it was signed out counts as signed out.
+    pub async fn session(&self, headers: &HeaderMap) -> Option<Session> {
         let cookies = headers.get(header::COOKIE)?.to_str().ok()?;
         let value = session::cookie_value(cookies, session::COOKIE)?;
-        self.keys
+        let session = self
+            .keys
             .verify(value, now(), self.lifetime_secs(), &self.tokens)
-            .ok()
+            .ok()?;
+        match self.ctx.ledger.console_id_spent(&session.id).await {
+            Ok(false) => Some(session),
+            Ok(true) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "console: cannot tell whether a session signed out; treating it as signed out");
+                None
+            }
+        }
     }
 }
 
@@ -207,7 +220,7 @@ async fn security_headers(request: Request, next: Next) -> Response {
 
 /// The signed-in routes' gate: a valid session cookie, or the sign-in page (a GET) or 401.
 async fn require_session(State(state): Shared, mut request: Request, next: Next) -> Response {
-    match state.session(request.headers()) {
+    match state.session(request.headers()).await {
         Some(session) => {
             let csrf = state.keys.csrf(&session);
             request.extensions_mut().insert(Signed { session, csrf });
@@ -313,7 +326,7 @@ async fn stylesheet() -> Response {
 }
 
 async fn not_found(State(state): Shared, headers: HeaderMap) -> Response {
-    let session = state.session(&headers);
+    let session = state.session(&headers).await;
     let csrf = session.as_ref().map(|s| state.keys.csrf(s));
     let frame = Frame {
         session: session.as_ref(),

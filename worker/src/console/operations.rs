@@ -434,70 +434,16 @@ pub async fn act(
         Ok(op) => op,
         Err(r) => return r,
     };
-    let get = |k: &str| form.get(k).cloned();
-    let operator = Some(super::operator(&signed));
-    let request_id = get("request_id");
     let mut prefill = Prefill::default();
-    let ctx = &state.ctx;
-    let result = match action.as_str() {
-        "resolve" => {
-            prefill.receipt = get("receipt").unwrap_or_default();
-            prefill.reason = get("reason").unwrap_or_default();
-            match serde_json::from_str::<serde_json::Value>(&prefill.receipt) {
-                Err(e) => Err(OpsError::BadRequest(format!(
-                    "the receipt is not valid JSON: {e}"
-                ))),
-                Ok(receipt) => {
-                    actions::resolve(
-                        ctx,
-                        &op.tenant,
-                        &op.action_id,
-                        ResolveInput {
-                            receipt: Some(receipt),
-                            operator,
-                            reason: get("reason"),
-                            request_id,
-                        },
-                    )
-                    .await
-                }
-            }
-        }
-        "fail" => {
-            prefill.evidence = get("evidence").unwrap_or_default();
-            actions::fail(
-                ctx,
-                &op.tenant,
-                &op.action_id,
-                FailInput {
-                    evidence: get("evidence"),
-                    operator,
-                    request_id,
-                },
-            )
-            .await
-        }
-        "recheck" => {
-            actions::recheck(
-                ctx,
-                &op.tenant,
-                &op.action_id,
-                RecheckInput {
-                    operator,
-                    reason: get("reason"),
-                    request_id,
-                },
-            )
-            .await
-        }
-        _ => {
-            return super::error_page(
-                &signed,
-                StatusCode::NOT_FOUND,
-                "Not found",
-                "There is no such action.",
-            )
-        }
+    let operator = super::operator(&signed);
+    let Some(result) = run_action(&state.ctx, &op, &action, &form, operator, &mut prefill).await
+    else {
+        return super::error_page(
+            &signed,
+            StatusCode::NOT_FOUND,
+            "Not found",
+            "There is no such action.",
+        );
     };
     match result {
         Ok(r) => {
@@ -509,18 +455,7 @@ pub async fn act(
             redirect(&format!("/ui/operations/{}?done={done}", op.id))
         }
         Err(e) => {
-            let (status, text) = match &e {
-                OpsError::ReceiptMismatch(_) | OpsError::ToolNotConfigured(_) => {
-                    (StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
-                }
-                OpsError::Conflict { .. } => (StatusCode::CONFLICT, e.to_string()),
-                OpsError::BadRequest(_) => (StatusCode::BAD_REQUEST, e.to_string()),
-                OpsError::NotFound { .. } => (StatusCode::NOT_FOUND, e.to_string()),
-                OpsError::Ledger(_) => (
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("The ledger could not answer: {e}"),
-                ),
-            };
+            let (status, text) = refusal(&e);
             // The row as it is now (a refusal may mean it moved).
             let op = match state.ctx.ledger.get(op.id).await {
                 Ok(Some(now)) => now,
@@ -535,6 +470,121 @@ pub async fn act(
                 prefill,
             )
             .await
+        }
+    }
+}
+
+/// Runs the form's `action` on `op` as `operator` (None: no such action), keeping in `prefill`
+/// what the form shows again after a refusal.
+async fn run_action(
+    ctx: &std::sync::Arc<crate::context::Context>,
+    op: &Operation,
+    action: &str,
+    form: &BTreeMap<String, String>,
+    operator: String,
+    prefill: &mut Prefill,
+) -> Option<Result<actions::ActionResponse, OpsError>> {
+    let get = |k: &str| form.get(k).cloned();
+    let operator = Some(operator);
+    let request_id = get("request_id");
+    let result = match action {
+        "resolve" => {
+            prefill.receipt = get("receipt").unwrap_or_default();
+            prefill.reason = get("reason").unwrap_or_default();
+            match serde_json::from_str::<serde_json::Value>(&prefill.receipt) {
+                Err(e) => Err(OpsError::BadRequest(format!(
+                    "the receipt is not valid JSON: {e}"
+                ))),
+                Ok(receipt) => {
+                    let input = ResolveInput {
+                        receipt: Some(receipt),
+                        operator,
+                        reason: get("reason"),
+                        request_id,
+                    };
+                    actions::resolve(ctx, &op.tenant, &op.action_id, input).await
+                }
+            }
+        }
+        "fail" => {
+            prefill.evidence = get("evidence").unwrap_or_default();
+            let input = FailInput {
+                evidence: get("evidence"),
+                operator,
+                request_id,
+            };
+            actions::fail(ctx, &op.tenant, &op.action_id, input).await
+        }
+        "recheck" => {
+            let input = RecheckInput {
+                operator,
+                reason: get("reason"),
+                request_id,
+            };
+            actions::recheck(ctx, &op.tenant, &op.action_id, input).await
+        }
+        _ => return None,
+    };
+    Some(result)
+}
+
+/// The status and the text of a refused action's page.
+fn refusal(e: &OpsError) -> (StatusCode, String) {
+    match e {
+        OpsError::ReceiptMismatch(_) | OpsError::ToolNotConfigured(_) => {
+            (StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
+        }
+        OpsError::Conflict { .. } => (StatusCode::CONFLICT, e.to_string()),
+        OpsError::BadRequest(_) => (StatusCode::BAD_REQUEST, e.to_string()),
+        OpsError::NotFound { .. } => (StatusCode::NOT_FOUND, e.to_string()),
+        OpsError::Ledger(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("The ledger could not answer: {e}"),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::LedgerError;
+
+    #[test]
+    fn a_refused_action_answers_with_the_status_of_its_cause() {
+        let cases = [
+            (OpsError::BadRequest("no reason".into()), 400, "no reason"),
+            (
+                OpsError::NotFound {
+                    tenant: "north".into(),
+                    action_id: "a".into(),
+                },
+                404,
+                "",
+            ),
+            (
+                OpsError::Conflict {
+                    message: "it is succeeded".into(),
+                    state: None,
+                },
+                409,
+                "it is succeeded",
+            ),
+            (OpsError::ReceiptMismatch("other id".into()), 422, ""),
+            (OpsError::ToolNotConfigured("refund".into()), 422, ""),
+            (
+                OpsError::Ledger(LedgerError::Refused("down".into())),
+                503,
+                "The ledger could not answer: down",
+            ),
+        ];
+        for (e, status, text) in cases {
+            // No text given: the error's own message.
+            let want = if text.is_empty() {
+                e.to_string()
+            } else {
+                text.to_string()
+            };
+            assert_eq!(refusal(&e), (StatusCode::from_u16(status).unwrap(), want));
         }
     }
 }

@@ -7,11 +7,13 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Extension;
-use maud::html;
+use maud::{html, Markup};
 
 use super::filter::{query_string, ConsoleFilter};
 use super::views::{self, age, visible, Nav};
 use super::{html, Shared, Signed};
+use crate::ledger::queries::StateCount;
+use crate::ledger::workers::Heartbeat;
 
 /// Workers heard from within this long are listed.
 const WORKERS_WITHIN: std::time::Duration = std::time::Duration::from_secs(3_600);
@@ -37,36 +39,81 @@ pub async fn page(State(state): Shared, Extension(signed): Extension<Signed>) ->
     } else {
         None
     };
-    let unresolved: i64 = counts.iter().map(|c| c.unresolved).sum();
-    let held: i64 = counts
-        .iter()
-        .filter(|c| c.state == "held")
-        .map(|c| c.count)
-        .sum();
-    let past: i64 = counts.iter().map(|c| c.past_threshold).sum();
-    let oldest = counts
-        .iter()
-        .filter_map(|c| c.oldest_unresolved_secs)
-        .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.max(a))));
-    let threshold_text = age(threshold);
-    let list = |pairs: &[(&str, String)]| format!("/ui/operations?{}", query_string(pairs));
+    let queue = state.broker.topology().dead_letter_queue.as_str();
     let body = html! {
         h1 { "Overview" }
         @if let Some(t) = tenant { p { "Tenant " strong { (visible(t)) } " only." } }
+        (cards(&Totals::of(&counts), threshold, depth.as_ref(), queue, workers.as_deref()))
+        @if let Some(Err(e)) = &depth {
+            (views::notice("error", &format!("The dead-letter queue could not be read: {e}")))
+        }
+        h2 { "Operations by state and tool" }
+        (counts_table(&counts, threshold))
+        @if let Some(workers) = &workers {
+            h2 { "Workers (heard from in the last hour)" }
+            (workers_table(workers))
+        }
+    };
+    html(
+        StatusCode::OK,
+        views::page("Overview", &signed.frame(Nav::Overview), body),
+    )
+}
+
+/// The figures of the cards, summed over every state and tool.
+#[derive(Debug, PartialEq)]
+struct Totals {
+    unresolved: i64,
+    held: i64,
+    past_threshold: i64,
+    /// Seconds; None when nothing is unresolved.
+    oldest_unresolved: Option<f64>,
+}
+
+impl Totals {
+    fn of(counts: &[StateCount]) -> Totals {
+        Totals {
+            unresolved: counts.iter().map(|c| c.unresolved).sum(),
+            held: counts
+                .iter()
+                .filter(|c| c.state == "held")
+                .map(|c| c.count)
+                .sum(),
+            past_threshold: counts.iter().map(|c| c.past_threshold).sum(),
+            oldest_unresolved: counts
+                .iter()
+                .filter_map(|c| c.oldest_unresolved_secs)
+                .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.max(a)))),
+        }
+    }
+}
+
+/// The cards: unresolved, held, oldest, past the alert age (`threshold` seconds), and for the
+/// admin the dead-letter queue's `depth` and the `workers` ready.
+fn cards(
+    totals: &Totals,
+    threshold: f64,
+    depth: Option<&Result<u32, String>>,
+    queue: &str,
+    workers: Option<&[Heartbeat]>,
+) -> Markup {
+    let list = |pairs: &[(&str, String)]| format!("/ui/operations?{}", query_string(pairs));
+    let past = totals.past_threshold;
+    html! {
         section.cards {
-            a.card href=(list(&[])) { span.figure { (unresolved) } span.label { "unresolved" } }
-            a.card href=(list(&[("state", "held".into())])) { span.figure { (held) } span.label { "held (a person must act)" } }
-            div.card { span.figure { (oldest.map_or("—".to_string(), age)) } span.label { "oldest unresolved" } }
+            a.card href=(list(&[])) { span.figure { (totals.unresolved) } span.label { "unresolved" } }
+            a.card href=(list(&[("state", "held".into())])) { span.figure { (totals.held) } span.label { "held (a person must act)" } }
+            div.card { span.figure { (totals.oldest_unresolved.map_or("—".to_string(), age)) } span.label { "oldest unresolved" } }
             a.card class=[(past > 0).then_some("alert")] href=(list(&[("min_age", format!("{}", threshold as u64))])) {
-                span.figure { (past) } span.label { "past the alert age (" (threshold_text) ")" }
+                span.figure { (past) } span.label { "past the alert age (" (age(threshold)) ")" }
             }
-            @if let Some(depth) = &depth {
+            @if let Some(depth) = depth {
                 a.card class=[depth.as_ref().is_ok_and(|d| *d > 0).then_some("alert")] href="/ui/dead-letters" {
                     span.figure { @match depth { Ok(d) => (d), Err(_) => "?" } }
-                    span.label { "dead letters in " (visible(&state.broker.topology().dead_letter_queue)) }
+                    span.label { "dead letters in " (visible(queue)) }
                 }
             }
-            @if let Some(workers) = &workers {
+            @if let Some(workers) = workers {
                 @let ready = workers.iter().filter(|w| w.ready && w.silent_secs <= SILENT_SECS).count();
                 @let seen = workers.iter().filter(|w| w.silent_secs <= SILENT_SECS).count();
                 div.card class=[(ready < seen).then_some("alert")] {
@@ -75,20 +122,22 @@ pub async fn page(State(state): Shared, Extension(signed): Extension<Signed>) ->
                 }
             }
         }
-        @if let Some(Err(e)) = &depth {
-            (views::notice("error", &format!("The dead-letter queue could not be read: {e}")))
-        }
-        h2 { "Operations by state and tool" }
+    }
+}
+
+/// Operations per state and tool, each count a link to its list.
+fn counts_table(counts: &[StateCount], threshold: f64) -> Markup {
+    html! {
         @if counts.is_empty() {
             p { "No operations recorded." }
         } @else {
             table {
                 thead { tr {
                     th { "state" } th { "tool" } th.num { "operations" } th.num { "unresolved" }
-                    th { "oldest unresolved" } th.num { "past " (threshold_text) }
+                    th { "oldest unresolved" } th.num { "past " (age(threshold)) }
                 } }
                 tbody {
-                    @for c in &counts {
+                    @for c in counts {
                         @let filter = ConsoleFilter::default().with("state", &c.state).with("tool", &c.tool);
                         @let scope = if matches!(c.state.as_str(), "succeeded" | "failed" | "prepared") { "all" } else { "unresolved" };
                         tr {
@@ -103,34 +152,88 @@ pub async fn page(State(state): Shared, Extension(signed): Extension<Signed>) ->
                 }
             }
         }
-        @if let Some(workers) = &workers {
-            h2 { "Workers (heard from in the last hour)" }
-            @if workers.is_empty() {
-                p { "No worker has reported yet." }
-            } @else {
-                table {
-                    thead { tr { th { "worker" } th { "status" } th { "last heard" } th { "started" } th { "why not ready" } } }
-                    tbody {
-                        @for w in workers {
-                            tr {
-                                td { code { (visible(&w.worker_id)) } }
-                                td {
-                                    @if w.silent_secs > SILENT_SECS { span.state.state-failed { "silent" } }
-                                    @else if w.ready { span.state.state-succeeded { "ready" } }
-                                    @else { span.state.state-held { "not ready" } }
-                                }
-                                td { (age(w.silent_secs)) " ago" }
-                                td { (views::time(w.started_at)) }
-                                td { (visible(&w.reasons)) }
+    }
+}
+
+/// The workers heard from, each ready, not ready or silent.
+fn workers_table(workers: &[Heartbeat]) -> Markup {
+    html! {
+        @if workers.is_empty() {
+            p { "No worker has reported yet." }
+        } @else {
+            table {
+                thead { tr { th { "worker" } th { "status" } th { "last heard" } th { "started" } th { "why not ready" } } }
+                tbody {
+                    @for w in workers {
+                        tr {
+                            td { code { (visible(&w.worker_id)) } }
+                            td {
+                                @if w.silent_secs > SILENT_SECS { span.state.state-failed { "silent" } }
+                                @else if w.ready { span.state.state-succeeded { "ready" } }
+                                @else { span.state.state-held { "not ready" } }
                             }
+                            td { (age(w.silent_secs)) " ago" }
+                            td { (views::time(w.started_at)) }
+                            td { (visible(&w.reasons)) }
                         }
                     }
                 }
             }
         }
-    };
-    html(
-        StatusCode::OK,
-        views::page("Overview", &signed.frame(Nav::Overview), body),
-    )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(
+        state: &str,
+        count: i64,
+        unresolved: i64,
+        oldest: Option<f64>,
+        past: i64,
+    ) -> StateCount {
+        StateCount {
+            state: state.into(),
+            tool: "refund".into(),
+            count,
+            unresolved,
+            oldest_unresolved_secs: oldest,
+            past_threshold: past,
+        }
+    }
+
+    #[test]
+    fn the_cards_sum_every_state_and_tool_and_take_the_oldest() {
+        let cases = [
+            (
+                vec![],
+                Totals {
+                    unresolved: 0,
+                    held: 0,
+                    past_threshold: 0,
+                    oldest_unresolved: None,
+                },
+            ),
+            (
+                vec![
+                    count("held", 3, 3, Some(50.0), 1),
+                    count("unknown", 2, 2, Some(900.0), 2),
+                    count("dispatching", 4, 1, Some(5.0), 0),
+                    count("succeeded", 10, 0, None, 0),
+                    count("held", 1, 1, None, 0),
+                ],
+                Totals {
+                    unresolved: 7,
+                    held: 4,
+                    past_threshold: 3,
+                    oldest_unresolved: Some(900.0),
+                },
+            ),
+        ];
+        for (counts, want) in cases {
+            assert_eq!(Totals::of(&counts), want, "{counts:?}");
+        }
+    }
 }

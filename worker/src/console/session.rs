@@ -12,8 +12,14 @@
 //! The key is SHA-256 of `WORKER_CONSOLE_SECRET` when set; otherwise it is derived from the
 //! admin and tenant tokens, so workers with the same tokens agree and rotating any token ends
 //! every session. The CSRF token of a session is HMAC(key, `csrf` + session id); the sign-in
-//! form's is HMAC(key, `login` + a random nonce kept in a short-lived cookie). Signing out
-//! clears the cookie in the browser; a copy taken before stays valid until it expires.
+//! form's is HMAC(key, `login` + a nonce kept in a short-lived cookie), the nonce being the
+//! form's issue time and a random id, so the MAC covers the time: a form older than
+//! [`LOGIN_FORM_SECS`] is refused whatever its cookie says.
+//!
+//! The little server-side state there is lives in the ledger
+//! ([`crate::ledger::console`]): a sign-in form's nonce is spent when the form is submitted (a
+//! form works once), and a session's id when it signs out (a copy of the cookie taken before
+//! stops working on every worker).
 
 use sha2::{Digest, Sha256};
 
@@ -23,7 +29,7 @@ use crate::config::auth::{Principal, Tokens};
 pub const COOKIE: &str = "iw_session";
 /// The sign-in form's nonce cookie.
 pub const LOGIN_COOKIE: &str = "iw_login";
-/// How long a sign-in form stays usable, seconds.
+/// How long a sign-in form stays usable, seconds (it is also used once only).
 pub const LOGIN_FORM_SECS: i64 = 600;
 
 /// HMAC-SHA256 (RFC 2104).
@@ -48,7 +54,7 @@ pub fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    crate::amqp::consume::hex(bytes)
+    crate::amqp::hex(bytes)
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {
@@ -247,18 +253,27 @@ impl Keys {
         presented.is_some_and(|p| same(&self.csrf(session), p))
     }
 
-    /// A fresh nonce for a sign-in form (kept in [`LOGIN_COOKIE`]) and the form's token.
-    pub fn login_form(&self) -> (String, String) {
-        let nonce = hex(uuid::Uuid::new_v4().as_bytes());
+    /// A fresh nonce for a sign-in form issued at `now` (kept in [`LOGIN_COOKIE`]: the time and
+    /// a random id) and the form's token.
+    pub fn login_form(&self, now: i64) -> (String, String) {
+        let nonce = format!("{now}-{}", hex(uuid::Uuid::new_v4().as_bytes()));
         let token = self.mac("login", nonce.as_bytes());
         (nonce, token)
     }
 
-    pub fn check_login(&self, nonce: Option<&str>, presented: Option<&str>) -> bool {
-        match (nonce, presented) {
-            (Some(n), Some(p)) if !n.is_empty() => same(&self.mac("login", n.as_bytes()), p),
-            _ => false,
-        }
+    /// Whether a sign-in form's token matches its nonce and the form is not older than
+    /// [`LOGIN_FORM_SECS`] at `now` (nor issued in the future, past a minute of clock skew
+    /// between workers). Whether it was already used is the ledger's to say.
+    pub fn check_login(&self, nonce: Option<&str>, presented: Option<&str>, now: i64) -> bool {
+        let (Some(n), Some(p)) = (nonce, presented) else {
+            return false;
+        };
+        let Some(issued) = n.split_once('-').and_then(|(t, _)| t.parse::<i64>().ok()) else {
+            return false;
+        };
+        same(&self.mac("login", n.as_bytes()), p)
+            && issued <= now + 60
+            && now - issued <= LOGIN_FORM_SECS
     }
 }
 
@@ -437,11 +452,28 @@ mod tests {
         assert!(!keys.check_csrf(&a, Some(&keys.csrf(&b))));
         assert!(!keys.check_csrf(&a, None));
         assert!(!keys.check_csrf(&a, Some("")));
-        let (nonce, form) = keys.login_form();
-        assert!(keys.check_login(Some(&nonce), Some(&form)));
-        assert!(!keys.check_login(None, Some(&form)));
-        assert!(!keys.check_login(Some(&nonce), Some(&keys.csrf(&a))));
-        assert!(!keys.check_login(Some(""), Some(&keys.mac("login", b""))));
+        let (nonce, form) = keys.login_form(1_000);
+        assert!(keys.check_login(Some(&nonce), Some(&form), 1_000));
+        assert!(!keys.check_login(None, Some(&form), 1_000));
+        assert!(!keys.check_login(Some(&nonce), Some(&keys.csrf(&a)), 1_000));
+        assert!(!keys.check_login(Some(""), Some(&keys.mac("login", b"")), 1_000));
+    }
+
+    #[test]
+    fn a_sign_in_form_expires_and_its_time_is_signed() {
+        let keys = Keys::new(None, &tokens());
+        let (nonce, form) = keys.login_form(1_000);
+        assert!(keys.check_login(Some(&nonce), Some(&form), 1_000 + LOGIN_FORM_SECS));
+        assert!(!keys.check_login(Some(&nonce), Some(&form), 1_001 + LOGIN_FORM_SECS));
+        // Issued in the future (past the skew allowed between workers).
+        assert!(!keys.check_login(Some(&nonce), Some(&form), 900));
+        // A fresher time put into the cookie breaks the MAC.
+        let (_, id) = nonce.split_once('-').unwrap();
+        let younger = format!("{}-{id}", 1_000 + LOGIN_FORM_SECS);
+        assert!(!keys.check_login(Some(&younger), Some(&form), 1_000 + LOGIN_FORM_SECS + 5));
+        // A nonce without a time is refused even with its MAC.
+        let bare = "abcdef";
+        assert!(!keys.check_login(Some(bare), Some(&keys.mac("login", bare.as_bytes())), 1_000));
     }
 
     #[test]

@@ -11,25 +11,11 @@ use maud::{html, Markup, DOCTYPE};
 
 use super::session::Session;
 
-/// `s` with every control character other than newline and tab written as `\xNN` (or
-/// `\u{NNNN}`), so it shows as text.
+/// `s` with every control, bidirectional, zero-width or other default-ignorable character
+/// (other than newline and tab) written as `\xNN` or `\u{NNNN}`, so it shows as text
+/// ([`kit::text::visible`]).
 pub fn visible(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '\n' | '\t' => out.push(c),
-            c if c.is_control() && (c as u32) < 0x100 => {
-                out.push_str(&format!("\\x{:02x}", c as u32))
-            }
-            c if c.is_control() => out.push_str(&format!("\\u{{{:04x}}}", c as u32)),
-            // Invisible reordering and zero-width characters could disguise an id.
-            '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' => {
-                out.push_str(&format!("\\u{{{:04x}}}", c as u32))
-            }
-            c => out.push(c),
-        }
-    }
-    out
+    kit::text::visible(s)
 }
 
 /// The first `max` characters of `s` (visible), with an ellipsis when cut.
@@ -43,9 +29,10 @@ pub fn excerpt(s: &str, max: usize) -> String {
     cut
 }
 
-/// A JSON value, pretty, as text (serde escapes control characters in strings).
+/// A JSON value, pretty, as text: serde escapes control characters in strings, and the
+/// characters that are not seen are written out as by [`visible`].
 pub fn json(value: &serde_json::Value) -> String {
-    serde_json::to_string_pretty(value).unwrap_or_default()
+    visible(&serde_json::to_string_pretty(value).unwrap_or_default())
 }
 
 /// A time in UTC, to the second.

@@ -14,20 +14,21 @@ pub mod next_state;
 
 pub use next_state::{after_dispatch, after_recovery, local_exhaustion_delay};
 
-use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::sync::Arc;
 
 use chrono::Utc;
-use metrics::{counter, histogram, Counter, Histogram};
+use metrics::counter;
 use tracing::{Instrument as _, Span};
 
-use crate::adapter::{Outcome, Request, Tool};
+use crate::adapter::meters::timed;
+use crate::adapter::Request;
 use crate::config::ToolConfig;
 use crate::context::Context;
 use crate::fault;
 use crate::ledger::{
-    Applied, Completion, LedgerError, Operation, Phase, SendFence, State, Transition,
+    Applied, Completion, LedgerError, Operation, Phase, SendFence, State, Transition, LEDGER_ERRORS,
 };
+use crate::outcome::Outcome;
 use crate::retry::RetryPolicy;
 use crate::retry::{budget_delta, retry_delay, WriteKind};
 use crate::telemetry::metrics as m;
@@ -59,73 +60,6 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         m::in_flight().decrement(1.0);
     }
-}
-
-/// One tool's downstream request metrics, by kind (`write`, `lookup`) and outcome, each set
-/// registered on its first use: a `counter!` or `histogram!` with labels builds, hashes and
-/// looks up its key on every call, three times per request.
-#[derive(Default)]
-pub struct RequestMeters {
-    sets: [[OnceLock<MeterSet>; Outcome::LABELS.len()]; 2],
-}
-
-struct MeterSet {
-    duration: Histogram,
-    requests: Counter,
-    /// `intent_worker_dispatch_attempts_total`, for writes only.
-    attempts: Option<Counter>,
-}
-
-impl RequestMeters {
-    /// Records one request of `tool` that took `seconds`.
-    fn record(&self, tool: &str, kind: &'static str, outcome: &Outcome, seconds: f64) {
-        let register = || {
-            let label = outcome.label();
-            MeterSet {
-                duration: histogram!(m::DOWNSTREAM_DURATION, "tool" => tool.to_owned(), "kind" => kind, "outcome" => label),
-                requests: counter!(m::DOWNSTREAM_REQUESTS, "tool" => tool.to_owned(), "kind" => kind, "outcome" => label),
-                attempts: (kind == "write").then(|| {
-                    counter!(m::DISPATCH_ATTEMPTS, "tool" => tool.to_owned(), "outcome" => label)
-                }),
-            }
-        };
-        let record = |set: &MeterSet| {
-            set.duration.record(seconds);
-            set.requests.increment(1);
-            if let Some(attempts) = &set.attempts {
-                attempts.increment(1);
-            }
-        };
-        match kind {
-            "write" => record(self.sets[0][outcome.index()].get_or_init(register)),
-            "lookup" => record(self.sets[1][outcome.index()].get_or_init(register)),
-            _ => record(&register()),
-        }
-    }
-}
-
-/// Calls the adapter and records latency and outcome.
-pub async fn timed(
-    tool: &Tool,
-    kind: &'static str,
-    fut: impl std::future::Future<Output = Outcome>,
-) -> Outcome {
-    let started = Instant::now();
-    let outcome = fut.await;
-    let name = &tool.config.name;
-    tool.meters
-        .record(name, kind, &outcome, started.elapsed().as_secs_f64());
-    if let Outcome::LocalExhaustion { evidence } = &outcome {
-        counter!(m::LOCAL_RESOURCE_ERRORS, "tool" => name.clone(), "kind" => kind).increment(1);
-        tracing::warn!(
-            tool = %name, kind,
-            "this worker ran out of a local resource before it could reach the downstream; \
-             nothing was sent, it is tried again later without spending an attempt (raise the \
-             open-file limit, or lower WORKER_MAX_IN_FLIGHT, WORKER_DB_POOL_SIZE, \
-             WORKER_HTTP_MAX_CONNECTIONS): {evidence}"
-        );
-    }
-    outcome
 }
 
 /// A claimed row this worker cannot send: its committed `dispatching` may have been sent by an
@@ -206,7 +140,7 @@ async fn send_fence(ctx: &Context, op: &Operation, tool: &ToolConfig, kind: Writ
         }
         Err(e) => {
             // Unconfirmed ownership is no ownership: the lease lapses and recovery decides.
-            counter!(m::LEDGER_ERRORS, "operation" => "send_fence").increment(1);
+            counter!(LEDGER_ERRORS, "operation" => "send_fence").increment(1);
             abandoned(
                 ctx,
                 op,
@@ -295,7 +229,7 @@ async fn record(ctx: &Context, key: &str, completion: Completion) -> Result<Appl
                     break Err(LedgerError::Db(e));
                 }
                 attempt += 1;
-                counter!(m::LEDGER_ERRORS, "operation" => "complete").increment(1);
+                counter!(LEDGER_ERRORS, "operation" => "complete").increment(1);
                 ctx.ledger.hosts().observe(&e);
                 let delay = retry_delay(&record_retry(), attempt)
                     .min(give_up.saturating_duration_since(now));
@@ -340,6 +274,35 @@ async fn release_held_events(ctx: &Context, operation_id: i64) {
     }
 }
 
+/// After the ledger applied a transition (now `new`): counted (a retry it scheduled too), logged
+/// (a success at debug, a deferral not at all), and the scheduler woken for an unknown outcome.
+fn done(ctx: &Context, new: &Operation, schedules_retry: bool, deferred: bool) {
+    m::transitions(new.state()).increment(1);
+    if schedules_retry {
+        counter!(m::RETRIES_SCHEDULED, "tool" => new.tool.clone()).increment(1);
+    }
+    // A success is the common case, kept in the ledger and counted: logged at debug. Every
+    // other outcome is what an operator looks for in the log.
+    if new.state() == State::Succeeded {
+        tracing::debug!(
+            tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
+            fence = new.fence, attempts = new.attempts, "operation succeeded"
+        );
+    } else if !deferred {
+        tracing::info!(
+            tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
+            state = %new.state(), fence = new.fence, attempts = new.attempts,
+            evidence = new.evidence.as_deref().unwrap_or(""), "operation updated"
+        );
+    }
+    if new.state() == State::Succeeded {
+        fault::point("after_succeeded", &new.action_id);
+    }
+    if new.state() == State::Unknown {
+        ctx.scheduler_wake.notify_one();
+    }
+}
+
 /// Records a transition and reacts to what the ledger did. The result event it causes carries
 /// the context of the current span (the send, recovery or operator span that decided it), or
 /// the intent's own when spans are not recorded.
@@ -369,30 +332,7 @@ pub async fn finish(
     .await;
     match applied {
         Ok(Applied::Done(new)) => {
-            m::transitions(new.state()).increment(1);
-            if schedules_retry {
-                counter!(m::RETRIES_SCHEDULED, "tool" => new.tool.clone()).increment(1);
-            }
-            // A success is the common case, kept in the ledger and counted: logged at debug. Every
-            // other outcome is what an operator looks for in the log.
-            if new.state() == State::Succeeded {
-                tracing::debug!(
-                    tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
-                    fence = new.fence, attempts = new.attempts, "operation succeeded"
-                );
-            } else if !deferred {
-                tracing::info!(
-                    tenant = %new.tenant, action_id = %new.action_id, tool = %new.tool,
-                    state = %new.state(), fence = new.fence, attempts = new.attempts,
-                    evidence = new.evidence.as_deref().unwrap_or(""), "operation updated"
-                );
-            }
-            if new.state() == State::Succeeded {
-                fault::point("after_succeeded", &new.action_id);
-            }
-            if new.state() == State::Unknown {
-                ctx.scheduler_wake.notify_one();
-            }
+            done(ctx, &new, schedules_retry, deferred);
             // The relay was woken by the completion batcher (Context::complete), which knows
             // whether the commit left events to publish.
             Some(new)

@@ -15,9 +15,9 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::adapter::Outcome;
 use crate::config::ToolConfig;
 use crate::ledger::{Operation, Transition};
+use crate::outcome::Outcome;
 use crate::recovery::Capability;
 use crate::retry::{retry_delay, with_retry_after, RetryPolicy};
 

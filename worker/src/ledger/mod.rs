@@ -7,7 +7,8 @@
 //! keeps its own row, fence and predicate (docs/design.md section 10).
 //!
 //! The operator console's own tables live here too, each with its module: [`jobs`] (bulk
-//! jobs), [`dead_letters`] (the audit of dead-letter actions), [`workers`] (heartbeats);
+//! jobs), [`dead_letters`] (the audit of dead-letter actions), [`workers`] (heartbeats),
+//! [`console`] (sign-in forms submitted and sessions signed out);
 //! [`cause`] classifies why an operation is where it is, in Rust and in SQL.
 //!
 //! [`startup`] gets the ledger ready before the worker runs: connect while Postgres starts, probe
@@ -18,6 +19,7 @@ mod admit;
 pub mod cause;
 mod claim;
 mod complete;
+pub mod console;
 pub mod dead_letters;
 mod guard;
 pub mod jobs;
@@ -287,11 +289,18 @@ fn decode_operation(
     })
 }
 
+/// Ledger statements that failed, by `operation` (counted by [`Ledger::failed`], and by a
+/// caller that handles a failure itself under its own operation label).
+pub const LEDGER_ERRORS: &str = "intent_worker_ledger_errors_total";
+/// Failovers this worker followed: its ledger host turned read-only, or the primary moved to
+/// another host of `DATABASE_URL` (counted by the host search, [`ROLE`]).
+pub const LEDGER_FAILOVERS: &str = "intent_worker_ledger_failovers_total";
+
 /// The ledger, to the host search: its name in messages, its setting, its failover counter.
 pub const ROLE: primary::Role = primary::Role {
     what: "ledger",
     var: "DATABASE_URL",
-    failovers: crate::telemetry::metrics::LEDGER_FAILOVERS,
+    failovers: LEDGER_FAILOVERS,
 };
 
 /// A pooled connection idle for less than this is handed out without a ping
@@ -324,6 +333,7 @@ static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> = std::sync::LazyL
         "0013_room_for_hot_updates.sql",
         "0014_published_watermark.sql",
         "0015_outbox_link_without_trigger.sql",
+        "0016_console_spent_ids.sql",
     )
 });
 
@@ -381,8 +391,7 @@ impl Ledger {
     /// Counts a failed statement (`operation`, for `intent_worker_ledger_errors_total`) and lets
     /// [`primary::Hosts::observe`] react to a server that turned read-only or went away.
     pub fn failed(&self, operation: &'static str, e: &LedgerError) {
-        metrics::counter!(crate::telemetry::metrics::LEDGER_ERRORS, "operation" => operation)
-            .increment(1);
+        metrics::counter!(LEDGER_ERRORS, "operation" => operation).increment(1);
         self.observe(e);
     }
 
@@ -452,7 +461,7 @@ mod tests {
             kit::schema::unlisted(&dir, &MIGRATOR).unwrap(),
             Vec::<String>::new()
         );
-        assert_eq!(MIGRATOR.iter().count(), 15);
+        assert_eq!(MIGRATOR.iter().count(), 16);
     }
 
     #[test]

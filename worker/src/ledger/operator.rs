@@ -105,6 +105,7 @@ impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for HistoryRow {
 impl Ledger {
     /// Unresolved operations (`dispatching`, `retry_wait`, `unknown`, `held`) by id, through the
     /// partial index that holds only them.
+    /// Unresolved operations matching `filter`, without their arguments and receipt (None).
     pub async fn list_unresolved(
         &self,
         filter: &UnresolvedFilter,
@@ -121,9 +122,13 @@ impl Ledger {
                 .map(|s| s.as_str().to_string())
                 .collect()
         };
-        // The literal state list matches the partial indexes' predicate.
+        // The literal state list matches the partial indexes' predicate. A listing never reads
+        // arguments or receipts (each may be hundreds of kilobytes): one operation's route does.
+        let columns = OPERATION_COLUMNS
+            .replace("arguments,", "NULL::text AS arguments,")
+            .replace("receipt,", "NULL::jsonb AS receipt,");
         let sql = format!(
-            "SELECT {OPERATION_COLUMNS} FROM operations
+            "SELECT {columns} FROM operations
              WHERE state IN ('dispatching', 'retry_wait', 'unknown', 'held')
                AND state = ANY($1)
                AND ($2::text IS NULL OR tool = $2)

@@ -28,6 +28,8 @@ pub const MAX_OLDER_THAN_SECS: u64 = 3_153_600_000;
 /// Shortest evidence accepted for marking an operation failed.
 pub const MIN_EVIDENCE_CHARS: usize = 10;
 const MAX_NAME_CHARS: usize = 100;
+/// Longest operator name (the console's sign-in form allows the same).
+pub const MAX_OPERATOR_CHARS: usize = MAX_NAME_CHARS;
 const MAX_REQUEST_ID_CHARS: usize = 200;
 const MAX_TEXT_CHARS: usize = 4000;
 
@@ -162,10 +164,79 @@ pub struct ListParams {
     pub after: Option<i64>,
 }
 
+/// One operation in a listing: the facts of [`OperationView`] without its arguments, receipt
+/// and history, so a page stays small whatever the operations carry (one operation's route
+/// returns the whole row).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OperationSummary {
+    pub id: i64,
+    pub tenant: String,
+    pub action_id: String,
+    /// The downstream idempotency key, `<tenant>:<action_id>`.
+    pub idempotency_key: String,
+    pub tool: String,
+    pub state: String,
+    pub fingerprint: String,
+    pub fence: i64,
+    pub attempts: i32,
+    pub recovery_attempts: i32,
+    pub first_dispatch_at: Option<DateTime<Utc>>,
+    pub replay_deadline: Option<DateTime<Utc>>,
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub lease_owner: Option<String>,
+    pub lease_until: Option<DateTime<Utc>>,
+    /// At most [`SUMMARY_EVIDENCE_CHARS`] characters, with `…` when cut.
+    pub evidence: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub state_since: DateTime<Utc>,
+    pub trace_id: Option<String>,
+    pub trace_url: Option<String>,
+}
+
+/// The longest evidence a listing shows per operation.
+pub const SUMMARY_EVIDENCE_CHARS: usize = 1000;
+
+impl OperationSummary {
+    pub fn new(op: &Operation) -> OperationSummary {
+        OperationSummary {
+            id: op.id,
+            tenant: op.tenant.clone(),
+            action_id: op.action_id.clone(),
+            idempotency_key: op.idempotency_key(),
+            tool: op.tool.clone(),
+            state: op.state().as_str().to_string(),
+            fingerprint: op.fingerprint.clone(),
+            fence: op.fence,
+            attempts: op.attempts,
+            recovery_attempts: op.recovery_attempts,
+            first_dispatch_at: op.first_dispatch_at,
+            replay_deadline: op.replay_deadline,
+            next_attempt_at: op.next_attempt_at,
+            lease_owner: op.lease_owner.clone(),
+            lease_until: op.lease_until,
+            evidence: op.evidence.as_deref().map(|e| {
+                if e.chars().count() <= SUMMARY_EVIDENCE_CHARS {
+                    e.to_string()
+                } else {
+                    let mut cut: String = e.chars().take(SUMMARY_EVIDENCE_CHARS).collect();
+                    cut.push('…');
+                    cut
+                }
+            }),
+            created_at: op.created_at,
+            updated_at: op.updated_at,
+            state_since: op.state_since,
+            trace_id: op.trace().map(|t| t.parent.trace_id_hex()),
+            trace_url: op.trace().and_then(|t| trace_url(&t.parent.trace_id_hex())),
+        }
+    }
+}
+
 /// One page of the listing.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ListPage {
-    pub operations: Vec<OperationView>,
+    pub operations: Vec<OperationSummary>,
     /// Pass as `after` for the next page; null when this page was the last.
     pub next_after: Option<i64>,
 }
@@ -241,10 +312,55 @@ fn json_has_nul(value: &serde_json::Value) -> bool {
 
 fn name(field: &str, value: Option<String>, max: usize) -> Result<String, OpsError> {
     let value = required_text(field, value, max)?;
-    if value.chars().any(char::is_control) {
-        return Err(bad(format!("{field} must not contain control characters")));
-    }
+    unseen_characters(field, &value).map_err(bad)?;
     Ok(value)
+}
+
+/// The evidence an operator gives for `failed` (one operation or a bulk job): not blank, at
+/// least [`MIN_EVIDENCE_CHARS`] and at most 4,000 characters, no NUL.
+pub fn evidence_text(value: Option<String>) -> Result<String, OpsError> {
+    let evidence = required_text("evidence", value, MAX_TEXT_CHARS)?;
+    if evidence.chars().count() < MIN_EVIDENCE_CHARS {
+        return Err(bad(format!(
+            "evidence must describe the downstream's proof in at least {MIN_EVIDENCE_CHARS} characters"
+        )));
+    }
+    Ok(evidence)
+}
+
+/// The reason an operator gives for a recheck or a resolve (one operation or a bulk job): not
+/// blank, at most 4,000 characters, no NUL.
+pub fn reason_text(value: Option<String>) -> Result<String, OpsError> {
+    required_text("reason", value, MAX_TEXT_CHARS)
+}
+
+/// Refuses a name holding a character that is not seen as itself (controls, bidirectional
+/// controls, zero-width and other default-ignorable characters, line separators:
+/// [`kit::text::is_unseen`]): it is recorded in the history, where it could pass for another.
+fn unseen_characters(field: &str, value: &str) -> Result<(), String> {
+    match value.chars().find(|c| kit::text::is_unseen(*c)) {
+        None => Ok(()),
+        Some(c) if c.is_control() => Err(format!("{field} must not contain control characters")),
+        Some(c) => Err(format!(
+            "{field} must not contain invisible or direction-changing characters (found U+{:04X})",
+            c as u32
+        )),
+    }
+}
+
+/// The rules of an operator's name, as every operator action applies them: not blank, at most
+/// [`MAX_OPERATOR_CHARS`] characters, no control, invisible or direction-changing character.
+pub fn check_operator_name(operator: &str) -> Result<(), String> {
+    let operator = operator.trim();
+    if operator.is_empty() {
+        return Err("The name is required.".into());
+    }
+    if operator.chars().count() > MAX_OPERATOR_CHARS {
+        return Err(format!(
+            "The name is longer than {MAX_OPERATOR_CHARS} characters."
+        ));
+    }
+    unseen_characters("The name", operator).map_err(|e| format!("{e}."))
 }
 
 fn parse_states(raw: Option<&str>) -> Result<Vec<State>, OpsError> {
@@ -297,15 +413,10 @@ pub async fn list(ledger: &Ledger, params: ListParams) -> Result<ListPage, OpsEr
         limit,
     };
     let ops = ledger.list_unresolved(&filter).await?;
-    let ids: Vec<i64> = ops.iter().map(|o| o.id).collect();
-    let mut histories = ledger.histories(&ids).await?;
     let next_after = (ops.len() as i64 == limit)
         .then(|| ops.last().map(|o| o.id))
         .flatten();
-    let operations = ops
-        .iter()
-        .map(|op| OperationView::new(op, histories.remove(&op.id).unwrap_or_default()))
-        .collect();
+    let operations = ops.iter().map(OperationSummary::new).collect();
     Ok(ListPage {
         operations,
         next_after,
@@ -443,7 +554,7 @@ pub async fn resolve(
 ) -> Result<ActionResponse, OpsError> {
     let operator = name("operator", input.operator, MAX_NAME_CHARS)?;
     let request_id = name("request_id", input.request_id, MAX_REQUEST_ID_CHARS)?;
-    let reason = required_text("reason", input.reason, MAX_TEXT_CHARS)?;
+    let reason = reason_text(input.reason)?;
     let receipt = match input.receipt {
         None | Some(serde_json::Value::Null) => return Err(bad("receipt is required")),
         Some(r @ serde_json::Value::Object(_)) if json_has_nul(&r) => {
@@ -492,12 +603,7 @@ pub async fn fail(
 ) -> Result<ActionResponse, OpsError> {
     let operator = name("operator", input.operator, MAX_NAME_CHARS)?;
     let request_id = name("request_id", input.request_id, MAX_REQUEST_ID_CHARS)?;
-    let evidence = required_text("evidence", input.evidence, MAX_TEXT_CHARS)?;
-    if evidence.chars().count() < MIN_EVIDENCE_CHARS {
-        return Err(bad(format!(
-            "evidence must describe the downstream's proof in at least {MIN_EVIDENCE_CHARS} characters"
-        )));
-    }
+    let evidence = evidence_text(input.evidence)?;
     let op = find(&ctx.ledger, tenant, action_id).await?;
     let request = OperatorRequest {
         request_id,
@@ -550,7 +656,7 @@ pub async fn recheck(
 ) -> Result<ActionResponse, OpsError> {
     let operator = name("operator", input.operator, MAX_NAME_CHARS)?;
     let request_id = name("request_id", input.request_id, MAX_REQUEST_ID_CHARS)?;
-    let reason = required_text("reason", input.reason, MAX_TEXT_CHARS)?;
+    let reason = reason_text(input.reason)?;
     let op = find(&ctx.ledger, tenant, action_id).await?;
     let tool = ctx
         .tools

@@ -3,7 +3,15 @@
 //! Authentication is `Authorization: Bearer <token>`, compared in constant time
 //! ([`kit::secret`]), by a middleware that runs before any extractor: a missing or wrong token
 //! is answered 401 before the request body is read, so it is never buffered. Operator routes
-//! refuse a tenant token (403) the same way, before their body.
+//! refuse a tenant token (403) the same way, before their body. Wrong tokens draw on the
+//! listener's failure budget ([`kit::guard`], shared with the console's sign-in): each is
+//! logged (the client's address, never the token), and once a client's or everyone's budget is
+//! spent a token is answered `429` with `Retry-After` without being compared.
+//!
+//! Every answer carries `Cache-Control: no-store` and `X-Content-Type-Options: nosniff` (they
+//! hold arguments and receipts), and every error, including a body over the size cap (`413`)
+//! and a body too slow to arrive (`408`, [`kit::http`]), has the JSON shape
+//! `{"error": code, "message": text}`.
 //! - the admin token (`WORKER_ADMIN_TOKEN`) may use every route;
 //! - a tenant token (`WORKER_TENANT_TOKENS`) may only read the status of its own tenant's
 //!   operations (`GET /v1/operations/{tenant}/{action_id}`); another tenant's operation answers
@@ -20,11 +28,10 @@
 //! - `POST /v1/operations/{tenant}/{action_id}/recheck` — one recovery round now
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::rejection::QueryRejection;
+use axum::extract::rejection::{BytesRejection, QueryRejection};
 use axum::extract::{Path, Query, Request, State as AxumState};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
@@ -36,6 +43,8 @@ use serde::de::DeserializeOwned;
 use super::actions::{self, ActionResponse, ListParams, OpsError};
 use crate::config::auth::{Principal, Tokens};
 use crate::context::Context;
+use kit::guard::FailureBudget;
+use kit::http::Peer;
 
 /// The API server: the worker context, the tokens it accepts, its listener's limits and the
 /// console, when served.
@@ -48,6 +57,8 @@ pub struct AdminApi {
 struct ApiState {
     ctx: Arc<Context>,
     tokens: Tokens,
+    /// Wrong tokens taken, per client and overall (shared with the console's sign-in).
+    budget: Arc<FailureBudget>,
 }
 
 impl AdminApi {
@@ -71,10 +82,16 @@ impl AdminApi {
             state: Arc::new(ApiState {
                 ctx,
                 tokens: Tokens::new(admin_token, tenant_tokens),
+                budget: Arc::new(FailureBudget::default()),
             }),
             limits: kit::http::Limits::DEFAULT,
             console: None,
         }
+    }
+
+    /// The failure budget of wrong tokens on this listener, for the console's sign-in to share.
+    pub fn budget(&self) -> Arc<FailureBudget> {
+        self.state.budget.clone()
     }
 
     /// Serves the operator console under `/ui` too.
@@ -115,6 +132,9 @@ impl AdminApi {
                 authenticate_request,
             ))
             .with_state(self.state.clone());
+        let api = api
+            .layer(middleware::from_fn(refuse_large_bodies))
+            .layer(middleware::map_response(private_answer));
         let routes = match &self.console {
             Some(console) => api.merge(console.router()),
             None => api,
@@ -122,13 +142,13 @@ impl AdminApi {
         routes.fallback(not_found)
     }
 
-    /// Binds `addr` and serves until `shutdown` resolves.
+    /// Serves on `listener` (bound at start-up: [`kit::http::bind`]) until `shutdown` resolves.
     pub async fn serve(
         self,
-        addr: SocketAddr,
+        listener: std::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
         self.serve_listener(listener, shutdown).await
     }
 
@@ -170,6 +190,27 @@ impl ApiError {
 
     fn unauthorized(message: &str) -> ApiError {
         ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+
+    /// A token not compared because the failure budget is spent.
+    fn too_many(refused: kit::guard::Refused) -> Response {
+        let who = match refused.scope {
+            kit::guard::Scope::Client => "from this client",
+            kit::guard::Scope::Overall => "on this listener",
+        };
+        let mut response = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_requests",
+            format!(
+                "too many wrong tokens {who}; try again in {} s",
+                refused.retry_after.as_secs()
+            ),
+        )
+        .into_response();
+        if let Ok(v) = HeaderValue::from_str(&refused.retry_after.as_secs().to_string()) {
+            response.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        response
     }
 
     fn not_found() -> ApiError {
@@ -226,8 +267,9 @@ impl From<OpsError> for ApiError {
     }
 }
 
-fn authenticate(state: &ApiState, headers: &HeaderMap) -> Result<Principal, ApiError> {
-    let presented = headers
+/// The bearer token of a request, if it has one.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| {
@@ -235,11 +277,39 @@ fn authenticate(state: &ApiState, headers: &HeaderMap) -> Result<Principal, ApiE
             scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
         })
         .filter(|t| !t.is_empty())
-        .ok_or_else(|| ApiError::unauthorized("missing bearer token (Authorization: Bearer …)"))?;
+}
+
+/// Who the request's token speaks for, drawing on the failure budget: a missing token is 401
+/// (not a guess), a spent budget 429 before the token is compared, a wrong token 401 and
+/// logged, its failure kept spent (a good one gives it back).
+fn authenticate(state: &ApiState, request: &Request) -> Result<Principal, Box<Response>> {
+    let Some(presented) = bearer(request.headers()) else {
+        return Err(Box::new(
+            ApiError::unauthorized("missing bearer token (Authorization: Bearer …)")
+                .into_response(),
+        ));
+    };
+    let client = request
+        .extensions()
+        .get::<Peer>()
+        .map(|p| p.0.ip())
+        .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into());
     state
-        .tokens
-        .identify(presented)
-        .ok_or_else(|| ApiError::unauthorized("invalid token"))
+        .budget
+        .admit(client)
+        .map_err(|r| Box::new(ApiError::too_many(r)))?;
+    match state.tokens.identify(presented) {
+        Some(principal) => {
+            state.budget.forgive(client);
+            Ok(principal)
+        }
+        None => {
+            tracing::warn!(%client, path = request.uri().path(), "admin API: token refused");
+            Err(Box::new(
+                ApiError::unauthorized("invalid token").into_response(),
+            ))
+        }
+    }
 }
 
 /// The middleware of every route: 401 without a known token, else the [`Principal`] goes into
@@ -249,13 +319,41 @@ async fn authenticate_request(
     mut request: Request,
     next: Next,
 ) -> Response {
-    match authenticate(&state, request.headers()) {
+    match authenticate(&state, &request) {
         Ok(principal) => {
             request.extensions_mut().insert(principal);
             next.run(request).await
         }
-        Err(e) => e.into_response(),
+        Err(refused) => *refused,
     }
+}
+
+/// The largest request body the API reads (axum's default body limit).
+const MAX_BODY_BYTES: usize = 2 * 1024 * 1024;
+
+/// A body announced larger than [`MAX_BODY_BYTES`] is refused `413` before any of it is read
+/// (after the token, which comes first).
+async fn refuse_large_bodies(request: Request, next: Next) -> Response {
+    if kit::http::announces_more_than(request.headers(), MAX_BODY_BYTES) {
+        return ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("the request body is over {MAX_BODY_BYTES} bytes"),
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
+/// Every API answer: not to be cached or sniffed (they hold arguments and receipts).
+async fn private_answer(mut response: Response) -> Response {
+    let h = response.headers_mut();
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    response
 }
 
 /// The middleware of the operator routes (after [`authenticate_request`]): 403 for a tenant
@@ -275,7 +373,23 @@ async fn admin_only(request: Request, next: Next) -> Response {
     }
 }
 
-fn parse_body<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, ApiError> {
+/// The request body, or its rejection in the JSON error shape (413 over the size cap).
+fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|e| {
+        let status = e.status();
+        let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "payload_too_large"
+        } else {
+            "bad_request"
+        };
+        ApiError::new(status, code, e.body_text())
+    })
+}
+
+fn parse_body<T: DeserializeOwned + Default>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    let body = body_of(body)?;
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -283,7 +397,7 @@ fn parse_body<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, ApiError
             "a JSON body is required",
         ));
     }
-    serde_json::from_slice(body).map_err(|e| {
+    serde_json::from_slice(&body).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
             "bad_request",
@@ -331,9 +445,9 @@ async fn status(
 async fn resolve(
     AxumState(state): Shared,
     Path((tenant, action_id)): Path<(String, String)>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let input = parse_body(&body)?;
+    let input = parse_body(body)?;
     let r = actions::resolve(&state.ctx, &tenant, &action_id, input).await?;
     Ok(action_reply(r))
 }
@@ -341,9 +455,9 @@ async fn resolve(
 async fn fail(
     AxumState(state): Shared,
     Path((tenant, action_id)): Path<(String, String)>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let input = parse_body(&body)?;
+    let input = parse_body(body)?;
     let r = actions::fail(&state.ctx, &tenant, &action_id, input).await?;
     Ok(action_reply(r))
 }
@@ -351,9 +465,9 @@ async fn fail(
 async fn recheck(
     AxumState(state): Shared,
     Path((tenant, action_id)): Path<(String, String)>,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let input = parse_body(&body)?;
+    let input = parse_body(body)?;
     let r = actions::recheck(&state.ctx, &tenant, &action_id, input).await?;
     Ok(action_reply(r))
 }

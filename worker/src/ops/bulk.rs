@@ -116,27 +116,19 @@ impl Runner {
         if !(1..=MAX_CAP).contains(&request.cap) {
             return bad(format!("the cap must be between 1 and {MAX_CAP}"));
         }
-        for (field, value) in [
-            ("operator", &request.operator),
-            ("request_id", &request.request_id),
-        ] {
-            if value.trim().is_empty() || value.chars().any(char::is_control) {
-                return bad(format!("{field} is required, without control characters"));
-            }
+        actions::check_operator_name(&request.operator).map_err(OpsError::BadRequest)?;
+        if request.request_id.trim().is_empty()
+            || request.request_id.chars().any(kit::text::is_unseen)
+        {
+            return bad("request_id is required, without control or invisible characters".into());
         }
-        let reason = request.reason.trim();
-        let least = match request.action {
-            BulkAction::Fail => actions::MIN_EVIDENCE_CHARS,
-            BulkAction::Recheck => 1,
+        // The same rules as each item's own action, so no job is made whose every item would be
+        // refused.
+        let reason = match request.action {
+            BulkAction::Fail => actions::evidence_text(Some(request.reason.clone()))?,
+            BulkAction::Recheck => actions::reason_text(Some(request.reason.clone()))?,
         };
-        if reason.chars().count() < least || reason.contains('\0') {
-            return bad(match request.action {
-                BulkAction::Fail => format!(
-                    "evidence must describe the downstream's proof in at least {least} characters"
-                ),
-                BulkAction::Recheck => "reason is required".into(),
-            });
-        }
+        let reason = reason.as_str();
         let (job, created) = self
             .ctx
             .ledger

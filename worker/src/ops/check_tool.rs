@@ -11,9 +11,10 @@ use std::collections::BTreeSet;
 use serde::Serialize;
 
 use crate::adapter::http::{Answer, HttpAdapter};
-use crate::adapter::{Outcome, Request};
+use crate::adapter::Request;
 use crate::config::ToolConfig;
 use crate::ledger::idempotency_key;
+use crate::outcome::Outcome;
 use crate::recovery::Capability;
 
 /// The tenant every probe writes as: it says it is a probe.
@@ -140,7 +141,8 @@ pub async fn run(
     Ok(Report {
         tool: config.name.clone(),
         capability: config.capability.name(),
-        url: config.url.clone(),
+        // Its host only: the URL's query or user part may hold a secret.
+        url: kit::url::host_port(&config.url),
         tenant: PROBE_TENANT,
         run,
         ok: probes.iter().all(|p| p.verdict != Verdict::Fail),

@@ -10,7 +10,11 @@ use anyhow::Context as _;
 use chrono::Utc;
 
 use super::actions::{
-    self, ActionResponse, FailInput, ListParams, OperationView, RecheckInput, ResolveInput,
+    self, ActionResponse, FailInput, ListParams, OperationSummary, OperationView, RecheckInput,
+    ResolveInput,
+};
+use super::dead_letters::{
+    self as dl, Action, DeadLetterFilter, StepOutcome, StepReport, StepRequest,
 };
 use crate::adapter::ToolSet;
 use crate::config::{Settings, Tools};
@@ -249,10 +253,19 @@ async fn list(ledger: &Ledger, args: ListArgs) -> anyhow::Result<()> {
         print!("{}", table(&page.operations));
         match page.next_after {
             Some(id) => println!("more: --after {id}"),
-            None => println!("({} operations)", page.operations.len()),
+            None => println!("({})", count_of(page.operations.len(), "operation")),
         }
     }
     Ok(())
+}
+
+/// `n` and the noun, plural unless `n` is 1 ("1 operation", "0 operations").
+fn count_of(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
 }
 
 /// `worker ops dead-letters ...`: exit 1 when a letter could not be handled or an id asked
@@ -263,60 +276,90 @@ async fn dead_letters(
     ledger: &Ledger,
     cmd: DeadLetterCommand,
 ) -> anyhow::Result<()> {
-    use super::dead_letters::{self as dl, Action, DeadLetterFilter, StepOutcome, StepRequest};
     let broker = dl::Broker::new(
         &settings.amqp_url,
         &format!("worker-ops-{}", settings.worker_id),
         trust.clone(),
         settings.topology.clone(),
     );
-    let filter = |s: &DeadLetterSelect| DeadLetterFilter {
-        reason: s.reason.clone(),
-        tenant: s.tenant.clone(),
-        message_id: s.message_id.clone(),
-        ids: s
+    let (action, args) = match cmd {
+        DeadLetterCommand::List(select) => return list_dead_letters(&broker, &select).await,
+        DeadLetterCommand::Republish(args) => (Action::Republish, args),
+        DeadLetterCommand::Discard(args) => (Action::Discard, args),
+    };
+    let request = step_request(action, &args)?;
+    let reports = dl::act(&broker, ledger, &request).await?;
+    if args.select.json {
+        println!("{}", serde_json::to_string_pretty(&reports)?);
+    } else {
+        for r in &reports {
+            println!("{}", step_line(action, r));
+        }
+        if reports.is_empty() {
+            println!("(no dead letter matched)");
+        }
+    }
+    let failed = unhandled(&reports);
+    if failed > 0 {
+        anyhow::bail!("{failed} dead letters were not handled (see above); repeat with the same --request-id to retry");
+    }
+    Ok(())
+}
+
+/// `worker ops dead-letters list`: a table (or JSON) of the letters chosen, and how much of the
+/// queue was read for them.
+async fn list_dead_letters(broker: &dl::Broker, select: &DeadLetterSelect) -> anyhow::Result<()> {
+    let listing = dl::list(
+        broker,
+        &crate::config::auth::Principal::Admin,
+        &crate::intake::TenantAuth::Trusted,
+        &dead_letter_filter(select),
+        select.limit,
+    )
+    .await?;
+    if select.json {
+        let letters: Vec<serde_json::Value> = listing.letters.iter().map(dl::letter_json).collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "letters": letters,
+                "scanned": listing.scanned,
+                "remaining": listing.remaining,
+            }))?
+        );
+    } else {
+        print!("{}", letter_table(&listing.letters));
+        println!(
+            "({} shown, {} read, {} more in the queue behind them)",
+            listing.letters.len(),
+            listing.scanned,
+            listing.remaining
+        );
+    }
+    Ok(())
+}
+
+/// The letters the flags choose (blank ids ignored).
+fn dead_letter_filter(select: &DeadLetterSelect) -> DeadLetterFilter {
+    DeadLetterFilter {
+        reason: select.reason.clone(),
+        tenant: select.tenant.clone(),
+        message_id: select.message_id.clone(),
+        ids: select
             .id
             .iter()
             .map(|i| i.trim().to_string())
             .filter(|i| !i.is_empty())
             .collect(),
-    };
-    let (action, args) = match cmd {
-        DeadLetterCommand::List(select) => {
-            let listing = dl::list(
-                &broker,
-                &crate::config::auth::Principal::Admin,
-                &crate::intake::TenantAuth::Trusted,
-                &filter(&select),
-                select.limit,
-            )
-            .await?;
-            if select.json {
-                let letters: Vec<serde_json::Value> =
-                    listing.letters.iter().map(dl::letter_json).collect();
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&serde_json::json!({
-                        "letters": letters,
-                        "scanned": listing.scanned,
-                        "remaining": listing.remaining,
-                    }))?
-                );
-            } else {
-                print!("{}", letter_table(&listing.letters));
-                println!(
-                    "({} shown, {} read, {} more in the queue behind them)",
-                    listing.letters.len(),
-                    listing.scanned,
-                    listing.remaining
-                );
-            }
-            return Ok(());
-        }
-        DeadLetterCommand::Republish(args) => (Action::Republish, args),
-        DeadLetterCommand::Discard(args) => (Action::Discard, args),
-    };
-    let chosen = filter(&args.select);
+    }
+}
+
+/// The step `republish` or `discard` asks for, or why it is refused: no filter without
+/// `--all`; no `--operator` and `--note` unless a dry run (recorded as `dry-run`, `dry run`).
+/// The request id is the given one; a dry run's default is `dry-run`, a real step's a fresh
+/// one, printed ([`request_id`]).
+fn step_request(action: Action, args: &DeadLetterStepArgs) -> anyhow::Result<StepRequest> {
+    let chosen = dead_letter_filter(&args.select);
     if chosen.is_empty() && !args.all {
         anyhow::bail!(
             "no filter given: narrow with --reason, --tenant, --message-id or --id, or pass --all"
@@ -327,7 +370,7 @@ async fn dead_letters(
         _ if args.dry_run => (String::from("dry-run"), String::from("dry run")),
         _ => anyhow::bail!("--operator and --note are required (they are recorded in the audit)"),
     };
-    let request = StepRequest {
+    Ok(StepRequest {
         action,
         filter: chosen,
         limit: args.select.limit,
@@ -339,39 +382,34 @@ async fn dead_letters(
             request_id(args.request_id.clone())
         },
         dry_run: args.dry_run,
+    })
+}
+
+/// One letter's line of a step's report: id, message id, reason, what happened.
+fn step_line(action: Action, r: &StepReport) -> String {
+    let outcome = match &r.outcome {
+        StepOutcome::Done => format!("{}: done", action.as_str()),
+        StepOutcome::WouldAct => format!("would {}", action.as_str()),
+        StepOutcome::AlreadyDone(s) => format!("already done by this request id ({s})"),
+        StepOutcome::NotFound => "not found in the queue".into(),
+        StepOutcome::Failed(e) => format!("FAILED (the letter stays): {e}"),
     };
-    let reports = dl::act(&broker, ledger, &request).await?;
-    if args.select.json {
-        println!("{}", serde_json::to_string_pretty(&reports)?);
-    } else {
-        for r in &reports {
-            let outcome = match &r.outcome {
-                StepOutcome::Done => format!("{}: done", action.as_str()),
-                StepOutcome::WouldAct => format!("would {}", action.as_str()),
-                StepOutcome::AlreadyDone(s) => format!("already done by this request id ({s})"),
-                StepOutcome::NotFound => "not found in the queue".into(),
-                StepOutcome::Failed(e) => format!("FAILED (the letter stays): {e}"),
-            };
-            println!(
-                "{}  {}  {}  {}",
-                r.dead_letter_id,
-                r.message_id.as_deref().unwrap_or("-"),
-                r.reason.as_deref().unwrap_or("-"),
-                outcome
-            );
-        }
-        if reports.is_empty() {
-            println!("(no dead letter matched)");
-        }
-    }
-    let failed = reports
+    format!(
+        "{}  {}  {}  {}",
+        r.dead_letter_id,
+        r.message_id.as_deref().unwrap_or("-"),
+        r.reason.as_deref().unwrap_or("-"),
+        outcome
+    )
+}
+
+/// Letters the step did not handle (failed, or asked for by id and not found): the command
+/// then exits 1.
+fn unhandled(reports: &[StepReport]) -> usize {
+    reports
         .iter()
         .filter(|r| matches!(r.outcome, StepOutcome::Failed(_) | StepOutcome::NotFound))
-        .count();
-    if failed > 0 {
-        anyhow::bail!("{failed} dead letters were not handled (see above); repeat with the same --request-id to retry");
-    }
-    Ok(())
+        .count()
 }
 
 /// A plain text table of dead letters (control characters escaped).
@@ -506,7 +544,7 @@ fn report(r: ActionResponse, json: bool) -> anyhow::Result<()> {
 }
 
 /// A plain text table of operations.
-fn table(ops: &[OperationView]) -> String {
+fn table(ops: &[OperationSummary]) -> String {
     let now = Utc::now();
     let header = [
         "ID",
@@ -684,6 +722,111 @@ mod tests {
         assert!(parse(&["dead-letters", "purge"]).is_err());
     }
 
+    fn step_args(flags: &str) -> DeadLetterStepArgs {
+        let argv: Vec<&str> = ["dead-letters", "discard"]
+            .into_iter()
+            .chain(flags.split_whitespace())
+            .collect();
+        match parse(&argv).unwrap() {
+            OpsCommand::DeadLetters(DeadLetterCommand::Discard(a)) => a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_dead_letter_step_needs_a_filter_or_all_and_an_audit_unless_a_dry_run() {
+        // (flags, Ok([operator, note, request id]) or the start of the refusal)
+        let cases: &[(&str, Result<[&str; 3], &str>)] = &[
+            (
+                "--id a --operator al --note fix --request-id r",
+                Ok(["al", "fix", "r"]),
+            ),
+            (
+                "--all --operator al --note fix --request-id r",
+                Ok(["al", "fix", "r"]),
+            ),
+            ("--all --dry-run", Ok(["dry-run", "dry run", "dry-run"])),
+            (
+                "--reason x --dry-run --request-id r",
+                Ok(["dry-run", "dry run", "r"]),
+            ),
+            // A dry run keeps the audit fields it is given.
+            (
+                "--all --dry-run --operator al --note fix",
+                Ok(["al", "fix", "dry-run"]),
+            ),
+            ("--operator al --note fix", Err("no filter given")),
+            // Blank ids narrow nothing.
+            ("--id , --dry-run", Err("no filter given")),
+            (
+                "--all --operator al",
+                Err("--operator and --note are required"),
+            ),
+            (
+                "--tenant north --note fix",
+                Err("--operator and --note are required"),
+            ),
+        ];
+        for (flags, want) in cases {
+            match (step_request(Action::Discard, &step_args(flags)), want) {
+                (Ok(r), Ok(audit)) => {
+                    let got = [r.operator.as_str(), r.note.as_str(), r.request_id.as_str()];
+                    assert_eq!(got, *audit, "{flags}");
+                    assert_eq!(r.dry_run, flags.contains("--dry-run"), "{flags}");
+                    assert_eq!(r.action, Action::Discard);
+                }
+                (Err(e), Err(start)) => assert!(e.to_string().starts_with(start), "{flags}: {e}"),
+                (got, want) => panic!("{flags}: got {got:?}, want {want:?}"),
+            }
+        }
+        let r = step_request(Action::Discard, &step_args("--id a,,b --all --dry-run")).unwrap();
+        assert_eq!(r.filter.ids, ["a", "b"]);
+    }
+
+    #[test]
+    fn a_step_report_line_says_what_happened_and_failures_and_misses_count_as_unhandled() {
+        let report = |outcome| StepReport {
+            dead_letter_id: "d1".into(),
+            request_id: "r:d1".into(),
+            message_id: Some("north:a".into()),
+            tenant: Some("north".into()),
+            reason: None,
+            outcome,
+        };
+        let cases = [
+            (StepOutcome::Done, "d1  north:a  -  republish: done", false),
+            (
+                StepOutcome::WouldAct,
+                "d1  north:a  -  would republish",
+                false,
+            ),
+            (
+                StepOutcome::AlreadyDone("republish done".into()),
+                "d1  north:a  -  already done by this request id (republish done)",
+                false,
+            ),
+            (
+                StepOutcome::NotFound,
+                "d1  north:a  -  not found in the queue",
+                true,
+            ),
+            (
+                StepOutcome::Failed("nacked".into()),
+                "d1  north:a  -  FAILED (the letter stays): nacked",
+                true,
+            ),
+        ];
+        for (outcome, line, counted) in cases {
+            let r = report(outcome);
+            assert_eq!(step_line(Action::Republish, &r), line);
+            assert_eq!(
+                unhandled(std::slice::from_ref(&r)),
+                usize::from(counted),
+                "{line}"
+            );
+        }
+    }
+
     #[test]
     fn resolve_needs_a_receipt_and_an_operator() {
         assert!(parse(&["resolve", "north", "r", "--operator", "a", "--reason", "b"]).is_err());
@@ -705,8 +848,15 @@ mod tests {
     }
 
     #[test]
+    fn counts_read_as_english() {
+        assert_eq!(count_of(0, "operation"), "0 operations");
+        assert_eq!(count_of(1, "operation"), "1 operation");
+        assert_eq!(count_of(2, "letter"), "2 letters");
+    }
+
+    #[test]
     fn table_has_a_header_and_a_row_per_operation() {
-        let view: OperationView = serde_json::from_value(serde_json::json!({
+        let view: OperationSummary = serde_json::from_value(serde_json::json!({
             "id": 7, "tenant": "north", "action_id": "refund-1", "idempotency_key": "north:refund-1",
             "tool": "refund", "state": "held", "fingerprint": "f", "arguments": null, "fence": 1,
             "attempts": 1, "recovery_attempts": 0, "first_dispatch_at": null,

@@ -9,6 +9,11 @@
 //! publisher must be mapped to the tenant; in `trusted` mode the body's tenant is believed. A
 //! letter whose tenant is unproven (`tenant_mismatch`) or cannot be read is the admin's only.
 //!
+//! **Who reads the queue.** Only the admin: reading takes every letter up to the one sought and
+//! returns the others, which a quorum queue counts as a delivery. A tenant's listing never
+//! touches the queue: it is drawn from the [`Snapshot`] of this worker's last admin read, and
+//! says when that was.
+//!
 //! Request ids: a step on letters chosen by id uses `<request id>:<letter id>`; a step on a
 //! filtered set uses `<request id>:<letter id>:<n>` (n counts identical copies).
 
@@ -18,12 +23,12 @@ use std::sync::Arc;
 use lapin::Connection;
 use tokio::sync::Mutex;
 
-use crate::amqp::dead_letters::{DeadLetter, DeadLetterQueue, MAX_SCAN};
+use crate::amqp::dead_letters::{DeadLetter, DeadLetterQueue, Scan, MAX_SCAN};
 use crate::amqp::AmqpError;
 use crate::config::auth::Principal;
 use crate::config::Topology;
 use crate::intake::TenantAuth;
-use crate::ledger::dead_letters::{NewDeadLetterAction, Started};
+use crate::ledger::dead_letters::{DeadLetterAction, NewDeadLetterAction, Started};
 use crate::ledger::{Ledger, LedgerError};
 use crate::tls::Trust;
 
@@ -87,7 +92,21 @@ pub fn visible_to(letter: &DeadLetter, viewer: &Principal, auth: &TenantAuth) ->
     }
 }
 
-/// A broker connection for dead-letter work, opened on first use and reopened when lost.
+/// The longest body a [`Snapshot`] keeps per letter (bytes): enough for the console's view.
+pub const SNAPSHOT_BODY_BYTES: usize = 4096;
+
+/// What this worker's last admin read of the queue saw, for tenants' listings.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub at: chrono::DateTime<chrono::Utc>,
+    /// Every letter read, in queue order, bodies cut at [`SNAPSHOT_BODY_BYTES`].
+    pub letters: Vec<DeadLetter>,
+    pub scanned: usize,
+    pub remaining: u32,
+}
+
+/// A broker connection for dead-letter work, opened on first use and reopened when lost, and
+/// the snapshot of the last admin read.
 pub struct Broker {
     url: String,
     name: String,
@@ -96,6 +115,7 @@ pub struct Broker {
     /// The worker's broker user: the `user_id` of republished intents.
     pub own_user: Option<String>,
     connection: Mutex<Option<Arc<Connection>>>,
+    snapshot: std::sync::Mutex<Option<Snapshot>>,
 }
 
 impl Broker {
@@ -107,7 +127,13 @@ impl Broker {
             topology,
             own_user: crate::amqp::dead_letters::broker_user(url),
             connection: Mutex::new(None),
+            snapshot: std::sync::Mutex::new(None),
         }
+    }
+
+    /// The last admin read, if any.
+    pub fn snapshot(&self) -> Option<Snapshot> {
+        crate::lock(&self.snapshot).clone()
     }
 
     pub fn topology(&self) -> &Topology {
@@ -178,10 +204,19 @@ pub struct Listing {
     pub scanned: usize,
     /// Messages behind the last one read.
     pub remaining: u32,
+    /// None: read now; else the time of the admin read the letters come from (a tenant's
+    /// listing), or [`Listing::NEVER`] when there was none yet on this worker.
+    pub as_of: Option<chrono::DateTime<chrono::Utc>>,
 }
 
-/// Up to `limit` letters `viewer` may see that `filter` matches, from the first [`MAX_SCAN`]
-/// of the queue; every message read is returned to the queue.
+impl Listing {
+    /// `as_of` of a tenant's listing before any admin read on this worker.
+    pub const NEVER: chrono::DateTime<chrono::Utc> = chrono::DateTime::UNIX_EPOCH;
+}
+
+/// Up to `limit` letters `viewer` may see that `filter` matches. The admin reads them from the
+/// first [`MAX_SCAN`] of the queue (every message read is returned to the queue) and leaves a
+/// [`Snapshot`]; a tenant's come from that snapshot, never from the queue.
 pub async fn list(
     broker: &Broker,
     viewer: &Principal,
@@ -190,10 +225,21 @@ pub async fn list(
     limit: usize,
 ) -> Result<Listing, DeadLetterError> {
     check_limit(limit)?;
+    if let Principal::Tenant(_) = viewer {
+        return Ok(from_snapshot(
+            broker.snapshot(),
+            viewer,
+            auth,
+            filter,
+            limit,
+        ));
+    }
     let connection = broker.connection().await?;
     let queue = DeadLetterQueue::new(&connection, &broker.topology, broker.own_user.as_deref());
+    let mut seen = Vec::new();
     let scan = queue
         .scan(MAX_SCAN, limit, |l| {
+            seen.push(l.cut(SNAPSHOT_BODY_BYTES));
             visible_to(l, viewer, auth) && filter.matches(l)
         })
         .await?;
@@ -201,9 +247,45 @@ pub async fn list(
         letters: scan.letters.clone(),
         scanned: scan.scanned,
         remaining: scan.remaining,
+        as_of: None,
     };
     scan.release().await;
+    *crate::lock(&broker.snapshot) = Some(Snapshot {
+        at: chrono::Utc::now(),
+        letters: seen,
+        scanned: listing.scanned,
+        remaining: listing.remaining,
+    });
     Ok(listing)
+}
+
+/// A listing drawn from `snapshot` (none: empty, [`Listing::NEVER`]).
+fn from_snapshot(
+    snapshot: Option<Snapshot>,
+    viewer: &Principal,
+    auth: &TenantAuth,
+    filter: &DeadLetterFilter,
+    limit: usize,
+) -> Listing {
+    let Some(snapshot) = snapshot else {
+        return Listing {
+            letters: Vec::new(),
+            scanned: 0,
+            remaining: 0,
+            as_of: Some(Listing::NEVER),
+        };
+    };
+    Listing {
+        letters: snapshot
+            .letters
+            .into_iter()
+            .filter(|l| visible_to(l, viewer, auth) && filter.matches(l))
+            .take(limit)
+            .collect(),
+        scanned: snapshot.scanned,
+        remaining: snapshot.remaining,
+        as_of: Some(snapshot.at),
+    }
 }
 
 fn check_limit(limit: usize) -> Result<(), DeadLetterError> {
@@ -284,47 +366,59 @@ pub struct StepReport {
     pub outcome: StepOutcome,
 }
 
+impl StepReport {
+    /// The report of a step on `letter` under `request_id`.
+    fn of(letter: &DeadLetter, request_id: String, outcome: StepOutcome) -> StepReport {
+        StepReport {
+            dead_letter_id: letter.id.clone(),
+            request_id,
+            message_id: letter.message_id.clone(),
+            tenant: letter.tenant.clone(),
+            reason: letter.reason.clone(),
+            outcome,
+        }
+    }
+
+    /// The report of a step the ledger says finished earlier: it is not done again.
+    fn seen(seen: DeadLetterAction) -> StepReport {
+        StepReport {
+            outcome: already_done(&seen),
+            dead_letter_id: seen.dead_letter_id,
+            request_id: seen.request_id,
+            message_id: seen.message_id,
+            tenant: seen.tenant,
+            reason: seen.reason,
+        }
+    }
+}
+
+/// What a repeat reports for a step that finished earlier.
+fn already_done(seen: &DeadLetterAction) -> StepOutcome {
+    StepOutcome::AlreadyDone(format!("{} {}", seen.action, seen.status))
+}
+
 /// Republishes or discards the letters the request chooses (admin only: the caller checks).
+///
+/// In order: the request is checked (`check_step`); letters chosen by id whose step finished
+/// earlier are reported and not looked for again (`finished_by_id`); the queue is read for
+/// the letters chosen, and each one's step is audited (`begin`) and taken (`step`) under its
+/// own request id (`step_request_ids`); then the steps an earlier run of this request
+/// finished (`earlier_unreported`) and the letters chosen by id but not found
+/// (`not_found`, `record_not_found`) are reported.
 pub async fn act(
     broker: &Broker,
     ledger: &Ledger,
     request: &StepRequest,
 ) -> Result<Vec<StepReport>, DeadLetterError> {
-    check_limit(request.limit)?;
-    for (field, value) in [
-        ("operator", &request.operator),
-        ("reason", &request.note),
-        ("request_id", &request.request_id),
-    ] {
-        if value.trim().is_empty() {
-            return Err(DeadLetterError::BadRequest(format!("{field} is required")));
-        }
-    }
+    check_step(request)?;
     let by_id = !request.filter.ids.is_empty();
-    let mut reports = Vec::new();
     // What an earlier run of this request finished (a repeat reports it, and does it not again).
     let earlier = if by_id || request.dry_run {
         Vec::new()
     } else {
         ledger.dead_letter_actions_of(&request.request_id).await?
     };
-    // Letters chosen by id whose step already finished are not looked for again.
-    let mut wanted: Vec<String> = Vec::new();
-    for id in &request.filter.ids {
-        let request_id = format!("{}:{id}", request.request_id);
-        match ledger.dead_letter_action(&request_id).await? {
-            Some(seen) if seen.status != "started" => reports.push(StepReport {
-                dead_letter_id: id.clone(),
-                request_id,
-                message_id: seen.message_id,
-                tenant: seen.tenant,
-                reason: seen.reason,
-                outcome: StepOutcome::AlreadyDone(format!("{} {}", seen.action, seen.status)),
-            }),
-            _ if !wanted.contains(id) => wanted.push(id.clone()),
-            _ => {}
-        }
-    }
+    let (mut reports, wanted) = finished_by_id(ledger, request).await?;
     if by_id && wanted.is_empty() {
         return Ok(reports);
     }
@@ -338,97 +432,187 @@ pub async fn act(
                 && (!by_id || (wanted.contains(&l.id) && taken.insert(l.id.clone())))
         })
         .await?;
-    let mut copies: BTreeMap<String, usize> = BTreeMap::new();
-    for letter in &scan.letters {
-        let request_id = if by_id {
-            format!("{}:{}", request.request_id, letter.id)
+    let ids = step_request_ids(
+        &request.request_id,
+        by_id,
+        scan.letters.iter().map(|l| l.id.as_str()),
+    );
+    for (letter, request_id) in scan.letters.iter().zip(ids) {
+        let outcome = if request.dry_run {
+            StepOutcome::WouldAct
         } else {
-            let n = copies.entry(letter.id.clone()).or_default();
-            *n += 1;
-            format!("{}:{}:{}", request.request_id, letter.id, *n - 1)
+            let stepped = match begin(ledger, request, letter, &request_id).await {
+                Ok(Some(done)) => Ok(done),
+                Ok(None) => step(ledger, &queue, &scan, request, letter, &request_id).await,
+                Err(e) => Err(e),
+            };
+            match stepped {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    // The letters still held go back to the queue now, not when the broker
+                    // connection (long-lived) closes.
+                    scan.release().await;
+                    return Err(e.into());
+                }
+            }
         };
-        let report = |outcome| StepReport {
-            dead_letter_id: letter.id.clone(),
-            request_id: request_id.clone(),
-            message_id: letter.message_id.clone(),
-            tenant: letter.tenant.clone(),
-            reason: letter.reason.clone(),
-            outcome,
-        };
-        if request.dry_run {
-            reports.push(report(StepOutcome::WouldAct));
-            continue;
-        }
-        let started = ledger
-            .start_dead_letter_action(&NewDeadLetterAction {
-                request_id: &request_id,
-                action: request.action.as_str(),
-                dead_letter_id: &letter.id,
-                message_id: letter.message_id.as_deref(),
-                reason: letter.reason.as_deref(),
-                tenant: letter.tenant.as_deref(),
-                original_user: letter.original_user.as_deref(),
-                operator: &request.operator,
-                note: &request.note,
-            })
-            .await;
-        match started {
-            Ok(Started::Seen(seen)) if seen.status != "started" => {
-                reports.push(report(StepOutcome::AlreadyDone(format!(
-                    "{} {}",
-                    seen.action, seen.status
-                ))));
-                continue;
-            }
-            Ok(_) => {}
-            Err(e) => {
-                scan.release().await;
-                return Err(e.into());
-            }
-        }
-        let result = match request.action {
-            Action::Republish => queue.republish(&scan, letter, &request_id).await,
-            Action::Discard => queue.ack(&scan, letter).await,
-        };
-        match result {
-            Ok(()) => {
-                tracing::info!(
-                    action = request.action.as_str(), dead_letter = %letter.id,
-                    message_id = letter.message_id.as_deref().unwrap_or(""),
-                    operator = %request.operator, request_id = %request_id,
-                    "dead letter handled"
-                );
-                ledger
-                    .finish_dead_letter_action(&request_id, "done")
-                    .await?;
-                reports.push(report(StepOutcome::Done));
-            }
-            Err(e) => {
-                tracing::warn!(dead_letter = %letter.id, error = %e, "dead-letter step failed");
-                reports.push(report(StepOutcome::Failed(e.to_string())));
-            }
+        reports.push(StepReport::of(letter, request_id, outcome));
+    }
+    let earlier = earlier_unreported(&reports, earlier);
+    reports.extend(earlier);
+    let missing = not_found(&wanted, scan.letters.iter().map(|l| l.id.as_str()));
+    scan.release().await;
+    reports.extend(record_not_found(ledger, request, missing).await?);
+    Ok(reports)
+}
+
+/// A step request is refused before anything is read: a limit out of range, or no operator,
+/// reason or request id.
+fn check_step(request: &StepRequest) -> Result<(), DeadLetterError> {
+    check_limit(request.limit)?;
+    for (field, value) in [
+        ("operator", &request.operator),
+        ("reason", &request.note),
+        ("request_id", &request.request_id),
+    ] {
+        if value.trim().is_empty() {
+            return Err(DeadLetterError::BadRequest(format!("{field} is required")));
         }
     }
-    let reported: HashSet<String> = reports.iter().map(|r| r.request_id.clone()).collect();
-    for seen in earlier {
-        if seen.status != "started" && !reported.contains(&seen.request_id) {
-            reports.push(StepReport {
-                dead_letter_id: seen.dead_letter_id,
-                request_id: seen.request_id,
-                message_id: seen.message_id,
-                tenant: seen.tenant,
-                reason: seen.reason,
-                outcome: StepOutcome::AlreadyDone(format!("{} {}", seen.action, seen.status)),
-            });
+    Ok(())
+}
+
+/// Of the letters chosen by id, the reports of those whose step already finished, and the ids
+/// still wanted (each once, in the request's order).
+async fn finished_by_id(
+    ledger: &Ledger,
+    request: &StepRequest,
+) -> Result<(Vec<StepReport>, Vec<String>), LedgerError> {
+    let mut reports = Vec::new();
+    let mut wanted: Vec<String> = Vec::new();
+    for id in &request.filter.ids {
+        let request_id = format!("{}:{id}", request.request_id);
+        match ledger.dead_letter_action(&request_id).await? {
+            Some(seen) if seen.status != "started" => reports.push(StepReport::seen(seen)),
+            _ if !wanted.contains(id) => wanted.push(id.clone()),
+            _ => {}
         }
     }
-    let found: HashSet<&str> = scan.letters.iter().map(|l| l.id.as_str()).collect();
-    let missing: Vec<String> = wanted
+    Ok((reports, wanted))
+}
+
+/// The request id of each letter's step, in the order read (see the module doc): by id
+/// `<request id>:<letter id>`; on a filtered set `<request id>:<letter id>:<n>`, where n counts
+/// the identical copies before it.
+fn step_request_ids<'a>(
+    request_id: &str,
+    by_id: bool,
+    letter_ids: impl IntoIterator<Item = &'a str>,
+) -> Vec<String> {
+    let mut copies: BTreeMap<&str, usize> = BTreeMap::new();
+    letter_ids
+        .into_iter()
+        .map(|id| {
+            if by_id {
+                format!("{request_id}:{id}")
+            } else {
+                let n = copies.entry(id).or_default();
+                *n += 1;
+                format!("{request_id}:{id}:{}", *n - 1)
+            }
+        })
+        .collect()
+}
+
+/// Records the start of one letter's step: `Some` with what to report when this step id
+/// already finished (nothing is done again), `None` when it is this run's to take.
+async fn begin(
+    ledger: &Ledger,
+    request: &StepRequest,
+    letter: &DeadLetter,
+    request_id: &str,
+) -> Result<Option<StepOutcome>, LedgerError> {
+    let started = ledger
+        .start_dead_letter_action(&NewDeadLetterAction {
+            request_id,
+            action: request.action.as_str(),
+            dead_letter_id: &letter.id,
+            message_id: letter.message_id.as_deref(),
+            reason: letter.reason.as_deref(),
+            tenant: letter.tenant.as_deref(),
+            original_user: letter.original_user.as_deref(),
+            operator: &request.operator,
+            note: &request.note,
+        })
+        .await?;
+    Ok(match started {
+        Started::Seen(seen) if seen.status != "started" => Some(already_done(&seen)),
+        _ => None,
+    })
+}
+
+/// Republishes or discards one letter whose step [`begin`] recorded, and finishes its audit
+/// when the broker did it; a broker failure is reported and leaves the letter (and the step
+/// `started`, for a repeat to finish).
+async fn step(
+    ledger: &Ledger,
+    queue: &DeadLetterQueue<'_>,
+    scan: &Scan,
+    request: &StepRequest,
+    letter: &DeadLetter,
+    request_id: &str,
+) -> Result<StepOutcome, LedgerError> {
+    let result = match request.action {
+        Action::Republish => queue.republish(scan, letter, request_id).await,
+        Action::Discard => queue.ack(scan, letter).await,
+    };
+    match result {
+        Ok(()) => {
+            tracing::info!(
+                action = request.action.as_str(), dead_letter = %letter.id,
+                message_id = letter.message_id.as_deref().unwrap_or(""),
+                operator = %request.operator, request_id = %request_id,
+                "dead letter handled"
+            );
+            ledger.finish_dead_letter_action(request_id, "done").await?;
+            Ok(StepOutcome::Done)
+        }
+        Err(e) => {
+            tracing::warn!(dead_letter = %letter.id, error = %e, "dead-letter step failed");
+            Ok(StepOutcome::Failed(e.to_string()))
+        }
+    }
+}
+
+/// The steps an earlier run of this request finished that this run did not report, in the
+/// ledger's order (a step still `started` is this run's to finish, not a report).
+fn earlier_unreported(reports: &[StepReport], earlier: Vec<DeadLetterAction>) -> Vec<StepReport> {
+    let reported: HashSet<&str> = reports.iter().map(|r| r.request_id.as_str()).collect();
+    earlier
+        .into_iter()
+        .filter(|seen| seen.status != "started" && !reported.contains(seen.request_id.as_str()))
+        .map(StepReport::seen)
+        .collect()
+}
+
+/// The ids `wanted` that are not among the letters found, in the order wanted.
+fn not_found<'a>(wanted: &[String], found: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let found: HashSet<&str> = found.into_iter().collect();
+    wanted
         .iter()
         .filter(|id| !found.contains(id.as_str()))
         .cloned()
-        .collect();
-    scan.release().await;
+        .collect()
+}
+
+/// Reports the letters chosen by id that the queue did not hold, each audited `not_found`
+/// (unless a dry run).
+async fn record_not_found(
+    ledger: &Ledger,
+    request: &StepRequest,
+    missing: Vec<String>,
+) -> Result<Vec<StepReport>, LedgerError> {
+    let mut reports = Vec::new();
     for id in missing {
         let request_id = format!("{}:{id}", request.request_id);
         if !request.dry_run {
@@ -533,5 +717,119 @@ mod tests {
             ..Default::default()
         };
         assert!(f.matches(&l));
+    }
+
+    fn step_request(limit: usize, operator: &str, note: &str, request_id: &str) -> StepRequest {
+        StepRequest {
+            action: Action::Discard,
+            filter: DeadLetterFilter::default(),
+            limit,
+            operator: operator.into(),
+            note: note.into(),
+            request_id: request_id.into(),
+            dry_run: false,
+        }
+    }
+
+    #[test]
+    fn a_step_needs_a_limit_in_range_an_operator_a_reason_and_a_request_id() {
+        let cases: &[(StepRequest, Option<&str>)] = &[
+            (step_request(1, "ops", "fixed", "r1"), None),
+            (step_request(MAX_LIMIT, "ops", "fixed", "r1"), None),
+            (
+                step_request(0, "ops", "fixed", "r1"),
+                Some("limit must be between 1 and 500"),
+            ),
+            (
+                step_request(MAX_LIMIT + 1, "ops", "fixed", "r1"),
+                Some("limit must be between 1 and 500"),
+            ),
+            (
+                step_request(10, " ", "fixed", "r1"),
+                Some("operator is required"),
+            ),
+            (
+                step_request(10, "ops", "", "r1"),
+                Some("reason is required"),
+            ),
+            (
+                step_request(10, "ops", "fixed", "\t"),
+                Some("request_id is required"),
+            ),
+            // The first missing field is named.
+            (step_request(10, "", "", ""), Some("operator is required")),
+        ];
+        for (request, refused) in cases {
+            let got = check_step(request).err().map(|e| e.to_string());
+            assert_eq!(got.as_deref(), *refused, "{request:?}");
+        }
+    }
+
+    #[test]
+    fn each_step_has_its_own_request_id_and_identical_copies_are_counted() {
+        let cases: &[(bool, &[&str], &[&str])] = &[
+            (true, &["a", "b"], &["r:a", "r:b"]),
+            (false, &["a", "b"], &["r:a:0", "r:b:0"]),
+            (
+                false,
+                &["a", "b", "a", "a"],
+                &["r:a:0", "r:b:0", "r:a:1", "r:a:2"],
+            ),
+            (false, &[], &[]),
+        ];
+        for (by_id, ids, want) in cases {
+            let got = step_request_ids("r", *by_id, ids.iter().copied());
+            assert_eq!(got, *want, "by_id {by_id}, letters {ids:?}");
+        }
+    }
+
+    #[test]
+    fn letters_wanted_by_id_and_not_read_are_not_found_in_the_order_asked() {
+        let wanted: Vec<String> = ["c", "a", "b"].map(String::from).into();
+        assert_eq!(not_found(&wanted, ["a"]), ["c", "b"]);
+        assert_eq!(not_found(&wanted, ["b", "a", "c"]), Vec::<String>::new());
+        assert_eq!(not_found(&[], ["a"]), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_repeat_reports_the_steps_an_earlier_run_finished_and_this_one_did_not() {
+        let seen = |request_id: &str, status: &str| DeadLetterAction {
+            request_id: request_id.into(),
+            action: "discard".into(),
+            dead_letter_id: "d".into(),
+            message_id: None,
+            reason: None,
+            tenant: None,
+            original_user: None,
+            operator: "ops".into(),
+            note: "fixed".into(),
+            status: status.into(),
+            created_at: chrono::Utc::now(),
+            finished_at: None,
+        };
+        let reported = [StepReport::seen(seen("r:d:0", "done"))];
+        let earlier = vec![
+            seen("r:d:0", "done"),
+            seen("r:d:1", "started"),
+            seen("r:d:2", "not_found"),
+            seen("r:d:3", "done"),
+        ];
+        let got: Vec<(String, StepOutcome)> = earlier_unreported(&reported, earlier)
+            .into_iter()
+            .map(|r| (r.request_id, r.outcome))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "r:d:2".to_string(),
+                    StepOutcome::AlreadyDone("discard not_found".into())
+                ),
+                (
+                    "r:d:3".to_string(),
+                    StepOutcome::AlreadyDone("discard done".into())
+                ),
+            ]
+        );
     }
 }

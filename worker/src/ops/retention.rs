@@ -59,6 +59,8 @@ pub async fn sweep_once(
         .prune_retry_spend(Duration::from_secs(86_400))
         .await?;
     counter!(m::SWEPT, "kind" => "retry_spend").increment(spend);
+    let console_ids = drain(|| ledger.delete_expired_console_ids(SWEEP_BATCH)).await?;
+    counter!(m::SWEPT, "kind" => "console_id").increment(console_ids);
     Ok(SweepReport {
         private_data,
         tombstones,

@@ -14,10 +14,11 @@ use tracing::{Instrument as _, Span};
 
 use super::choose::{choose, facts, Action};
 use super::Capability;
+use crate::adapter::meters::timed;
 use crate::context::Context;
-use crate::dispatch::{self, after_recovery, finish, request_for, timed, InFlight};
+use crate::dispatch::{self, after_recovery, finish, request_for, InFlight};
 use crate::fault;
-use crate::ledger::{ClaimKind, Claimed, Phase, State, Transition};
+use crate::ledger::{ClaimKind, Claimed, Phase, State, Transition, LEDGER_ERRORS};
 use crate::retry::WriteKind;
 use crate::telemetry::metrics as m;
 use crate::telemetry::spans;
@@ -315,7 +316,7 @@ async fn replay(
             return None;
         }
         Err(e) => {
-            counter!(m::LEDGER_ERRORS, "operation" => "send_fence").increment(1);
+            counter!(LEDGER_ERRORS, "operation" => "send_fence").increment(1);
             dispatch::abandoned(
                 ctx,
                 op,

@@ -19,6 +19,9 @@ use serde_json::{json, Value};
 use crate::amqp::LinkState;
 use crate::ledger::Ledger;
 
+/// 1 while this worker is ready (as `/readyz` answers), else 0: set by every check.
+pub const READY: &str = "intent_worker_ready";
+
 /// How long `/readyz` waits for the ledger before calling it unreachable.
 pub const LEDGER_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -58,7 +61,7 @@ pub async fn readyz(links: &LinkState, ledger: &Ledger) -> (StatusCode, Json<Val
             )
         })),
     }
-    metrics::gauge!(super::metrics::READY).set(if reasons.is_empty() { 1.0 } else { 0.0 });
+    metrics::gauge!(READY).set(if reasons.is_empty() { 1.0 } else { 0.0 });
     let [consumer, relay] = links.nodes();
     let nodes = json!({ "consumer": consumer, "relay": relay });
     let host = hosts.current_name();

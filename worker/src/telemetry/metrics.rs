@@ -1,11 +1,15 @@
 //! Prometheus metrics: names, descriptions, the exporter and the `/metrics` endpoint.
 //!
+//! The names of the layers above live here; a layer below records names of its own, kept with
+//! it and described and pre-registered here: the ledger's errors and failovers
+//! ([`crate::ledger::LEDGER_ERRORS`], [`crate::ledger::LEDGER_FAILOVERS`]) and readiness
+//! ([`super::health::READY`]).
+//!
 //! Labels stay low-cardinality (tool, state, reason, outcome, kind, status) — never a tenant or
 //! a key. Gauges computed from the ledger (operations by state, oldest unresolved age, held,
 //! relay backlog) are refreshed on every scrape, so each worker reports the same global figure:
 //! alert rules aggregate them with `max()`.
 
-use std::net::SocketAddr;
 use std::sync::OnceLock;
 
 use metrics::{
@@ -13,7 +17,8 @@ use metrics::{
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::ledger::{Ledger, State};
+use super::health::READY;
+use crate::ledger::{Ledger, State, LEDGER_ERRORS, LEDGER_FAILOVERS};
 
 pub const INTENTS_RECEIVED: &str = "intent_worker_intents_received_total";
 pub const DUPLICATES: &str = "intent_worker_duplicates_suppressed_total";
@@ -37,16 +42,13 @@ pub const RECOVERIES: &str = "intent_worker_recovery_actions_total";
 pub const LATE_RECEIPTS: &str = "intent_worker_late_receipts_total";
 pub const STALE_WRITES: &str = "intent_worker_stale_writes_total";
 pub const STALE_SENDS_ABANDONED: &str = "intent_worker_stale_sends_abandoned_total";
-pub const LEDGER_ERRORS: &str = "intent_worker_ledger_errors_total";
 pub const RETRIES_SCHEDULED: &str = "intent_worker_retries_scheduled_total";
 pub const BUDGET_DEFERRALS: &str = "intent_worker_retry_budget_deferrals_total";
 pub const BUDGET_AVAILABLE: &str = "intent_worker_retry_budget_available";
 pub const SWEPT: &str = "intent_worker_retention_swept_total";
-pub const READY: &str = "intent_worker_ready";
 pub const LOCAL_RESOURCE_ERRORS: &str = "intent_worker_local_resource_errors_total";
 pub const RECEIPTS_KEPT: &str = "intent_worker_receipts_kept";
 pub const RECEIPTS_DROPPED: &str = "intent_worker_receipts_dropped_total";
-pub const LEDGER_FAILOVERS: &str = "intent_worker_ledger_failovers_total";
 pub const TRACE_CONTEXT_INVALID: &str = "intent_worker_trace_context_invalid_total";
 
 /// Label values the worker emits, so every series an alert reads exists at 0 from start-up.
@@ -229,7 +231,7 @@ fn describe_work() {
     );
     describe_counter!(
         SWEPT,
-        "Rows touched by the retention sweeper, by kind (private_data, tombstone, outbox, redelivery, retry_spend)."
+        "Rows touched by the retention sweeper, by kind (private_data, tombstone, outbox, redelivery, retry_spend, console_id)."
     );
 }
 
@@ -341,7 +343,7 @@ pub async fn refresh_ledger_gauges(ledger: &Ledger, tools: impl Iterator<Item = 
 /// resolves.
 #[allow(clippy::too_many_arguments)]
 pub async fn serve(
-    addr: SocketAddr,
+    listener: std::net::TcpListener,
     limits: kit::http::Limits,
     handle: PrometheusHandle,
     ledger: Ledger,
@@ -377,5 +379,5 @@ pub async fn serve(
                 }
             }),
         );
-    kit::metrics::serve(addr, limits, exporter, app, shutdown).await
+    kit::metrics::serve(listener, limits, exporter, app, shutdown).await
 }

@@ -1,34 +1,9 @@
-//! The demo agent: `--scenario stream` for docker compose, `--scenario full` for
-//! `scripts/demo.sh` (the Quick start without Docker).
-//!
-//! **stream** sends `count` intents `demo-<run id>-<i>` and sends every k-th one again with a
-//! new call id (and, when published directly, its JSON fields in another order). The worker
-//! must treat the repeat as a duplicate of the same action (same key, same fingerprint) and
-//! never dispatch it twice.
-//!
-//! **full** walks through what the worker promises, one phase after the other, and prints a
-//! machine-checkable summary (`key=value` lines on stdout, see [`Tally`]):
-//!
-//! 1. `count` refunds `refund-<run id>-<i>`, each waited for until its final answer;
-//! 2. every k-th again, fields reordered and re-spaced, new call id: answered from the ledger
-//!    (`succeeded` with the first answer's receipt), never dispatched again;
-//! 3. `refund-<run id>-1` reused with other arguments: refused `rejected` / `intent_conflict`;
-//! 4. one `<held tool>-<run id>` intent (a tool with `recovery = "none"`): when its reply is
-//!    lost after the downstream committed (`scripts/demo.sh` arms the reference downstream's
-//!    `drop_after_commit` fault for that key first), it is answered `pending`, and the status
-//!    API then shows it held for a person.
-//!
-//! The agent only reports what it saw; how many writes the downstream really made is in the
-//! downstream's own tables (`scripts/demo.sh` counts them and compares).
-//!
-//! With a database URL the agent works as a real one should: each intent is enqueued in the
-//! agent's `intent_outbox` in the same transaction as its own record of the request
-//! (`demo_refund_requests`), and `publisher relay` publishes it. Either way the agent binds
-//! its own results queue (`<tenant>.@.<reply_to>`) first and prints every answer it gets.
-//!
-//! Each intent is sent from an `agent turn` span, the stand-in for the request an agent serves:
-//! with span export on (the compose demo exports to Jaeger) the intent's trace starts there,
-//! through the publish (or the outbox row and the relay's publish) into the worker.
+//! The two scenarios and everything they send, on the library's public API: [`Publisher`]
+//! (confirmed, mandatory publishes; waiting for the worker's exchange at start),
+//! [`Follower::follow_keys`] (the agent's own results queue, bound before the first intent),
+//! [`Outbox`] (an intent in the same transaction as the agent's own write), and the
+//! `intent_outbox` table written directly for a body that must go out exactly as written.
+//! What each scenario does is in the crate's documentation ([`crate`]).
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -36,14 +11,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context};
 use tracing::{info, warn, Instrument as _};
 
-use crate::{cli::redact, Follower, Outbox, PublishError, Publisher};
+use publisher::{Follower, Outbox, PublishError, Publisher};
 
 /// How long the demo waits for the broker and the worker's exchange at start.
 const STARTUP: Duration = Duration::from_secs(60);
 /// Pause between start-up attempts.
 const STARTUP_PAUSE: Duration = Duration::from_secs(1);
 
-/// Which demo `publisher demo` runs.
+/// Which demo `demo-agent` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Scenario {
     /// `count` intents at `interval`, every k-th sent again at once; every answer printed.
@@ -54,7 +29,7 @@ pub enum Scenario {
     Full,
 }
 
-/// What `publisher demo` was asked to do.
+/// What `demo-agent` was asked to do.
 #[derive(Debug, Clone)]
 pub struct DemoConfig {
     pub scenario: Scenario,
@@ -147,7 +122,7 @@ pub async fn run(config: DemoConfig) -> anyhow::Result<()> {
 async fn agent_database(url: &str) -> anyhow::Result<sqlx::PgPool> {
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
-        .connect_with(crate::tls::postgres(url)?)
+        .connect_with(publisher::tls::postgres(url)?)
         .await
         .context("cannot connect to the agent database")?;
     Outbox::migrate(&pool).await?;
@@ -692,7 +667,7 @@ impl Tour<'_> {
             .map_err(|()| anyhow::anyhow!("bad status URL {base:?}"))?
             .pop_if_empty()
             .extend(["v1", "operations", &self.config.tenant, action_id]);
-        let client = crate::tls::http_client()
+        let client = publisher::tls::http_client()
             .timeout(Duration::from_secs(5))
             .build()?;
         loop {
@@ -750,8 +725,12 @@ async fn enqueue_raw(
         .execute(&mut *tx)
         .await?;
     }
-    // The current trace context, as `Outbox::enqueue` keeps it.
-    let (traceparent, tracestate) = crate::PublishOptions::default().stored();
+    // The current trace context (the `agent turn` span), kept with the row as `Outbox::enqueue`
+    // keeps it: the relay's publish of the row is its child.
+    let (traceparent, tracestate) = match kit::otel::current() {
+        Some(cx) => (Some(cx.traceparent()), cx.state),
+        None => (None, None),
+    };
     sqlx::query(
         "INSERT INTO intent_outbox (tenant, action_id, body, traceparent, tracestate)
          VALUES ($1, $2, $3, $4, $5)",
@@ -789,7 +768,7 @@ async fn enqueue(pool: &sqlx::PgPool, body: &str, i: u64) -> anyhow::Result<Stri
 /// Connects, retrying until the broker accepts connections and the worker has
 /// declared the intents exchange, or until `deadline`.
 async fn connect_when_ready(config: &DemoConfig, deadline: Instant) -> anyhow::Result<Publisher> {
-    let url = redact(&config.amqp_url);
+    let url = kit::url::redact_list(&config.amqp_url);
     loop {
         let attempt = async {
             let publisher = Publisher::connect(&config.amqp_url, &config.exchange).await?;
