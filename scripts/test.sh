@@ -9,7 +9,8 @@
 # that follow) -> fmt -> alert rules (check + unit tests) -> kubernetes manifests -> compose file
 # -> cargo build (libraries, binaries, the decoder example) -> then, in the background on a copy
 # of the binaries while cargo builds the test binaries, two chains side by side: demo
-# (scripts/demo.sh --once) -> Python client (ruff, mypy, pytest against the built worker), and API
+# (scripts/demo.sh --once) -> the by-hand set-up of docs/operations.md as written
+# (scripts/by_hand_check.sh) -> Python client (ruff, mypy, pytest against the built worker), and API
 # schema (schemathesis against a built worker) -> operator console in a browser (headless
 # Chromium + Selenium against a built worker); their output is printed when they end -> MCP
 # examples (ruff; exports MCP_PYTHON) -> cargo nextest (whole workspace, on the test binaries
@@ -360,6 +361,7 @@ stage_binaries() {
 # downstream's own table. Then the Python client.
 demo_and_python_client() {
     step "demo (scripts/demo.sh --once)" scripts/demo.sh --once --bin-dir "$STAGED_BIN"
+    step "by-hand set-up as docs/operations.md writes it" scripts/by_hand_check.sh --bin-dir "$STAGED_BIN"
     step "python client (ruff, mypy, pytest)" python_client_tests
 }
 

@@ -40,7 +40,7 @@ async def main() -> int:
                 print("tools:", names)
                 assert "refund" in names and "get_action_status" in names, names
 
-                arguments = {"order": "order-731", "amount_cents": 4850, "currency": "USD"}
+                arguments = {"order": "order-731", "amount_cents": 4850}
                 meta = {ACTION_ID_META: action_id}
                 first = await session.call_tool("refund", arguments, meta=meta)
                 assert not first.is_error, text_of(first)

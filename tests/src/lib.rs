@@ -5,6 +5,7 @@
 //!
 //! # Layout
 //! - [`broker_user`]: second RabbitMQ users for tenant-proof tests, publishing as them.
+//! - [`console`]: signing in to the operator console for a page or two.
 //! - [`env`](mod@env): the per-test database, broker names and tools file.
 //! - [`procs`]: worker and downstream child processes.
 //! - [`agent`]: publishing intents and reading result events as an agent would.
@@ -22,6 +23,7 @@
 pub mod agent;
 pub mod bench;
 pub mod broker_user;
+pub mod console;
 pub mod env;
 pub mod flags;
 pub mod mcp_gateway;

@@ -109,29 +109,57 @@ fn redact(item: &str) -> String {
 
 /// The bearer-token layer: 401 without a known token, else the tenant goes into the request's
 /// extensions, where the handler reads it (the MCP arguments never name the tenant).
-async fn authenticate(
-    State(tokens): State<TokenMap>,
-    mut request: Request,
-    next: Next,
-) -> Response {
-    let tenant = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "))
-        .and_then(|token| tokens.tenant(token.trim()))
-        .map(|tenant| Tenant(tenant.to_owned()));
-    match tenant {
-        Some(tenant) => {
-            request.extensions_mut().insert(tenant);
-            next.run(request).await
-        }
-        None => (
+/// What the token check needs: the tokens, and the failure budget of wrong ones.
+#[derive(Clone)]
+struct Auth {
+    tokens: TokenMap,
+    budget: Arc<kit::guard::FailureBudget>,
+}
+
+/// The bearer token decides the tenant. A missing token is 401; a wrong one is 401, logged
+/// (the client's address, never the token) and spends the listener's failure budget
+/// ([`kit::guard`]); past the budget a token is answered 429 with `Retry-After`, not compared.
+async fn authenticate(State(auth): State<Auth>, mut request: Request, next: Next) -> Response {
+    let unauthorized = || {
+        (
             StatusCode::UNAUTHORIZED,
             [(header::WWW_AUTHENTICATE, "Bearer")],
             "a bearer token from PUBLISHER_MCP_TOKENS is required\n",
         )
-            .into_response(),
+            .into_response()
+    };
+    let Some(token) = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .map(|token| token.trim().to_owned())
+    else {
+        return unauthorized();
+    };
+    let client = request
+        .extensions()
+        .get::<kit::http::Peer>()
+        .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |p| p.0.ip());
+    if let Err(refused) = auth.budget.admit(client) {
+        let secs = refused.retry_after.as_secs();
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            [(header::RETRY_AFTER, secs.to_string())],
+            format!("too many wrong tokens; try again in {secs} s\n"),
+        )
+            .into_response();
+    }
+    match auth.tokens.tenant(&token) {
+        Some(tenant) => {
+            auth.budget.forgive(client);
+            request.extensions_mut().insert(Tenant(tenant.to_owned()));
+            next.run(request).await
+        }
+        None => {
+            tracing::warn!(%client, "MCP gateway: token refused");
+            unauthorized()
+        }
     }
 }
 
@@ -376,7 +404,13 @@ pub async fn serve_http(
     // guard runs before both (the outer layer).
     let router = axum::Router::new()
         .route_service(path, service)
-        .layer(axum::middleware::from_fn_with_state(tokens, authenticate))
+        .layer(axum::middleware::from_fn_with_state(
+            Auth {
+                tokens,
+                budget: Arc::new(kit::guard::FailureBudget::default()),
+            },
+            authenticate,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             Arc::new(edge),
             edge_guard,

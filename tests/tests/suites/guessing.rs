@@ -361,3 +361,54 @@ async fn api_answers_are_private_and_every_error_is_json() {
     drop(w);
     cleanup(env).await;
 }
+
+/// The MCP gateway's bearer tokens have the same budget and the same log line.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_mcp_gateway_budgets_wrong_tokens_too() {
+    let env = Env::new().await;
+    let tools = env.dir.join("mcp-tools.toml");
+    std::fs::write(
+        &tools,
+        "[tools.refund]\ndescription = \"Refund\"\ninput_schema = { type = \"object\" }\n",
+    )
+    .unwrap();
+    let token = "north-mcp-token-0123456789";
+    let settings = [
+        ("AMQP_URL", env.amqp_url.clone()),
+        ("PUBLISHER_MCP_TOOLS", tools.display().to_string()),
+        ("PUBLISHER_MCP_TOKENS", format!("north-shop={token}")),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let gateway = e2e::McpGateway::start(e2e::free_port(), settings).await;
+    let http = client();
+    let ping = |bearer: String| {
+        http.post(gateway.url())
+            .bearer_auth(bearer)
+            .header("accept", "application/json, text/event-stream")
+            .json(&json!({"jsonrpc": "2.0", "id": 1, "method": "ping"}))
+            .send()
+    };
+    let mut statuses = Vec::new();
+    for i in 0..40 {
+        let r = ping(format!("guess-{i:04}-0123456789abcdef"))
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    let compared = statuses.iter().filter(|s| **s == 401).count();
+    assert!((5..=15).contains(&compared), "{statuses:?}");
+    assert_eq!(
+        compared + statuses.iter().filter(|s| **s == 429).count(),
+        40
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let r = ping(token.to_string()).await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let logs = gateway.output.text();
+    assert!(logs.matches("token refused").count() >= compared, "{logs}");
+    assert!(!logs.contains("guess-0"), "{logs}");
+    drop(gateway);
+    cleanup(env).await;
+}

@@ -132,7 +132,28 @@ async fn secrets_in_tool_urls_reach_no_evidence_result_api_console_or_log() {
         .await
         .unwrap();
 
+    let cookie = e2e::console::sign_in(w.admin_port.unwrap(), ADMIN, "alice").await;
+    let mut console = String::new();
+    for id in ["pay-1", "hang-1", "seek-1"] {
+        let op_id: i64 = sqlx::query_scalar(
+            "SELECT id FROM operations WHERE tenant = 'north-shop' AND action_id = $1",
+        )
+        .bind(id)
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+        let page = http
+            .get(format!("{admin}/ui/operations/{op_id}"))
+            .header("cookie", &cookie)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(page.status(), 200);
+        console.push_str(&page.text().await.unwrap());
+    }
+
     for (what, text) in [
+        ("console", console.as_str()),
         ("evidence", evidence.as_str()),
         ("results", &said.join("\n")),
         ("status API", &api),
