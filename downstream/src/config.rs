@@ -19,7 +19,13 @@ pub struct Config {
     pub addr: SocketAddr,
     /// Replay keys older than this are forgotten (like Stripe pruning its keys).
     pub replay_retention: Duration,
+    /// How long an async job runs before it ends, unless an `async_delay` fault says otherwise.
+    pub async_delay_ms: u64,
 }
+
+/// The longest delay an async job may have (`DOWNSTREAM_ASYNC_DELAY_MS`, `async_delay`): 30 days,
+/// so the job's end is always a representable timestamp.
+pub const MAX_ASYNC_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
 
 impl Config {
     pub fn from_env() -> Result<Self> {
@@ -45,11 +51,23 @@ impl Config {
         let secs: u64 = retention_text.parse().with_context(|| {
             format!("DOWNSTREAM_REPLAY_RETENTION_SECS={retention_text:?} is not a whole number of seconds")
         })?;
+        let delay_text = get("DOWNSTREAM_ASYNC_DELAY_MS").unwrap_or_else(|| "1000".to_owned());
+        let async_delay_ms = delay_text
+            .parse::<u64>()
+            .ok()
+            .filter(|ms| *ms <= MAX_ASYNC_DELAY_MS)
+            .with_context(|| {
+                format!(
+                    "DOWNSTREAM_ASYNC_DELAY_MS={delay_text:?} is not a whole number of milliseconds \
+                     of at most {MAX_ASYNC_DELAY_MS} (30 days)"
+                )
+            })?;
         Ok(Config {
             database_url,
             schema,
             addr,
             replay_retention: Duration::from_secs(secs),
+            async_delay_ms,
         })
     }
 }
@@ -93,6 +111,20 @@ mod tests {
         assert_eq!(c.schema, "downstream");
         assert_eq!(c.addr.to_string(), "127.0.0.1:9100");
         assert_eq!(c.replay_retention, Duration::from_secs(86400));
+        assert_eq!(c.async_delay_ms, 1000);
+    }
+
+    #[test]
+    fn async_delay_is_checked() {
+        let url = ("DOWNSTREAM_DATABASE_URL", "postgres://x");
+        let c = cfg(&[url, ("DOWNSTREAM_ASYNC_DELAY_MS", "0")]).unwrap();
+        assert_eq!(c.async_delay_ms, 0);
+        for bad in ["-1", "1.5", "soon", "2592000001"] {
+            let err = cfg(&[url, ("DOWNSTREAM_ASYNC_DELAY_MS", bad)])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("DOWNSTREAM_ASYNC_DELAY_MS"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -4,8 +4,14 @@
 //! the business data (Postgres) but forget the faults, exactly like a real
 //! service whose network hiccup does not survive a redeploy. The book is a FIFO
 //! list; a request consumes one use of the *first* fault that matches its
-//! direction (`write` or `lookup`) and, when the fault names one, its
+//! direction (`write`, `lookup` or `status`) and, when the fault names one, its
 //! idempotency key.
+//!
+//! Job faults (`async_delay`, `async_fail`, `async_stuck`, `status_not_found`) are
+//! apart: they shape an async job and are consumed by the write that creates it
+//! (see [`FaultBook::take_job_faults`]), never by [`FaultBook::take`], so that one
+//! creating write can take a transport fault such as `drop_after_commit` and
+//! job faults at once. What they chose is stored with the job.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -32,6 +38,18 @@ pub enum FaultKind {
     SlowAfterCommit,
     /// On a lookup: answer 404 even if the record exists.
     LookupMiss,
+    /// Job fault: the async job created by the write runs `delay_ms` before it ends.
+    AsyncDelay,
+    /// Job fault: the async job ends `failed`.
+    AsyncFail,
+    /// Job fault: the async job never ends (stays `running`).
+    AsyncStuck,
+    /// Job fault: the job's status URL answers 404 for `delay_ms` after its creation.
+    StatusNotFound,
+    /// On a status read: answer `status` (default 503) without reading the job.
+    StatusError,
+    /// On a status read: sleep `delay_ms`, then answer normally.
+    StatusSlow,
 }
 
 impl FaultKind {
@@ -45,16 +63,47 @@ impl FaultKind {
             FaultKind::Slow => "slow",
             FaultKind::SlowAfterCommit => "slow_after_commit",
             FaultKind::LookupMiss => "lookup_miss",
+            FaultKind::AsyncDelay => "async_delay",
+            FaultKind::AsyncFail => "async_fail",
+            FaultKind::AsyncStuck => "async_stuck",
+            FaultKind::StatusNotFound => "status_not_found",
+            FaultKind::StatusError => "status_error",
+            FaultKind::StatusSlow => "status_slow",
+        }
+    }
+
+    /// Job faults shape the async job a write creates (taken by
+    /// [`FaultBook::take_job_faults`] only).
+    pub fn shapes_job(self) -> bool {
+        matches!(
+            self,
+            FaultKind::AsyncDelay
+                | FaultKind::AsyncFail
+                | FaultKind::AsyncStuck
+                | FaultKind::StatusNotFound
+        )
+    }
+
+    /// The only direction this kind makes sense on, if it is restricted to one.
+    fn only_on(self) -> Option<Direction> {
+        match self {
+            FaultKind::LookupMiss => Some(Direction::Lookup),
+            FaultKind::StatusError | FaultKind::StatusSlow => Some(Direction::Status),
+            kind if kind.shapes_job() => Some(Direction::Write),
+            _ => None,
         }
     }
 }
 
-/// Which kind of business request a fault applies to.
+/// Which kind of business request a fault applies to (also the `kind` column of the
+/// request log).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Direction {
     Write,
     Lookup,
+    /// A read of an async job's status URL (`GET /async/operations/{id}`).
+    Status,
 }
 
 impl Direction {
@@ -62,18 +111,22 @@ impl Direction {
         match self {
             Direction::Write => "write",
             Direction::Lookup => "lookup",
+            Direction::Status => "status",
         }
     }
 }
 
-/// The body of `POST /_control/faults`.
+/// The body of `POST /_control/faults`. `count` is accepted for `times` and `ms` for
+/// `delay_ms`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FaultSpec {
     pub kind: FaultKind,
+    #[serde(alias = "count")]
     pub times: Option<u32>,
     pub key: Option<String>,
     pub on: Option<Direction>,
+    #[serde(alias = "ms")]
     pub delay_ms: Option<u64>,
     pub status: Option<u16>,
     pub retry_after: Option<String>,
@@ -109,17 +162,28 @@ impl Fault {
         if every == 0 {
             return Err("every must be at least 1".into());
         }
-        // lookup_miss only makes sense on lookups, so that is its default.
-        let default_on = match spec.kind {
-            FaultKind::LookupMiss => Direction::Lookup,
-            _ => Direction::Write,
-        };
-        let on = spec.on.unwrap_or(default_on);
-        if spec.kind == FaultKind::LookupMiss && on != Direction::Lookup {
-            return Err("lookup_miss applies only with on=lookup".into());
+        // A kind that makes sense in one direction only defaults to it (lookup_miss: lookup;
+        // status_error, status_slow: status; job faults: the write that creates the job).
+        let only_on = spec.kind.only_on();
+        let on = spec.on.or(only_on).unwrap_or(Direction::Write);
+        if let Some(only) = only_on.filter(|only| *only != on) {
+            return Err(format!(
+                "{} applies only with on={}",
+                spec.kind.as_str(),
+                only.as_str()
+            ));
+        }
+        if matches!(spec.kind, FaultKind::AsyncDelay | FaultKind::StatusNotFound) {
+            match spec.delay_ms {
+                None => return Err(format!("{} needs delay_ms", spec.kind.as_str())),
+                Some(ms) if ms > MAX_JOB_DELAY_MS => {
+                    return Err(format!("delay_ms must be at most {MAX_JOB_DELAY_MS}"))
+                }
+                Some(_) => {}
+            }
         }
         let status = match spec.kind {
-            FaultKind::Status => Some(spec.status.unwrap_or(503)),
+            FaultKind::Status | FaultKind::StatusError => Some(spec.status.unwrap_or(503)),
             FaultKind::StatusAfterCommit => Some(spec.status.unwrap_or(500)),
             _ => spec.status,
         };
@@ -129,7 +193,9 @@ impl Fault {
             }
         }
         let delay_ms = match spec.kind {
-            FaultKind::Slow | FaultKind::SlowAfterCommit => spec.delay_ms.unwrap_or(1000),
+            FaultKind::Slow | FaultKind::SlowAfterCommit | FaultKind::StatusSlow => {
+                spec.delay_ms.unwrap_or(1000)
+            }
             _ => spec.delay_ms.unwrap_or(0),
         };
         Ok(Fault {
@@ -148,11 +214,26 @@ impl Fault {
 
     fn matches(&self, on: Direction, key: Option<&str>) -> bool {
         self.on == on
+            && !self.kind.shapes_job()
             && match &self.key {
                 None => true,
                 Some(wanted) => key == Some(wanted.as_str()),
             }
     }
+}
+
+/// The longest `delay_ms` of a job fault (30 days), as for `DOWNSTREAM_ASYNC_DELAY_MS`.
+pub const MAX_JOB_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
+
+/// The job faults one creating write took: at most one of each group.
+#[derive(Debug, Default)]
+pub struct JobFaults {
+    /// `async_fail` or `async_stuck`: how the job ends.
+    pub ending: Option<Fault>,
+    /// `async_delay`: when it ends.
+    pub delay: Option<Fault>,
+    /// `status_not_found`: how long its status URL hides it.
+    pub hidden: Option<Fault>,
 }
 
 /// Thread-safe FIFO of pending faults.
@@ -179,9 +260,30 @@ impl FaultBook {
 
     /// Consume one use of the first fault matching this request, if any.
     /// The returned copy carries the uses left *before* this one was taken.
+    /// Job faults are never taken here.
     pub fn take(&self, on: Direction, key: Option<&str>) -> Option<Fault> {
+        self.take_first(|f| f.matches(on, key))
+    }
+
+    /// For a write that has just created an async job under `key`: consume one use of the
+    /// first matching job fault of each group (ending, delay, status window).
+    pub fn take_job_faults(&self, key: &str) -> JobFaults {
+        let job_fault = |kinds: &'static [FaultKind]| {
+            move |f: &Fault| {
+                kinds.contains(&f.kind) && f.key.as_deref().is_none_or(|wanted| wanted == key)
+            }
+        };
+        JobFaults {
+            ending: self.take_first(job_fault(&[FaultKind::AsyncFail, FaultKind::AsyncStuck])),
+            delay: self.take_first(job_fault(&[FaultKind::AsyncDelay])),
+            hidden: self.take_first(job_fault(&[FaultKind::StatusNotFound])),
+        }
+    }
+
+    /// Consume one use of the first fault `wanted` picks, honouring its `every`.
+    fn take_first(&self, wanted: impl Fn(&Fault) -> bool) -> Option<Fault> {
         let mut book = self.lock();
-        let index = book.faults.iter().position(|f| f.matches(on, key))?;
+        let index = book.faults.iter().position(wanted)?;
         let fault = &mut book.faults[index];
         fault.seen += 1;
         if !(fault.seen - 1).is_multiple_of(fault.every) {
@@ -283,5 +385,69 @@ mod tests {
             .is_err());
         assert!(serde_json::from_value::<FaultSpec>(serde_json::json!({"kind": "nope"})).is_err());
         assert_eq!(book.clear(), 2);
+    }
+
+    #[test]
+    fn async_kinds_default_and_check_their_direction_and_delay() {
+        let book = FaultBook::default();
+        let f = book
+            .add(spec(
+                serde_json::json!({"kind": "status_error", "key": "k", "count": 2}),
+            ))
+            .unwrap();
+        assert_eq!(
+            (f.on, f.times, f.status),
+            (Direction::Status, 2, Some(503))
+        );
+        let f = book
+            .add(spec(serde_json::json!({"kind": "status_slow", "ms": 250})))
+            .unwrap();
+        assert_eq!((f.on, f.delay_ms), (Direction::Status, 250));
+        let f = book
+            .add(spec(
+                serde_json::json!({"kind": "status_not_found", "ms": 500}),
+            ))
+            .unwrap();
+        assert_eq!((f.on, f.delay_ms), (Direction::Write, 500));
+        for bad in [
+            serde_json::json!({"kind": "status_error", "on": "write"}),
+            serde_json::json!({"kind": "async_fail", "on": "status"}),
+            serde_json::json!({"kind": "async_delay"}),
+            serde_json::json!({"kind": "status_not_found"}),
+            serde_json::json!({"kind": "async_delay", "delay_ms": MAX_JOB_DELAY_MS + 1}),
+        ] {
+            assert!(book.add(spec(bad.clone())).is_err(), "{bad}");
+        }
+        assert!(serde_json::from_value::<FaultSpec>(
+            serde_json::json!({"kind": "slow", "ms": 1, "delay_ms": 2})
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn job_faults_are_taken_only_by_job_creation_one_per_group() {
+        let book = FaultBook::default();
+        for fault in [
+            serde_json::json!({"kind": "async_fail", "key": "k"}),
+            serde_json::json!({"kind": "async_stuck"}),
+            serde_json::json!({"kind": "async_delay", "key": "k", "delay_ms": 50}),
+            serde_json::json!({"kind": "drop_after_commit", "key": "k"}),
+        ] {
+            book.add(spec(fault)).unwrap();
+        }
+        // The transport fault is the first one an ordinary write can take.
+        assert_eq!(
+            book.take(Direction::Write, Some("k")).unwrap().kind,
+            FaultKind::DropAfterCommit
+        );
+        assert!(book.take(Direction::Write, Some("k")).is_none());
+        let taken = book.take_job_faults("k");
+        assert_eq!(taken.ending.unwrap().kind, FaultKind::AsyncFail);
+        assert_eq!(taken.delay.unwrap().delay_ms, 50);
+        assert!(taken.hidden.is_none());
+        // The keyless async_stuck is left for the next job, of any key.
+        let taken = book.take_job_faults("other");
+        assert_eq!(taken.ending.unwrap().kind, FaultKind::AsyncStuck);
+        assert!(book.list().is_empty());
     }
 }

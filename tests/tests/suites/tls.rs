@@ -308,7 +308,7 @@ async fn an_https_tool_is_verified_and_a_refused_certificate_is_not_sent() {
     assert_eq!(row.state, "failed", "{row:?}");
     let evidence = row.evidence.clone().unwrap_or_default();
     assert!(
-        evidence.contains("TLS handshake with tool refund at https://localhost:")
+        evidence.contains("TLS handshake with tool refund at localhost:")
             && evidence.contains("unknown issuer")
             && evidence.contains("none applied"),
         "{evidence}"
