@@ -16,9 +16,11 @@
 # and status API) and the agent-side relay (`publisher relay`), then runs the demo agent
 # (`demo-agent --scenario full`, examples/demo-agent): refunds through the agent's transactional
 # outbox, every third one again with its JSON reordered and re-spaced (answered from the ledger),
-# one action id reused with other arguments (refused: intent_conflict) and one `deploy` (a tool
+# one action id reused with other arguments (refused: intent_conflict), one `deploy` (a
+# long-running tool, completion = "async": accepted with an operation id, pending while the
+# worker polls its status URL, then succeeded, verified by the poll) and one `payout` (a tool
 # without recovery) whose reply the downstream loses after committing (pending, then held for a
-# person).
+# person). The downstream runs a deploy for DOWNSTREAM_ASYNC_DELAY_MS=1000 ms.
 # Broker names are its own (intent-demo.intents, intent-demo.results, intent-demo.intents.dlx,
 # intent-demo.intents.dead); the admin API on worker-1 takes DEMO_ADMIN_TOKEN, the status API
 # also the tenant token demo-shop-status-token.
@@ -350,7 +352,7 @@ say "ledger and agent outbox migrated"
 # ---- 4. downstream, two workers, relay ---------------------------------------------------------
 say "--- starting the reference downstream, two workers and the relay"
 start downstream "${CLEAN_ENV[@]}" "DOWNSTREAM_DATABASE_URL=$DOWNSTREAM_URL" DOWNSTREAM_SCHEMA=downstream \
-    "DOWNSTREAM_ADDR=127.0.0.1:$DS_PORT" "$BIN_DIR/reference-downstream"
+    "DOWNSTREAM_ADDR=127.0.0.1:$DS_PORT" DOWNSTREAM_ASYNC_DELAY_MS=1000 "$BIN_DIR/reference-downstream"
 wait_ready downstream 30 "$BIN_DIR/reference-downstream" probe "http://127.0.0.1:$DS_PORT/healthz"
 
 start worker-1 "${WORKER_ENV[@]}" WORKER_ID=demo-worker-1 "METRICS_ADDR=127.0.0.1:$METRICS_1" \
@@ -367,9 +369,10 @@ say "everything is up ($((SECONDS - t_start))s)"
 
 # ---- 5. the demo agent -------------------------------------------------------------------------
 RUN_ID=$(date +%s)$$
-HELD=deploy-$RUN_ID
-say "--- demo agent (run $RUN_ID): $COUNT refunds, repeats, one conflicting reuse, one lost reply"
-# The downstream will commit the deploy and then drop the connection: the worker cannot know
+ASYNC=deploy-$RUN_ID
+HELD=payout-$RUN_ID
+say "--- demo agent (run $RUN_ID): $COUNT refunds, repeats, one conflicting reuse, one long-running deploy, one lost reply"
+# The downstream will commit the payout and then drop the connection: the worker cannot know
 # whether it happened and the tool has no recovery, so it must hold it (never resend, never guess).
 code=$(http_post "$DS_PORT" /_control/faults "{\"kind\":\"drop_after_commit\",\"key\":\"$TENANT:$HELD\"}" || true)
 [ "$code" = 201 ] || fail "could not arm the downstream's drop_after_commit fault (HTTP ${code:-no answer})"
@@ -380,7 +383,7 @@ agent_rc=0
 waited timeout 120 "${PUBLISHER_ENV[@]}" "PUBLISHER_STATUS_URL=http://127.0.0.1:$ADMIN_PORT" \
     "PUBLISHER_STATUS_TOKEN=$TENANT_TOKEN" "$BIN_DIR/demo-agent" --scenario full \
     --tenant "$TENANT" --tool refund --count "$COUNT" --interval-ms 100 --duplicate-every 3 \
-    --held-tool deploy --run-id "$RUN_ID" --answer-timeout 20s \
+    --async-tool deploy --held-tool payout --run-id "$RUN_ID" --answer-timeout 20s \
     >"$STATE/agent.out" 2>"$STATE/agent.log" || agent_rc=$?
 say "agent finished in $((SECONDS - t_agent))s (exit $agent_rc; answers: $STATE/agent.out, log: $STATE/agent.log)"
 if [ "$agent_rc" -ne 0 ]; then
@@ -405,7 +408,12 @@ conflicts_sent=$(num conflicts_sent)
 conflicts_refused=$(num conflicts_refused)
 pending=$(num pending)
 held=$(num held)
-# Keys of this run only: <tenant>:refund-<run>-<i> and <tenant>:deploy-<run>.
+async_accepted=$(num async_accepted)
+async_op=$(get async_operation_id)
+async_status=$(get async_status)
+async_verified_by=$(get async_verified_by)
+async_receipt=$(get async_receipt_id)
+# Keys of this run only: <tenant>:refund-<run>-<i>, <tenant>:deploy-<run> and <tenant>:payout-<run>.
 KEYS="(idem_key LIKE '$TENANT:%-$RUN_ID' OR idem_key LIKE '$TENANT:%-$RUN_ID-%')"
 ACTIONS="tenant = '$TENANT' AND (action_id LIKE '%-$RUN_ID' OR action_id LIKE '%-$RUN_ID-%')"
 ds_writes=$(sql "$DOWNSTREAM_URL" "SELECT count(*) FROM downstream.mutations WHERE $KEYS")
@@ -414,6 +422,18 @@ ds_keys=$(sql "$DOWNSTREAM_URL" "SELECT count(DISTINCT idem_key) FROM downstream
 ledger_ops=$(sql "$LEDGER_URL" "SELECT count(*) FROM operations WHERE $ACTIONS")
 ledger_succeeded=$(sql "$LEDGER_URL" "SELECT count(*) FROM operations WHERE $ACTIONS AND state = 'succeeded'")
 held_state=$(sql "$LEDGER_URL" "SELECT state FROM operations WHERE tenant = '$TENANT' AND action_id = '$HELD'")
+# The long-running deploy at the downstream (its job, its one write, the polls that read its
+# status) and in the ledger (its state, the operation id it kept, its moves, when it settled).
+ds_jobs=$(sql "$DOWNSTREAM_URL" "SELECT count(*) FROM downstream.async_jobs WHERE idem_key = '$TENANT:$ASYNC'")
+ds_job=$(sql "$DOWNSTREAM_URL" "SELECT operation_id || ' ' || coalesce(deployment_id, '-') FROM downstream.async_jobs WHERE idem_key = '$TENANT:$ASYNC'")
+ds_job_ended=$(sql "$DOWNSTREAM_URL" "SELECT extract(epoch FROM ends_at) FROM downstream.async_jobs WHERE idem_key = '$TENANT:$ASYNC'")
+ds_async_writes=$(sql "$DOWNSTREAM_URL" "SELECT count(*) FROM downstream.requests WHERE kind = 'write' AND idem_key = '$TENANT:$ASYNC'")
+ds_status_reads=$(sql "$DOWNSTREAM_URL" "SELECT count(*) FROM downstream.requests WHERE kind = 'status' AND idem_key = '$TENANT:$ASYNC'")
+async_row=$(sql "$LEDGER_URL" "SELECT state || ' ' || coalesce(remote_id, '-') || ' ' || coalesce(extract(epoch FROM finished_at)::text, '') FROM operations WHERE tenant = '$TENANT' AND action_id = '$ASYNC'")
+read -r async_state async_remote async_finished <<<"${async_row:-none - }" || true
+# Its moves, each state once in a row (a poll that proves nothing leaves it accepted).
+async_moves=$(sql "$LEDGER_URL" "SELECT h.to_state FROM operation_history h JOIN operations o ON o.id = h.operation_id WHERE o.tenant = '$TENANT' AND o.action_id = '$ASYNC' ORDER BY h.id" |
+    awk 'NF && $0 != last { printf "%s%s", (n++ ? " -> " : ""), $0; last = $0 }')
 sql "$DOWNSTREAM_URL" "SELECT receipt FROM downstream.mutations WHERE idem_key = '$TENANT:$HELD' ORDER BY id LIMIT 1" \
     >"$STATE/held-receipt.json"
 
@@ -435,16 +455,39 @@ all_eq() {
 }
 
 expected_repeats=$((COUNT / 3))
+# The deploy, as the agent was told: accepted (pending, in progress, with the operation id),
+# then succeeded, verified by a poll, with the deployment's receipt id.
+async_told() {
+    [ "$async_accepted/$async_status/$async_verified_by" = 1/succeeded/poll ] &&
+        [ -n "$async_op" ] && [ -n "$async_receipt" ]
+}
+# ... and at the downstream: one job, the one the agent was told about; one write; polls that
+# only read its status.
+async_at_downstream() {
+    [ "$ds_jobs/$ds_async_writes" = 1/1 ] && [ "$ds_job" = "$async_op $async_receipt" ] &&
+        [ "$ds_status_reads" -ge 1 ]
+}
+# ... and in the ledger: accepted, then succeeded, keeping the operation id, settled only after
+# the downstream's job had ended (same Postgres server, same clock).
+async_in_ledger() {
+    [ "$async_state" = succeeded ] && [ "$async_remote" = "$async_op" ] &&
+        [[ " $async_moves " == *" accepted -> succeeded "* ]] &&
+        awk -v settled="$async_finished" -v ended="$ds_job_ended" \
+            'BEGIN { exit !(settled != "" && ended != "" && settled + 0 >= ended + 0) }'
+}
 {
     echo
     echo "=============================== demo summary (run $RUN_ID) ==============================="
-    printf ' %-46s %s\n' "intents sent by the agent" "$intents_sent  ($COUNT refunds + $repeats_sent repeats + $conflicts_sent conflicting reuse + 1 deploy)"
+    printf ' %-46s %s\n' "intents sent by the agent" "$intents_sent  ($COUNT refunds + $repeats_sent repeats + $conflicts_sent conflicting reuse + 1 deploy + 1 payout)"
     printf ' %-46s %s\n' "distinct actions" "$actions"
     printf ' %-46s %s\n' "downstream writes (its own mutations table)" "$ds_writes  (write requests it received: $ds_requests)"
-    printf ' %-46s %s\n' "answered succeeded" "$succeeded  (ledger: $ledger_succeeded succeeded)"
+    printf ' %-46s %s\n' "answered succeeded" "$succeeded  (ledger: $ledger_succeeded succeeded: the refunds and the deploy)"
     printf ' %-46s %s\n' "repeats answered from the ledger" "$repeats_ledger of $repeats_sent  (JSON reordered and re-spaced, new call id)"
     printf ' %-46s %s\n' "conflicts refused (rejected / intent_conflict)" "$conflicts_refused of $conflicts_sent"
-    printf ' %-46s %s\n' "pending, then held for a person" "$pending pending, $held held  ($HELD; ledger state: ${held_state:-none})"
+    printf ' %-46s %s\n' "long-running deploy ($ASYNC)" "accepted: pending, in_progress, operation ${async_op:-none}"
+    printf ' %-46s %s\n' "  then" "${async_status:-no final answer}, verified_by=${async_verified_by:-none}, receipt ${async_receipt:-none}  (status reads at the downstream: $ds_status_reads)"
+    printf ' %-46s %s\n' "  in the ledger" "${async_moves:-none}"
+    printf ' %-46s %s\n' "pending, then held for a person" "$held held  ($HELD; ledger state: ${held_state:-none})"
     echo
     echo " checks (the agent's answers against the downstream's and the ledger's tables):"
     check "the agent got every answer it waited for (exit 0)" eq "$agent_rc" 0
@@ -452,14 +495,20 @@ expected_repeats=$((COUNT / 3))
     check "one write request per action ($ds_requests), one mutation per key ($ds_keys)" \
         all_eq "$actions" "$ds_requests" "$ds_keys"
     check "ledger operations ($ledger_ops) == distinct actions" eq "$ledger_ops" "$actions"
-    check "answered succeeded ($succeeded) == succeeded in the ledger == refunds ($COUNT)" \
-        all_eq "$COUNT" "$succeeded" "$ledger_succeeded"
+    check "answered succeeded ($succeeded) == succeeded in the ledger == refunds + the deploy ($((COUNT + 1)))" \
+        all_eq $((COUNT + 1)) "$succeeded" "$ledger_succeeded"
     check "every repeat answered from the ledger ($repeats_ledger of $expected_repeats)" \
         all_eq "$expected_repeats" "$repeats_ledger" "$repeats_sent"
     check "the conflicting reuse refused ($conflicts_refused of 1)" eq "$conflicts_refused" 1
-    check "the lost reply: pending, then held ($pending, $held; ledger: ${held_state:-none})" \
-        eq "$pending/$held/$held_state" 1/1/held
-    check "intents sent == refunds + repeats + 1 reuse + 1 deploy" eq "$intents_sent" $((COUNT + repeats_sent + 2))
+    check "the deploy: accepted (operation ${async_op:-none}), then succeeded, verified_by=poll" async_told
+    check "the deploy at the downstream: one job (${ds_job:-none}), one write, status reads only ($ds_status_reads)" \
+        async_at_downstream
+    check "the deploy in the ledger: accepted -> succeeded after the job ended (${async_state:-none})" \
+        async_in_ledger
+    check "the lost reply: pending, then held ($held held; ledger: ${held_state:-none})" \
+        eq "$held/$held_state" 1/held
+    check "pending answers ($pending): the deploy while in progress, the payout" eq "$pending" 2
+    check "intents sent == refunds + repeats + 1 reuse + 1 deploy + 1 payout" eq "$intents_sent" $((COUNT + repeats_sent + 3))
     echo "=========================================================================================="
 } | tee "$STATE/summary.txt"
 # (check ran in the pipeline's subshell: count its lines)
@@ -473,7 +522,8 @@ cat <<EOF | tee -a "$STATE/summary.txt"
 Where to look next:
   operator console       http://127.0.0.1:$ADMIN_PORT/ui (sign in with $ADMIN_TOKEN and your name, or
                          read-only with $TENANT_TOKEN); docs/console.md
-  status API (worker-1)  curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' http://127.0.0.1:$ADMIN_PORT/v1/operations/$TENANT/$HELD
+  status API (worker-1)  curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' http://127.0.0.1:$ADMIN_PORT/v1/operations/$TENANT/$ASYNC
+                         curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' http://127.0.0.1:$ADMIN_PORT/v1/operations/$TENANT/$HELD
                          curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' 'http://127.0.0.1:$ADMIN_PORT/v1/operations?state=held'
                          (tenant token for $TENANT: $TENANT_TOKEN; routes in docs/openapi.yaml)
   metrics                http://127.0.0.1:$METRICS_1/metrics (worker-1), http://127.0.0.1:$METRICS_2/metrics (worker-2),
@@ -482,6 +532,7 @@ Where to look next:
   resolve the held one   with the downstream's own receipt (saved from its mutations table):
                          $RESOLVE
   the downstream's table psql $DOWNSTREAM_URL -c "SELECT idem_key, receipt_id FROM downstream.mutations ORDER BY id"
+                         psql $DOWNSTREAM_URL -c "SELECT operation_id, idem_key, deployment_id, ends_at FROM downstream.async_jobs"
   logs                   $STATE/*.log; every answer the agent got: $STATE/agent.out
 EOF
 

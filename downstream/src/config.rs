@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
+use crate::jobs::MAX_DELAY_MS;
+
 /// Validated settings for one process.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -22,10 +24,6 @@ pub struct Config {
     /// How long an async job runs before it ends, unless an `async_delay` fault says otherwise.
     pub async_delay_ms: u64,
 }
-
-/// The longest delay an async job may have (`DOWNSTREAM_ASYNC_DELAY_MS`, `async_delay`): 30 days,
-/// so the job's end is always a representable timestamp.
-pub const MAX_ASYNC_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
 
 impl Config {
     pub fn from_env() -> Result<Self> {
@@ -55,11 +53,11 @@ impl Config {
         let async_delay_ms = delay_text
             .parse::<u64>()
             .ok()
-            .filter(|ms| *ms <= MAX_ASYNC_DELAY_MS)
+            .filter(|ms| *ms <= MAX_DELAY_MS)
             .with_context(|| {
                 format!(
                     "DOWNSTREAM_ASYNC_DELAY_MS={delay_text:?} is not a whole number of milliseconds \
-                     of at most {MAX_ASYNC_DELAY_MS} (30 days)"
+                     of at most {MAX_DELAY_MS} (30 days)"
                 )
             })?;
         Ok(Config {

@@ -18,6 +18,11 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
+use crate::jobs::MAX_DELAY_MS;
+
+/// The states a `wrong_receipt` fault may make another operation's document show.
+pub const WRONG_STATES: [&str; 3] = ["running", "succeeded", "failed"];
+
 /// What a fault does, and when (see `routes.rs` for the exact choreography).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -50,6 +55,9 @@ pub enum FaultKind {
     StatusError,
     /// On a status read: sleep `delay_ms`, then answer normally.
     StatusSlow,
+    /// Process normally, then answer with a `memo` member holding U+0000 (legal JSON that
+    /// Postgres `jsonb` refuses) added, hand-spaced, at the end of the body.
+    NulInReceipt,
 }
 
 impl FaultKind {
@@ -69,6 +77,7 @@ impl FaultKind {
             FaultKind::StatusNotFound => "status_not_found",
             FaultKind::StatusError => "status_error",
             FaultKind::StatusSlow => "status_slow",
+            FaultKind::NulInReceipt => "nul_in_receipt",
         }
     }
 
@@ -131,6 +140,7 @@ pub struct FaultSpec {
     pub status: Option<u16>,
     pub retry_after: Option<String>,
     pub every: Option<u32>,
+    pub state: Option<String>,
 }
 
 /// A fault as stored and listed. `times` is the number of uses left.
@@ -149,6 +159,10 @@ pub struct Fault {
     pub every: u32,
     /// Matching requests seen so far.
     pub seen: u32,
+    /// `wrong_receipt` on an async answer: the state the other operation's document shows
+    /// (`running`, `succeeded` or `failed`) instead of the real job's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
 }
 
 impl Fault {
@@ -176,8 +190,8 @@ impl Fault {
         if matches!(spec.kind, FaultKind::AsyncDelay | FaultKind::StatusNotFound) {
             match spec.delay_ms {
                 None => return Err(format!("{} needs delay_ms", spec.kind.as_str())),
-                Some(ms) if ms > MAX_JOB_DELAY_MS => {
-                    return Err(format!("delay_ms must be at most {MAX_JOB_DELAY_MS}"))
+                Some(ms) if ms > MAX_DELAY_MS => {
+                    return Err(format!("delay_ms must be at most {MAX_DELAY_MS}"))
                 }
                 Some(_) => {}
             }
@@ -190,6 +204,14 @@ impl Fault {
         if let Some(s) = status {
             if !(100..=599).contains(&s) {
                 return Err("status must be within 100..=599".into());
+            }
+        }
+        if let Some(state) = &spec.state {
+            if spec.kind != FaultKind::WrongReceipt {
+                return Err("state applies only to wrong_receipt".into());
+            }
+            if !WRONG_STATES.contains(&state.as_str()) {
+                return Err("state must be running, succeeded or failed".into());
             }
         }
         let delay_ms = match spec.kind {
@@ -209,6 +231,7 @@ impl Fault {
             retry_after: spec.retry_after,
             every,
             seen: 0,
+            state: spec.state,
         })
     }
 
@@ -221,9 +244,6 @@ impl Fault {
             }
     }
 }
-
-/// The longest `delay_ms` of a job fault (30 days), as for `DOWNSTREAM_ASYNC_DELAY_MS`.
-pub const MAX_JOB_DELAY_MS: u64 = 30 * 24 * 3600 * 1000;
 
 /// The job faults one creating write took: at most one of each group.
 #[derive(Debug, Default)]
@@ -384,7 +404,19 @@ mod tests {
             .add(spec(serde_json::json!({"kind": "status", "times": 0})))
             .is_err());
         assert!(serde_json::from_value::<FaultSpec>(serde_json::json!({"kind": "nope"})).is_err());
-        assert_eq!(book.clear(), 2);
+        let f = book
+            .add(spec(
+                serde_json::json!({"kind": "wrong_receipt", "on": "status", "state": "failed"}),
+            ))
+            .unwrap();
+        assert_eq!(f.state.as_deref(), Some("failed"));
+        for bad in [
+            serde_json::json!({"kind": "wrong_receipt", "state": "done"}),
+            serde_json::json!({"kind": "status", "state": "failed"}),
+        ] {
+            assert!(book.add(spec(bad.clone())).is_err(), "{bad}");
+        }
+        assert_eq!(book.clear(), 3);
     }
 
     #[test]
@@ -395,10 +427,7 @@ mod tests {
                 serde_json::json!({"kind": "status_error", "key": "k", "count": 2}),
             ))
             .unwrap();
-        assert_eq!(
-            (f.on, f.times, f.status),
-            (Direction::Status, 2, Some(503))
-        );
+        assert_eq!((f.on, f.times, f.status), (Direction::Status, 2, Some(503)));
         let f = book
             .add(spec(serde_json::json!({"kind": "status_slow", "ms": 250})))
             .unwrap();
@@ -414,7 +443,7 @@ mod tests {
             serde_json::json!({"kind": "async_fail", "on": "status"}),
             serde_json::json!({"kind": "async_delay"}),
             serde_json::json!({"kind": "status_not_found"}),
-            serde_json::json!({"kind": "async_delay", "delay_ms": MAX_JOB_DELAY_MS + 1}),
+            serde_json::json!({"kind": "async_delay", "delay_ms": MAX_DELAY_MS + 1}),
         ] {
             assert!(book.add(spec(bad.clone())).is_err(), "{bad}");
         }

@@ -150,6 +150,9 @@ pub struct Response {
     pub status: u16,
     pub headers: Vec<(String, String)>,
     pub body: Value,
+    /// The exact body text to send instead of `body`'s serialisation (the `nul_in_receipt`
+    /// fault's hand-spaced member).
+    pub raw_body: Option<String>,
 }
 
 impl Response {
@@ -158,7 +161,19 @@ impl Response {
             status,
             headers: Vec::new(),
             body,
+            raw_body: None,
         }
+    }
+
+    /// The same answer with a `memo` member holding a U+0000 added at the end of the JSON
+    /// object, spaced as no serialiser would (` , "memo" : "nul\u0000end" }`): a client that
+    /// keeps the exact bytes keeps both the NUL and the spacing. Not an object: unchanged.
+    pub fn with_nul_memo(mut self) -> Self {
+        let text = serde_json::to_string(&self.body).unwrap_or_default();
+        if let Some(open) = text.strip_suffix('}').filter(|t| t.len() > 1) {
+            self.raw_body = Some(format!("{open} , {NUL_MEMO} }}"));
+        }
+        self
     }
 
     /// `{"error": code}` with the given status.
@@ -172,9 +187,15 @@ impl Response {
     }
 }
 
+/// The member [`Response::with_nul_memo`] adds, exactly as sent.
+pub const NUL_MEMO: &str = r#""memo" : "nul\u0000end""#;
+
 /// Write the response and half-close, so the client sees a clean EOF after it.
 pub async fn write_response(stream: &mut TcpStream, response: &Response) -> std::io::Result<()> {
-    let body = serde_json::to_vec(&response.body).unwrap_or_else(|_| b"null".to_vec());
+    let body = match &response.raw_body {
+        Some(raw) => raw.clone().into_bytes(),
+        None => serde_json::to_vec(&response.body).unwrap_or_else(|_| b"null".to_vec()),
+    };
     let mut out = format!(
         "HTTP/1.1 {} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n",
         response.status,
@@ -245,6 +266,7 @@ fn reason(status: u16) -> &'static str {
     match status {
         200 => "OK",
         201 => "Created",
+        202 => "Accepted",
         204 => "No Content",
         400 => "Bad Request",
         404 => "Not Found",

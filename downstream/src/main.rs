@@ -5,7 +5,9 @@
 //! URL modes: `POST /replay/{resource}` (durable idempotency keys with receipt
 //! replay), `POST /lookup/{resource}` (no dedupe, but
 //! `GET /lookup/{resource}/by-key/{key}` finds the receipt) and
-//! `POST /none/{resource}` (neither). Faults are armed through
+//! `POST /none/{resource}` (neither), plus async jobs: `POST /async/{resource}`
+//! answers 202 with an operation id and `GET /async/operations/{id}` tells how the
+//! job ended (`jobs.rs`). Faults are armed through
 //! `POST /_control/faults`; they live in memory, while the data is durable in
 //! Postgres, so a restart keeps the data and forgets the faults. See
 //! README.md for the full contract.
@@ -25,6 +27,9 @@
 //! -- the W3C trace context each send for one key carried (NULL: none)
 //! SELECT traceparent, tracestate FROM <schema>.requests
 //!  WHERE kind = 'write' AND idem_key = $1 ORDER BY id;
+//! -- async jobs started for one key, and status polls of one operation
+//! SELECT count(*) FROM <schema>.async_jobs WHERE idem_key = $1;
+//! SELECT count(*) FROM <schema>.requests WHERE kind = 'status' AND operation_id = $1;
 //! ```
 //!
 //! `requests.status` is NULL for a request whose connection was dropped on
@@ -39,12 +44,13 @@
 //! `server` (accept loop, start-up line, signals), `http`
 //! (one request, one response), `routes` (the life of a business request),
 //! `control` (fault API), `faults` (the in-memory fault book), `store` (SQL),
-//! `receipt` (receipt JSON).
+//! `receipt` (receipt JSON), `jobs` (async jobs: their state and status document).
 
 mod config;
 mod control;
 mod faults;
 mod http;
+mod jobs;
 mod probe;
 mod receipt;
 mod routes;
@@ -79,8 +85,13 @@ async fn main() -> Result<()> {
         .init();
     let config = config::Config::from_env()?;
     tracing::info!(schema = %config.schema, addr = %config.addr,
-        retention_secs = config.replay_retention.as_secs(), "starting");
+        retention_secs = config.replay_retention.as_secs(),
+        async_delay_ms = config.async_delay_ms, "starting");
     let store = store::Store::open(&config.database_url, &config.schema).await?;
-    let app = Arc::new(routes::App::new(store, config.replay_retention));
+    let app = Arc::new(routes::App::new(
+        store,
+        config.replay_retention,
+        config.async_delay_ms,
+    ));
     server::serve(app, config.addr).await
 }

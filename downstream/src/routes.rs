@@ -2,16 +2,20 @@
 //!
 //! The order is the contract the crash tests rely on:
 //! 1. classify and validate the request (pure: a 400/404 consumes no fault);
+//!    a status read of an async job also reads the job's key and resource here,
+//!    since faults are matched by the job's key;
 //! 2. take the first matching fault from the book;
 //! 3. log the request in `requests` in its own committed insert, *before*
 //!    anything else happens, so dropped and faulted requests are counted too
 //!    (with the trace context headers it carried);
 //! 4. before-commit faults: `drop_before_commit`, `status`, `slow`,
-//!    `lookup_miss`;
-//! 5. do the work (the write commits, or the lookup reads);
+//!    `lookup_miss`, `status_error`, `status_slow`;
+//! 5. do the work (the write commits, or the lookup reads); an async write that
+//!    creates a job takes the job faults that shape it now, and an async request
+//!    records the operation it found (and `status_not_found`) in its log row;
 //! 6. after-commit faults, whatever the outcome of step 5:
 //!    `drop_after_commit`, `wrong_receipt`, `status_after_commit`,
-//!    `slow_after_commit`;
+//!    `slow_after_commit`, `nul_in_receipt`;
 //! 7. record the status we answer with, then answer (dropped requests keep a
 //!    NULL status);
 //! 8. once the whole answer is written to a peer that was still there, record
@@ -25,8 +29,9 @@ use serde_json::{json, Value};
 use crate::control;
 use crate::faults::{Direction, Fault, FaultBook, FaultKind};
 use crate::http::{percent_decode, Request, Response};
+use crate::jobs::{self, Ending, Job, Shape};
 use crate::receipt;
-use crate::store::{Replay, Store, TraceHeaders};
+use crate::store::{AsyncWrite, Replay, RequestEntry, Store, TraceHeaders};
 
 /// Shared state of the running service.
 #[derive(Debug)]
@@ -34,15 +39,18 @@ pub struct App {
     pub store: Store,
     pub faults: FaultBook,
     pub retention: Duration,
+    /// How long an async job runs unless an `async_delay` fault says otherwise.
+    pub async_delay_ms: u64,
     wrong_receipts: AtomicU64,
 }
 
 impl App {
-    pub fn new(store: Store, retention: Duration) -> App {
+    pub fn new(store: Store, retention: Duration, async_delay_ms: u64) -> App {
         App {
             store,
             faults: FaultBook::default(),
             retention,
+            async_delay_ms,
             wrong_receipts: AtomicU64::new(0),
         }
     }
@@ -62,14 +70,17 @@ pub enum Reply {
     Drop,
 }
 
-/// The three downstream capabilities, as spelled in the URL, and four deliberately broken
-/// variants that each break one property a declared capability relies on (`worker check-tool`
-/// must catch every one of them).
+/// The three downstream capabilities, as spelled in the URL, the async jobs, and four
+/// deliberately broken variants that each break one property a declared capability relies on
+/// (`worker check-tool` must catch every one of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Replay,
     Lookup,
     None,
+    /// Long-running writes: 202 with an operation id, then a status URL to poll
+    /// (`jobs.rs`). Key required; a repeat finds the same job.
+    Async,
     /// Requires a key like `replay` but never replays: every write is a new mutation.
     ReplayNewReceipt,
     /// Replays a same-body repeat, but a known key with another body makes a new mutation.
@@ -87,6 +98,7 @@ impl Mode {
             "replay" => Some(Mode::Replay),
             "lookup" => Some(Mode::Lookup),
             "none" => Some(Mode::None),
+            "async" => Some(Mode::Async),
             "replay-new-receipt" => Some(Mode::ReplayNewReceipt),
             "replay-ignores-body" => Some(Mode::ReplayIgnoresBody),
             "replay-racy" => Some(Mode::ReplayRacy),
@@ -100,6 +112,7 @@ impl Mode {
             Mode::Replay => "replay",
             Mode::Lookup => "lookup",
             Mode::None => "none",
+            Mode::Async => "async",
             Mode::ReplayNewReceipt => "replay-new-receipt",
             Mode::ReplayIgnoresBody => "replay-ignores-body",
             Mode::ReplayRacy => "replay-racy",
@@ -111,7 +124,11 @@ impl Mode {
     fn requires_key(self) -> bool {
         matches!(
             self,
-            Mode::Replay | Mode::ReplayNewReceipt | Mode::ReplayIgnoresBody | Mode::ReplayRacy
+            Mode::Replay
+                | Mode::Async
+                | Mode::ReplayNewReceipt
+                | Mode::ReplayIgnoresBody
+                | Mode::ReplayRacy
         )
     }
 }
@@ -130,6 +147,8 @@ enum Op {
         resource: String,
         key: String,
     },
+    /// `GET /async/operations/{operation_id}`.
+    Status { operation_id: String },
 }
 
 /// What gets logged about a business request, valid or not.
@@ -139,7 +158,18 @@ struct Call {
     mode: Option<String>,
     resource: Option<String>,
     key: Option<String>,
+    /// The async operation a status read names.
+    operation_id: Option<String>,
     trace: TraceHeaders,
+}
+
+/// What the work of an async request found out, for its log row.
+#[derive(Debug, Default)]
+struct Note {
+    /// The job's operation id (writes and lookups; a status read logs it up front).
+    operation_id: Option<String>,
+    /// A fault that shaped the answer without being consumed (`status_not_found`).
+    fault: Option<&'static str>,
 }
 
 /// Entry point for every parsed request. `too_large` is set when the body was
@@ -157,27 +187,40 @@ pub async fn handle(app: &App, req: Request, too_large: bool) -> Reply {
 }
 
 async fn business(app: &App, req: &Request, segments: &[&str], too_large: bool) -> Reply {
-    let (call, parsed) = classify(req, segments);
+    let (mut call, parsed) = classify(req, segments);
     // The body was never read, so whatever validation said, the answer is 413.
     let parsed = if too_large {
         Err(Response::error(413, "body_too_large"))
     } else {
         parsed
     };
+    // A status read is matched to faults, and logged, by its job's key.
+    if let Ok(Op::Status { operation_id }) = &parsed {
+        match app.store.async_job_identity(operation_id).await {
+            Ok(Some((key, resource))) => {
+                call.key = Some(key);
+                call.resource = Some(resource);
+            }
+            Ok(None) => {}
+            // The request log insert below most likely fails too, and says so.
+            Err(err) => tracing::warn!(error = %err, "could not read the job of a status read"),
+        }
+    }
     let fault = match parsed {
         Ok(_) => app.faults.take(call.direction, call.key.as_deref()),
         Err(_) => None,
     };
     let logged = app
         .store
-        .log_request(
-            call.direction.as_str(),
-            call.mode.as_deref(),
-            call.resource.as_deref(),
-            call.key.as_deref(),
-            fault.as_ref().map(|f| f.kind.as_str()),
-            &call.trace,
-        )
+        .log_request(&RequestEntry {
+            kind: call.direction.as_str(),
+            mode: call.mode.as_deref(),
+            resource: call.resource.as_deref(),
+            idem_key: call.key.as_deref(),
+            fault: fault.as_ref().map(|f| f.kind.as_str()),
+            operation_id: call.operation_id.as_deref(),
+            trace: &call.trace,
+        })
         .await;
     let log_id = match logged {
         Ok(id) => id,
@@ -200,8 +243,10 @@ async fn business(app: &App, req: &Request, segments: &[&str], too_large: bool) 
     if let Some(f) = &fault {
         match f.kind {
             FaultKind::DropBeforeCommit => return Reply::Drop,
-            FaultKind::Status => return finish(app, log_id, injected_status(f, 503)).await,
-            FaultKind::Slow => sleep_ms(f.delay_ms).await,
+            FaultKind::Status | FaultKind::StatusError => {
+                return finish(app, log_id, injected_status(f, 503)).await
+            }
+            FaultKind::Slow | FaultKind::StatusSlow => sleep_ms(f.delay_ms).await,
             FaultKind::LookupMiss if matches!(op, Op::Lookup { .. }) => {
                 return finish(app, log_id, Response::error(404, "not_found")).await;
             }
@@ -209,18 +254,28 @@ async fn business(app: &App, req: &Request, segments: &[&str], too_large: bool) 
         }
     }
 
-    let response = run(app, &op).await;
+    let (response, note) = run(app, &op).await;
+    if note.operation_id.is_some() || note.fault.is_some() {
+        let noted = app
+            .store
+            .annotate_request(log_id, note.operation_id.as_deref(), note.fault)
+            .await;
+        if let Err(err) = noted {
+            tracing::warn!(error = %err, log_id, "could not record the async operation");
+        }
+    }
 
     // After the work (committed, if it was a successful write).
     let response = match fault {
         Some(f) => match f.kind {
             FaultKind::DropAfterCommit => return Reply::Drop,
-            FaultKind::WrongReceipt => wrong_receipt(app, &op, &response),
+            FaultKind::WrongReceipt => wrong_receipt(app, &op, &response, f.state.as_deref()),
             FaultKind::StatusAfterCommit => injected_status(&f, 500),
             FaultKind::SlowAfterCommit => {
                 sleep_ms(f.delay_ms).await;
                 response
             }
+            FaultKind::NulInReceipt => response.with_nul_memo(),
             _ => response,
         },
         None => response,
@@ -250,6 +305,7 @@ fn classify(req: &Request, segments: &[&str]) -> (Call, Result<Op, Response>) {
         mode: mode_text,
         resource: resource.clone(),
         key: if is_get { None } else { header_key.clone() },
+        operation_id: None,
         trace: TraceHeaders {
             traceparent: req.combined_header("traceparent"),
             tracestate: req.combined_header("tracestate"),
@@ -258,6 +314,19 @@ fn classify(req: &Request, segments: &[&str]) -> (Call, Result<Op, Response>) {
     let resource = resource.filter(|r| !r.is_empty());
 
     let parsed = match (req.method.as_str(), segments.len()) {
+        // The status URL of an async job. Its key and resource are filled in from the
+        // job (see `business`), not from the path.
+        ("GET", 3) if mode == Some(Mode::Async) && segments[1] == "operations" => {
+            call.direction = Direction::Status;
+            call.resource = None;
+            call.operation_id = percent_decode(segments[2]).filter(|id| !id.is_empty());
+            match &call.operation_id {
+                Some(id) => Ok(Op::Status {
+                    operation_id: id.clone(),
+                }),
+                None => Err(Response::error(400, "bad_status_path")),
+            }
+        }
         ("POST", 2) => match (mode, resource) {
             (None, _) => Err(Response::error(404, "unknown_mode")),
             (_, None) => Err(Response::error(404, "no_route")),
@@ -304,8 +373,15 @@ fn validate_write(
 }
 
 /// Do the actual business work.
-async fn run(app: &App, op: &Op) -> Response {
+async fn run(app: &App, op: &Op) -> (Response, Note) {
     let result = match op {
+        Op::Write {
+            mode: Mode::Async, ..
+        }
+        | Op::Lookup {
+            mode: Mode::Async, ..
+        }
+        | Op::Status { .. } => return run_async(app, op).await,
         Op::Write {
             mode: Mode::Replay,
             resource,
@@ -373,28 +449,138 @@ async fn run(app: &App, op: &Op) -> Response {
                 None => Response::error(404, "not_found"),
             }),
     };
-    result.unwrap_or_else(|err| {
+    let response = result.unwrap_or_else(|err| {
         tracing::error!(error = %err, "request failed");
         Response::error(500, "internal")
+    });
+    (response, Note::default())
+}
+
+/// The async requests: create or find a job, look one up by key, read its status.
+async fn run_async(app: &App, op: &Op) -> (Response, Note) {
+    let result = match op {
+        Op::Write {
+            resource,
+            key,
+            body,
+            ..
+        } => {
+            let key = key.as_deref().expect("validated: async writes carry a key");
+            app.store
+                .async_write(resource, key, body, || job_shape(app, key))
+                .await
+                .map(|outcome| match outcome {
+                    AsyncWrite::Created(job) | AsyncWrite::Replayed(job) => {
+                        let url = jobs::status_url(&job.operation_id);
+                        let response =
+                            Response::json(202, job.document()).with_header("Location", &url);
+                        (response, noted(&job))
+                    }
+                    AsyncWrite::KeyReused => (
+                        Response::error(422, "idempotency_key_reused"),
+                        Note::default(),
+                    ),
+                })
+        }
+        Op::Lookup { resource, key, .. } => {
+            app.store
+                .async_job_by_key(resource, key)
+                .await
+                .map(|found| match found {
+                    Some(job) => (Response::json(200, job.document()), noted(&job)),
+                    None => (Response::error(404, "not_found"), Note::default()),
+                })
+        }
+        Op::Status { operation_id } => {
+            app.store
+                .async_job(operation_id)
+                .await
+                .map(|found| match found {
+                    Some(job) if job.hidden => (
+                        Response::error(404, "not_found"),
+                        Note {
+                            operation_id: None,
+                            fault: Some(FaultKind::StatusNotFound.as_str()),
+                        },
+                    ),
+                    Some(job) => (Response::json(200, job.document()), Note::default()),
+                    None => (Response::error(404, "not_found"), Note::default()),
+                })
+        }
+    };
+    result.unwrap_or_else(|err| {
+        tracing::error!(error = %err, "async request failed");
+        (Response::error(500, "internal"), Note::default())
     })
+}
+
+fn noted(job: &Job) -> Note {
+    Note {
+        operation_id: Some(job.operation_id.clone()),
+        fault: None,
+    }
+}
+
+/// The shape of a job being created under `key`: the job faults armed for it (one use of
+/// each group), or the defaults (succeeds after `DOWNSTREAM_ASYNC_DELAY_MS`).
+fn job_shape(app: &App, key: &str) -> Shape {
+    let taken = app.faults.take_job_faults(key);
+    for fault in [&taken.ending, &taken.delay, &taken.hidden]
+        .into_iter()
+        .flatten()
+    {
+        tracing::info!(fault = fault.kind.as_str(), key, "shaping async job");
+    }
+    Shape {
+        ending: match taken.ending.map(|f| f.kind) {
+            Some(FaultKind::AsyncFail) => Ending::Failed,
+            Some(FaultKind::AsyncStuck) => Ending::Stuck,
+            _ => Ending::Succeeded,
+        },
+        delay_ms: taken.delay.map_or(app.async_delay_ms, |f| f.delay_ms),
+        hidden_ms: taken.hidden.map_or(0, |f| f.delay_ms),
+    }
 }
 
 /// A success answer carrying someone else's receipt. For a lookup, the
 /// arguments are copied from the real record when there is one, so only the
-/// identity gives the lie away.
-fn wrong_receipt(app: &App, op: &Op, real: &Response) -> Response {
+/// identity gives the lie away. An async answer gets another operation's
+/// status document (`jobs::wrong`).
+fn wrong_receipt(app: &App, op: &Op, real: &Response, state: Option<&str>) -> Response {
     let n = app.wrong_receipts.fetch_add(1, Ordering::Relaxed) + 1;
+    let real_arguments = || real.body.get("arguments").cloned().unwrap_or(json!({}));
     match op {
+        Op::Write {
+            mode: Mode::Async,
+            resource,
+            body,
+            ..
+        } => Response::json(202, jobs::wrong(n, resource, body, &real.body, state)),
+        Op::Lookup {
+            mode: Mode::Async,
+            resource,
+            ..
+        } => Response::json(
+            200,
+            jobs::wrong(n, resource, &real_arguments(), &real.body, state),
+        ),
+        Op::Status { .. } => {
+            let resource = real.body["resource"].as_str().unwrap_or_default();
+            Response::json(
+                200,
+                jobs::wrong(n, resource, &real_arguments(), &real.body, state),
+            )
+        }
         Op::Write {
             mode,
             resource,
             body,
             ..
         } => Response::json(201, receipt::wrong(n, mode.as_str(), resource, body)),
-        Op::Lookup { mode, resource, .. } => {
-            let arguments = real.body.get("arguments").cloned().unwrap_or(json!({}));
-            Response::json(200, receipt::wrong(n, mode.as_str(), resource, &arguments))
-        }
+        Op::Lookup { mode, resource, .. } => Response::json(
+            200,
+            receipt::wrong(n, mode.as_str(), resource, &real_arguments()),
+        ),
     }
 }
 

@@ -1,4 +1,5 @@
-//! All SQL: the schema, the request log, the three write modes and the lookup.
+//! All SQL: the schema, the request log, the three write modes, the lookup and the
+//! async jobs.
 //!
 //! Every statement is schema-qualified with the validated `DOWNSTREAM_SCHEMA`
 //! (identifiers cannot be bind parameters, hence the `{s}` template; the name
@@ -14,6 +15,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::types::chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
 
+use crate::jobs::{self, Ending, Job, Shape};
 use crate::receipt;
 
 /// Created at start-up; `IF NOT EXISTS` everywhere so restarts keep the data.
@@ -39,10 +41,13 @@ CREATE INDEX IF NOT EXISTS mutations_idem_key_idx ON {s}.mutations (idem_key, re
 -- hung up; NULL: dropped, or the client was gone (timed out, killed) first.
 -- traceparent and tracestate are the W3C trace context headers as received
 -- (repeated fields joined with ','), NULL when the request had none: tests read
--- which trace each send belonged to from here.
+-- which trace each send belonged to from here. kind 'status' is a read of an
+-- async job's status URL; operation_id is the async operation the request was
+-- about (the path's id for a status read, the job's for a write or lookup that
+-- found one), NULL otherwise.
 CREATE TABLE IF NOT EXISTS {s}.requests (
     id          bigserial PRIMARY KEY,
-    kind        text NOT NULL CHECK (kind IN ('write', 'lookup')),
+    kind        text NOT NULL CHECK (kind IN ('write', 'lookup', 'status')),
     mode        text NULL,
     resource    text NULL,
     idem_key    text NULL,
@@ -57,7 +62,22 @@ CREATE TABLE IF NOT EXISTS {s}.requests (
 ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS replied_at timestamptz NULL;
 ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS traceparent text NULL;
 ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS tracestate text NULL;
+ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS operation_id text NULL;
 CREATE INDEX IF NOT EXISTS requests_idem_key_idx ON {s}.requests (idem_key);
+CREATE INDEX IF NOT EXISTS requests_operation_id_idx ON {s}.requests (operation_id);
+-- Schemas created before status reads: widen the kind check (once).
+DO $$
+BEGIN
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_constraint
+        WHERE conrelid = '{s}.requests'::regclass AND conname = 'requests_kind_check'
+          AND pg_get_constraintdef(oid) LIKE '%status%'
+    ) THEN
+        ALTER TABLE {s}.requests DROP CONSTRAINT IF EXISTS requests_kind_check;
+        ALTER TABLE {s}.requests ADD CONSTRAINT requests_kind_check
+            CHECK (kind IN ('write', 'lookup', 'status'));
+    END IF;
+END $$;
 
 -- Durable idempotency keys of replay mode. body is the request body as jsonb,
 -- whose equality ignores key order and whitespace: the canonical form.
@@ -67,7 +87,78 @@ CREATE TABLE IF NOT EXISTS {s}.replay_keys (
     mutation_id  bigint NULL REFERENCES {s}.mutations (id),
     created_at   timestamptz NOT NULL DEFAULT now()
 );
+
+-- Async jobs: one per idempotency key, created with its mutation (same id). How and
+-- when the job ends is fixed at creation: outcome, delay_ms and ends_at
+-- (created_at + delay_ms; NULL for a job that never ends). The state is derived
+-- from the clock when read (running before ends_at, then outcome), so a restart
+-- changes neither. deployment_id (the final receipt) is set for outcome
+-- 'succeeded' and shown once it has ended; error for 'failed'. The status URL
+-- answers 404 until not_found_until (the status_not_found fault).
+CREATE TABLE IF NOT EXISTS {s}.async_jobs (
+    id               bigint PRIMARY KEY REFERENCES {s}.mutations (id),
+    operation_id     text NOT NULL UNIQUE,
+    idem_key         text NOT NULL UNIQUE,
+    resource         text NOT NULL,
+    arguments        jsonb NOT NULL,
+    outcome          text NOT NULL CHECK (outcome IN ('succeeded', 'failed', 'stuck')),
+    delay_ms         bigint NOT NULL,
+    ends_at          timestamptz NULL,
+    not_found_until  timestamptz NULL,
+    deployment_id    text NULL,
+    error            text NULL,
+    created_at       timestamptz NOT NULL
+);
 "#;
+
+/// The columns of a job as read, its state evaluated at the start of the statement.
+const JOB_COLUMNS: &str = "operation_id, idem_key, resource, arguments, outcome,
+    ends_at IS NOT NULL AND ends_at <= statement_timestamp(),
+    not_found_until IS NOT NULL AND statement_timestamp() < not_found_until,
+    deployment_id, error, created_at";
+
+/// A row of [`JOB_COLUMNS`].
+type JobRow = (
+    String,
+    String,
+    String,
+    Value,
+    String,
+    bool,
+    bool,
+    Option<String>,
+    Option<String>,
+    DateTime<Utc>,
+);
+
+fn job_from_row(row: JobRow) -> Result<Job> {
+    let (
+        operation_id,
+        idem_key,
+        resource,
+        arguments,
+        outcome,
+        ended,
+        hidden,
+        deployment_id,
+        error,
+        created_at,
+    ) = row;
+    let ending = Ending::parse(&outcome)
+        .with_context(|| format!("job {operation_id} has an unknown outcome {outcome:?}"))?;
+    Ok(Job {
+        operation_id,
+        idem_key,
+        resource,
+        arguments,
+        ending,
+        ended,
+        hidden,
+        deployment_id,
+        error,
+        created_at,
+    })
+}
 
 /// The W3C trace context headers of a request, exactly as received (not validated: a test
 /// must see a malformed header too), `None` when absent.
@@ -75,6 +166,32 @@ CREATE TABLE IF NOT EXISTS {s}.replay_keys (
 pub struct TraceHeaders {
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
+}
+
+/// One row of the request log, as inserted before the request is processed.
+#[derive(Debug)]
+pub struct RequestEntry<'a> {
+    /// `write`, `lookup` or `status`.
+    pub kind: &'a str,
+    pub mode: Option<&'a str>,
+    pub resource: Option<&'a str>,
+    pub idem_key: Option<&'a str>,
+    /// The fault the request consumed.
+    pub fault: Option<&'a str>,
+    /// The async operation the request names (a status read).
+    pub operation_id: Option<&'a str>,
+    pub trace: &'a TraceHeaders,
+}
+
+/// Outcome of an async-mode write.
+#[derive(Debug)]
+pub enum AsyncWrite {
+    /// New key: a new job (and its mutation).
+    Created(Job),
+    /// Known key, same resource and body: that job, as it is now.
+    Replayed(Job),
+    /// Known key, another resource or body.
+    KeyReused,
 }
 
 /// Outcome of a replay-mode write.
@@ -139,30 +256,45 @@ impl Store {
 
     /// Log a business request in its own committed insert, before processing,
     /// so that even requests we then drop or that crash us are counted.
-    pub async fn log_request(
-        &self,
-        kind: &str,
-        mode: Option<&str>,
-        resource: Option<&str>,
-        idem_key: Option<&str>,
-        fault: Option<&str>,
-        trace: &TraceHeaders,
-    ) -> Result<i64> {
+    pub async fn log_request(&self, entry: &RequestEntry<'_>) -> Result<i64> {
         let id = sqlx::query_scalar(self.sql(
             "INSERT INTO {s}.requests
-                 (kind, mode, resource, idem_key, fault, traceparent, tracestate)
-             VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id",
+                 (kind, mode, resource, idem_key, fault, operation_id, traceparent, tracestate)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING id",
         ))
-        .bind(kind)
-        .bind(mode)
-        .bind(resource)
-        .bind(idem_key)
-        .bind(fault)
-        .bind(trace.traceparent.as_deref())
-        .bind(trace.tracestate.as_deref())
+        .bind(entry.kind)
+        .bind(entry.mode)
+        .bind(entry.resource)
+        .bind(entry.idem_key)
+        .bind(entry.fault)
+        .bind(entry.operation_id)
+        .bind(entry.trace.traceparent.as_deref())
+        .bind(entry.trace.tracestate.as_deref())
         .fetch_one(&self.pool)
         .await?;
         Ok(id)
+    }
+
+    /// Complete a logged request with what its work found out: the async operation it
+    /// was about and, when it consumed none, the fault that shaped its answer
+    /// (`status_not_found`). Values already set are kept.
+    pub async fn annotate_request(
+        &self,
+        request_id: i64,
+        operation_id: Option<&str>,
+        fault: Option<&str>,
+    ) -> Result<()> {
+        sqlx::query(self.sql(
+            "UPDATE {s}.requests
+             SET operation_id = coalesce(operation_id, $2), fault = coalesce(fault, $3)
+             WHERE id = $1",
+        ))
+        .bind(request_id)
+        .bind(operation_id)
+        .bind(fault)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// Record the status we answered with (never called for dropped requests).
@@ -340,6 +472,150 @@ impl Store {
         .fetch_one(&mut **tx)
         .await?;
         Ok((id, stored))
+    }
+
+    /// Async mode: create the job for a new key, or find the job of a known one. Same-key
+    /// writes are serialised on an advisory lock, so a concurrent repeat waits for the
+    /// first one to commit and then finds its job. `shape` is called only when a job is
+    /// created (it consumes the job faults), inside the transaction that stores it.
+    pub async fn async_write(
+        &self,
+        resource: &str,
+        idem_key: &str,
+        body: &Value,
+        shape: impl FnOnce() -> Shape,
+    ) -> Result<AsyncWrite> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(format!(
+                "reference-downstream:{}:async:{idem_key}",
+                self.schema
+            ))
+            .execute(&mut *tx)
+            .await?;
+        let known: Option<(bool, String)> = sqlx::query_as(self.sql(
+            "SELECT resource = $2 AND arguments = $3, operation_id
+             FROM {s}.async_jobs WHERE idem_key = $1",
+        ))
+        .bind(idem_key)
+        .bind(resource)
+        .bind(body)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some((same, operation_id)) = known {
+            tx.commit().await?;
+            if !same {
+                return Ok(AsyncWrite::KeyReused);
+            }
+            return match self.async_job(&operation_id).await? {
+                Some(job) => Ok(AsyncWrite::Replayed(job)),
+                None => anyhow::bail!("async job {operation_id} vanished"),
+            };
+        }
+
+        let shape = shape();
+        let (id, at): (i64, DateTime<Utc>) = sqlx::query_as(self.sql(
+            "SELECT nextval(pg_get_serial_sequence('{s}.mutations', 'id')), statement_timestamp()",
+        ))
+        .fetch_one(&mut *tx)
+        .await?;
+        // Delays are at most jobs::MAX_DELAY_MS (checked in config and faults).
+        let after = |ms: u64| at + Duration::from_millis(ms.min(jobs::MAX_DELAY_MS));
+        let ends_at = match shape.ending {
+            Ending::Stuck => None,
+            _ => Some(after(shape.delay_ms)),
+        };
+        let not_found_until = match shape.hidden_ms {
+            0 => None,
+            ms => Some(after(ms)),
+        };
+        let job = Job {
+            operation_id: jobs::operation_id(id),
+            idem_key: idem_key.to_owned(),
+            resource: resource.to_owned(),
+            arguments: body.clone(),
+            ending: shape.ending,
+            ended: ends_at.is_some_and(|end| end <= at),
+            hidden: false,
+            deployment_id: (shape.ending == Ending::Succeeded).then(|| jobs::deployment_id(id)),
+            error: (shape.ending == Ending::Failed).then(|| jobs::FAILURE.to_owned()),
+            created_at: at,
+        };
+        // The mutation is the business change (the job was started), counted like any
+        // other; its receipt is the acceptance, the final receipt is the job's.
+        sqlx::query(self.sql(
+            "INSERT INTO {s}.mutations
+                 (id, mode, resource, idem_key, arguments, receipt_id, receipt, created_at)
+             VALUES ($1, 'async', $2, $3, $4, $5, $6, $7)",
+        ))
+        .bind(id)
+        .bind(resource)
+        .bind(idem_key)
+        .bind(body)
+        .bind(&job.operation_id)
+        .bind(job.document())
+        .bind(at)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(self.sql(
+            "INSERT INTO {s}.async_jobs
+                 (id, operation_id, idem_key, resource, arguments, outcome, delay_ms, ends_at,
+                  not_found_until, deployment_id, error, created_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+        ))
+        .bind(id)
+        .bind(&job.operation_id)
+        .bind(idem_key)
+        .bind(resource)
+        .bind(body)
+        .bind(shape.ending.as_str())
+        .bind(i64::try_from(shape.delay_ms).unwrap_or(i64::MAX))
+        .bind(ends_at)
+        .bind(not_found_until)
+        .bind(&job.deployment_id)
+        .bind(&job.error)
+        .bind(at)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(AsyncWrite::Created(job))
+    }
+
+    /// The job with this operation id, as it is now.
+    pub async fn async_job(&self, operation_id: &str) -> Result<Option<Job>> {
+        let row: Option<JobRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {JOB_COLUMNS} FROM {}.async_jobs WHERE operation_id = $1",
+            self.schema
+        )))
+        .bind(operation_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(job_from_row).transpose()
+    }
+
+    /// The job created under this key on this resource, as it is now.
+    pub async fn async_job_by_key(&self, resource: &str, idem_key: &str) -> Result<Option<Job>> {
+        let row: Option<JobRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {JOB_COLUMNS} FROM {}.async_jobs WHERE idem_key = $1 AND resource = $2",
+            self.schema
+        )))
+        .bind(idem_key)
+        .bind(resource)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(job_from_row).transpose()
+    }
+
+    /// (idempotency key, resource) of the job with this operation id: what a status read
+    /// is matched to faults and logged by.
+    pub async fn async_job_identity(&self, operation_id: &str) -> Result<Option<(String, String)>> {
+        let found = sqlx::query_as(
+            self.sql("SELECT idem_key, resource FROM {s}.async_jobs WHERE operation_id = $1"),
+        )
+        .bind(operation_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(found)
     }
 
     /// Receipt of the first mutation with this key on this resource.

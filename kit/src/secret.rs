@@ -1,5 +1,6 @@
 //! Comparing secrets (bearer tokens) without telling an attacker, through the answer time, how
-//! much of a guess was right or how long the real token is.
+//! much of a guess was right or how long the real token is; and the message authentication
+//! code (HMAC-SHA256) the console's cookies and the signed callbacks use.
 
 use sha2::{Digest, Sha256};
 
@@ -23,6 +24,27 @@ pub fn digests_eq(x: &[u8; 32], y: &[u8; 32]) -> bool {
         .fold(0u8, |acc, (p, q)| acc | (p ^ q));
     // Keeps the compiler from turning the fold into an early-exit comparison.
     std::hint::black_box(diff) == 0
+}
+
+/// HMAC-SHA256 (RFC 2104).
+pub fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
+    const BLOCK: usize = 64;
+    let mut block = [0u8; BLOCK];
+    if key.len() > BLOCK {
+        block[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        block[..key.len()].copy_from_slice(key);
+    }
+    let pad = |byte: u8| block.map(|b| b ^ byte);
+    let inner = Sha256::new()
+        .chain_update(pad(0x36))
+        .chain_update(message)
+        .finalize();
+    Sha256::new()
+        .chain_update(pad(0x5c))
+        .chain_update(inner)
+        .finalize()
+        .into()
 }
 
 #[cfg(test)]

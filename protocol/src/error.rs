@@ -78,10 +78,10 @@ pub enum DecodeError {
         /// The limit.
         max: usize,
     },
-    /// A string or key in `arguments` contains U+0000 (NUL), which the ledger (Postgres `jsonb`)
-    /// cannot store; carries the path of the first one, e.g. `arguments.note`.
+    /// A string or key in `arguments` contains U+0000 (NUL), which a downstream keeping JSON in
+    /// Postgres `jsonb` cannot store; carries the path of the first one, e.g. `arguments.note`.
     #[error(
-        "{0} contains U+0000 (NUL), which the ledger cannot store; remove it or encode the value (e.g. base64)"
+        "{0} contains U+0000 (NUL), which a downstream keeping JSON in Postgres jsonb cannot store; remove it or encode the value (e.g. base64)"
     )]
     NulCharacter(String),
 }

@@ -197,8 +197,9 @@ pub fn salvage_reply_to(body: &[u8]) -> Option<String> {
 }
 
 /// Where the first U+0000 in `value` (a string or an object key) is, as a path such as
-/// `arguments.a[1].b`. Postgres `jsonb` cannot store it, so neither the request nor a receipt
-/// that echoes it could be recorded.
+/// `arguments.a[1].b`. Refused: a downstream keeping JSON in Postgres `jsonb` (as many do)
+/// cannot store it, nor the receipt that echoes it. (The worker keeps a receipt as sent,
+/// U+0000 included.)
 fn nul_path(value: &Value, at: &str) -> Option<String> {
     enum Step<'a> {
         Index(usize),

@@ -26,6 +26,6 @@ pub use intent::{
     MAX_ACTION_KEY_BYTES, MAX_INTENT_BYTES, MAX_KEY_LEN, MAX_TOOL_LEN,
 };
 pub use result::{
-    result_routing_key, tenant_binding_keys, RejectReason, ResultEvent, Status,
-    MAX_ROUTING_KEY_BYTES, REPLY_WORD,
+    result_routing_key, tenant_binding_keys, RejectReason, ResultEvent, Status, Uncertainty,
+    VerifiedBy, MAX_ROUTING_KEY_BYTES, REPLY_WORD,
 };

@@ -76,6 +76,74 @@ impl fmt::Display for RejectReason {
     }
 }
 
+/// How an answer is known: which call or person established it (a result event's
+/// `verified_by`, on `succeeded` and `failed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VerifiedBy {
+    /// The downstream's answer to the first write (or a retry proven needed).
+    Dispatch,
+    /// The answer to a replay of the original request under the same key.
+    Replay,
+    /// A lookup of the operation by its key.
+    Lookup,
+    /// A poll of a long-running operation's status URL.
+    Poll,
+    /// A signed completion callback the downstream sent.
+    Callback,
+    /// The answer to a write whose lease had run out, arriving after the row moved on.
+    LateReceipt,
+    /// A person, through the operator actions (`operator` names them).
+    Operator,
+    /// A source this version does not know (a newer worker's).
+    #[serde(other)]
+    Other,
+}
+
+impl VerifiedBy {
+    /// The wire spelling, e.g. `"poll"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            VerifiedBy::Dispatch => "dispatch",
+            VerifiedBy::Replay => "replay",
+            VerifiedBy::Lookup => "lookup",
+            VerifiedBy::Poll => "poll",
+            VerifiedBy::Callback => "callback",
+            VerifiedBy::LateReceipt => "late_receipt",
+            VerifiedBy::Operator => "operator",
+            VerifiedBy::Other => "other",
+        }
+    }
+}
+
+/// What remains uncertain about a `pending` action, and so what the agent may expect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Uncertainty {
+    /// The write may or may not have happened; the worker recovers it as the tool allows.
+    UnknownOutcome,
+    /// Nothing is in doubt yet: the write is on its way, waits for a retry proven safe, or
+    /// was accepted by the downstream and is being polled until it is done.
+    InProgress,
+    /// Recovery cannot proceed automatically: a person must decide.
+    Held,
+    /// A kind this version does not know (a newer worker's).
+    #[serde(other)]
+    Other,
+}
+
+impl Uncertainty {
+    /// The wire spelling, e.g. `"in_progress"`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Uncertainty::UnknownOutcome => "unknown_outcome",
+            Uncertainty::InProgress => "in_progress",
+            Uncertainty::Held => "held",
+            Uncertainty::Other => "other",
+        }
+    }
+}
+
 /// One result event, routed to the agent by tenant.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ResultEvent {
@@ -104,6 +172,23 @@ pub struct ResultEvent {
     /// Machine detail for `rejected`, e.g. a [`crate::DecodeError::code`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+    /// How the answer is known; on `succeeded` and `failed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verified_by: Option<VerifiedBy>,
+    /// The operator who settled the action, when `verified_by` is `operator`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operator: Option<String>,
+    /// The downstream's identifier: the receipt id on `succeeded`, the downstream's operation
+    /// id once it accepted a long-running write.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_id: Option<String>,
+    /// What remains uncertain; on `pending`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uncertainty: Option<Uncertainty>,
+    /// On `pending`: when the worker looks again (its next poll or recovery round), in
+    /// milliseconds from `occurred_at`; absent while nothing is scheduled (a person decides).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
     /// Unique per event, so agents can drop redelivered copies.
     pub event_id: String,
     /// When the state was reached, RFC 3339.

@@ -136,6 +136,12 @@ impl Env {
         ))
     }
 
+    /// Writes a tools file of one long-running tool: [`async_tool`]`("deploy", port,
+    /// "deployments", poll, extra)`.
+    pub fn async_tools(&self, port: u16, poll: (u64, u64, u64), extra: &str) -> PathBuf {
+        self.write_tools(&async_tool("deploy", port, "deployments", poll, extra))
+    }
+
     /// One operation's row: (state, receipt, attempts, fence).
     pub async fn operation(&self, tenant: &str, action_id: &str) -> Option<OpRow> {
         sqlx::query_as(
@@ -190,6 +196,25 @@ impl Env {
     pub async fn writes(&self, key: &str) -> i64 {
         self.count(
             "SELECT count(*) FROM downstream.requests WHERE kind = 'write' AND idem_key = $1",
+            key,
+        )
+        .await
+    }
+
+    /// Jobs the downstream's async mode created for a key (a long-running write: never more
+    /// than one per key).
+    pub async fn async_jobs(&self, key: &str) -> i64 {
+        self.count(
+            "SELECT count(*) FROM downstream.async_jobs WHERE idem_key = $1",
+            key,
+        )
+        .await
+    }
+
+    /// Status reads (polls) of the async job of a key.
+    pub async fn status_reads(&self, key: &str) -> i64 {
+        self.count(
+            "SELECT count(*) FROM downstream.requests WHERE kind = 'status' AND idem_key = $1",
             key,
         )
         .await
@@ -290,4 +315,34 @@ kit::pg_row! {
         pub recovery_attempts: i32,
         pub evidence: Option<String>,
     }
+}
+
+/// The tools-file entry of a long-running tool `name` against the reference downstream's async
+/// jobs at `port` (`POST /async/<resource>`, its status read by operation id, done or failed by
+/// `/state`, the final document's `/deployment_id` as the receipt id, echoing the action key),
+/// polled per `poll` = (`first_ms`, `max_ms`, `deadline_secs`), recovered by replay, with
+/// `extra` lines (other keys of the same table) appended.
+pub fn async_tool(
+    name: &str,
+    port: u16,
+    resource: &str,
+    (first_ms, max_ms, deadline_secs): (u64, u64, u64),
+    extra: &str,
+) -> String {
+    format!(
+        "[tools.{name}]\n\
+         url = \"http://127.0.0.1:{port}/async/{resource}\"\n\
+         completion = \"async\"\n\
+         operation_id = \"/operation_id\"\n\
+         status_url = \"http://127.0.0.1:{port}/async/operations/{{operation_id}}\"\n\
+         done_match = {{ \"/state\" = \"succeeded\" }}\n\
+         failed_match = {{ \"/state\" = \"failed\" }}\n\
+         receipt_id = \"/deployment_id\"\n\
+         receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n\
+         poll = {{ first_ms = {first_ms}, max_ms = {max_ms}, deadline_secs = {deadline_secs} }}\n\
+         recovery = \"replay\"\n\
+         replay_window_secs = 3600\n\
+         timeout_ms = 2000\n\
+         {extra}\n"
+    )
 }

@@ -39,7 +39,7 @@ pub mod wait;
 
 pub use agent::{cleanup, intent, Agent};
 pub use broker_user::{publish_as, rabbitmqctl, BrokerUser};
-pub use env::{Env, Topology};
+pub use env::{async_tool, Env, Topology};
 pub use mcp_gateway::McpGateway;
 pub use otlp::OtlpReceiver;
 pub use procs::{free_port, metric_value, Downstream, Worker, WorkerOptions};

@@ -9,6 +9,19 @@
 //! tables, the ledger and the events the agent received, and the seeds' measures are
 //! computed.
 //!
+//! Two of the tools are long-running (`completion = "async"`, one recovered by replay, one by
+//! lookup by key): their write is accepted (202 and an operation id) and the worker polls the
+//! job's status URL. Each async action's job is planned by the seed and armed at the downstream
+//! as job faults keyed by its key: a run spread around the poll schedule, some ending failed,
+//! some hidden (status 404) for a while after acceptance, and a few that never end (only where
+//! the poll deadline falls before the faults end, so the settle sees them held). The chaos adds
+//! status-read faults (5xx, flapping, slow, dropped, another operation's document) to the rest.
+//! Checked from the downstream's `async_jobs` and request log: one job per key, never
+//! `succeeded` before the job ended succeeded (nor before an answer sent after its end), with
+//! its final status document as the receipt; never `failed` unless it ended failed (or was
+//! never applied); held only at the poll deadline of a job that never ends; none left
+//! `accepted`.
+//!
 //! With [`SoakConfig::pg_failover`] the ledger lives on a Postgres primary and synchronous
 //! standby of the soak's own ([`PgPair`]); every worker is given both hosts (libpq's multi-host
 //! `DATABASE_URL`, no proxy: the Postgres link faults are left out, the others stay). At seeded
@@ -60,6 +73,23 @@ const TIMEOUT_MS: u64 = 1500;
 const RESUME_CAP: Duration = Duration::from_secs(60);
 /// How long before a delivered answer a SIGKILL of its receiver still counts as having lost it.
 const KILL_RACE: chrono::TimeDelta = chrono::TimeDelta::milliseconds(100);
+/// The async tools' poll schedule: the first poll about `FIRST` after the acceptance, then
+/// about as long after the previous one as the operation is old, at most `MAX` (±50 % jitter).
+const ASYNC_POLL_FIRST_MS: u64 = 200;
+const ASYNC_POLL_MAX_MS: u64 = 1500;
+/// The async tools' poll deadline: an accepted job not seen done or failed by then is held
+/// (`async_deadline`). Far above the longest planned job ([`ASYNC_MAX_DELAY_MS`], its status
+/// hidden at most [`ASYNC_MAX_HIDDEN_MS`]) plus the longest outage the chaos causes (a worker
+/// SIGKILLed while it leased the row: [`LEASE_SECS`]; a link cut: up to 5 s), so that only a
+/// job planned stuck reaches it; stuck jobs are planned only where the settle reaches it.
+pub const ASYNC_DEADLINE_SECS: u64 = 12;
+/// Longest planned run of an async job (delays are spread around the poll schedule).
+const ASYNC_MAX_DELAY_MS: u64 = 4000;
+/// Longest planned `status_not_found` window (the status URL answers 404 after acceptance).
+const ASYNC_MAX_HIDDEN_MS: u64 = 2500;
+/// How far the downstream's timestamps (its clock, its process) may be compared with the
+/// ledger's and the worker's (the same host clock, other processes and transactions).
+const CLOCK_TOLERANCE: chrono::TimeDelta = chrono::TimeDelta::milliseconds(100);
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -133,22 +163,39 @@ pub struct NodeLoss {
     pub restart_took: Duration,
 }
 
-/// A tool's recovery capability; each has one tool in the soak's tools file.
+/// A tool's recovery capability and completion; each has one tool in the soak's tools file.
+/// The async ones are long-running (`completion = "async"`): their write is accepted (202 with
+/// an operation id) and the worker polls the job's status URL until it is done, failed, or past
+/// the poll deadline ([`ASYNC_DEADLINE_SECS`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Capability {
     Replay,
     Lookup,
     None,
+    /// Async, a lost acceptance recovered by replaying the write under the same key (the
+    /// downstream answers a repeat with the same operation).
+    AsyncReplay,
+    /// Async, a lost acceptance recovered by a lookup by key (which may find the job still
+    /// running: an acceptance too).
+    AsyncLookup,
 }
 
 impl Capability {
-    pub const ALL: [Capability; 3] = [Capability::Replay, Capability::Lookup, Capability::None];
+    pub const ALL: [Capability; 5] = [
+        Capability::Replay,
+        Capability::Lookup,
+        Capability::None,
+        Capability::AsyncReplay,
+        Capability::AsyncLookup,
+    ];
 
     pub fn tool(self) -> &'static str {
         match self {
             Capability::Replay => "refund",
             Capability::Lookup => "ticket",
             Capability::None => "deploy",
+            Capability::AsyncReplay => "rollout",
+            Capability::AsyncLookup => "export",
         }
     }
 
@@ -157,7 +204,19 @@ impl Capability {
             Capability::Replay => "replay",
             Capability::Lookup => "lookup",
             Capability::None => "none",
+            Capability::AsyncReplay => "async-replay",
+            Capability::AsyncLookup => "async-lookup",
         }
+    }
+
+    /// A long-running tool (`completion = "async"`).
+    pub fn is_async(self) -> bool {
+        matches!(self, Capability::AsyncReplay | Capability::AsyncLookup)
+    }
+
+    /// Recovered by replaying the write: a second write under the key is allowed.
+    pub fn replays(self) -> bool {
+        matches!(self, Capability::Replay | Capability::AsyncReplay)
     }
 }
 
@@ -174,6 +233,58 @@ pub struct CapabilityFigures {
     pub mutations: i64,
     pub writes: i64,
     pub lookups: i64,
+}
+
+/// What the async tools' jobs did, as the downstream's `async_jobs` and request log have it,
+/// and how the worker followed them (ledger, `operation_history`, result events).
+#[derive(Debug, Clone, Default)]
+pub struct AsyncFigures {
+    /// Async actions published (distinct keys).
+    pub actions: usize,
+    /// Job faults armed per kind (`async_delay`, `async_fail`, `async_stuck`,
+    /// `status_not_found`), keyed by the action's key.
+    pub planned: BTreeMap<String, usize>,
+    /// Jobs the downstream created, by how they end (`succeeded`, `failed`, `stuck`).
+    pub jobs: BTreeMap<String, usize>,
+    /// Jobs whose status URL answered 404 for a while after creation.
+    pub hidden: usize,
+    /// Keys with more than one job (target 0). The downstream keeps one job per key (a repeat
+    /// finds the first one), so a second job-creating write would show here only if that
+    /// guard broke; the worker's repeated writes are counted as writes and mutations.
+    pub duplicate_jobs: usize,
+    /// Status reads (polls) of every job, and the most any one job had.
+    pub polls: i64,
+    pub max_polls: i64,
+    /// First acceptance in the ledger to the final state, per async action that got both (ms).
+    pub accepted_to_final_ms: Vec<i64>,
+    /// The job's end at the downstream to the worker's final state (succeeded or failed), per
+    /// ended job (ms): how soon the poll schedule noticed.
+    pub end_to_final_ms: Vec<i64>,
+    /// `verified_by` of the final answers the agent received for async actions.
+    pub verified_by: BTreeMap<String, usize>,
+    /// Rows held at the poll deadline for a job that never ends (expected, checked).
+    pub held_at_deadline: usize,
+    /// Async rows held at the poll deadline for a job that ended, or before the deadline
+    /// (violations).
+    pub held_not_planned: usize,
+    /// Async rows still `accepted` after the settle (violations).
+    pub still_accepted: usize,
+    /// Async actions settled `succeeded` or `failed` (ledger or event) in agreement with their
+    /// job, but before any true answer sent after the job's end had been delivered: read from
+    /// another operation's document (violations).
+    pub unproven: usize,
+    /// Async actions whose agent was told (a `pending` event's `remote_id`) an operation id
+    /// that is not its job's.
+    pub misdirected: usize,
+}
+
+/// The `p` percentile of sorted `v`.
+fn percentile(v: &[i64], p: f64) -> Option<i64> {
+    if v.is_empty() {
+        return None;
+    }
+    let idx = ((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1;
+    Some(v[idx])
 }
 
 /// What the soak did and found.
@@ -223,7 +334,11 @@ pub struct SoakReport {
     pub failover: Option<FailoverFigures>,
     /// Set in [`SoakConfig::cluster`] mode.
     pub node_losses: Vec<NodeLoss>,
+    /// Long-running operations of the async tools.
+    pub async_figures: AsyncFigures,
     pub settled: bool,
+    /// What was still outstanding at the settle cap, when it did not settle.
+    pub settle_outstanding: Option<String>,
     /// From the end of the faults to settled (or to the settle cap).
     pub settle_time: Duration,
     pub elapsed: Duration,
@@ -233,12 +348,7 @@ pub struct SoakReport {
 
 impl SoakReport {
     fn percentile(&self, p: f64) -> Option<i64> {
-        let v = &self.recovery_latencies_ms;
-        if v.is_empty() {
-            return None;
-        }
-        let idx = ((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1;
-        Some(v[idx])
+        percentile(&self.recovery_latencies_ms, p)
     }
 }
 
@@ -257,6 +367,9 @@ impl fmt::Display for SoakReport {
             self.settled,
             self.settle_time.as_secs_f64()
         )?;
+        if let Some(outstanding) = &self.settle_outstanding {
+            writeln!(f, "  not settled: {outstanding}")?;
+        }
         let faults: Vec<String> = self
             .downstream_faults
             .iter()
@@ -272,7 +385,7 @@ impl fmt::Display for SoakReport {
         )?;
         writeln!(
             f,
-            "{:<8} {:>7} {:>9} {:>6} {:>10} {:>10} {:>9} {:>6} {:>7}",
+            "{:<12} {:>7} {:>9} {:>6} {:>10} {:>10} {:>9} {:>6} {:>7}",
             "tool",
             "actions",
             "succeeded",
@@ -286,7 +399,7 @@ impl fmt::Display for SoakReport {
         for (cap, c) in &self.per_capability {
             writeln!(
                 f,
-                "{:<8} {:>7} {:>9} {:>6} {:>10} {:>10} {:>9} {:>6} {:>7}",
+                "{:<12} {:>7} {:>9} {:>6} {:>10} {:>10} {:>9} {:>6} {:>7}",
                 cap.as_str(),
                 c.actions,
                 c.succeeded,
@@ -296,6 +409,56 @@ impl fmt::Display for SoakReport {
                 c.mutations,
                 c.writes,
                 c.lookups
+            )?;
+        }
+        let a = &self.async_figures;
+        if a.actions > 0 {
+            let list = |m: &BTreeMap<String, usize>| {
+                m.iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            let jobs: usize = a.jobs.values().sum();
+            writeln!(
+                f,
+                "async: {} actions, {jobs} jobs ({}; {} with a 404 window), duplicate jobs {}; armed: {}",
+                a.actions,
+                list(&a.jobs),
+                a.hidden,
+                a.duplicate_jobs,
+                list(&a.planned)
+            )?;
+            writeln!(
+                f,
+                "  polls (status reads): {}, {:.1} per job (most {}); verified by: {}",
+                a.polls,
+                a.polls as f64 / jobs.max(1) as f64,
+                a.max_polls,
+                list(&a.verified_by)
+            )?;
+            let mut acc = a.accepted_to_final_ms.clone();
+            acc.sort_unstable();
+            let mut end = a.end_to_final_ms.clone();
+            end.sort_unstable();
+            writeln!(
+                f,
+                "  accepted → final p50/p99: {} / {} (n={}); job end → worker's final p50/p99: {} / {} (n={})",
+                ms(percentile(&acc, 0.50)),
+                ms(percentile(&acc, 0.99)),
+                acc.len(),
+                ms(percentile(&end, 0.50)),
+                ms(percentile(&end, 0.99)),
+                end.len()
+            )?;
+            writeln!(
+                f,
+                "  held at the poll deadline: {} (jobs that never end: {}); held otherwise at a deadline: {}; still accepted after the settle: {}; agent told another operation id: {}",
+                a.held_at_deadline,
+                a.jobs.get("stuck").copied().unwrap_or(0),
+                a.held_not_planned,
+                a.still_accepted,
+                a.misdirected
             )?;
         }
         writeln!(
@@ -308,8 +471,17 @@ impl fmt::Display for SoakReport {
         writeln!(f, "lost final answers:         {}", self.lost_answers)?;
         writeln!(f, "false success:              {}", self.false_success)?;
         writeln!(f, "false failure:              {}", self.false_failure)?;
+        writeln!(
+            f,
+            "unproven async verdicts:    {} (true, but read before any true answer after the job's end)",
+            self.async_figures.unproven
+        )?;
         writeln!(f, "false rejection:            {}", self.false_rejection)?;
-        writeln!(f, "unresolved (held/unknown):  {}", self.unresolved)?;
+        writeln!(
+            f,
+            "unresolved (held/unknown):  {} ({} of them held at the poll deadline of a job that never ends, as planned)",
+            self.unresolved, self.async_figures.held_at_deadline
+        )?;
         for k in self.unresolved_keys.iter().take(12) {
             writeln!(f, "  {k}")?;
         }
@@ -367,7 +539,7 @@ impl fmt::Display for SoakReport {
         }
         writeln!(
             f,
-            "recovery latency p50/p99:   {} / {} (n={}, first pending to final answer)",
+            "recovery latency p50/p99:   {} / {} (n={}, first pending to final answer, sync tools)",
             ms(self.percentile(0.50)),
             ms(self.percentile(0.99)),
             self.recovery_latencies_ms.len()
@@ -428,11 +600,27 @@ struct Planned {
     republish: bool,
 }
 
-/// A key the agent published, with its tool.
+/// A key the agent published, with its tool (and the job planned for an async one).
 struct Action {
     tenant: &'static str,
     action_id: String,
     cap: Capability,
+    job: Option<JobPlan>,
+}
+
+/// How an async action's job is to run, armed at the downstream as job faults keyed by the
+/// action's key before the agent publishes (`async_delay`, `async_fail`, `async_stuck`,
+/// `status_not_found`); a job created after the faults stopped runs the downstream's default
+/// (succeeds after 1 s). The checks read what the job did from the downstream's `async_jobs`,
+/// never from this plan.
+#[derive(Debug, Clone, Copy)]
+struct JobPlan {
+    /// From creation to the end (spread around the poll schedule).
+    delay_ms: u64,
+    /// `succeeded`, `failed` or `stuck` (never ends: held at the poll deadline).
+    ending: &'static str,
+    /// The status URL answers 404 this long after creation (0: not at all).
+    hidden_ms: u64,
 }
 
 impl Action {
@@ -441,23 +629,41 @@ impl Action {
     }
 }
 
-/// The soak's tools file: one tool per capability against the reference downstream.
+/// The soak's tools file: one tool per capability against the reference downstream; the async
+/// ones on its `/async/...` jobs, polled through `/async/operations/{operation_id}`.
 pub fn tools_toml(port: u16) -> String {
     let base = format!("http://127.0.0.1:{port}");
-    let common = format!(
-        "receipt_id = \"/receipt_id\"\n\
-         receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n\
-         timeout_ms = {TIMEOUT_MS}\n\
+    let limits = format!(
+        "timeout_ms = {TIMEOUT_MS}\n\
          recovery_attempts = 6\n\
          retry = {{ initial_delay_ms = 100, max_delay_ms = 1000, not_applied_statuses = [429] }}\n\
          budget = {{ ratio = 0.5, floor_per_minute = 60 }}\n"
+    );
+    let common = format!(
+        "receipt_id = \"/receipt_id\"\n\
+         receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n{limits}"
+    );
+    let long_running = format!(
+        "completion = \"async\"\n\
+         operation_id = \"/operation_id\"\n\
+         status_url = \"{base}/async/operations/{{operation_id}}\"\n\
+         done_match = {{ \"/state\" = \"succeeded\" }}\n\
+         failed_match = {{ \"/state\" = \"failed\" }}\n\
+         receipt_id = \"/deployment_id\"\n\
+         receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n\
+         poll = {{ first_ms = {ASYNC_POLL_FIRST_MS}, max_ms = {ASYNC_POLL_MAX_MS}, \
+         deadline_secs = {ASYNC_DEADLINE_SECS} }}\n{limits}"
     );
     format!(
         "[tools.refund]\nurl = \"{base}/replay/refunds\"\nrecovery = \"replay\"\n\
          replay_window_secs = 3600\nreplay_safety_margin_secs = 60\n{common}\n\
          [tools.ticket]\nurl = \"{base}/lookup/tickets\"\nrecovery = \"lookup\"\n\
          lookup_url = \"{base}/lookup/tickets/by-key/{{key}}\"\n{common}\n\
-         [tools.deploy]\nurl = \"{base}/none/deploys\"\nrecovery = \"none\"\n{common}\n"
+         [tools.deploy]\nurl = \"{base}/none/deploys\"\nrecovery = \"none\"\n{common}\n\
+         [tools.rollout]\nurl = \"{base}/async/rollouts\"\nrecovery = \"replay\"\n\
+         replay_window_secs = 3600\nreplay_safety_margin_secs = 60\n{long_running}\n\
+         [tools.export]\nurl = \"{base}/async/exports\"\nrecovery = \"lookup\"\n\
+         lookup_url = \"{base}/async/exports/by-key/{{key}}\"\n{long_running}\n"
     )
 }
 
@@ -491,7 +697,7 @@ fn plan(cfg: &SoakConfig, rng: &mut fastrand::Rng) -> (Vec<Action>, Vec<Planned>
     for i in 0..cfg.intents {
         let at = Duration::from_secs_f64(span * i as f64 / cfg.intents as f64);
         let tenant = TENANTS[rng.usize(..TENANTS.len())];
-        let cap = Capability::ALL[rng.usize(..3)];
+        let cap = Capability::ALL[rng.usize(..Capability::ALL.len())];
         let action_id = action_id(rng, i);
         let amount = rng.u64(1..1_000_000);
         let note = note(rng);
@@ -533,14 +739,101 @@ fn plan(cfg: &SoakConfig, rng: &mut fastrand::Rng) -> (Vec<Action>, Vec<Planned>
                 republish: true,
             });
         }
+        // An async job: its run spread around the poll schedule (done before the first
+        // poll, around it, between polls, over several), some failing, some hidden for a
+        // while after acceptance; stuck only early enough that the settle sees it held.
+        let job = cap.is_async().then(|| {
+            let delay_ms = match rng.u8(..8) {
+                0 => 0,
+                1 | 2 => rng.u64(50..400),
+                3..=5 => rng.u64(400..1500),
+                _ => rng.u64(1500..=ASYNC_MAX_DELAY_MS),
+            };
+            let ending = match rng.u8(..100) {
+                n if n < 8 && stuck_allowed(cfg, at) => "stuck",
+                n if n < 8 => "succeeded",
+                n if n < 22 => "failed",
+                _ => "succeeded",
+            };
+            let hidden_ms = match rng.u8(..5) {
+                0 => rng.u64(100..=ASYNC_MAX_HIDDEN_MS),
+                _ => 0,
+            };
+            JobPlan {
+                delay_ms,
+                ending,
+                hidden_ms,
+            }
+        });
         actions.push(Action {
             tenant,
             action_id,
             cap,
+            job,
         });
+    }
+    // At least one stuck job where one may be (the deadline hold is a checked outcome).
+    let stuck = actions
+        .iter()
+        .any(|a| a.job.is_some_and(|j| j.ending == "stuck"));
+    if !stuck {
+        let span = cfg.seconds as f64;
+        let first = actions.iter_mut().enumerate().find(|(i, a)| {
+            let at = Duration::from_secs_f64(span * *i as f64 / cfg.intents as f64);
+            a.job.is_some() && stuck_allowed(cfg, at)
+        });
+        if let Some((_, a)) = first {
+            if let Some(job) = a.job.as_mut() {
+                job.ending = "stuck";
+            }
+        }
     }
     planned.sort_by_key(|p| p.at);
     (actions, planned)
+}
+
+/// Whether a job published `at` into the faults may be planned stuck: its poll deadline (after
+/// some slack for the acceptance itself) comes before the faults end, so the settle sees it
+/// held.
+fn stuck_allowed(cfg: &SoakConfig, at: Duration) -> bool {
+    at + Duration::from_secs(ASYNC_DEADLINE_SECS + 3) <= Duration::from_secs(cfg.seconds)
+}
+
+/// Arms every async action's planned job faults, keyed by its key (taken only by the write
+/// that creates its job).
+async fn arm_jobs(downstream: &Downstream, actions: &[Action], report: &mut SoakReport) {
+    let http = crate::http();
+    let faults_url = format!("http://127.0.0.1:{}/_control/faults", downstream.port);
+    for a in actions {
+        let Some(job) = a.job else { continue };
+        let key = a.key();
+        let mut specs = vec![json!({"kind": "async_delay", "key": key, "delay_ms": job.delay_ms})];
+        match job.ending {
+            "failed" => specs.push(json!({"kind": "async_fail", "key": key})),
+            "stuck" => specs.push(json!({"kind": "async_stuck", "key": key})),
+            _ => {}
+        }
+        if job.hidden_ms > 0 {
+            specs.push(json!({"kind": "status_not_found", "key": key, "delay_ms": job.hidden_ms}));
+        }
+        for spec in specs {
+            let label = spec["kind"].as_str().unwrap_or("?").to_string();
+            let ok = http
+                .post(&faults_url)
+                .header("content-type", "application/json")
+                .body(spec.to_string())
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ok {
+                *report.async_figures.planned.entry(label).or_default() += 1;
+            } else {
+                report
+                    .violations
+                    .push(format!("harness: could not arm the job faults of {key}"));
+            }
+        }
+    }
 }
 
 /// One worker slot: its links and its current process. No Postgres proxy in
@@ -706,6 +999,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     }
     let env = Arc::new(env);
     let downstream = Downstream::start(&env).await;
+    arm_jobs(&downstream, &actions, &mut report).await;
     let tools = env.write_tools(&tools_toml(downstream.port));
     let mut opts = WorkerOptions::new(tools);
     opts.lease_secs = LEASE_SECS;
@@ -953,7 +1247,9 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         None => env.pool.clone(),
     };
     let settle_started = Instant::now();
-    report.settled = settle(&ledger, &actions, &events, cfg.settle_secs).await;
+    let outstanding = settle(&ledger, &actions, &events, &fleet.kills, cfg.settle_secs).await;
+    report.settled = outstanding.is_none();
+    report.settle_outstanding = outstanding;
     report.settle_time = settle_started.elapsed();
     stop_supervising.store(true, Ordering::SeqCst);
     let _ = supervisor.await;
@@ -1236,7 +1532,7 @@ async fn chaos(
             }
             _ => {
                 let times = rng.u32(1..4);
-                let spec = match rng.u8(..11) {
+                let spec = match rng.u8(..15) {
                     0 | 1 => json!({"kind": "drop_after_commit", "times": times}),
                     2 => json!({"kind": "drop_before_commit", "times": times}),
                     3 => json!({"kind": "slow", "times": times, "delay_ms": rng.u64(200..2500)}),
@@ -1248,12 +1544,25 @@ async fn chaos(
                     7 => json!({"kind": "status_after_commit", "times": times, "status": 500}),
                     8 => json!({"kind": "status", "times": 1, "status": 403}),
                     9 => json!({"kind": "wrong_receipt", "times": 1}),
-                    _ => json!({"kind": "lookup_miss", "times": times}),
+                    10 => json!({"kind": "lookup_miss", "times": times}),
+                    // The async jobs' status URL: 5xx, flapping (every other read), slow
+                    // (straddling the timeout), or another operation's document.
+                    11 => {
+                        let status = [500, 502, 503][rng.usize(..3)];
+                        json!({"kind": "status_error", "times": times, "status": status,
+                               "every": rng.u32(1..3)})
+                    }
+                    12 => json!({"kind": "status_slow", "times": times,
+                                 "delay_ms": rng.u64(200..2500)}),
+                    13 => json!({"kind": "drop_before_commit", "on": "status", "times": times}),
+                    _ => json!({"kind": "wrong_receipt", "on": "status", "times": 1}),
                 };
-                let label = match spec["kind"].as_str() {
-                    Some("status") => format!("status_{}", spec["status"]),
-                    Some(k) => k.to_string(),
-                    None => "?".into(),
+                let label = match (spec["kind"].as_str(), spec["on"].as_str()) {
+                    (Some("status"), _) => format!("status_{}", spec["status"]),
+                    (Some("status_error"), _) => format!("status_error_{}", spec["status"]),
+                    (Some(k), Some("status")) => format!("{k}(status read)"),
+                    (Some(k), _) => k.to_string(),
+                    (None, _) => "?".into(),
                 };
                 let ok = http
                     .post(&faults_url)
@@ -1271,33 +1580,36 @@ async fn chaos(
 }
 
 /// Waits until every key has a row, none is still moving (`prepared`, `dispatching`,
-/// `retry_wait`, `unknown`), the outbox is published and the agent holds an event for every
-/// key; or until `settle_secs` passed. Returns whether it settled.
+/// `retry_wait`, `unknown`, `accepted`), the outbox is published and the agent holds an event
+/// for every key; or until `settle_secs` passed. Returns `None` once settled, else what was
+/// still outstanding at the cap.
 async fn settle(
     ledger: &PgPool,
     actions: &[Action],
     events: &Mutex<Vec<ResultEvent>>,
+    kills: &Mutex<Vec<(String, DateTime<Utc>)>>,
     settle_secs: u64,
-) -> bool {
+) -> Option<String> {
     let deadline = Instant::now() + Duration::from_secs(settle_secs);
     loop {
         let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM operations")
             .fetch_one(ledger)
             .await
             .unwrap_or(0);
-        let moving: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM operations
-             WHERE state IN ('prepared', 'dispatching', 'retry_wait', 'unknown')",
+        let moving: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT state, count(*) FROM operations
+             WHERE state IN ('prepared', 'dispatching', 'retry_wait', 'unknown', 'accepted')
+             GROUP BY state ORDER BY state",
         )
-        .fetch_one(ledger)
+        .fetch_all(ledger)
         .await
-        .unwrap_or(1);
+        .unwrap_or_else(|_| vec![("?".into(), 1)]);
         let unpublished: i64 =
             sqlx::query_scalar("SELECT count(*) FROM result_events WHERE NOT published")
                 .fetch_one(ledger)
                 .await
                 .unwrap_or(1);
-        let answered = {
+        let unanswered: Vec<String> = {
             let ev = events.lock().unwrap();
             let keys: std::collections::HashSet<(&str, &str)> = ev
                 .iter()
@@ -1305,23 +1617,108 @@ async fn settle(
                 .collect();
             actions
                 .iter()
-                .filter(|a| keys.contains(&(a.tenant, a.action_id.as_str())))
-                .count()
+                .filter(|a| !keys.contains(&(a.tenant, a.action_id.as_str())))
+                .map(Action::key)
+                .collect()
         };
         if rows as usize >= actions.len()
-            && moving == 0
+            && moving.is_empty()
             && unpublished == 0
-            && answered == actions.len()
+            && unanswered.is_empty()
         {
             // Events already published may still be on their way to the agent.
             sleep(Duration::from_secs(1)).await;
-            return true;
+            return None;
         }
         if Instant::now() > deadline {
-            return false;
+            let moving: Vec<String> = moving.iter().map(|(s, n)| format!("{s}={n}")).collect();
+            let unpublished_detail = if unpublished > 0 {
+                unpublished_events(ledger, events, kills).await
+            } else {
+                String::new()
+            };
+            return Some(format!(
+                "{rows} of {} rows; moving: {}; {unpublished} result events not published{unpublished_detail}; {} keys without an event{}",
+                actions.len(),
+                if moving.is_empty() { "none".to_string() } else { moving.join(" ") },
+                unanswered.len(),
+                if unanswered.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (e.g. {})", unanswered.iter().take(3).cloned().collect::<Vec<_>>().join(", "))
+                }
+            ));
         }
         sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// The result events the ledger still counts unpublished (at most 5): their relay epoch, its
+/// watermark and its worker (and when the soak SIGKILLed it: a dead relay's epoch is retired,
+/// and its rows above the watermark published again, only once nothing advanced it for the
+/// relay hold, 30 s), and whether the agent received them all the same.
+async fn unpublished_events(
+    ledger: &PgPool,
+    events: &Mutex<Vec<ResultEvent>>,
+    kills: &Mutex<Vec<(String, DateTime<Utc>)>>,
+) -> String {
+    let kills = kills.lock().unwrap().clone();
+    type Row = (
+        i64,
+        String,
+        String,
+        Option<i64>,
+        Option<String>,
+        Option<i64>,
+        Option<DateTime<Utc>>,
+        DateTime<Utc>,
+    );
+    let rows: Result<Vec<Row>, _> = sqlx::query_as(
+        "SELECT r.id, r.event_id::text, r.status, r.relay_epoch, e.worker_id, e.through_id,
+                e.advanced_at, r.created_at
+         FROM result_events r LEFT JOIN relay_epochs e ON e.id = r.relay_epoch
+         WHERE NOT r.published ORDER BY r.id LIMIT 5",
+    )
+    .fetch_all(ledger)
+    .await;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) => return format!(" [could not read them: {e}]"),
+    };
+    let received: std::collections::HashSet<String> = events
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|e| e.event_id.clone())
+        .collect();
+    let rows: Vec<String> = rows
+        .iter()
+        .map(
+            |(id, event_id, status, epoch, worker, through, advanced, created)| {
+                format!(
+                "outbox id {id} ({status}, created {}) epoch {} of {}{} through {} advanced {}, {}",
+                created.format("%H:%M:%S%.3f"),
+                epoch.map_or("none".into(), |e| e.to_string()),
+                worker.as_deref().unwrap_or("-"),
+                kills
+                    .iter()
+                    .find(|(id, _)| Some(id.as_str()) == worker.as_deref())
+                    .map_or(String::new(), |(_, at)| format!(
+                        " (SIGKILLed at {})",
+                        at.format("%H:%M:%S%.3f")
+                    )),
+                through.map_or("-".into(), |t| t.to_string()),
+                advanced.map_or("-".into(), |t| t.format("%H:%M:%S%.3f").to_string()),
+                if received.contains(event_id) {
+                    "received by the agent"
+                } else {
+                    "not received"
+                }
+            )
+            },
+        )
+        .collect();
+    format!(" [{}]", rows.join("; "))
 }
 
 kit::pg_row! {
@@ -1331,6 +1728,14 @@ kit::pg_row! {
         state: String,
         receipt: Option<Value>,
         evidence: Option<String>,
+        /// The downstream's operation id, once it accepted the write (async tools).
+        remote_id: Option<String>,
+        /// The acceptance + the tool's poll deadline (async tools).
+        poll_deadline: Option<DateTime<Utc>>,
+        /// When the row first became `accepted` (`operation_history`).
+        accepted_at: Option<DateTime<Utc>>,
+        /// When the row first entered its current state (`operation_history`).
+        state_at: Option<DateTime<Utc>>,
     }
 }
 
@@ -1343,9 +1748,27 @@ kit::pg_row! {
         lookups: i64,
         /// HTTP status of each write request in arrival order (`None`: dropped on purpose).
         write_statuses: Vec<Option<i32>>,
-        /// When the downstream finished sending each true answer for the key (a 2xx that is not
-        /// a `wrong_receipt` fault) to a client that was still connected (`requests.replied_at`).
+        /// When the downstream finished sending each true answer to a write or lookup for the
+        /// key (a 2xx that is not a `wrong_receipt` fault) to a client that was still
+        /// connected (`requests.replied_at`).
         delivered: Vec<DateTime<Utc>>,
+        /// Async jobs created under the key (`async_jobs`; at most one).
+        jobs: i64,
+        /// Status reads (polls) of the key's job.
+        status_reads: i64,
+        job_operation_id: Option<String>,
+        /// `succeeded`, `failed` or `stuck`.
+        job_outcome: Option<String>,
+        /// When the job ended (`None`: never, a stuck job).
+        job_ends_at: Option<DateTime<Utc>>,
+        job_deployment_id: Option<String>,
+        job_arguments: Option<Value>,
+        /// The status URL was planned to answer 404 for a while (`status_not_found`).
+        job_hidden: bool,
+        /// The first true answer (a 2xx, not `wrong_receipt`: a write's, a lookup's or a status
+        /// read's) the downstream finished sending after the job had ended: no one can have
+        /// known the job's end before it.
+        end_reply: Option<DateTime<Utc>>,
     }
 }
 
@@ -1386,11 +1809,19 @@ async fn check(
 ) -> Result<()> {
     let events = seen.events;
     let ledger_pool = ledger;
-    let ledger: Vec<LedgerRow> =
-        sqlx::query_as("SELECT tenant, action_id, state, receipt, evidence FROM operations")
-            .fetch_all(ledger_pool)
-            .await
-            .context("read the ledger")?;
+    let downstream_pool = downstream;
+    let ledger: Vec<LedgerRow> = sqlx::query_as(
+        "SELECT o.tenant, o.action_id, o.state, o.receipt, o.evidence, o.remote_id,
+                o.poll_deadline,
+                (SELECT min(h.at) FROM operation_history h
+                 WHERE h.operation_id = o.id AND h.to_state = 'accepted') AS accepted_at,
+                (SELECT min(h.at) FROM operation_history h
+                 WHERE h.operation_id = o.id AND h.to_state = o.state) AS state_at
+         FROM operations o",
+    )
+    .fetch_all(ledger_pool)
+    .await
+    .context("read the ledger")?;
     let ledger: HashMap<(String, String), LedgerRow> = ledger
         .into_iter()
         .map(|r| ((r.tenant.clone(), r.action_id.clone()), r))
@@ -1405,16 +1836,36 @@ async fn check(
                     coalesce(array_agg(status ORDER BY id) FILTER (WHERE kind = 'write'),
                              '{}') AS write_statuses,
                     count(*) FILTER (WHERE kind = 'lookup') AS lookups,
+                    count(*) FILTER (WHERE kind = 'status') AS status_reads,
                     array_agg(replied_at ORDER BY id) FILTER (
-                        WHERE replied_at IS NOT NULL AND status BETWEEN 200 AND 299
+                        WHERE kind IN ('write', 'lookup')
+                          AND replied_at IS NOT NULL AND status BETWEEN 200 AND 299
                           AND fault IS DISTINCT FROM 'wrong_receipt') AS delivered
-             FROM downstream.requests WHERE idem_key IS NOT NULL GROUP BY idem_key)
+             FROM downstream.requests WHERE idem_key IS NOT NULL GROUP BY idem_key),
+         j AS (
+             SELECT idem_key, count(*) AS jobs, min(operation_id) AS job_operation_id,
+                    min(outcome) AS job_outcome, min(ends_at) AS job_ends_at,
+                    min(deployment_id) AS job_deployment_id,
+                    (array_agg(arguments ORDER BY id))[1] AS job_arguments,
+                    bool_or(not_found_until IS NOT NULL) AS job_hidden
+             FROM downstream.async_jobs GROUP BY idem_key),
+         e AS (
+             SELECT q.idem_key, min(q.replied_at) AS end_reply
+             FROM downstream.requests q JOIN downstream.async_jobs a ON a.idem_key = q.idem_key
+             WHERE a.ends_at IS NOT NULL AND q.replied_at >= a.ends_at
+               AND q.status BETWEEN 200 AND 299 AND q.fault IS DISTINCT FROM 'wrong_receipt'
+             GROUP BY q.idem_key)
          SELECT coalesce(m.idem_key, r.idem_key) AS idem_key,
                 coalesce(m.mutations, 0) AS mutations, m.first_receipt,
                 coalesce(r.writes, 0) AS writes, coalesce(r.lookups, 0) AS lookups,
                 coalesce(r.write_statuses, '{}') AS write_statuses,
-                coalesce(r.delivered, '{}') AS delivered
-         FROM m FULL JOIN r ON m.idem_key = r.idem_key",
+                coalesce(r.delivered, '{}') AS delivered,
+                coalesce(j.jobs, 0) AS jobs, coalesce(r.status_reads, 0) AS status_reads,
+                j.job_operation_id, j.job_outcome, j.job_ends_at, j.job_deployment_id,
+                j.job_arguments, coalesce(j.job_hidden, false) AS job_hidden, e.end_reply
+         FROM m FULL JOIN r ON m.idem_key = r.idem_key
+         LEFT JOIN j ON j.idem_key = coalesce(m.idem_key, r.idem_key)
+         LEFT JOIN e ON e.idem_key = coalesce(m.idem_key, r.idem_key)",
     )
     .fetch_all(downstream)
     .await
@@ -1434,6 +1885,7 @@ async fn check(
 
     let mut verification = 0i64;
     let mut held_with_answer = Vec::new();
+    let mut async_violations = Vec::new();
     for a in actions {
         let key = a.key();
         let figures = report.per_capability.entry(a.cap).or_default();
@@ -1445,14 +1897,18 @@ async fn check(
         figures.writes += ds.map_or(0, |d| d.writes);
         figures.lookups += ds.map_or(0, |d| d.lookups);
         verification += ds.map_or(0, |d| d.lookups);
-        if a.cap == Capability::Replay {
+        if a.cap.replays() {
             verification += ds.map_or(0, |d| (d.writes - 1).max(0));
         }
+        if a.cap.is_async() {
+            async_job_figures(&key, ds, report);
+        }
+        let figures = report.per_capability.entry(a.cap).or_default();
         // Without replay, a write may follow another only if that one was proven not applied
         // (here: 429, the tools' only `not_applied_statuses`); after anything else (a dropped
         // reply, a 5xx, an answer the worker no longer waited for) a second send is unsafe even
         // when it happened not to duplicate.
-        if a.cap != Capability::Replay {
+        if !a.cap.replays() {
             let statuses = ds.map_or(&[][..], |d| &d.write_statuses[..]);
             let unsafe_resend = statuses
                 .split_last()
@@ -1496,8 +1952,51 @@ async fn check(
         }
         // Each key counts once per broken invariant; every piece of evidence is listed.
         let (mut false_success, mut false_failure, mut false_rejection) = (false, false, false);
+        let mut unproven = false;
         if let Some(row) = row {
             match row.state.as_str() {
+                "succeeded" if a.cap.is_async() => {
+                    figures.succeeded += 1;
+                    let remote = row.remote_id.as_deref().unwrap_or("none");
+                    match async_success_untrue(&key, ds, row.receipt.as_ref(), row.state_at) {
+                        Some(Untrue::False(why)) => {
+                            false_success = true;
+                            async_violations.push((a, format!(
+                                "false success: ledger row {key} ({}) is succeeded (remote id {remote}) but {why}",
+                                a.cap.as_str()
+                            )));
+                        }
+                        Some(Untrue::Unproven(why)) => {
+                            unproven = true;
+                            async_violations.push((a, format!(
+                                "unproven success: ledger row {key} ({}) is succeeded (remote id {remote}); {why}",
+                                a.cap.as_str()
+                            )));
+                        }
+                        None => {}
+                    }
+                }
+                "failed" if a.cap.is_async() => {
+                    figures.failed += 1;
+                    let remote = row.remote_id.as_deref().unwrap_or("none");
+                    match async_failure_untrue(ds, row.state_at) {
+                        Some(Untrue::False(why)) => {
+                            false_failure = true;
+                            async_violations.push((a, format!(
+                                "false failure: ledger row {key} ({}) is failed (remote id {remote}) but {why}",
+                                a.cap.as_str()
+                            )));
+                        }
+                        Some(Untrue::Unproven(why)) => {
+                            unproven = true;
+                            async_violations.push((a, format!(
+                                "unproven failure: ledger row {key} ({}) is failed (remote id {remote}); {why}",
+                                a.cap.as_str()
+                            )));
+                        }
+                        None => {}
+                    }
+                }
                 "succeeded" => {
                     figures.succeeded += 1;
                     if mutations == 0 || row.receipt.as_ref() != stored {
@@ -1522,14 +2021,25 @@ async fn check(
                 other => {
                     figures.unresolved += 1;
                     report.unresolved += 1;
-                    if let Some(d) = ds.filter(|d| d.mutations > 0 && !d.delivered.is_empty()) {
+                    let evidence = row.evidence.as_deref().unwrap_or("");
+                    let at_deadline = a.cap.is_async() && evidence.starts_with("async_deadline");
+                    if a.cap.is_async() {
+                        if let Some(line) =
+                            async_unsettled(&key, a.cap, row, ds, at_deadline, report)
+                        {
+                            async_violations.push((a, line));
+                        }
+                    }
+                    // A hold at the poll deadline is judged by the async rules above: the
+                    // acceptance delivered is no proof of the end.
+                    let with_answer = ds.filter(|d| d.mutations > 0 && !d.delivered.is_empty());
+                    if let Some(d) = with_answer.filter(|_| !at_deadline) {
                         held_with_answer.push(HeldWithAnswer {
                             action: a,
                             state: other.to_string(),
                             delivered: d.delivered.clone(),
                         });
                     }
-                    let evidence = row.evidence.as_deref().unwrap_or("");
                     report.unresolved_keys.push(format!(
                         "{key} ({}) {other}: {}",
                         a.cap.as_str(),
@@ -1541,7 +2051,53 @@ async fn check(
         let mut sorted = evs.clone();
         sorted.sort_by(|x, y| x.occurred_at.cmp(&y.occurred_at));
         for e in &sorted {
+            let occurred = DateTime::parse_from_rfc3339(&e.occurred_at)
+                .ok()
+                .map(|t| t.with_timezone(&Utc));
             match e.status {
+                Status::Succeeded if a.cap.is_async() => {
+                    let what = match async_success_untrue(&key, ds, e.receipt.as_ref(), occurred) {
+                        Some(Untrue::False(why)) => {
+                            false_success = true;
+                            Some(("false success", why))
+                        }
+                        Some(Untrue::Unproven(why)) => {
+                            unproven = true;
+                            Some(("unproven success", why))
+                        }
+                        None => None,
+                    };
+                    if let Some((what, why)) = what {
+                        report.violations.push(format!(
+                            "{what}: event {} for {key} ({}) says succeeded (verified by {:?}, remote id {:?}); {why}",
+                            e.event_id,
+                            a.cap.as_str(),
+                            e.verified_by,
+                            e.remote_id
+                        ));
+                    }
+                }
+                Status::Failed if a.cap.is_async() => {
+                    let what = match async_failure_untrue(ds, occurred) {
+                        Some(Untrue::False(why)) => {
+                            false_failure = true;
+                            Some(("false failure", why))
+                        }
+                        Some(Untrue::Unproven(why)) => {
+                            unproven = true;
+                            Some(("unproven failure", why))
+                        }
+                        None => None,
+                    };
+                    if let Some((what, why)) = what {
+                        report.violations.push(format!(
+                            "{what}: event {} for {key} ({}) says failed ({:?}); {why}",
+                            e.event_id,
+                            a.cap.as_str(),
+                            e.message.chars().take(300).collect::<String>()
+                        ));
+                    }
+                }
                 Status::Succeeded if mutations == 0 || e.receipt.as_ref() != stored => {
                     false_success = true;
                     report.violations.push(format!(
@@ -1584,7 +2140,13 @@ async fn check(
         report.false_success += usize::from(false_success);
         report.false_failure += usize::from(false_failure);
         report.false_rejection += usize::from(false_rejection);
-        // Recovery latency: the first `pending` to the first final answer after it.
+        report.async_figures.unproven += usize::from(unproven);
+        if a.cap.is_async() {
+            async_latencies(row, ds, &sorted, &mut report.async_figures);
+            continue;
+        }
+        // Recovery latency (sync tools; an async one's pending is its acceptance): the first
+        // `pending` to the first final answer after it.
         let pending = sorted.iter().find(|e| e.status == Status::Pending);
         let answer = pending.and_then(|p| {
             sorted.iter().find(|e| {
@@ -1606,6 +2168,13 @@ async fn check(
     report.recovery_latencies_ms.sort_unstable();
     report.verification_per_action = verification as f64 / actions.len().max(1) as f64;
     avoidable_holds(ledger_pool, &held_with_answer, seen, report).await?;
+    for (a, line) in async_violations {
+        let remote = ledger
+            .get(&(a.tenant.to_string(), a.action_id.clone()))
+            .and_then(|r| r.remote_id.as_deref());
+        let timeline = timeline(ledger_pool, downstream_pool, a, remote).await?;
+        report.violations.push(format!("{line}; {timeline}"));
+    }
     for e in &report.unexpected_exits {
         report
             .violations
@@ -1721,6 +2290,320 @@ async fn avoidable_holds(
         }
     }
     Ok(())
+}
+
+/// Counts an async action's job: how it ends, its polls, a second job under its key.
+fn async_job_figures(key: &str, ds: Option<&DownstreamKey>, report: &mut SoakReport) {
+    let figures = &mut report.async_figures;
+    figures.actions += 1;
+    let Some(d) = ds.filter(|d| d.jobs > 0) else {
+        return;
+    };
+    let outcome = d.job_outcome.clone().unwrap_or_else(|| "?".into());
+    *figures.jobs.entry(outcome).or_default() += 1;
+    figures.hidden += usize::from(d.job_hidden);
+    figures.polls += d.status_reads;
+    figures.max_polls = figures.max_polls.max(d.status_reads);
+    if d.jobs > 1 {
+        figures.duplicate_jobs += 1;
+        report.violations.push(format!(
+            "duplicate: {key} has {} async jobs at the downstream",
+            d.jobs
+        ));
+    }
+}
+
+/// What is wrong with a verdict (`succeeded` or `failed`) on an async action.
+enum Untrue {
+    /// Not the truth: the job did not end so, or not yet when the verdict was recorded, or
+    /// the receipt is not its final status document.
+    False(String),
+    /// The truth, but when it was recorded no true answer sent after the job's end had been
+    /// delivered to anyone: the worker read it from something else (another operation's
+    /// document), and was right by luck.
+    Unproven(String),
+}
+
+/// Whether a verdict recorded at `at` about job `op` that ended at `end` came after the job's
+/// end and after a true answer sent since then.
+fn async_proof(
+    d: &DownstreamKey,
+    op: &str,
+    end: DateTime<Utc>,
+    at: DateTime<Utc>,
+) -> Option<Untrue> {
+    let t = |t: DateTime<Utc>| t.format("%H:%M:%S%.3f").to_string();
+    if at + CLOCK_TOLERANCE < end {
+        return Some(Untrue::False(format!(
+            "it was recorded at {} while the job {op} ended only at {}",
+            t(at),
+            t(end)
+        )));
+    }
+    match d.end_reply {
+        None => Some(Untrue::Unproven(format!(
+            "it was recorded at {} after the job {op} ended at {}, but no true answer (a 2xx that is \
+             not another operation's document) was delivered after that end",
+            t(at),
+            t(end)
+        ))),
+        Some(r) if at + CLOCK_TOLERANCE < r => Some(Untrue::Unproven(format!(
+            "it was recorded at {} after the job {op} ended at {}, but before the first true answer \
+             delivered after that end ({})",
+            t(at),
+            t(end),
+            t(r)
+        ))),
+        Some(_) => None,
+    }
+}
+
+/// What is wrong with a success of an async action, recorded at `at` with `receipt` (the
+/// ledger row's, or a result event's); `None` when nothing is: the job ended `succeeded` no
+/// later than `at`, the receipt is the job's final status document (its operation, key,
+/// deployment and arguments), and an answer sent after the job's end reached someone no later
+/// than `at`.
+fn async_success_untrue(
+    key: &str,
+    ds: Option<&DownstreamKey>,
+    receipt: Option<&Value>,
+    at: Option<DateTime<Utc>>,
+) -> Option<Untrue> {
+    let untrue = |why: String| Some(Untrue::False(why));
+    let Some(d) = ds.filter(|d| d.jobs > 0) else {
+        return untrue("the downstream has no job for the key".into());
+    };
+    let op = d.job_operation_id.as_deref().unwrap_or("?");
+    let outcome = d.job_outcome.as_deref().unwrap_or("?");
+    if outcome != "succeeded" {
+        return untrue(format!("the downstream's job {op} ends {outcome}"));
+    }
+    let Some(end) = d.job_ends_at else {
+        return untrue(format!("the downstream's job {op} has no end"));
+    };
+    let Some(at) = at else {
+        return untrue("the success has no time".into());
+    };
+    let Some(receipt) = receipt else {
+        return untrue("it carries no receipt".into());
+    };
+    let want = [
+        ("/operation_id", json!(op)),
+        ("/idempotency_key", json!(key)),
+        ("/state", json!("succeeded")),
+        ("/deployment_id", json!(d.job_deployment_id)),
+        ("/arguments", d.job_arguments.clone().unwrap_or(Value::Null)),
+    ];
+    for (pointer, value) in want {
+        if receipt.pointer(pointer) != Some(&value) {
+            return untrue(format!(
+                "its receipt's {pointer} is {} where the job's is {}",
+                short(receipt.pointer(pointer)),
+                short(Some(&value))
+            ));
+        }
+    }
+    async_proof(d, op, end, at)
+}
+
+/// What is wrong with a failure of an async action recorded at `at`; `None` when nothing is:
+/// nothing was applied (no mutation: a write refused), or the job ended `failed` no later than
+/// `at` and an answer sent after its end reached someone no later than `at`.
+fn async_failure_untrue(ds: Option<&DownstreamKey>, at: Option<DateTime<Utc>>) -> Option<Untrue> {
+    let d = ds.filter(|d| d.mutations > 0)?;
+    let op = d.job_operation_id.as_deref().unwrap_or("?");
+    let outcome = d.job_outcome.as_deref().unwrap_or("no job");
+    if d.jobs == 0 || outcome != "failed" {
+        return Some(Untrue::False(format!(
+            "the downstream applied it ({} mutations) and its job {op} ends {outcome}",
+            d.mutations
+        )));
+    }
+    let (Some(end), Some(at)) = (d.job_ends_at, at) else {
+        return Some(Untrue::False(format!(
+            "the job {op} has no end or the failure no time"
+        )));
+    };
+    async_proof(d, op, end, at)
+}
+
+/// An async action left unresolved. Held at the poll deadline: expected for a job that never
+/// ends, once the deadline passed; a violation for a job that ended (the worker did not see
+/// its end in 12 s). Still `accepted` after the settle: a violation. Other holds (recovery
+/// spent before any acceptance) are unresolved as for the sync tools.
+fn async_unsettled(
+    key: &str,
+    cap: Capability,
+    row: &LedgerRow,
+    ds: Option<&DownstreamKey>,
+    at_deadline: bool,
+    report: &mut SoakReport,
+) -> Option<String> {
+    let time = |t: Option<DateTime<Utc>>| {
+        t.map_or("-".to_string(), |t| t.format("%H:%M:%S%.3f").to_string())
+    };
+    let job = ds.filter(|d| d.jobs > 0).map_or("no job".to_string(), |d| {
+        format!(
+            "job {} ends {} at {}",
+            d.job_operation_id.as_deref().unwrap_or("?"),
+            d.job_outcome.as_deref().unwrap_or("?"),
+            time(d.job_ends_at)
+        )
+    });
+    let remote = row.remote_id.as_deref().unwrap_or("none");
+    let evidence: String = row
+        .evidence
+        .as_deref()
+        .unwrap_or("")
+        .chars()
+        .take(200)
+        .collect();
+    let stuck = ds.is_some_and(|d| d.job_outcome.as_deref() == Some("stuck"));
+    if at_deadline {
+        let on_time = match (row.state_at, row.poll_deadline) {
+            (Some(held), Some(deadline)) => held + CLOCK_TOLERANCE >= deadline,
+            _ => false,
+        };
+        if stuck && on_time {
+            report.async_figures.held_at_deadline += 1;
+            None
+        } else {
+            report.async_figures.held_not_planned += 1;
+            Some(format!(
+                "async hold: {key} ({}) held at {} (deadline {}) following operation {remote}, but the downstream's {job}{}: {evidence}",
+                cap.as_str(),
+                time(row.state_at),
+                time(row.poll_deadline),
+                if on_time { "" } else { " (held before its deadline)" }
+            ))
+        }
+    } else if row.state == "accepted" {
+        report.async_figures.still_accepted += 1;
+        Some(format!(
+            "async unsettled: {key} ({}) still accepted (operation {remote}, deadline {}) after the settle; the downstream's {job}: {evidence}",
+            cap.as_str(),
+            time(row.poll_deadline)
+        ))
+    } else {
+        None
+    }
+}
+
+/// An action's timeline for a violation's evidence: its ledger history (time, move, fence,
+/// actor, evidence excerpt) and the downstream's requests for its key or for the operation the
+/// row follows (time, kind, status, fault, operation).
+async fn timeline(
+    ledger: &PgPool,
+    downstream: &PgPool,
+    a: &Action,
+    remote_id: Option<&str>,
+) -> Result<String> {
+    /// `operation_history`: at, from, to, fence, actor, evidence.
+    type Change = (
+        DateTime<Utc>,
+        Option<String>,
+        String,
+        i64,
+        String,
+        Option<String>,
+    );
+    /// `downstream.requests`: at, kind, status, fault, operation id.
+    type Request = (
+        DateTime<Utc>,
+        String,
+        Option<i32>,
+        Option<String>,
+        Option<String>,
+    );
+    let history: Vec<Change> = sqlx::query_as(
+        "SELECT h.at, h.from_state, h.to_state, h.fence, h.actor, h.evidence
+             FROM operation_history h JOIN operations o ON o.id = h.operation_id
+             WHERE o.tenant = $1 AND o.action_id = $2 ORDER BY h.id",
+    )
+    .bind(a.tenant)
+    .bind(&a.action_id)
+    .fetch_all(ledger)
+    .await
+    .context("read a row's history")?;
+    let requests: Vec<Request> = sqlx::query_as(
+        "SELECT at, kind, status, fault, operation_id FROM downstream.requests
+             WHERE idem_key = $1 OR operation_id = $2 ORDER BY id",
+    )
+    .bind(a.key())
+    .bind(remote_id)
+    .fetch_all(downstream)
+    .await
+    .context("read the downstream's requests for a key")?;
+    let history: Vec<String> = history
+        .iter()
+        .map(|(at, from, to, fence, actor, evidence)| {
+            format!(
+                "{} {}→{to} fence {fence} by {actor}{}",
+                at.format("%H:%M:%S%.3f"),
+                from.as_deref().unwrap_or("-"),
+                evidence.as_deref().map_or(String::new(), |e| format!(
+                    " ({})",
+                    e.chars().take(90).collect::<String>()
+                ))
+            )
+        })
+        .collect();
+    let requests: Vec<String> = requests
+        .iter()
+        .map(|(at, kind, status, fault, op)| {
+            format!(
+                "{} {kind} {}{}{}",
+                at.format("%H:%M:%S%.3f"),
+                status.map_or("dropped".to_string(), |s| s.to_string()),
+                fault
+                    .as_deref()
+                    .map_or(String::new(), |f| format!(" [{f}]")),
+                op.as_deref().map_or(String::new(), |o| format!(" {o}"))
+            )
+        })
+        .collect();
+    Ok(format!(
+        "history: {}; downstream requests: {}",
+        history.join(" | "),
+        requests.join(" | ")
+    ))
+}
+
+/// An async action's acceptance → final and job end → final, from the ledger's history and
+/// the downstream's job; and how the agent was told the final answer was verified.
+fn async_latencies(
+    row: Option<&LedgerRow>,
+    ds: Option<&DownstreamKey>,
+    events: &[&ResultEvent],
+    figures: &mut AsyncFigures,
+) {
+    let job = ds.and_then(|d| d.job_operation_id.as_deref());
+    let misdirected = events.iter().any(|e| {
+        e.status == Status::Pending && e.remote_id.is_some() && e.remote_id.as_deref() != job
+    });
+    figures.misdirected += usize::from(misdirected);
+    if let Some(e) = events
+        .iter()
+        .rev()
+        .find(|e| matches!(e.status, Status::Succeeded | Status::Failed))
+    {
+        let by = e.verified_by.as_ref().map_or("none", |v| v.as_str());
+        *figures.verified_by.entry(by.to_string()).or_default() += 1;
+    }
+    let Some(row) = row.filter(|r| matches!(r.state.as_str(), "succeeded" | "failed")) else {
+        return;
+    };
+    let Some(done) = row.state_at else { return };
+    if let Some(accepted) = row.accepted_at {
+        figures
+            .accepted_to_final_ms
+            .push((done - accepted).num_milliseconds());
+        if let Some(end) = ds.and_then(|d| d.job_ends_at) {
+            figures
+                .end_to_final_ms
+                .push((done - end.max(accepted)).num_milliseconds());
+        }
+    }
 }
 
 fn short(v: Option<&Value>) -> String {

@@ -7,8 +7,8 @@
 //! Pure: values in, events out. The ledger writes them in the commit of the state change that
 //! owes them ([`crate::ledger::outbox`]); intake decides which answer a refused delivery gets.
 
-use chrono::{SecondsFormat, Utc};
-use protocol::{RejectReason, ResultEvent, Status};
+use chrono::{DateTime, SecondsFormat, Utc};
+use protocol::{RejectReason, ResultEvent, Status, Uncertainty, VerifiedBy};
 
 use crate::ledger::outbox::NewEvent;
 use crate::ledger::{NewOperation, Operation, State};
@@ -63,8 +63,82 @@ fn now_rfc3339() -> String {
     Utc::now().to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
+/// The completion report an event about `op` carries (docs/contract.md, "Result event"): how
+/// the answer is known and by whom, the downstream's identifier, what remains uncertain, and
+/// when the worker looks again.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Report {
+    pub verified_by: Option<VerifiedBy>,
+    pub operator: Option<String>,
+    pub remote_id: Option<String>,
+    pub uncertainty: Option<Uncertainty>,
+    pub retry_after_ms: Option<u64>,
+}
+
+/// What `verified_by` column text says: the source, and the operator's name for `operator:`.
+pub fn verified_by(stored: &str) -> (VerifiedBy, Option<String>) {
+    if let Some(name) = stored.strip_prefix("operator:") {
+        return (VerifiedBy::Operator, Some(name.to_string()));
+    }
+    let by = match stored {
+        "dispatch" => VerifiedBy::Dispatch,
+        "replay" => VerifiedBy::Replay,
+        "lookup" => VerifiedBy::Lookup,
+        "poll" => VerifiedBy::Poll,
+        "callback" => VerifiedBy::Callback,
+        "late_receipt" => VerifiedBy::LateReceipt,
+        _ => VerifiedBy::Other,
+    };
+    (by, None)
+}
+
+/// The report of an event with `status` about `op` at `now`. Pure.
+pub fn report(op: &Operation, status: Status, now: DateTime<Utc>) -> Report {
+    match status {
+        Status::Succeeded | Status::Failed => {
+            let (by, operator) = op
+                .verified_by
+                .as_deref()
+                .map(verified_by)
+                .map_or((None, None), |(b, o)| (Some(b), o));
+            Report {
+                verified_by: by,
+                operator,
+                remote_id: if status == Status::Succeeded {
+                    op.receipt_id.clone()
+                } else {
+                    op.remote_id.clone()
+                },
+                ..Report::default()
+            }
+        }
+        Status::Pending => {
+            let uncertainty = match op.state() {
+                State::Unknown => Uncertainty::UnknownOutcome,
+                State::Held => Uncertainty::Held,
+                _ => Uncertainty::InProgress,
+            };
+            let scheduled = matches!(
+                op.state(),
+                State::RetryWait | State::Unknown | State::Accepted
+            );
+            Report {
+                remote_id: op.remote_id.clone(),
+                uncertainty: Some(uncertainty),
+                retry_after_ms: op
+                    .next_attempt_at
+                    .filter(|_| scheduled)
+                    .map(|at| (at - now).num_milliseconds().max(0) as u64),
+                ..Report::default()
+            }
+        }
+        Status::Rejected => Report::default(),
+    }
+}
+
 /// Builds the event the agent must see about `op`.
 pub fn operation_event(op: &Operation, status: Status, message: String) -> NewEvent {
+    let report = report(op, status, Utc::now());
     NewEvent {
         operation_id: Some(op.id),
         event: ResultEvent {
@@ -73,7 +147,7 @@ pub fn operation_event(op: &Operation, status: Status, message: String) -> NewEv
             tool: op.tool.clone(),
             status,
             receipt: if status == Status::Succeeded {
-                op.receipt.clone()
+                op.receipt.as_ref().map(|r| r.value().clone())
             } else {
                 None
             },
@@ -83,6 +157,11 @@ pub fn operation_event(op: &Operation, status: Status, message: String) -> NewEv
             fingerprint: Some(op.fingerprint.clone()),
             reason: None,
             detail: None,
+            verified_by: report.verified_by,
+            operator: report.operator,
+            remote_id: report.remote_id,
+            uncertainty: report.uncertainty,
+            retry_after_ms: report.retry_after_ms,
             event_id: uuid::Uuid::new_v4().to_string(),
             occurred_at: now_rfc3339(),
         },
@@ -116,6 +195,11 @@ pub fn rejected_event(
             fingerprint,
             reason: Some(reason),
             detail,
+            verified_by: None,
+            operator: None,
+            remote_id: None,
+            uncertainty: None,
+            retry_after_ms: None,
             event_id: uuid::Uuid::new_v4().to_string(),
             occurred_at: now_rfc3339(),
         },
@@ -134,6 +218,11 @@ pub fn pending_message(op: &Operation) -> String {
         State::Held => format!(
             "The {} outcome is unknown and is held for reconciliation by a person. Do not submit it again.",
             op.tool
+        ),
+        State::Accepted => format!(
+            "The {} was accepted by the downstream (operation {}) and is in progress; the worker checks its status until it is done. Do not submit it again.",
+            op.tool,
+            op.remote_id.as_deref().unwrap_or("?")
         ),
         _ => format!("The {} outcome is unknown. Do not submit it again.", op.tool),
     }

@@ -8,7 +8,7 @@
 //! process every time that action is taken from the queue: a poison message.
 
 /// Points a test can stop at.
-pub const POINTS: [&str; 9] = [
+pub const POINTS: [&str; 12] = [
     "after_ledger_connected",
     "after_prepared",
     "after_dispatching",
@@ -18,6 +18,9 @@ pub const POINTS: [&str; 9] = [
     "after_succeeded",
     "after_results_confirmed",
     "crash_on_intake",
+    "after_accepted",
+    "before_poll",
+    "after_poll",
 ];
 
 #[cfg(feature = "fault-points")]

@@ -676,7 +676,9 @@ mod tests {
             next_attempt_at: None,
             first_dispatch_at: Some(now),
             replay_deadline: None,
-            receipt: Some(json!({"receipt_id": "r-1"})),
+            receipt: Some(crate::document::Document::from_value(
+                json!({"receipt_id": "r-1"}),
+            )),
             receipt_id: Some("r-1".into()),
             evidence: None,
             last_reported: None,
@@ -686,6 +688,10 @@ mod tests {
             swept_at: None,
             traceparent: None,
             tracestate: None,
+            remote_id: None,
+            acceptance: None,
+            poll_deadline: None,
+            verified_by: None,
         }
     }
 
@@ -782,7 +788,10 @@ mod tests {
         let (ev, label) = refusal_answer(&r, Some(&row));
         assert_eq!(label, "stored");
         assert_eq!(ev.event.status, Status::Succeeded);
-        assert_eq!(ev.event.receipt, row.receipt);
+        assert_eq!(
+            ev.event.receipt.as_ref(),
+            row.receipt.as_ref().map(|r| r.value())
+        );
         assert_eq!(ev.routing_key(), "tenant-a.@.agent-2");
 
         // Another intent under the key: intent_conflict naming the row's state.

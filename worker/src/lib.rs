@@ -10,6 +10,8 @@
 //!   is one conditional statement.
 //! - [`answers`]: every agent-facing answer: result-event shapes, their texts and reason codes,
 //!   the dead-letter reasons (metric labels derive from them).
+//! - [`document`]: a downstream's JSON document (a receipt, an acceptance) kept exactly as
+//!   sent, with its parsed value.
 //! - [`outcome`]: what one downstream call established ([`outcome::Outcome`]): the vocabulary
 //!   the adapters classify into, the retry policy prices and dispatch maps to a next state.
 //! - [`adapter`]: the `ToolAdapter` trait, outcome classification, the HTTP adapter, receipt
@@ -50,6 +52,7 @@ pub mod config;
 pub mod console;
 pub mod context;
 pub mod dispatch;
+pub mod document;
 pub mod fault;
 pub mod intake;
 pub mod ledger;

@@ -129,8 +129,12 @@ async fn main() -> ExitCode {
     }
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        // A listener that cannot bind is a setting to change, like any other bad value.
-        Err(e) if e.downcast_ref::<kit::http::BindError>().is_some() => {
+        // A listener that cannot bind, or a tools file that is invalid, is a setting to
+        // change, like any other bad value.
+        Err(e)
+            if e.downcast_ref::<kit::http::BindError>().is_some()
+                || e.downcast_ref::<worker::config::ConfigError>().is_some() =>
+        {
             eprintln!("worker: configuration error: {e}");
             ExitCode::from(2)
         }

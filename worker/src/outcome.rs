@@ -9,12 +9,14 @@
 
 use std::time::Duration;
 
+use crate::document::Document;
+
 /// What one downstream call established.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
     /// A 2xx (or lookup hit) whose receipt matches this operation.
     Succeeded {
-        receipt: serde_json::Value,
+        receipt: Document,
         receipt_id: String,
     },
     /// The request was never written (e.g. connection refused): safe to send again.
@@ -41,11 +43,71 @@ pub enum Outcome {
     },
     /// A lookup found nothing. Not proof of absence: the row stays unknown.
     LookupMiss { evidence: String },
+    /// A long-running write was accepted (an `async` tool's accepted status, or a lookup
+    /// finding it in progress): the downstream names its operation, whose outcome is read later
+    /// from its status, never by writing again.
+    Accepted {
+        operation_id: String,
+        acceptance: Document,
+    },
+    /// The downstream's documented terminal failure of a long-running operation (its
+    /// `failed_match`): it did not and will not complete.
+    Failed { evidence: String },
+}
+
+/// What one read of a long-running operation's status established. Only `Done` and `Failed`
+/// end the operation; the others leave it accepted until the next poll or its deadline.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Polled {
+    /// `done_match` observed, and the document passes the receipt check: the receipt.
+    Done {
+        receipt: Document,
+        receipt_id: String,
+    },
+    /// `failed_match` observed: the document is the evidence.
+    Failed { evidence: String },
+    /// Read, and neither done nor failed: still running.
+    Running { evidence: String },
+    /// Nothing proven: no answer, a 404 or 5xx, a document that is not JSON, or a done one
+    /// that does not pass the receipt check.
+    Unproven { evidence: String },
+    /// The read never left this worker (it ran out of a local resource).
+    LocalExhaustion { evidence: String },
+}
+
+impl Polled {
+    /// Every poll outcome's metric label, in [`Polled::index`] order.
+    pub const LABELS: [&'static str; 5] =
+        ["done", "failed", "running", "unproven", "local_exhaustion"];
+
+    pub fn index(&self) -> usize {
+        match self {
+            Polled::Done { .. } => 0,
+            Polled::Failed { .. } => 1,
+            Polled::Running { .. } => 2,
+            Polled::Unproven { .. } => 3,
+            Polled::LocalExhaustion { .. } => 4,
+        }
+    }
+
+    pub fn label(&self) -> &'static str {
+        Polled::LABELS[self.index()]
+    }
+
+    pub fn evidence(&self) -> String {
+        match self {
+            Polled::Done { receipt_id, .. } => format!("done: receipt {receipt_id}"),
+            Polled::Failed { evidence }
+            | Polled::Running { evidence }
+            | Polled::Unproven { evidence }
+            | Polled::LocalExhaustion { evidence } => evidence.clone(),
+        }
+    }
 }
 
 impl Outcome {
     /// Every outcome's metric label, in [`Outcome::index`] order.
-    pub const LABELS: [&'static str; 7] = [
+    pub const LABELS: [&'static str; 9] = [
         "succeeded",
         "not_sent",
         "local_exhaustion",
@@ -53,6 +115,8 @@ impl Outcome {
         "rejected",
         "unknown",
         "miss",
+        "accepted",
+        "failed",
     ];
 
     /// This outcome's place in [`Outcome::LABELS`].
@@ -65,6 +129,8 @@ impl Outcome {
             Outcome::Rejected { .. } => 4,
             Outcome::Unknown { .. } => 5,
             Outcome::LookupMiss { .. } => 6,
+            Outcome::Accepted { .. } => 7,
+            Outcome::Failed { .. } => 8,
         }
     }
 
@@ -81,7 +147,11 @@ impl Outcome {
             | Outcome::NotApplied { evidence, .. }
             | Outcome::Rejected { evidence, .. }
             | Outcome::Unknown { evidence, .. }
-            | Outcome::LookupMiss { evidence } => evidence.clone(),
+            | Outcome::LookupMiss { evidence }
+            | Outcome::Failed { evidence } => evidence.clone(),
+            Outcome::Accepted { operation_id, .. } => {
+                format!("accepted as operation {operation_id}")
+            }
         }
     }
 

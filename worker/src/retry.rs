@@ -118,8 +118,10 @@ pub enum WriteKind {
 pub fn budget_delta(kind: WriteKind, outcome: &Outcome, ratio: f64) -> f64 {
     let refund = if kind == WriteKind::Retry { 1.0 } else { 0.0 };
     match outcome {
-        Outcome::Succeeded { .. } => refund + ratio,
-        Outcome::Rejected { .. } => refund,
+        // An accepted write was taken by the downstream: a success for the budget (whatever the
+        // operation's end, which is no sign of overload either).
+        Outcome::Succeeded { .. } | Outcome::Accepted { .. } => refund + ratio,
+        Outcome::Rejected { .. } | Outcome::Failed { .. } => refund,
         // Nothing left this worker (its own exhaustion): a retry or replay gets its token back,
         // and a first write is credited the token its resend will spend, so the shared budget
         // is as if the attempt had never been made.
@@ -178,7 +180,7 @@ mod tests {
     #[test]
     fn failures_spend_successes_refill_by_the_ratio() {
         let ok = Outcome::Succeeded {
-            receipt: serde_json::json!({}),
+            receipt: crate::document::Document::from_value(serde_json::json!({})),
             receipt_id: "r".into(),
         };
         let shed = Outcome::NotApplied {

@@ -89,7 +89,7 @@ async fn resolve_refuses_a_mismatching_receipt_and_accepts_a_matching_one() {
 
     let stored = db.ledger.get(op.id).await.unwrap().unwrap();
     assert_eq!(stored.state(), State::Succeeded);
-    assert_eq!(stored.receipt.as_ref(), Some(&receipt));
+    assert_eq!(stored.receipt.as_ref().map(|r| r.value()), Some(&receipt));
     let history = db.ledger.history(op.id).await.unwrap();
     let last = history.last().unwrap();
     assert_eq!(last.actor, "operator:alice");
@@ -515,6 +515,7 @@ async fn the_sweeper_removes_private_data_and_keeps_the_tombstone() {
     let api = start_api(ctx.clone()).await;
     let done = succeeded(&ctx, "north", "refund-old", "refund").await;
     let open = held(&ctx, "north", "refund-open", "refund").await;
+    let polled = accepted_then_polled_to_success(&ctx, "north", "deploy-old").await;
     sqlx::query("UPDATE result_outbox SET published_at = now() - interval '1 hour'")
         .execute(db.pool())
         .await
@@ -524,7 +525,7 @@ async fn the_sweeper_removes_private_data_and_keeps_the_tombstone() {
     let report = sweep_once(&db.ledger, Duration::ZERO, Duration::from_secs(86_400))
         .await
         .unwrap();
-    assert_eq!(report.private_data, 1, "{report:?}");
+    assert_eq!(report.private_data, 2, "{report:?}");
     assert_eq!(report.tombstones, 0, "{report:?}");
     assert!(report.outbox >= 2, "{report:?}");
 
@@ -538,6 +539,14 @@ async fn the_sweeper_removes_private_data_and_keeps_the_tombstone() {
     assert_eq!(swept.fingerprint, done.fingerprint);
     assert_eq!(swept.state(), State::Succeeded);
     assert_eq!(swept.receipt_id.as_deref(), Some("r-auto"));
+    // A long-running operation's acceptance may echo its arguments: it goes with them. The
+    // operation id stays, like the receipt id.
+    let swept = db.ledger.get(polled.id).await.unwrap().unwrap();
+    assert!(swept.arguments.is_none());
+    assert!(swept.receipt.is_none());
+    assert!(swept.acceptance.is_none(), "{:?}", swept.acceptance);
+    assert_eq!(swept.remote_id.as_deref(), Some("op-7"));
+    assert_eq!(swept.state(), State::Succeeded);
 
     // Unresolved rows are never touched.
     let still = db.ledger.get(open.id).await.unwrap().unwrap();
@@ -584,13 +593,66 @@ async fn the_sweeper_removes_private_data_and_keeps_the_tombstone() {
     let report = sweep_once(&db.ledger, Duration::ZERO, Duration::ZERO)
         .await
         .unwrap();
-    assert_eq!(report.tombstones, 1, "{report:?}");
+    assert_eq!(report.tombstones, 2, "{report:?}");
     assert!(db.ledger.get(done.id).await.unwrap().is_none());
     assert!(db.ledger.history(done.id).await.unwrap().is_empty());
     assert!(db.ledger.get(open.id).await.unwrap().is_some());
 
     drop(api);
     db.drop_db().await;
+}
+
+/// A long-running operation: accepted as `op-7` (the acceptance echoes the arguments), then
+/// polled to `succeeded` with its final status document.
+async fn accepted_then_polled_to_success(
+    ctx: &worker::context::Context,
+    tenant: &str,
+    action_id: &str,
+) -> worker::ledger::Operation {
+    use worker::document::Document;
+    use worker::ledger::{Applied, Completion, Phase, Source, Transition};
+    let op = dispatching(ctx, tenant, action_id, "refund").await;
+    let accepted = Transition::Accepted {
+        operation_id: "op-7".into(),
+        acceptance: Document::from_value(json!({
+            "operation_id": "op-7", "state": "running",
+            "arguments": {"amount_cents": 4850, "order": action_id},
+        })),
+        delay: Duration::from_secs(3600),
+        deadline: Duration::from_secs(3600),
+        evidence: "accepted as operation op-7; polling its status".into(),
+    };
+    let mut receipt = receipt_for(tenant, action_id, "dep-7");
+    receipt["state"] = json!("succeeded");
+    let done = Transition::Succeeded {
+        receipt: Document::from_value(receipt),
+        receipt_id: "dep-7".into(),
+        evidence: "operation op-7 done: receipt dep-7 read from its status".into(),
+    };
+    let mut op = op;
+    for (phase, by, transition) in [
+        (Phase::Dispatch, Source::Dispatch, accepted),
+        (Phase::Leased(State::Accepted), Source::Poll, done),
+    ] {
+        let applied = ctx
+            .completions
+            .complete(Completion {
+                operation_id: op.id,
+                fence: op.fence,
+                phase,
+                by,
+                transition,
+                trace: None,
+            })
+            .await;
+        op = match applied.0.expect("complete") {
+            Applied::Done(op) => op,
+            other => panic!("completion not applied: {other:?}"),
+        };
+    }
+    assert_eq!(op.state(), State::Succeeded);
+    assert!(op.acceptance.is_some());
+    op
 }
 
 /// `fail` on an `unknown` row races a recovery round that holds a live lease
@@ -700,7 +762,7 @@ async fn requests_outside_the_spec_are_refused_with_400() {
     });
     let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
     assert_eq!(r.status, 400, "{}", r.body);
-    // NUL cannot be stored by Postgres: refused (or no such operation), never a 500.
+    // NUL cannot be stored in Postgres text: refused (or no such operation), never a 500.
     let r = api
         .get("/v1/operations?tool=re%00fund", Some(ADMIN_TOKEN))
         .await;
@@ -722,16 +784,31 @@ async fn requests_outside_the_spec_are_refused_with_400() {
     });
     let r = api.post(&path_fail, Some(ADMIN_TOKEN), &body).await;
     assert_eq!(r.status, 400, "{}", r.body);
-    let body = json!({
-        "receipt": {"receipt_id": "r\u{0}1"}, "operator": "alice", "reason": "x",
-        "request_id": "op-nul-2",
-    });
-    let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
-    assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(
         db.ledger.get(op.id).await.unwrap().unwrap().state(),
         State::Held
     );
+    // A receipt is a document, not text: one holding U+0000 is kept as sent.
+    let body = json!({
+        "receipt": {"receipt_id": "r\u{0}1", "idempotency_key": "north:refund-77"},
+        "operator": "alice", "reason": "x", "request_id": "op-nul-2",
+    });
+    let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
+    // Its id is text the ledger keeps apart: one holding U+0000 is refused (422), never a 500.
+    assert_eq!(r.status, 422, "{}", r.body);
+    assert!(r.body.to_string().contains("U+0000"), "{}", r.body);
+    let body = json!({
+        "receipt": {"receipt_id": "r-1", "idempotency_key": "north:refund-77", "memo": "a\u{0}b"},
+        "operator": "alice", "reason": "x", "request_id": "op-nul-3",
+    });
+    let r = api.post(&path, Some(ADMIN_TOKEN), &body).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let stored: String = sqlx::query_scalar("SELECT receipt::text FROM operations WHERE id = $1")
+        .bind(op.id)
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert!(stored.contains(r#""memo":"a\u0000b""#), "{stored}");
 
     drop(api);
     db.drop_db().await;

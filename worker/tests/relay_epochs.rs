@@ -12,8 +12,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use worker::document::Document;
 use worker::ledger::outbox::{self, NewEvent, OutboxRow};
-use worker::ledger::{Completed, Completion, Phase, Transition};
+use worker::ledger::{Completed, Completion, Phase, Source, Transition};
 
 /// The hold of a claim by another relay in these tests.
 const HOLD: Duration = Duration::from_millis(1);
@@ -25,8 +26,9 @@ async fn receipt(ctx: &worker::context::Context, action_id: &str) -> Completion 
         operation_id: op.id,
         fence: op.fence,
         phase: Phase::Dispatch,
+        by: Source::Dispatch,
         transition: Transition::Succeeded {
-            receipt: receipt_for("north", action_id, "r-1"),
+            receipt: Document::from_value(receipt_for("north", action_id, "r-1")),
             receipt_id: "r-1".into(),
             evidence: "receipt r-1 from write attempt 1".into(),
         },
@@ -321,7 +323,7 @@ async fn handed_events_are_the_rows_stored_under_their_ids() {
     let ctx = context(&db);
     let hostile = serde_json::json!({
         "receipt_id": "r-{\"}",
-        "note": "brace { quote \" backslash \\ tab \t nul-free ünïcödé 💸",
+        "note": "brace { quote \" backslash \\ tab \t nul \u{0} ünïcödé 💸",
         "amount": 123456789012345678901234567890u128 as f64,
         "nested": {"z": [1, -0.5, 1e300, null, true], "a": {"}": "{"}},
     });
@@ -333,7 +335,9 @@ async fn handed_events_are_the_rows_stored_under_their_ids() {
                 evidence: format!("HTTP 422: {{\"error\": \"no {i}\"}}"),
             };
         } else if let Transition::Succeeded { receipt, .. } = &mut c.transition {
-            receipt["extra"] = hostile.clone();
+            let mut value = receipt.value().clone();
+            value["extra"] = hostile.clone();
+            *receipt = Document::from_value(value);
         }
         completions.push(c);
     }
@@ -371,10 +375,12 @@ async fn handed_events_are_the_rows_stored_under_their_ids() {
 /// A receipt of `op` as its dispatch records it, from the operation as the dispatch saw it.
 fn receipt_of(op: &worker::ledger::Operation, receipt: serde_json::Value) -> Completion {
     let receipt_id = receipt["receipt_id"].as_str().unwrap().to_string();
+    let receipt = Document::from_value(receipt);
     Completion {
         operation_id: op.id,
         fence: op.fence,
         phase: Phase::Dispatch,
+        by: Source::Dispatch,
         transition: Transition::Succeeded {
             receipt,
             evidence: format!("receipt {receipt_id} from write attempt {}", op.attempts),

@@ -263,7 +263,7 @@ async fn a_batched_fence_checks_each_row_on_its_own() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_batch_records_each_row_as_if_alone() {
-    use worker::ledger::{Applied, Completion, Phase, Transition};
+    use worker::ledger::{Applied, Completion, Phase, Source, Transition};
     let db = TestDb::new().await;
     let ctx = context(&db);
     let a = dispatching(&ctx, "north", "done-a", "refund").await;
@@ -274,8 +274,13 @@ async fn a_completion_batch_records_each_row_as_if_alone() {
         operation_id: op.id,
         fence: op.fence,
         phase: Phase::Dispatch,
+        by: Source::Dispatch,
         transition: Transition::Succeeded {
-            receipt: receipt_for("north", &op.action_id, id),
+            receipt: worker::document::Document::from_value(receipt_for(
+                "north",
+                &op.action_id,
+                id,
+            )),
             receipt_id: id.into(),
             evidence: format!("receipt {id}"),
         },
@@ -288,6 +293,7 @@ async fn a_completion_batch_records_each_row_as_if_alone() {
             operation_id: lost.id,
             fence: lost.fence + 1,
             phase: Phase::Dispatch,
+            by: Source::Dispatch,
             transition: Transition::Unknown {
                 delay: Duration::ZERO,
                 evidence: "timeout".into(),
@@ -394,7 +400,7 @@ async fn a_claim_by_insert_sets_what_a_claim_of_a_prepared_row_sets() {
 }
 
 /// Every column of an operation, in the order the worker's statements select them.
-const COLUMNS: [&str; 27] = [
+const COLUMNS: [&str; 31] = [
     "id",
     "tenant",
     "action_id",
@@ -422,6 +428,10 @@ const COLUMNS: [&str; 27] = [
     "swept_at",
     "traceparent",
     "tracestate",
+    "remote_id",
+    "acceptance",
+    "poll_deadline",
+    "verified_by",
 ];
 
 async fn read_as(
@@ -583,7 +593,7 @@ async fn fence_and_complete(
     ids: &[i64],
     held: Option<&mut Option<i64>>,
 ) {
-    use worker::ledger::{Applied, Completion, Phase, SendFence, Transition};
+    use worker::ledger::{Applied, Completion, Phase, SendFence, Source, Transition};
     let sends: Vec<SendFence> = ids
         .iter()
         .map(|&id| SendFence {
@@ -600,8 +610,11 @@ async fn fence_and_complete(
             operation_id: id,
             fence: 1,
             phase: Phase::Dispatch,
+            by: Source::Dispatch,
             transition: Transition::Succeeded {
-                receipt: serde_json::json!({"receipt_id": format!("r-{id}")}),
+                receipt: worker::document::Document::from_value(
+                    serde_json::json!({"receipt_id": format!("r-{id}")}),
+                ),
                 receipt_id: format!("r-{id}"),
                 evidence: "receipt".into(),
             },

@@ -231,3 +231,29 @@ def test_docs_document_the_schemas() -> None:
 def test_jsonschema_is_the_real_library() -> None:
     # Guards against a stub module shadowing the validator in the test environment.
     assert hasattr(jsonschema, "Draft202012Validator")
+
+
+def test_the_completion_report_is_read_and_worded_for_the_model() -> None:
+    from intent_worker_client.tool import answer_for
+
+    body = (FIXTURES / "result" / "accepted" / "pending_in_progress.json").read_text()
+    event = ResultEvent.from_json(body)
+    assert (event.uncertainty, event.remote_id, event.retry_after_ms) == (
+        "in_progress",
+        "op-41",
+        2000,
+    )
+    text = str(answer_for(event, "deploy", "deploy-9"))
+    assert text.startswith("ACCEPTED, IN PROGRESS") and "op-41" in text and "Do NOT retry" in text
+    done = ResultEvent.from_json(
+        (FIXTURES / "result" / "accepted" / "succeeded_by_poll.json").read_text()
+    )
+    assert (done.verified_by, done.remote_id) == ("poll", "dep-12")
+    by_hand = ResultEvent.from_json(
+        (FIXTURES / "result" / "accepted" / "failed_by_operator.json").read_text()
+    )
+    assert (by_hand.verified_by, by_hand.operator) == ("operator", "alice")
+    with pytest.raises(InvalidResultEvent):
+        ResultEvent.from_json(
+            (FIXTURES / "result" / "rejected" / "negative_retry_after.json").read_text()
+        )

@@ -24,8 +24,9 @@ pub enum Scenario {
     /// `count` intents at `interval`, every k-th sent again at once; every answer printed.
     #[default]
     Stream,
-    /// Refunds, repeats answered from the ledger, one conflicting reuse, one lost reply held
-    /// for a person; ends with a `key=value` summary.
+    /// Refunds, repeats answered from the ledger, one conflicting reuse, one long-running
+    /// deploy (accepted, then succeeded), one lost reply held for a person; ends with a
+    /// `key=value` summary.
     Full,
 }
 
@@ -37,6 +38,8 @@ pub struct DemoConfig {
     pub run_id: Option<String>,
     /// `full`: the tool (declared `recovery = "none"`) of the action whose reply is lost.
     pub held_tool: String,
+    /// `full`: the tool (declared `completion = "async"`) of the long-running action.
+    pub async_tool: String,
     /// `full`: the worker's status API root and a token for it (tenant or admin), asked
     /// whether the pending action is held.
     pub status: Option<(String, String)>,
@@ -228,7 +231,7 @@ pub struct Tally {
     pub intents_sent: u64,
     /// Distinct actions `(tenant, action_id)` among them.
     pub actions: u64,
-    /// Actions whose answer was `succeeded`.
+    /// Actions whose (final) answer was `succeeded`.
     pub succeeded: u64,
     /// Actions answered `failed` or `rejected` (none expected).
     pub failed_or_rejected: u64,
@@ -240,9 +243,23 @@ pub struct Tally {
     pub conflicts_sent: u64,
     /// Reuses answered `rejected` / `intent_conflict`.
     pub conflicts_refused: u64,
-    /// Actions answered `pending` (outcome unknown).
+    /// The long-running action (`<async tool>-<run id>`).
+    pub async_action_id: String,
+    /// 1 when it was answered `pending` with uncertainty `in_progress` and the downstream's
+    /// operation id (accepted, being polled), else 0.
+    pub async_accepted: u64,
+    /// The operation id of that `pending` answer (`remote_id`).
+    pub async_operation_id: String,
+    /// Its final answer's status (`succeeded`, `failed`, `rejected`).
+    pub async_status: String,
+    /// How the final answer is known (`verified_by`: `poll` for a polled operation).
+    pub async_verified_by: String,
+    /// The final answer's receipt id (`remote_id`).
+    pub async_receipt_id: String,
+    /// Actions answered `pending` at least once: in progress (the long-running action) or
+    /// with an unknown outcome (the lost reply).
     pub pending: u64,
-    /// Of those, held for a person according to the status API.
+    /// The lost reply answered `pending` and then shown held for a person by the status API.
     pub held: u64,
     /// The action whose reply is lost after commit.
     pub held_action_id: String,
@@ -255,7 +272,7 @@ pub struct Tally {
 impl Tally {
     /// The summary: one `key=value` line each, in a fixed order.
     pub fn render(&self) -> String {
-        let lines: [(&str, String); 15] = [
+        let lines: [(&str, String); 21] = [
             ("run_id", self.run_id.clone()),
             ("intents_sent", self.intents_sent.to_string()),
             ("actions", self.actions.to_string()),
@@ -268,6 +285,12 @@ impl Tally {
             ),
             ("conflicts_sent", self.conflicts_sent.to_string()),
             ("conflicts_refused", self.conflicts_refused.to_string()),
+            ("async_action_id", self.async_action_id.clone()),
+            ("async_accepted", self.async_accepted.to_string()),
+            ("async_operation_id", self.async_operation_id.clone()),
+            ("async_status", self.async_status.clone()),
+            ("async_verified_by", self.async_verified_by.clone()),
+            ("async_receipt_id", self.async_receipt_id.clone()),
             ("pending", self.pending.to_string()),
             ("held", self.held.to_string()),
             ("held_action_id", self.held_action_id.clone()),
@@ -320,6 +343,42 @@ fn receipt_id(event: &protocol::ResultEvent) -> Option<&str> {
         .and_then(serde_json::Value::as_str)
 }
 
+/// What the agent was told about a long-running action: its acceptance and its final answer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct AsyncReport {
+    /// The operation id of a `pending` / `in_progress` answer (accepted, being polled).
+    accepted: Option<String>,
+    /// The final answer's status, `verified_by` and receipt id (`remote_id`, else the
+    /// receipt's `receipt_id`).
+    status: String,
+    verified_by: String,
+    receipt_id: String,
+}
+
+/// The [`AsyncReport`] of `action_id` in `log`, once it has a final answer.
+fn async_report(log: &[protocol::ResultEvent], action_id: &str) -> Option<AsyncReport> {
+    let done = final_for(log, action_id)?;
+    let accepted = log
+        .iter()
+        .filter(|e| e.action_id == action_id && e.status == protocol::Status::Pending)
+        .filter(|e| e.uncertainty == Some(protocol::Uncertainty::InProgress))
+        .find_map(|e| e.remote_id.clone());
+    Some(AsyncReport {
+        accepted,
+        status: done.status.as_str().to_string(),
+        verified_by: done
+            .verified_by
+            .map(|v| v.as_str().to_string())
+            .unwrap_or_default(),
+        receipt_id: done
+            .remote_id
+            .as_deref()
+            .or_else(|| receipt_id(done))
+            .unwrap_or_default()
+            .to_string(),
+    })
+}
+
 /// Whether a status API answer shows the operation held: `operation.state` with an admin
 /// token; with a tenant token only the answer, whose `pending` message says it is held.
 fn is_held(answer: &serde_json::Value) -> bool {
@@ -363,6 +422,7 @@ impl Tour<'_> {
         let (refunds, first_receipts) = self.refunds().await?;
         self.repeats(&refunds, &first_receipts).await?;
         self.conflicting_reuse(&refunds[0]).await?;
+        self.long_running().await?;
         self.lost_reply().await
     }
 
@@ -526,7 +586,76 @@ impl Tour<'_> {
         Ok(())
     }
 
-    /// Step 4, a tool without recovery whose reply is lost after the downstream committed: pending,
+    /// Step 4, a long-running deploy (a tool with `completion = "async"`): the downstream accepts
+    /// it with an operation id, the worker answers `pending` (in progress, with that id), polls
+    /// its status until it is done and answers `succeeded`, verified by the poll, with the
+    /// deployment's receipt id.
+    async fn long_running(&mut self) -> anyhow::Result<()> {
+        let c = self.config;
+        let run = self.run_id.to_string();
+        let reply_to = self.reply_to.to_string();
+        let from = self.log.len();
+        let action = format!("{}-{run}", c.async_tool);
+        self.tally.async_action_id = action.clone();
+        let args = [
+            ("service", serde_json::Value::from("checkout")),
+            ("version", serde_json::Value::from("2.0.0")),
+        ];
+        let text = body(
+            &c.tenant,
+            &action,
+            &c.async_tool,
+            &args,
+            &format!("call-{run}-async"),
+            &reply_to,
+            false,
+        );
+        self.send(
+            &text,
+            None,
+            "a long-running action: expect pending (in progress), then succeeded",
+        )
+        .await?;
+        self.tally.actions += 1;
+        let until = Instant::now() + c.answer_timeout;
+        if !self
+            .wait(until, |log| final_for(&log[from..], &action).is_some())
+            .await?
+        {
+            bail!("{action} had no final answer within {:?}", c.answer_timeout);
+        }
+        // The pending answer is sent when the row is accepted, before any poll, but by whichever
+        // worker accepted it: it may reach this queue after the final one. A moment for it.
+        let grace = until.min(Instant::now() + ACCEPTED_GRACE);
+        self.wait(grace, |log| {
+            async_report(&log[from..], &action).is_some_and(|r| r.accepted.is_some())
+        })
+        .await?;
+        let report = async_report(&self.log[from..], &action).expect("waited for");
+        match &report.accepted {
+            Some(operation) => {
+                info!(action_id = %action, %operation, status = %report.status,
+                    verified_by = %report.verified_by, receipt_id = %report.receipt_id,
+                    "accepted by the downstream (in progress), then a final answer");
+                self.tally.async_accepted = 1;
+                self.tally.async_operation_id = operation.clone();
+            }
+            None => warn!(action_id = %action, status = %report.status,
+                "a final answer without a pending (in progress) one naming the operation: \
+                 is the tool declared completion = \"async\"?"),
+        }
+        if report.status == protocol::Status::Succeeded.as_str() {
+            self.tally.succeeded += 1;
+        } else {
+            self.tally.failed_or_rejected += 1;
+        }
+        self.tally.async_status = report.status;
+        self.tally.async_verified_by = report.verified_by;
+        self.tally.async_receipt_id = report.receipt_id;
+        Ok(())
+    }
+
+    /// Step 5, a tool without recovery whose reply is lost after the downstream committed: pending,
     /// then held for a person (never retried, never guessed).
     async fn lost_reply(&mut self) -> anyhow::Result<()> {
         let c = self.config;
@@ -536,8 +665,9 @@ impl Tour<'_> {
         let held = format!("{}-{run}", c.held_tool);
         self.tally.held_action_id = held.clone();
         let args = [
-            ("service", serde_json::Value::from("checkout")),
-            ("version", serde_json::Value::from("2.0.0")),
+            ("payee", serde_json::Value::from("supplier-7")),
+            ("amount_cents", serde_json::Value::from(250_000)),
+            ("currency", serde_json::Value::from("EUR")),
         ];
         let text = body(
             &c.tenant,
@@ -702,6 +832,8 @@ fn agent_turn(body: &str) -> tracing::Span {
 
 /// Pause between status API requests.
 const STATUS_POLL: Duration = Duration::from_millis(250);
+/// How long a long-running action's `pending` answer is waited for once its final answer came.
+const ACCEPTED_GRACE: Duration = Duration::from_secs(2);
 
 /// The agent's own write (for a first send) and its intent body exactly as written, in one
 /// transaction (`intent_outbox` is a contract: any agent may insert rows; the relay publishes
@@ -907,7 +1039,8 @@ mod tests {
         DemoConfig {
             scenario: Scenario::Stream,
             run_id: None,
-            held_tool: "deploy".into(),
+            held_tool: "payout".into(),
+            async_tool: "deploy".into(),
             status: None,
             amqp_url: String::new(),
             exchange: "intents".into(),
@@ -996,10 +1129,84 @@ mod tests {
             &json!({"status": "pending", "operation": {"state": "unknown"}})
         ));
         assert!(is_held(&json!({"status": "pending",
-            "message": "The deploy outcome is unknown and is held for reconciliation by a person. Do not submit it again."})));
+            "message": "The payout outcome is unknown and is held for reconciliation by a person. Do not submit it again."})));
         assert!(!is_held(
-            &json!({"status": "pending", "message": "The deploy outcome is unknown. Do not submit it again."})
+            &json!({"status": "pending", "message": "The payout outcome is unknown. Do not submit it again."})
         ));
+    }
+
+    fn event(action_id: &str, status: protocol::Status) -> protocol::ResultEvent {
+        protocol::ResultEvent {
+            tenant: "demo-shop".into(),
+            action_id: action_id.into(),
+            tool: "deploy".into(),
+            status,
+            receipt: None,
+            next_action: None,
+            attempts: 1,
+            message: String::new(),
+            fingerprint: None,
+            reason: None,
+            detail: None,
+            verified_by: None,
+            operator: None,
+            remote_id: None,
+            uncertainty: None,
+            retry_after_ms: None,
+            event_id: format!("{action_id}-{}", status.as_str()),
+            occurred_at: "2026-01-01T00:00:00Z".into(),
+        }
+    }
+
+    #[test]
+    fn a_long_running_action_reports_its_acceptance_and_its_final_answer() {
+        use protocol::{Status, Uncertainty, VerifiedBy};
+        let accepted = protocol::ResultEvent {
+            uncertainty: Some(Uncertainty::InProgress),
+            remote_id: Some("op-14".into()),
+            next_action: Some("check_status".into()),
+            retry_after_ms: Some(500),
+            ..event("deploy-r1", Status::Pending)
+        };
+        let done = protocol::ResultEvent {
+            verified_by: Some(VerifiedBy::Poll),
+            remote_id: Some("dep-14".into()),
+            receipt: Some(serde_json::json!({"state": "succeeded", "deployment_id": "dep-14"})),
+            ..event("deploy-r1", Status::Succeeded)
+        };
+        let other = event("refund-r1-1", Status::Succeeded);
+        // No final answer yet: nothing to report.
+        assert_eq!(
+            async_report(std::slice::from_ref(&accepted), "deploy-r1"),
+            None
+        );
+        let log = [accepted, other, done.clone()];
+        assert_eq!(
+            async_report(&log, "deploy-r1"),
+            Some(AsyncReport {
+                accepted: Some("op-14".into()),
+                status: "succeeded".into(),
+                verified_by: "poll".into(),
+                receipt_id: "dep-14".into(),
+            })
+        );
+        // A pending answer of another kind (an unknown outcome) is no acceptance.
+        let unknown = protocol::ResultEvent {
+            uncertainty: Some(Uncertainty::UnknownOutcome),
+            ..event("deploy-r1", Status::Pending)
+        };
+        let report = async_report(&[unknown, done.clone()], "deploy-r1").unwrap();
+        assert_eq!(report.accepted, None);
+        // A final answer without remote_id (an older worker): the receipt's own id.
+        let older = protocol::ResultEvent {
+            receipt: Some(serde_json::json!({"receipt_id": "rcpt-3"})),
+            ..event("deploy-r1", Status::Succeeded)
+        };
+        let report = async_report(&[older], "deploy-r1").unwrap();
+        assert_eq!(
+            (report.verified_by.as_str(), report.receipt_id.as_str()),
+            ("", "rcpt-3")
+        );
     }
 
     #[test]
@@ -1007,7 +1214,13 @@ mod tests {
         let tally = Tally {
             run_id: "r1".into(),
             intents_sent: 18,
-            held_action_id: "deploy-r1".into(),
+            held_action_id: "payout-r1".into(),
+            async_action_id: "deploy-r1".into(),
+            async_accepted: 1,
+            async_operation_id: "op-14".into(),
+            async_status: "succeeded".into(),
+            async_verified_by: "poll".into(),
+            async_receipt_id: "dep-14".into(),
             complete: true,
             ..Tally::default()
         };
@@ -1015,7 +1228,21 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "run_id=r1");
         assert_eq!(lines[1], "intents_sent=18");
-        assert!(lines.contains(&"held_action_id=deploy-r1"));
+        for line in [
+            "held_action_id=payout-r1",
+            "async_action_id=deploy-r1",
+            "async_accepted=1",
+            "async_operation_id=op-14",
+            "async_status=succeeded",
+            "async_verified_by=poll",
+            "async_receipt_id=dep-14",
+        ] {
+            assert!(lines.contains(&line), "{line}: {text}");
+        }
+        // Empty values stay `key=` lines, so a shell reads every key.
+        assert!(Tally::default()
+            .render()
+            .contains("\nasync_operation_id=\n"));
         assert!(lines.contains(&"complete=true"));
         assert_eq!(lines.last(), Some(&"summary_end=1"));
         assert!(lines.iter().all(|l| l.split_once('=').is_some_and(

@@ -23,10 +23,15 @@
 //! 2. every k-th again, fields reordered and re-spaced, new call id: answered from the ledger
 //!    (`succeeded` with the first answer's receipt), never dispatched again;
 //! 3. `refund-<run id>-1` reused with other arguments: refused `rejected` / `intent_conflict`;
-//! 4. one `<held tool>-<run id>` intent (a tool with `recovery = "none"`): when its reply is
-//!    lost after the downstream committed (`scripts/demo.sh` arms the reference downstream's
-//!    `drop_after_commit` fault for that key first), it is answered `pending`, and the status
-//!    API then shows it held for a person.
+//! 4. one `<async tool>-<run id>` intent (`deploy`, a tool with `completion = "async"`): the
+//!    downstream accepts it with an operation id and runs it for a while; it is answered
+//!    `pending` (uncertainty `in_progress`, `remote_id` the operation id), then `succeeded`
+//!    once the worker's polls of its status URL see it done (`verified_by` `poll`, `remote_id`
+//!    the deployment's receipt id);
+//! 5. one `<held tool>-<run id>` intent (`payout`, a tool with `recovery = "none"`): when its
+//!    reply is lost after the downstream committed (`scripts/demo.sh` arms the reference
+//!    downstream's `drop_after_commit` fault for that key first), it is answered `pending`, and
+//!    the status API then shows it held for a person.
 //!
 //! The agent only reports what it saw; how many writes the downstream really made is in the
 //! downstream's own tables (`scripts/demo.sh` counts them and compares).
@@ -136,7 +141,8 @@ struct Args {
     answer_timeout: Duration,
     /// `stream`: intents at --interval-ms, every k-th again at once, every answer printed
     /// (docker compose). `full`: refunds, repeats answered from the ledger, one conflicting
-    /// reuse, one lost reply held for a person, then a `key=value` summary (scripts/demo.sh).
+    /// reuse, one long-running deploy (accepted, then succeeded), one lost reply held for a
+    /// person, then a `key=value` summary (scripts/demo.sh).
     #[arg(long, value_enum, default_value_t = agent::Scenario::Stream)]
     scenario: agent::Scenario,
     /// The id in every action id (default: one unique to this run).
@@ -144,8 +150,12 @@ struct Args {
     run_id: Option<String>,
     /// `full`: the tool, declared `recovery = "none"`, of the action `<held-tool>-<run id>`
     /// whose reply the downstream is to lose after commit.
-    #[arg(long, default_value = "deploy")]
+    #[arg(long, default_value = "payout")]
     held_tool: String,
+    /// `full`: the tool, declared `completion = "async"`, of the long-running action
+    /// `<async-tool>-<run id>`.
+    #[arg(long, default_value = "deploy")]
+    async_tool: String,
     /// `full`: the worker's status API root, asked whether the pending action is held.
     #[arg(long, env = "PUBLISHER_STATUS_URL")]
     status_url: Option<String>,
@@ -235,6 +245,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         scenario: args.scenario,
         run_id: args.run_id,
         held_tool: args.held_tool,
+        async_tool: args.async_tool,
         status,
         amqp_url: args.amqp_url,
         exchange: args.exchange,

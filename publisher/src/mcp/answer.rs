@@ -3,10 +3,11 @@
 //!
 //! `succeeded` is a result whose `structuredContent` is the whole result event (receipt
 //! included); `failed` and `rejected` are `isError: true` with the evidence; `pending`, and no
-//! answer at all after the intent was sent, are a plain text that says the outcome is unknown,
-//! that the model must not retry or call again under another id, and how to check.
+//! answer at all after the intent was sent, are a plain text that says the outcome is unknown
+//! (or, for an operation the downstream accepted and named, that it is in progress), that the
+//! model must not retry or call again under another id, and how to check.
 
-use protocol::{ResultEvent, Status};
+use protocol::{ResultEvent, Status, Uncertainty};
 use rmcp::model::{CallToolResult, ContentBlock, DetailedTask, Task, TaskPayload};
 use serde_json::Value;
 
@@ -56,11 +57,51 @@ pub fn from_event(event: &ResultEvent, check: Check) -> CallToolResult {
             ))];
             result
         }
-        Status::Pending => CallToolResult::success(vec![ContentBlock::text(unknown_text(
-            &event.action_id,
-            Some(&event.message),
-            check,
-        ))]),
+        Status::Pending => {
+            CallToolResult::success(vec![ContentBlock::text(pending_text(event, check))])
+        }
+    }
+}
+
+/// The text of a `pending` answer: in progress for an operation the downstream accepted and
+/// named, else outcome unknown.
+pub fn pending_text(event: &ResultEvent, check: Check) -> String {
+    match accepted_operation(event) {
+        Some(operation) => in_progress_text(event, operation, check),
+        None => unknown_text(&event.action_id, Some(&event.message), check),
+    }
+}
+
+/// The downstream's operation id of a `pending` answer that says the write was accepted:
+/// `in_progress` with a `remote_id`. An `in_progress` answer without one is a write on its way
+/// or waiting for a retry proven safe (docs/contract.md): nothing was accepted, and the model
+/// is told the outcome is unknown, as the Python client does.
+fn accepted_operation(event: &ResultEvent) -> Option<&str> {
+    (event.uncertainty == Some(Uncertainty::InProgress))
+        .then_some(event.remote_id.as_deref())
+        .flatten()
+        .filter(|id| !id.is_empty())
+}
+
+/// The text of a `pending` answer about an operation the downstream accepted as `operation`
+/// and the worker polls until done.
+pub fn in_progress_text(event: &ResultEvent, operation: &str, check: Check) -> String {
+    format!(
+        "ACCEPTED, IN PROGRESS: the request for action {:?} was accepted as operation {operation:?} and is still being carried out; the worker checks it until it is done. Worker: {} Do not resubmit it and do not call again under another action id: that could do it twice. {}",
+        event.action_id,
+        event.message,
+        how_to_check(&event.action_id, check)
+    )
+}
+
+fn how_to_check(action_id: &str, check: Check) -> String {
+    match check {
+        Check::StatusTool => format!(
+            "Check it later with the get_action_status tool (action_id {action_id:?}); calling this same tool again with the same action id is also safe and returns the answer once it is known."
+        ),
+        Check::SameCall => format!(
+            "To check, call this same tool again later with the same arguments and the same action id ({action_id:?}): that never repeats the action and returns the answer once it is known."
+        ),
     }
 }
 
@@ -73,14 +114,7 @@ pub fn no_answer(action_id: &str, check: Check) -> CallToolResult {
 
 /// The plain "outcome unknown" text.
 pub fn unknown_text(action_id: &str, message: Option<&str>, check: Check) -> String {
-    let how = match check {
-        Check::StatusTool => format!(
-            "Check it later with the get_action_status tool (action_id {action_id:?}); calling this same tool again with the same action id is also safe and returns the answer once it is known."
-        ),
-        Check::SameCall => format!(
-            "To check, call this same tool again later with the same arguments and the same action id ({action_id:?}): that never repeats the action and returns the answer once it is known."
-        ),
-    };
+    let how = how_to_check(action_id, check);
     let worker = message.map(|m| format!(" Worker: {m}")).unwrap_or_default();
     format!(
         "OUTCOME UNKNOWN: the request for action {action_id:?} was sent, and it is not known yet whether it was carried out.{worker} Do not retry it and do not call again under another action id: that could do it twice. {how}"
@@ -132,7 +166,7 @@ pub fn task(tenant: &str, action_id: &str, event: Option<&ResultEvent>, now: &st
         Some(event) if event.status == Status::Pending => DetailedTask::new(
             base.with_status_message(format!(
                 "{} {WORKING_NOTE}",
-                unknown_text(action_id, Some(&event.message), Check::StatusTool)
+                pending_text(event, Check::StatusTool)
             )),
             TaskPayload::Working,
         ),
@@ -144,5 +178,96 @@ pub fn task(tenant: &str, action_id: &str, event: Option<&ResultEvent>, now: &st
             };
             DetailedTask::new(base, TaskPayload::Completed { result })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending(uncertainty: Option<Uncertainty>) -> ResultEvent {
+        pending_as(uncertainty, Some("op-41"))
+    }
+
+    fn pending_as(uncertainty: Option<Uncertainty>, remote_id: Option<&str>) -> ResultEvent {
+        let message = match remote_id {
+            Some(_) => "accepted by the downstream",
+            None => "The deploy has not been applied yet; it will be retried automatically.",
+        };
+        serde_json::from_value(serde_json::json!({
+            "tenant": "north-shop", "action_id": "deploy-9", "tool": "deploy",
+            "status": "pending", "receipt": null, "next_action": "check_status",
+            "attempts": 1, "message": message, "fingerprint": null,
+            "remote_id": remote_id, "uncertainty": uncertainty,
+            "event_id": "e-1", "occurred_at": "2026-01-01T00:00:00.000Z"
+        }))
+        .unwrap()
+    }
+
+    fn task_message(event: &ResultEvent) -> String {
+        let task = task(
+            "north-shop",
+            "deploy-9",
+            Some(event),
+            "2026-01-01T00:00:00.000Z",
+        );
+        serde_json::to_value(&task).unwrap()["statusMessage"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    fn text(result: &CallToolResult) -> String {
+        serde_json::to_value(&result.content).unwrap().to_string()
+    }
+
+    #[test]
+    fn an_accepted_operation_reads_in_progress_and_an_unknown_one_outcome_unknown() {
+        let accepted = from_event(&pending(Some(Uncertainty::InProgress)), Check::StatusTool);
+        let said = text(&accepted);
+        assert!(
+            said.contains("ACCEPTED, IN PROGRESS") && said.contains("op-41"),
+            "{said}"
+        );
+        assert!(said.contains("Do not resubmit"), "{said}");
+        for uncertainty in [
+            Some(Uncertainty::UnknownOutcome),
+            Some(Uncertainty::Held),
+            None,
+        ] {
+            let said = text(&from_event(&pending(uncertainty), Check::SameCall));
+            assert!(said.contains("OUTCOME UNKNOWN"), "{uncertainty:?}: {said}");
+        }
+    }
+
+    /// `in_progress` without an operation id is a write on its way or waiting for a retry
+    /// proven safe: nothing was accepted, so nothing says so.
+    #[test]
+    fn only_an_operation_the_downstream_named_is_said_to_be_accepted() {
+        let waiting = pending_as(Some(Uncertainty::InProgress), None);
+        for said in [
+            text(&from_event(&waiting, Check::StatusTool)),
+            task_message(&waiting),
+        ] {
+            assert!(!said.to_lowercase().contains("accepted"), "{said}");
+            assert!(said.contains("Do not"), "{said}");
+        }
+        let blank = pending_as(Some(Uncertainty::InProgress), Some(""));
+        let said = text(&from_event(&blank, Check::StatusTool));
+        assert!(!said.contains("ACCEPTED"), "{said}");
+    }
+
+    /// `tasks/get` of an accepted operation says what a call answers: accepted, in progress,
+    /// with its operation id; an unknown one says the outcome is unknown.
+    #[test]
+    fn a_task_in_progress_reads_in_progress() {
+        let said = task_message(&pending(Some(Uncertainty::InProgress)));
+        assert!(
+            said.contains("ACCEPTED, IN PROGRESS") && said.contains("op-41"),
+            "{said}"
+        );
+        assert!(said.contains("tasks/cancel cannot undo"), "{said}");
+        let said = task_message(&pending(Some(Uncertainty::UnknownOutcome)));
+        assert!(said.contains("OUTCOME UNKNOWN"), "{said}");
     }
 }

@@ -1026,6 +1026,11 @@ fn result_event(key: &str) -> Result<Vec<u8>> {
         fingerprint: Some("0".repeat(64)),
         reason: None,
         detail: None,
+        verified_by: None,
+        operator: None,
+        remote_id: None,
+        uncertainty: None,
+        retry_after_ms: None,
         event_id: uuid::Uuid::new_v4().to_string(),
         occurred_at: chrono::Utc::now().to_rfc3339(),
     };

@@ -1,6 +1,9 @@
 //! Chaos soak: real worker processes under seeded SIGKILLs, broker and Postgres link cuts
 //! (each worker's links run through its own fault proxy) and downstream faults, with tools of
-//! all three capabilities; prints the invariants and the seeds' measures (see `e2e::soak`).
+//! all three capabilities and two long-running (async) tools whose jobs are planned by the seed
+//! (delays around the poll schedule, failures, status 404 windows, jobs that never end) under
+//! status-read faults; prints the invariants and the seeds' measures, the async jobs' polls and
+//! latencies among them (see `e2e::soak`).
 //! `--pg-failover` puts the ledger on a primary and synchronous standby of the soak's own and
 //! fails it over (and switches it back) during the faults, printing how soon the workers
 //! resumed on each new primary. `--cluster` puts the broker on a 3-node RabbitMQ cluster of the

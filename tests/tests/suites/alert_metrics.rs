@@ -100,6 +100,13 @@ async fn fresh_worker_exports_alert_counters_at_zero() {
                 vec![("tool", tool), ("action", action)],
             ));
         }
+        for outcome in ["done", "failed", "running", "unproven", "local_exhaustion"] {
+            expected.push((
+                "intent_worker_polls_total",
+                vec![("tool", tool), ("outcome", outcome)],
+            ));
+        }
+        expected.push(("intent_worker_async_deadlines_total", vec![("tool", tool)]));
     }
     let missing: Vec<String> = expected
         .iter()
@@ -195,10 +202,10 @@ async fn missing_tools_file_names_the_cause_once() {
     let env = Env::new().await;
     let opts = WorkerOptions::new(PathBuf::from("/nonexistent/tools.toml"));
     let (code, output) = run_until_exit(&env, &opts).await;
-    assert_eq!(code, Some(1), "{output}");
+    assert_eq!(code, Some(2), "a configuration error: {output}");
     let line = fatal_line(&output);
     assert!(
-        line.starts_with("cannot read tools file /nonexistent/tools.toml: "),
+        line.starts_with("configuration error: cannot read tools file /nonexistent/tools.toml: "),
         "{line}"
     );
     assert_eq!(
@@ -361,6 +368,8 @@ fn dashboard_has_variables_and_the_alert_panels() {
         "intent_worker_recovery_actions_total",
         "intent_worker_results_unroutable_total",
         "intent_worker_ready",
+        "intent_worker_polls_total",
+        "intent_worker_async_deadlines_total",
         "rabbitmq_detailed_queue_messages",
         "rabbitmq_detailed_queue_consumers",
     ] {

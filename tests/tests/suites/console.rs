@@ -4,7 +4,9 @@
 //! its page, bulk jobs (progress, a row that moved is skipped, a dead worker's job taken
 //! over), dead letters (list, republish after a fix, discard; each once, from the console and
 //! `worker ops dead-letters`), a republished intent proven as its original publisher in
-//! `user_id` mode, and the cause classes the same in Rust and in SQL.
+//! `user_id` mode, the cause classes the same in Rust and in SQL, and accepted long-running
+//! operations (listed with their operation id and last poll, their polls in the timeline,
+//! polled now from their page and in bulk, counted at the downstream's async jobs).
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -46,7 +48,8 @@ fn form_body(fields: &[(&str, &str)]) -> String {
         .join("&")
 }
 
-/// The value of the first `<input … name="NAME" value="…">` in a page.
+/// The value of the first `<input … name="NAME" value="…">` in a page, unescaped as a browser
+/// reads it (a bulk form's filter holds `&amp;`).
 fn input(html: &str, name: &str) -> String {
     let needle = format!("name=\"{name}\" value=\"");
     let start = html
@@ -54,7 +57,12 @@ fn input(html: &str, name: &str) -> String {
         .unwrap_or_else(|| panic!("no input {name} in:\n{html}"))
         + needle.len();
     let end = html[start..].find('"').unwrap() + start;
-    html[start..end].to_string()
+    html[start..end]
+        .replace("&quot;", "\"")
+        .replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&#39;", "'")
+        .replace("&amp;", "&")
 }
 
 /// A cookie's `Set-Cookie` line among the headers.
@@ -1343,6 +1351,341 @@ async fn a_tenant_reading_dead_letters_ages_no_letter() {
     for (id, n) in &counts {
         assert!(*n <= 1, "{id} was delivered {n} times by reading");
     }
+    drop(w);
+    cleanup(env).await;
+}
+
+/// An async `deploy` tool against the reference downstream's long-running jobs. Its polls are
+/// 30 to 60 s apart (`first_ms` = `max_ms` = 60 s, drawn within half of that), so a poll seen
+/// within a few seconds of a recheck is the console's doing, not the schedule's.
+fn async_tools(env: &Env, port: u16) -> std::path::PathBuf {
+    env.async_tools(port, (60_000, 60_000, 3_600), "")
+}
+
+/// Sends a deploy the downstream accepts and never finishes (`async_stuck`), and waits until
+/// its row is `accepted`; returns its operation id at the downstream.
+async fn stuck(
+    agent: &mut Agent,
+    ds: &Downstream,
+    env: &Env,
+    tenant: &str,
+    action_id: &str,
+) -> String {
+    let key = format!("{tenant}:{action_id}");
+    ds.fault(json!({"kind": "async_stuck", "key": key})).await;
+    agent
+        .request(
+            tenant,
+            action_id,
+            "deploy",
+            json!({"service": "<script>alert(7)</script>"}),
+        )
+        .await;
+    e2e::wait_for(&format!("{action_id} accepted"), T, || async {
+        (env.state(tenant, action_id).await == "accepted").then_some(())
+    })
+    .await;
+    remote_id(env, tenant, action_id).await
+}
+
+async fn remote_id(env: &Env, tenant: &str, action_id: &str) -> String {
+    sqlx::query_scalar(
+        "SELECT remote_id FROM operations WHERE tenant = $1 AND action_id = $2 AND remote_id IS NOT NULL",
+    )
+    .bind(tenant)
+    .bind(action_id)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap()
+}
+
+/// Whether the row has a poll running (a live lease).
+async fn leased(env: &Env, tenant: &str, action_id: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT lease_until IS NOT NULL AND lease_until > now() FROM operations
+         WHERE tenant = $1 AND action_id = $2",
+    )
+    .bind(tenant)
+    .bind(action_id)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap()
+}
+
+/// Reloads `path` until its body contains every one of `wanted`; returns that page.
+async fn page_with(b: &mut Browser, path: &str, wanted: &[&str]) -> String {
+    let deadline = Instant::now() + T;
+    loop {
+        let page = b.get(path).await;
+        assert_eq!(page.status, 200, "{}", page.body);
+        if wanted.iter().all(|w| page.body.contains(w)) {
+            return page.body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{path} never showed {wanted:?}:\n{}",
+            page.body
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// An accepted long-running operation is listed with its operation id and its last poll; its
+/// page shows the operation id, the poll deadline, the acceptance (as text), how it is known
+/// and the polls in the timeline; "Poll now" reads its status at once, read only.
+#[tokio::test]
+async fn an_accepted_operation_shows_its_polls_and_is_polled_now_from_its_page() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let w = Worker::start(&env, "w", &console_worker(async_tools(&env, ds.port))).await;
+    let port = w.admin_port.unwrap();
+    let mut agent = Agent::new(&env, &["north"]).await;
+    let remote = stuck(&mut agent, &ds, &env, "north", "lr-1").await;
+    let key = "north:lr-1";
+    let id = operation_id(&env, "north", "lr-1").await;
+    let mut b = Browser::sign_in(port, ADMIN, "alice").await;
+
+    // The list, filtered to accepted rows: the row, its operation id and its poll schedule.
+    let list = b.get("/ui/operations?state=accepted").await;
+    assert_eq!(list.status, 200, "{}", list.body);
+    assert_security_headers(&list);
+    for wanted in [
+        "lr-1",
+        "<th>operation id</th>",
+        remote.as_str(),
+        "state-accepted",
+        "next poll ",
+    ] {
+        assert!(list.body.contains(wanted), "{wanted}: {}", list.body);
+    }
+    let cause = b.get("/ui/operations?cause=in_progress").await;
+    assert!(cause.body.contains("lr-1"), "{}", cause.body);
+
+    // Its page: the operation id, the deadline, the acceptance as text, how it is known.
+    let page = b.get(&format!("/ui/operations/{id}")).await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert_security_headers(&page);
+    for wanted in [
+        "<th>operation id</th>",
+        remote.as_str(),
+        "<th>poll deadline</th>",
+        "<th>verified by</th><td>dispatch</td>",
+        "<h2>Acceptance</h2>",
+        "&quot;status_url&quot;",
+        "&lt;script&gt;alert(7)&lt;/script&gt;",
+        "Recheck (poll now)",
+        "Poll now",
+    ] {
+        assert!(page.body.contains(wanted), "{wanted}: {}", page.body);
+    }
+    assert!(!page.body.contains("<script>alert(7)"), "{}", page.body);
+
+    // "Poll now": the status is read at once (the schedule's next poll is 30 s away or more).
+    let before = env.status_reads(key).await;
+    let csrf = input(&page.body, "csrf");
+    let form = &page.body[page.body.find("/recheck\"").expect("the recheck form")..];
+    let request_id = input(form, "request_id");
+    let r = b
+        .post(
+            &format!("/ui/operations/{id}/recheck"),
+            &[
+                ("csrf", &csrf),
+                ("request_id", &request_id),
+                ("reason", "is the deploy done?"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 303, "{}", r.body);
+    assert_eq!(
+        r.headers["location"].to_str().unwrap(),
+        format!("/ui/operations/{id}?done=recheck")
+    );
+    e2e::wait_for(
+        "the recheck's status read",
+        Duration::from_secs(10),
+        || async { (env.status_reads(key).await > before).then_some(()) },
+    )
+    .await;
+    let after = page_with(
+        &mut b,
+        &format!("/ui/operations/{id}?done=recheck"),
+        &["still running", "last poll ", "poll</span>"],
+    )
+    .await;
+    assert!(after.contains("Rechecked"), "{after}");
+    assert!(
+        after.contains("recheck by alice: is the deploy done?"),
+        "{after}"
+    );
+    assert!(after.contains("operator:alice"), "{after}");
+    // The timeline marks the acceptance and the poll.
+    assert!(
+        after.contains("<span class=\"step\">accepted</span>"),
+        "{after}"
+    );
+    assert!(
+        after.contains("<span class=\"step\">poll</span>"),
+        "{after}"
+    );
+    // Still accepted (the job is stuck); the list says what the last poll said, and when.
+    assert_eq!(env.state("north", "lr-1").await, "accepted");
+    let list = b.get("/ui/operations?state=accepted&tool=deploy").await;
+    assert!(
+        list.body.contains("last poll ") && list.body.contains("still running"),
+        "{}",
+        list.body
+    );
+    // A poll is a read: one write, one job.
+    assert_eq!(env.writes(key).await, 1);
+    assert_eq!(env.async_jobs(key).await, 1);
+    drop(w);
+    cleanup(env).await;
+}
+
+/// A bulk recheck of a filtered set of accepted operations polls each of them now (and only
+/// them); a bulk fail of an accepted one stops its polling, as the dry run says.
+#[tokio::test]
+async fn a_bulk_recheck_of_accepted_operations_polls_each_of_them() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let w = Worker::start(&env, "w", &console_worker(async_tools(&env, ds.port))).await;
+    let port = w.admin_port.unwrap();
+    let mut agent = Agent::new(&env, &["north"]).await;
+    let ids = ["bulk-1", "bulk-2", "bulk-3"];
+    for action_id in ids.iter().chain(&["other-1"]) {
+        stuck(&mut agent, &ds, &env, "north", action_id).await;
+    }
+    let mut before = Vec::new();
+    for action_id in ids.iter().chain(&["other-1"]) {
+        before.push(env.status_reads(&format!("north:{action_id}")).await);
+    }
+    let ledger = Ledger::from_pool(env.pool.clone());
+    let mut b = Browser::sign_in(port, ADMIN, "alice").await;
+
+    let list = b.get("/ui/operations?state=accepted").await;
+    assert!(
+        list.body.contains("Recheck or fail all of these"),
+        "{}",
+        list.body
+    );
+    let dry = b.get("/ui/bulk?state=accepted&q=bulk-").await;
+    assert_eq!(dry.status, 200, "{}", dry.body);
+    assert!(
+        dry.body.contains(
+            "<td><span class=\"state state-accepted\">accepted</span></td><td class=\"num\">3</td>"
+        ),
+        "{}",
+        dry.body
+    );
+    assert!(dry.body.contains("polls its status now"), "{}", dry.body);
+    let csrf = input(&dry.body, "csrf");
+    let filter = input(&dry.body, "filter");
+    assert_eq!(filter, "state=accepted&q=bulk-");
+    let request_id = input(&dry.body, "request_id");
+    // A filter that lost a field on the way (`&amp;` left unread) is refused, not widened.
+    let mangled = b
+        .post(
+            "/ui/bulk",
+            &[
+                ("csrf", csrf.as_str()),
+                ("request_id", "mangled-1"),
+                ("filter", "state=accepted&amp;q=bulk-"),
+                ("action", "fail"),
+                ("reason", "this must never fail other-1"),
+            ],
+        )
+        .await;
+    assert_eq!(mangled.status, 400, "{}", mangled.body);
+    assert!(mangled.body.contains("amp;q"), "{}", mangled.body);
+    assert!(ledger.recent_jobs(10).await.unwrap().is_empty());
+    let r = b
+        .post(
+            "/ui/bulk",
+            &[
+                ("csrf", csrf.as_str()),
+                ("request_id", &request_id),
+                ("filter", &filter),
+                ("action", "recheck"),
+                ("reason", "are the deploys done?"),
+                ("cap", "10"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 303, "{}", r.body);
+    let location = r.headers["location"].to_str().unwrap().to_string();
+    let job_id: i64 = location.rsplit('/').next().unwrap().parse().unwrap();
+    let job = e2e::wait_for("the bulk recheck", T, || async {
+        ledger
+            .job(job_id)
+            .await
+            .unwrap()
+            .filter(|j| j.status == "finished")
+    })
+    .await;
+    assert_eq!(
+        (job.total, job.done, job.skipped, job.refused),
+        (3, 3, 0, 0),
+        "{job:?}"
+    );
+    for (i, action_id) in ids.iter().enumerate() {
+        let key = format!("north:{action_id}");
+        e2e::wait_for(
+            &format!("{action_id} polled"),
+            Duration::from_secs(10),
+            || async { (env.status_reads(&key).await > before[i]).then_some(()) },
+        )
+        .await;
+        assert_eq!(env.state("north", action_id).await, "accepted");
+        assert_eq!(env.writes(&key).await, 1);
+    }
+    assert_eq!(
+        env.status_reads("north:other-1").await,
+        before[3],
+        "outside the filter: not polled"
+    );
+    let page = b.get(&location).await;
+    assert!(page.body.contains("now accepted"), "{}", page.body);
+
+    // A bulk fail of one accepted operation (its poll over): failed, never written again.
+    e2e::wait_for("bulk-3's poll over", T, || async {
+        (!leased(&env, "north", "bulk-3").await).then_some(())
+    })
+    .await;
+    let dry = b.get("/ui/bulk?state=accepted&q=bulk-3").await;
+    let r = b
+        .post(
+            "/ui/bulk",
+            &[
+                ("csrf", csrf.as_str()),
+                ("request_id", &input(&dry.body, "request_id")),
+                ("filter", &input(&dry.body, "filter")),
+                ("action", "fail"),
+                ("reason", "the deploy team cancelled operation by hand"),
+                ("cap", "10"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 303, "{}", r.body);
+    let job_id: i64 = r.headers["location"]
+        .to_str()
+        .unwrap()
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let job = e2e::wait_for("the bulk fail", T, || async {
+        ledger
+            .job(job_id)
+            .await
+            .unwrap()
+            .filter(|j| j.status == "finished")
+    })
+    .await;
+    assert_eq!((job.total, job.done), (1, 1), "{job:?}");
+    assert_eq!(env.state("north", "bulk-3").await, "failed");
+    assert_eq!(env.state("north", "bulk-2").await, "accepted");
+    assert_eq!(env.writes("north:bulk-3").await, 1);
     drop(w);
     cleanup(env).await;
 }

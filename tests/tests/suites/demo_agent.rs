@@ -1,11 +1,14 @@
 //! The Quick start's demo agent (`demo-agent --scenario full`, the example agent of
-//! examples/demo-agent, run by scripts/demo.sh): with two real workers, the reference downstream
-//! (one reply lost after commit) and the agent-side relay, its `key=value` summary agrees with
-//! the downstream's own tables and the ledger: downstream writes == distinct actions (never
-//! intents sent), every reordered and re-spaced repeat answered from the ledger, the conflicting
-//! reuse refused, the lost reply pending and then held. Without the fault and without an outbox,
-//! the same scenario succeeds throughout. Its binary is found beside the worker's
-//! (`e2e::procs::demo_agent_bin`: `cargo build --workspace` builds it).
+//! examples/demo-agent, run by scripts/demo.sh): with two real workers on the demo's own tools
+//! file (deploy/tools.demo.toml), the reference downstream (one reply lost after commit) and the
+//! agent-side relay, its `key=value` summary agrees with the downstream's own tables and the
+//! ledger: downstream writes == distinct actions (never intents sent), every reordered and
+//! re-spaced repeat answered from the ledger, the conflicting reuse refused, the long-running
+//! `deploy` accepted (pending, in progress, with the downstream's operation id) and then
+//! succeeded, verified by a poll, with the receipt of the downstream's one job, the lost `payout`
+//! reply pending and then held. Without the fault and without an outbox, the same scenario
+//! succeeds throughout. Its binary is found beside the worker's (`e2e::procs::demo_agent_bin`:
+//! `cargo build --workspace` builds it).
 //! The scripts themselves parse, answer --help and refuse unknown flags (shellcheck-clean where
 //! shellcheck is installed); scripts/test.sh runs `scripts/demo.sh --once` for the whole thing.
 
@@ -26,6 +29,18 @@ fn repo() -> PathBuf {
         .join("..")
         .canonicalize()
         .expect("repository root")
+}
+
+/// The demo's own tools file (deploy/tools.demo.toml), pointed at the downstream on `port`, as
+/// scripts/demo.sh points it.
+fn demo_tools(env: &Env, port: u16) -> PathBuf {
+    let demo = std::fs::read_to_string(repo().join("deploy/tools.demo.toml"))
+        .expect("deploy/tools.demo.toml");
+    assert!(demo.contains("http://downstream:9100/"), "{demo}");
+    env.write_tools(&demo.replace(
+        "http://downstream:9100/",
+        &format!("http://127.0.0.1:{port}/"),
+    ))
 }
 
 /// A child killed (and reaped) on drop.
@@ -87,8 +102,10 @@ fn run_agent(
             "20",
             "--duplicate-every",
             "3",
-            "--held-tool",
+            "--async-tool",
             "deploy",
+            "--held-tool",
+            "payout",
             "--run-id",
             run_id,
             "--answer-timeout",
@@ -136,7 +153,7 @@ fn get<'a>(summary: &'a BTreeMap<String, String>, key: &str) -> &'a str {
 async fn the_full_demo_agrees_with_the_downstreams_tables() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    let tools = env.standard_tools(ds.port, "");
+    let tools = demo_tools(&env, ds.port);
     let w1 = Worker::start(
         &env,
         "w1",
@@ -173,7 +190,8 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
     );
 
     let run_id = format!("t{}", env.id);
-    let held = format!("deploy-{run_id}");
+    let deploy = format!("deploy-{run_id}");
+    let held = format!("payout-{run_id}");
     ds.fault(json!({"kind": "drop_after_commit", "key": format!("{TENANT}:{held}")}))
         .await;
     let status_url = format!("http://127.0.0.1:{}", w1.admin_port.expect("admin API"));
@@ -192,18 +210,24 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
     );
     assert_eq!(code, Some(0), "{context}");
 
-    // 6 refunds, 2 repeats (every 3rd), 1 conflicting reuse, 1 deploy; 7 distinct actions.
+    // 6 refunds, 2 repeats (every 3rd), 1 conflicting reuse, 1 deploy, 1 payout; 8 distinct
+    // actions, of which the refunds and the deploy succeed; the deploy (in progress) and the
+    // payout (lost reply) are answered pending.
     let expect = [
         ("run_id", run_id.as_str()),
-        ("intents_sent", "10"),
-        ("actions", "7"),
-        ("succeeded", "6"),
+        ("intents_sent", "11"),
+        ("actions", "8"),
+        ("succeeded", "7"),
         ("failed_or_rejected", "0"),
         ("repeats_sent", "2"),
         ("repeats_answered_from_ledger", "2"),
         ("conflicts_sent", "1"),
         ("conflicts_refused", "1"),
-        ("pending", "1"),
+        ("async_action_id", deploy.as_str()),
+        ("async_accepted", "1"),
+        ("async_status", "succeeded"),
+        ("async_verified_by", "poll"),
+        ("pending", "2"),
         ("held", "1"),
         ("held_action_id", held.as_str()),
         ("complete", "true"),
@@ -231,9 +255,81 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
         &format!("SELECT count(*) FROM downstream.requests WHERE kind = 'write' AND {keys}"),
     )
     .await;
-    assert_eq!((mutations, writes), (7, 7), "{context}");
+    assert_eq!((mutations, writes), (8, 8), "{context}");
     assert_eq!(env.mutations(&format!("{TENANT}:{held}")).await, 1);
-    // The ledger: the lost reply is held for a person; the reused key kept its first intent.
+    // The deploy: one job at the downstream, the one the agent was told about (its operation id
+    // while in progress, its deployment id as the receipt); one write; polls only read.
+    let deploy_key = format!("{TENANT}:{deploy}");
+    assert_eq!(env.async_jobs(&deploy_key).await, 1, "{context}");
+    assert_eq!(env.writes(&deploy_key).await, 1, "{context}");
+    assert!(env.status_reads(&deploy_key).await >= 1, "{context}");
+    let (operation, deployment): (String, Option<String>) = sqlx::query_as(
+        "SELECT operation_id, deployment_id FROM downstream.async_jobs WHERE idem_key = $1",
+    )
+    .bind(&deploy_key)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert!(operation.starts_with("op-"), "{operation}");
+    assert_eq!(get(&summary, "async_operation_id"), operation, "{context}");
+    assert_eq!(
+        Some(get(&summary, "async_receipt_id")),
+        deployment.as_deref(),
+        "{context}"
+    );
+    // The agent printed its answers: pending (in progress, the operation id), then succeeded
+    // (verified by a poll, the deployment id).
+    let answers_for_deploy: Vec<serde_json::Value> = stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).expect("an answer line is JSON"))
+        .filter(|e: &serde_json::Value| e["action_id"] == deploy.as_str())
+        .collect();
+    let with_status = |status: &str| -> Vec<&serde_json::Value> {
+        answers_for_deploy
+            .iter()
+            .filter(|e| e["status"] == status)
+            .collect()
+    };
+    let (pending, succeeded) = (with_status("pending"), with_status("succeeded"));
+    assert_eq!(
+        (pending.len(), succeeded.len(), answers_for_deploy.len()),
+        (1, 1, 2),
+        "{answers_for_deploy:?}"
+    );
+    assert_eq!(pending[0]["uncertainty"], "in_progress");
+    assert_eq!(pending[0]["remote_id"], operation.as_str());
+    assert_eq!(succeeded[0]["verified_by"], "poll");
+    assert_eq!(
+        succeeded[0]["remote_id"],
+        deployment.as_deref().unwrap_or("?")
+    );
+    assert_eq!(succeeded[0]["receipt"]["state"], "succeeded");
+    // The ledger: the deploy went accepted -> succeeded, keeping the operation id; the lost
+    // reply is held for a person; the reused key kept its first intent.
+    assert_eq!(env.state(TENANT, &deploy).await, "succeeded");
+    let moves: Vec<String> = sqlx::query_scalar(
+        "SELECT h.to_state FROM operation_history h JOIN operations o ON o.id = h.operation_id
+         WHERE o.tenant = $1 AND o.action_id = $2 ORDER BY h.id",
+    )
+    .bind(TENANT)
+    .bind(&deploy)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    let accepted_at = moves.iter().position(|m| m == "accepted");
+    assert!(
+        accepted_at.is_some_and(|i| moves[i + 1..].iter().any(|m| m == "succeeded")),
+        "{moves:?}"
+    );
+    let remote: Option<String> =
+        sqlx::query_scalar("SELECT remote_id FROM operations WHERE tenant = $1 AND action_id = $2")
+            .bind(TENANT)
+            .bind(&deploy)
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(remote.as_deref(), Some(operation.as_str()));
     assert_eq!(env.state(TENANT, &held).await, "held");
     assert_eq!(
         env.state(TENANT, &format!("refund-{run_id}-1")).await,
@@ -244,7 +340,7 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
         &format!("SELECT count(*) FROM operations WHERE tenant = '{TENANT}'"),
     )
     .await;
-    assert_eq!(operations, 7);
+    assert_eq!(operations, 8);
     cleanup(env).await;
 }
 
@@ -252,20 +348,24 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
 async fn without_a_lost_reply_and_without_an_outbox_every_action_succeeds() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    let tools = env.standard_tools(ds.port, "");
+    let tools = demo_tools(&env, ds.port);
     let _w1 = Worker::start(&env, "w1", &WorkerOptions::new(tools)).await;
     // Published directly (no PUBLISHER_DATABASE_URL), nothing armed, no status API needed.
     let run_id = format!("t{}", env.id);
     let (code, summary, _stdout, stderr) = run_agent(&env, &run_id, &[]);
     let context = format!("summary {summary:?}\n--- stderr\n{stderr}");
     assert_eq!(code, Some(0), "{context}");
+    // Only the deploy is answered pending: accepted, in progress, before it succeeds.
     for (key, value) in [
-        ("intents_sent", "10"),
-        ("actions", "7"),
-        ("succeeded", "7"),
+        ("intents_sent", "11"),
+        ("actions", "8"),
+        ("succeeded", "8"),
         ("repeats_answered_from_ledger", "2"),
         ("conflicts_refused", "1"),
-        ("pending", "0"),
+        ("async_accepted", "1"),
+        ("async_status", "succeeded"),
+        ("async_verified_by", "poll"),
+        ("pending", "1"),
         ("held", "0"),
         ("complete", "true"),
     ] {
@@ -276,7 +376,7 @@ async fn without_a_lost_reply_and_without_an_outbox_every_action_succeeds() {
         "SELECT count(*) FROM downstream.requests WHERE kind = 'write'",
     )
     .await;
-    assert_eq!(writes, 7, "{context}");
+    assert_eq!(writes, 8, "{context}");
     cleanup(env).await;
 }
 
@@ -289,12 +389,7 @@ async fn with_export_on_each_intents_trace_starts_at_the_agents_turn() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let receiver = e2e::OtlpReceiver::start();
-    let _w1 = Worker::start(
-        &env,
-        "w1",
-        &WorkerOptions::new(env.standard_tools(ds.port, "")),
-    )
-    .await;
+    let _w1 = Worker::start(&env, "w1", &WorkerOptions::new(demo_tools(&env, ds.port))).await;
     let db = ("PUBLISHER_DATABASE_URL", env.db_url.clone());
     let migrate = publisher(&env, &["migrate"], std::slice::from_ref(&db))
         .stdout(Stdio::null())
@@ -337,13 +432,18 @@ async fn with_export_on_each_intents_trace_starts_at_the_agents_turn() {
         "{context}"
     );
 
-    // One turn per intent sent; refund 2 and the deploy are sent once each.
+    // One turn per intent sent; refund 2, the deploy and the payout are sent once each (the
+    // deploy's polls only read: its one write carries the turn's trace).
     let turns = receiver
-        .wait_for_spans("the agent's turns", Duration::from_secs(20), 10, |s| {
+        .wait_for_spans("the agent's turns", Duration::from_secs(20), 11, |s| {
             s.name == "agent turn" && s.service_name == "demo-agent"
         })
         .await;
-    for action in [format!("refund-{run_id}-2"), format!("deploy-{run_id}")] {
+    for action in [
+        format!("refund-{run_id}-2"),
+        format!("deploy-{run_id}"),
+        format!("payout-{run_id}"),
+    ] {
         let key = format!("{TENANT}:{action}");
         let turn: Vec<_> = turns
             .iter()
@@ -414,6 +514,7 @@ fn the_demo_agent_refuses_settings_that_can_never_work() {
     for flag in [
         "--scenario",
         "--held-tool",
+        "--async-tool",
         "--set-user-id",
         "--ca-file",
         "PUBLISHER_STATUS_TOKEN",

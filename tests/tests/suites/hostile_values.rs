@@ -122,9 +122,9 @@ async fn a_number_that_would_change_is_refused_and_never_sent() {
     cleanup(env).await;
 }
 
-/// A NUL in the arguments would make the downstream's echoing receipt unstorable (Postgres
-/// `jsonb` refuses U+0000): the success could never be recorded. It is refused at intake, with
-/// a reason naming it, before any request is sent.
+/// A NUL in the arguments would be unstorable for a downstream keeping JSON in Postgres
+/// `jsonb` (the reference downstream does). It is refused at intake, with a reason naming it,
+/// before any request is sent.
 #[tokio::test]
 async fn a_nul_in_the_arguments_is_refused_before_dispatch() {
     let env = Env::new().await;

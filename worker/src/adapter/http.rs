@@ -8,9 +8,10 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AF
 use reqwest::{Method, StatusCode};
 use tracing::{Instrument as _, Span};
 
-use super::{receipt, BoxFuture, Request, ToolAdapter};
+use super::{receipt, status, BoxFuture, Request, ToolAdapter};
 use crate::config::ToolConfig;
-use crate::outcome::Outcome;
+use crate::document::Document;
+use crate::outcome::{Outcome, Polled};
 use crate::recovery::Capability;
 
 /// Largest response body read; the evidence keeps an excerpt.
@@ -33,6 +34,8 @@ pub struct HttpAdapter {
     headers: HeaderMap,
     idempotency_header: HeaderName,
     receipt: receipt::ReceiptRule,
+    /// The async contract of a long-running tool, its pointers parsed.
+    contract: Option<status::Contract>,
 }
 
 impl HttpAdapter {
@@ -65,6 +68,7 @@ impl HttpAdapter {
         }
         Ok(HttpAdapter {
             receipt: receipt::ReceiptRule::new(&config.receipt_id, &config.receipt_match),
+            contract: config.completion.contract().map(status::Contract::new),
             config,
             client,
             url,
@@ -146,6 +150,7 @@ impl HttpAdapter {
         };
         if status.is_success() {
             return answer(match body {
+                Ok(bytes) if self.accepts(status) => self.acceptance(request, &bytes, status),
                 Ok(bytes) => self.receipt_outcome(request, &bytes, status),
                 Err(e) => Outcome::Unknown {
                     evidence: format!("HTTP {status} but the body could not be read: {e}"),
@@ -170,8 +175,8 @@ impl HttpAdapter {
     }
 
     fn receipt_outcome(&self, request: &Request, bytes: &[u8], status: StatusCode) -> Outcome {
-        let receipt: serde_json::Value = match serde_json::from_slice(bytes) {
-            Ok(v) => v,
+        let receipt = match Document::parse(bytes) {
+            Ok(d) => d,
             Err(e) => {
                 return Outcome::Unknown {
                     evidence: format!(
@@ -182,7 +187,13 @@ impl HttpAdapter {
                 }
             }
         };
-        match self.check_receipt(request, &receipt) {
+        self.checked_receipt(request, receipt, status)
+    }
+
+    /// A parsed answer that passes the receipt check is this operation's receipt; one that
+    /// does not proves nothing (it may be another operation's).
+    fn checked_receipt(&self, request: &Request, receipt: Document, status: StatusCode) -> Outcome {
+        match self.check_receipt(request, receipt.value()) {
             Ok(receipt_id) => Outcome::Succeeded {
                 receipt,
                 receipt_id,
@@ -190,6 +201,214 @@ impl HttpAdapter {
             Err(why) => Outcome::Unknown {
                 evidence: format!("HTTP {status} but {why}"),
                 retry_after: None,
+            },
+        }
+    }
+
+    /// Whether `status` answered to a write means "accepted, not done" (an async tool's
+    /// `accepted_statuses`).
+    fn accepts(&self, status: StatusCode) -> bool {
+        self.contract
+            .as_ref()
+            .is_some_and(|c| c.accepted_statuses.contains(&status.as_u16()))
+    }
+
+    /// An acceptance: the operation it names, else unknown (it may have been applied, and
+    /// without an id it cannot be followed). One that echoes another operation's identity is
+    /// no acceptance of this write: unknown too, and recovery finds the real one.
+    fn acceptance(&self, request: &Request, bytes: &[u8], status: StatusCode) -> Outcome {
+        let contract = self.contract.as_ref().expect("only async tools accept");
+        let document = Document::parse(bytes).ok();
+        let Some((operation_id, acceptance)) =
+            document.and_then(|d| contract.operation_id(d.value()).map(|id| (id, d)))
+        else {
+            return Outcome::Unknown {
+                evidence: format!(
+                    "HTTP {status} (accepted) without an operation id at {}: {}",
+                    contract.operation_id,
+                    excerpt(bytes)
+                ),
+                retry_after: None,
+            };
+        };
+        match contract.another_operation(acceptance.value(), None, &self.receipt, request) {
+            Some(why) => Outcome::Unknown {
+                evidence: format!(
+                    "HTTP {status} (accepted) but the acceptance is for another operation: \
+                     {why}: {}",
+                    excerpt(bytes)
+                ),
+                retry_after: None,
+            },
+            None => Outcome::Accepted {
+                operation_id,
+                acceptance,
+            },
+        }
+    }
+
+    /// What a long-running operation's document (a lookup's answer) says: done with this
+    /// operation's receipt, failed as the downstream documents it, or in progress (an
+    /// acceptance, when it names the operation); anything else proves nothing, and so does a
+    /// document about another operation, whatever it says.
+    fn document_outcome(
+        &self,
+        contract: &status::Contract,
+        request: &Request,
+        bytes: &[u8],
+        status: StatusCode,
+    ) -> Outcome {
+        let Ok(document) = Document::parse(bytes) else {
+            return self.receipt_outcome(request, bytes, status);
+        };
+        if let Some(why) =
+            contract.another_operation(document.value(), None, &self.receipt, request)
+        {
+            return Outcome::Unknown {
+                evidence: format!(
+                    "HTTP {status} but the document is for another operation: {why}: {}",
+                    excerpt(bytes)
+                ),
+                retry_after: None,
+            };
+        }
+        match contract.judge(document.value()) {
+            status::Judged::Done => self.checked_receipt(request, document, status),
+            status::Judged::Failed => Outcome::Failed {
+                evidence: format!("HTTP {status}: {}", excerpt(bytes)),
+            },
+            status::Judged::Neither => match contract.operation_id(document.value()) {
+                Some(operation_id) => Outcome::Accepted {
+                    operation_id,
+                    acceptance: document,
+                },
+                None => Outcome::Unknown {
+                    evidence: format!(
+                        "HTTP {status}: neither done nor failed, and no operation id at {}: {}",
+                        contract.operation_id,
+                        excerpt(bytes)
+                    ),
+                    retry_after: None,
+                },
+            },
+        }
+    }
+
+    /// Reads the status of operation `operation_id` (read only: a GET of the tool's
+    /// `status_url`) and says what it established ([`Polled`]).
+    pub async fn read_status(&self, request: &Request, operation_id: &str) -> Polled {
+        let Some(contract) = &self.contract else {
+            return Polled::Unproven {
+                evidence: format!("tool {} has no async contract", self.config.name),
+            };
+        };
+        let url = receipt::fill_with(&contract.status_url, request, Some(operation_id), true);
+        let span = client_span("GET", &url);
+        let polled = self
+            .status_in(contract, request, operation_id, &url, &span)
+            .instrument(span.clone())
+            .await;
+        // A read that proved nothing is the request's failure; done, failed and running are
+        // answers.
+        if !span.is_none()
+            && matches!(
+                polled,
+                Polled::Unproven { .. } | Polled::LocalExhaustion { .. }
+            )
+        {
+            span.record("error.type", polled.label());
+            span.record("otel.status_code", "ERROR");
+        }
+        polled
+    }
+
+    async fn status_in(
+        &self,
+        contract: &status::Contract,
+        request: &Request,
+        operation_id: &str,
+        url: &str,
+        span: &Span,
+    ) -> Polled {
+        let mut headers = self.headers.clone();
+        headers.remove(CONTENT_TYPE);
+        trace_headers(&mut headers, span, request);
+        let response = match self.client.get(url).headers(headers).send().await {
+            Ok(r) => r,
+            Err(e) if e.is_connect() && kit::fd::local_exhaustion(&e).is_some() => {
+                return Polled::LocalExhaustion {
+                    evidence: local_exhaustion(&e, &self.config, "status read").evidence(),
+                };
+            }
+            Err(e) => {
+                return Polled::Unproven {
+                    evidence: format!("status read failed: {}", error_chain(&e, &self.config)),
+                }
+            }
+        };
+        let status = response.status();
+        if !span.is_none() {
+            span.record("http.response.status_code", i64::from(status.as_u16()));
+        }
+        let body = read_body(response).await;
+        let bytes = match (status, body) {
+            (StatusCode::OK, Ok(bytes)) => bytes,
+            (status, body) => {
+                return Polled::Unproven {
+                    evidence: format!(
+                        "status read answered HTTP {}: {}",
+                        status.as_u16(),
+                        body.as_deref().map(excerpt).unwrap_or_else(|e| e.clone())
+                    ),
+                }
+            }
+        };
+        let Ok(document) = Document::parse(&bytes) else {
+            return Polled::Unproven {
+                evidence: format!("status document is not JSON: {}", excerpt(&bytes)),
+            };
+        };
+        self.decide(contract, request, Some(operation_id), document)
+    }
+
+    /// What a long-running operation's status document (a poll's answer, or a completion
+    /// callback's body) proves about the operation of `request`, accepted as `operation_id`
+    /// when known: nothing when it is about another operation; done with this operation's
+    /// receipt; failed as the downstream documents it; or still running.
+    fn decide(
+        &self,
+        contract: &status::Contract,
+        request: &Request,
+        operation_id: Option<&str>,
+        document: Document,
+    ) -> Polled {
+        let bytes = document.text().as_bytes();
+        // Done, failed or running: about another operation, it says nothing about this one.
+        if let Some(why) =
+            contract.another_operation(document.value(), operation_id, &self.receipt, request)
+        {
+            return Polled::Unproven {
+                evidence: format!(
+                    "the status document is for another operation: {why}: {}",
+                    excerpt(bytes)
+                ),
+            };
+        }
+        match contract.judge(document.value()) {
+            status::Judged::Done => match self.check_receipt(request, document.value()) {
+                Ok(receipt_id) => Polled::Done {
+                    receipt: document,
+                    receipt_id,
+                },
+                Err(why) => Polled::Unproven {
+                    evidence: format!("the status says done, but {why}: {}", excerpt(bytes)),
+                },
+            },
+            status::Judged::Failed => Polled::Failed {
+                evidence: excerpt(bytes),
+            },
+            status::Judged::Neither => Polled::Running {
+                evidence: format!("still running: {}", excerpt(bytes)),
             },
         }
     }
@@ -242,7 +461,10 @@ impl HttpAdapter {
         let retry_after = parse_retry_after(response.headers().get(RETRY_AFTER), SystemTime::now());
         let body = read_body(response).await;
         let outcome = match (status, body) {
-            (StatusCode::OK, Ok(bytes)) => self.receipt_outcome(request, &bytes, status),
+            (StatusCode::OK, Ok(bytes)) => match &self.contract {
+                Some(contract) => self.document_outcome(contract, request, &bytes, status),
+                None => self.receipt_outcome(request, &bytes, status),
+            },
             (StatusCode::NOT_FOUND, body) => Outcome::LookupMiss {
                 evidence: format!(
                     "lookup miss (HTTP 404: {}); a miss is not proof of absence",
@@ -348,6 +570,24 @@ impl ToolAdapter for HttpAdapter {
         Box::pin(self.send_lookup(request))
     }
 
+    fn poll<'a>(&'a self, request: &'a Request, operation_id: &'a str) -> BoxFuture<'a, Polled> {
+        Box::pin(self.read_status(request, operation_id))
+    }
+
+    fn judge_status(
+        &self,
+        request: &Request,
+        operation_id: Option<&str>,
+        document: Document,
+    ) -> Polled {
+        match &self.contract {
+            Some(contract) => self.decide(contract, request, operation_id, document),
+            None => Polled::Unproven {
+                evidence: format!("tool {} has no async contract", self.config.name),
+            },
+        }
+    }
+
     fn check_receipt(
         &self,
         request: &Request,
@@ -405,7 +645,8 @@ fn local_exhaustion(e: &reqwest::Error, config: &ToolConfig, kind: &str) -> Outc
     let cause = kit::fd::local_exhaustion(e).map_or_else(String::new, |io| io.to_string());
     Outcome::LocalExhaustion {
         evidence: format!(
-            "not sent: worker out of local resources ({cause}) before the {kind} to tool {} could              connect; retried without spending an attempt: {}",
+            "not sent: worker out of local resources ({cause}) before the {kind} to tool {} could \
+             connect; retried without spending an attempt: {}",
             config.name,
             error_chain(e, config)
         ),

@@ -12,6 +12,7 @@
 pub mod http;
 pub mod meters;
 pub mod receipt;
+pub mod status;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{ToolConfig, Tools};
-use crate::outcome::Outcome;
+use crate::outcome::{Outcome, Polled};
 use crate::recovery::Capability;
 
 /// A boxed future, so adapters can be trait objects.
@@ -49,6 +50,32 @@ pub trait ToolAdapter: Send + Sync {
     fn execute<'a>(&'a self, request: &'a Request) -> BoxFuture<'a, Outcome>;
     /// Reads the operation by its stable key; never writes. Only called for `lookup` tools.
     fn lookup<'a>(&'a self, request: &'a Request) -> BoxFuture<'a, Outcome>;
+    /// Reads the status of the long-running operation `operation_id` the downstream accepted
+    /// this request as; never writes. Only called for `completion = "async"` tools; an adapter
+    /// without long-running operations proves nothing.
+    fn poll<'a>(&'a self, request: &'a Request, operation_id: &'a str) -> BoxFuture<'a, Polled> {
+        let _ = (request, operation_id);
+        Box::pin(async {
+            Polled::Unproven {
+                evidence: "this adapter reads no long-running operation's status".into(),
+            }
+        })
+    }
+    /// What a long-running operation's status document that arrived unasked (a completion
+    /// callback's body) proves about the operation of `request`, accepted as `operation_id`
+    /// when known: the same decision as for a poll's answer. An adapter without long-running
+    /// operations proves nothing.
+    fn judge_status(
+        &self,
+        request: &Request,
+        operation_id: Option<&str>,
+        document: crate::document::Document,
+    ) -> Polled {
+        let _ = (request, operation_id, document);
+        Polled::Unproven {
+            evidence: "this adapter reads no long-running operation's status".into(),
+        }
+    }
     /// Checks that `receipt` belongs to this operation; returns its receipt id. Used for every
     /// receipt, including one an operator submits.
     fn check_receipt(

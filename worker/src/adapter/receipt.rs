@@ -10,6 +10,17 @@ use super::Request;
 /// is scanned once, and a substituted value is never scanned again, so an action id that itself
 /// contains `{tool}` stays as written. Any other brace text is kept literally.
 pub fn fill(template: &str, request: &Request, encode: bool) -> String {
+    fill_with(template, request, None, encode)
+}
+
+/// [`fill`], with `{operation_id}` filled too (a long-running operation's status URL), in the
+/// same single pass.
+pub fn fill_with(
+    template: &str,
+    request: &Request,
+    operation_id: Option<&str>,
+    encode: bool,
+) -> String {
     let mut out = String::with_capacity(template.len() + request.idempotency_key.len());
     let mut rest = template;
     while let Some(open) = rest.find('{') {
@@ -17,10 +28,11 @@ pub fn fill(template: &str, request: &Request, encode: bool) -> String {
         let after = &rest[open + 1..];
         let value = after.find('}').and_then(|close| {
             let value = match &after[..close] {
-                "tenant" => &request.tenant,
-                "action_id" => &request.action_id,
-                "key" => &request.idempotency_key,
-                "tool" => &request.tool,
+                "tenant" => request.tenant.as_str(),
+                "action_id" => request.action_id.as_str(),
+                "key" => request.idempotency_key.as_str(),
+                "tool" => request.tool.as_str(),
+                "operation_id" => operation_id?,
                 _ => return None,
             };
             Some((value, close))
@@ -138,6 +150,14 @@ impl ReceiptRule {
     pub fn check(&self, request: &Request, receipt: &serde_json::Value) -> Result<String, String> {
         let pointer = &self.id;
         let id = match pointer.resolve(receipt) {
+            // The receipt is kept as sent, but its id is also text of its own (Postgres text
+            // cannot hold U+0000): such an id proves nothing the worker could record.
+            Some(serde_json::Value::String(s)) if s.contains('\0') => {
+                return Err(format!(
+                    "receipt id at {pointer} contains U+0000: {:?}",
+                    kit::text::visible(s)
+                ))
+            }
             Some(serde_json::Value::String(s)) if !s.is_empty() => s.clone(),
             Some(serde_json::Value::Number(n)) => n.to_string(),
             Some(other) => return Err(format!("receipt id at {pointer} is not a string: {other}")),
@@ -165,6 +185,22 @@ impl ReceiptRule {
             }
         }
         Ok(id)
+    }
+
+    /// Why `document` (a long-running operation's acceptance or status, which need not carry a
+    /// receipt) is about another operation than `request`'s: an echo field of `receipt_match`
+    /// that is present and differs. None when every echo field is equal or absent: a running
+    /// or failed operation's document may not echo the key.
+    pub fn contradiction(&self, request: &Request, document: &serde_json::Value) -> Option<String> {
+        self.echoes.iter().find_map(|(pointer, template)| {
+            let found = match pointer.resolve(document)? {
+                serde_json::Value::Null => return None,
+                serde_json::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            let expected = fill(template, request, false);
+            (found != expected).then(|| format!("{pointer} is {found:?}, expected {expected:?}"))
+        })
     }
 }
 
@@ -284,6 +320,34 @@ mod tests {
         assert!(check("/receipt_id", &m, &req(), &no_id).is_err());
         let missing_echo = json!({"receipt_id": "rcpt-3"});
         assert!(check("/receipt_id", &m, &req(), &missing_echo).is_err());
+    }
+
+    #[test]
+    fn only_a_present_and_different_echo_contradicts() {
+        let m = BTreeMap::from([(
+            "/idempotency_key".to_string(),
+            "{tenant}:{action_id}".to_string(),
+        )]);
+        let rule = ReceiptRule::new("/receipt_id", &m);
+        for (doc, contradicts) in [
+            (json!({"idempotency_key": "north-shop:refund/204 x"}), None),
+            (json!({"state": "failed"}), None),
+            (json!({"idempotency_key": null}), None),
+            (
+                json!({"idempotency_key": "someone-else:other-action"}),
+                Some("/idempotency_key is \"someone-else:other-action\", expected \"north-shop:refund/204 x\""),
+            ),
+            (
+                json!({"idempotency_key": 7}),
+                Some("/idempotency_key is \"7\", expected \"north-shop:refund/204 x\""),
+            ),
+        ] {
+            assert_eq!(
+                rule.contradiction(&req(), &doc).as_deref(),
+                contradicts,
+                "{doc}"
+            );
+        }
     }
 
     #[test]

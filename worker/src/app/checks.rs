@@ -31,7 +31,25 @@ pub(super) fn descriptor_budget(settings: &Settings) -> kit::fd::Budget {
 
 /// Settings that work but weaken the guarantees: said once at start-up (the unsafe ones were
 /// refused by [`crate::config::check_proof`]).
-pub(super) fn warn_about_risky_settings(_settings: &Settings, tools: &Tools) {
+pub(super) fn warn_about_risky_settings(settings: &Settings, tools: &Tools) {
+    let api_enabled = settings.admin_token.is_some() || !settings.tenant_tokens.is_empty();
+    if settings.admin_addr.is_none() || !api_enabled {
+        for (name, tool) in &tools.tools {
+            if tool
+                .completion
+                .contract()
+                .is_some_and(|c| c.callback.is_some())
+            {
+                tracing::warn!(
+                    tool = %name,
+                    "the tool takes completion callbacks, but the admin listener that receives \
+                     them (POST /v1/callbacks/<tool>) is off: set WORKER_ADMIN_ADDR and \
+                     WORKER_ADMIN_TOKEN or WORKER_TENANT_TOKENS; until then its operations \
+                     complete by polling alone"
+                );
+            }
+        }
+    }
     if matches!(tools.auth, crate::intake::TenantAuth::Trusted) {
         tracing::warn!(
             "tenants are trusted as written in each intent; with more than one tenant set [auth] mode = \"user_id\" \

@@ -6,7 +6,10 @@
 //! - [`settings`]: the environment settings (clap, so `worker run --help` lists every variable
 //!   with its default) and the broker names ([`Topology`]).
 //! - [`tools`]: the per-tool TOML file and the checks that need it and the settings together.
-//! - [`interpolate`]: `${VAR}` expansion of the tools file's `url`, `lookup_url` and `headers`.
+//! - [`completion`]: how a tool's write completes (at once, or a long-running operation that is
+//!   polled: the async contract and its poll policy).
+//! - [`interpolate`]: `${VAR}` expansion of the tools file's `url`, `lookup_url`, `status_url`
+//!   and `headers`.
 //! - [`auth`]: who may act for or read a tenant: the tools file's `[auth]` section and the
 //!   admin and tenant tokens.
 //!
@@ -17,10 +20,12 @@
 use std::path::PathBuf;
 
 pub mod auth;
+pub mod completion;
 pub mod interpolate;
 pub mod settings;
 pub mod tools;
 
+pub use completion::{AsyncContract, Callback, Completion, PollPolicy};
 pub use settings::{blank_env_is_unset, ConsoleSettings, EnvArgs, Listen, Settings, Topology};
 pub use tools::{check_proof, ToolConfig, Tools};
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::auth::{self, RawAuth};
+use super::completion::{self, Completion, PollPolicy, RawCallback, RawCompletion};
 use super::interpolate::interpolate;
 use super::{ConfigError, Settings};
 use crate::intake::TenantAuth;
@@ -48,6 +49,38 @@ struct RawTool {
     budget: BudgetPolicy,
     #[serde(default)]
     headers: BTreeMap<String, String>,
+    // The completion keys ([`super::completion`]).
+    #[serde(default)]
+    completion: Option<String>,
+    #[serde(default)]
+    accepted_statuses: Option<Vec<u16>>,
+    #[serde(default)]
+    operation_id: Option<String>,
+    #[serde(default)]
+    status_url: Option<String>,
+    #[serde(default)]
+    done_match: Option<BTreeMap<String, serde_json::Value>>,
+    #[serde(default)]
+    failed_match: Option<BTreeMap<String, serde_json::Value>>,
+    #[serde(default)]
+    poll: Option<PollPolicy>,
+    #[serde(default)]
+    callback: Option<RawCallback>,
+}
+
+impl RawTool {
+    fn completion_keys(&self) -> RawCompletion {
+        RawCompletion {
+            completion: self.completion.clone(),
+            accepted_statuses: self.accepted_statuses.clone(),
+            operation_id: self.operation_id.clone(),
+            status_url: self.status_url.clone(),
+            done_match: self.done_match.clone(),
+            failed_match: self.failed_match.clone(),
+            poll: self.poll,
+            callback: self.callback.clone(),
+        }
+    }
 }
 
 fn default_method() -> String {
@@ -95,6 +128,8 @@ pub struct ToolConfig {
     pub budget: BudgetPolicy,
     /// Extra static request headers (e.g. an API key for the downstream).
     pub headers: BTreeMap<String, String>,
+    /// How the write completes: at once, or as a long-running operation that is polled.
+    pub completion: Completion,
 }
 /// The parsed tools file.
 #[derive(Debug, Clone, Default)]
@@ -145,8 +180,14 @@ impl Tools {
             if let Some(url) = t.lookup_url.as_mut() {
                 expand("lookup_url", url)?;
             }
+            if let Some(url) = t.status_url.as_mut() {
+                expand("status_url", url)?;
+            }
             for (header, value) in t.headers.iter_mut() {
                 expand(&format!("headers.{header}"), value)?;
+            }
+            if let Some(callback) = t.callback.as_mut() {
+                expand("callback.secret", &mut callback.secret)?;
             }
             let tool = validate_tool(path, &name, t)?;
             tools.insert(name, tool);
@@ -165,6 +206,7 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
     let capability = capability(&t).map_err(bad)?;
     check_capability_keys(&t, &capability).map_err(bad)?;
     check_policies(&t).map_err(bad)?;
+    let completion = completion::completion(&t.completion_keys()).map_err(bad)?;
     Ok(ToolConfig {
         name: name.to_string(),
         url: t.url,
@@ -182,6 +224,7 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
         retry: t.retry,
         budget: t.budget,
         headers: t.headers,
+        completion,
     })
 }
 

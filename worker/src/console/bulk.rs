@@ -1,5 +1,6 @@
 //! Bulk pages (admin only): the dry run of a recheck or fail of every unresolved operation a
-//! filter matches (how many, in which states, which the action accepts), the job it starts
+//! filter matches (how many, in which states, which the action accepts; a recheck of an
+//! `accepted` operation polls its status now), the job it starts
 //! ([`crate::ops::bulk`]), the list of jobs and one job's progress (done / skipped /
 //! refused), read from the ledger so it survives a reload and any worker can show it. A
 //! running job's page refreshes itself every second.
@@ -82,8 +83,9 @@ pub async fn dry_run(
             thead { tr { th { "state" } th.num { "now" } th { "recheck" } th { "fail" } } }
             tbody {
                 @for (state, recheck, fail) in [
-                    ("held", "yes: one more round", "yes"),
+                    ("held", "yes: one more round (one the downstream had accepted is polled again, with a fresh deadline)", "yes"),
                     ("unknown", "yes, unless a round is running", "yes, unless a round is running"),
+                    ("accepted", "yes: polls its status now, unless a poll is running", "yes, unless a poll is running (polling stops)"),
                     ("retry_wait", "no (skipped)", "yes"),
                     ("dispatching", "no (skipped)", "no (skipped)"),
                 ] {
@@ -101,7 +103,7 @@ pub async fn dry_run(
                 input type="hidden" name="filter" value=(filter.query(&[]));
                 label for="action" { "Action" }
                 select id="action" name="action" {
-                    option value="recheck" { "recheck (one recovery round each)" }
+                    option value="recheck" { "recheck (one recovery round each; a poll for accepted ones)" }
                     option value="fail" { "fail (with the evidence below)" }
                 }
                 label for="reason" { "Reason (recheck) or evidence (fail, at least 10 characters)" }
@@ -155,6 +157,14 @@ pub async fn start(
             "The form's filter could not be read; start again from the operations page.",
         );
     };
+    if let Some(name) = super::filter::unknown_field(&query) {
+        return super::error_page(
+            &signed,
+            StatusCode::BAD_REQUEST,
+            "Bad filter",
+            &format!("The form's filter has a field {name:?} that no filter has; nothing was started. Start again from the operations page."),
+        );
+    }
     let (filter, _) = match bulk_filter(&query) {
         Ok(f) => f,
         Err(e) => return super::error_page(&signed, StatusCode::BAD_REQUEST, "Bad filter", &e),

@@ -2,6 +2,11 @@
 //! same set grouped by cause, and one operation with its timeline and the actions resolve,
 //! fail and recheck — each through [`crate::ops::actions`], the same guarded, audited,
 //! idempotent functions as the API and `worker ops`, with the signed-in operator's name.
+//!
+//! An `accepted` operation (a long-running write the downstream acknowledged) shows its
+//! operation id and its last poll, read from the row itself ([`last_poll`]): a poll writes no
+//! row of its own, its lease moves the fence and its answer replaces the evidence, so the row
+//! says what the last poll said and when. Its recheck polls now.
 
 use std::collections::BTreeMap;
 
@@ -9,6 +14,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use axum::{Extension, Form};
+use chrono::{DateTime, Utc};
 use maud::{html, Markup};
 
 use super::filter::{ConsoleFilter, Scope};
@@ -16,7 +22,7 @@ use super::views::{self, age_of, excerpt, json, visible, Nav};
 use super::{html, redirect, refuse_form, request_id, Shared, Signed};
 use crate::ledger::cause;
 use crate::ledger::queries::{HistoryEntry, Page};
-use crate::ledger::Operation;
+use crate::ledger::{Operation, State as OpState};
 use crate::ops::actions::{self, FailInput, OpsError, RecheckInput, ResolveInput};
 
 /// `GET /ui/operations`.
@@ -133,6 +139,9 @@ fn rows_table(filter: &ConsoleFilter, ops: &[Operation]) -> Markup {
     let next = (ops.len() as i64 == filter.limit)
         .then(|| ops.last().map(|o| o.id))
         .flatten();
+    let now = Utc::now();
+    // The downstream's operation id gets a column only on a page that has one to show.
+    let remote = ops.iter().any(|o| o.remote_id.is_some());
     html! {
         @if ops.is_empty() {
             p.empty { "No operation matches." }
@@ -140,22 +149,38 @@ fn rows_table(filter: &ConsoleFilter, ops: &[Operation]) -> Markup {
             table.operations {
                 thead { tr {
                     th.num { "id" } th { "tenant" } th { "action id" } th { "tool" } th { "state" }
+                    @if remote { th { "operation id" } }
                     th { "cause" } th { "age" } th { "updated" } th.num { "attempts" } th { "evidence" }
                 } }
                 tbody {
                     @for op in ops {
                         @let class = cause::classify(op.state().as_str(), op.evidence.as_deref());
+                        @let poll = last_poll(op, now);
                         tr {
                             td.num { (op.id) }
                             td { (visible(&op.tenant)) }
                             td { a href=(format!("/ui/operations/{}", op.id)) { (visible(&op.action_id)) } }
                             td { (visible(&op.tool)) }
                             td { (views::state_badge(op.state().as_str())) }
+                            @if remote {
+                                td.remote {
+                                    @if let Some(id) = &op.remote_id { code { (excerpt(id, 80)) } }
+                                    @if let Some(next) = poll.as_ref().and_then(LastPoll::next) {
+                                        br; span.when { "next poll " (views::time(next)) }
+                                    }
+                                }
+                            }
                             td { a href=(format!("/ui/operations?{}", filter.with("cause", &class).query(&[]))) title=(cause::meaning(&class)) { (class) } }
                             td { (age_of(op.created_at)) }
                             td { (views::time(op.updated_at)) }
                             td.num { (op.attempts) }
-                            td.evidence { (excerpt(op.evidence.as_deref().unwrap_or(""), 120)) }
+                            td.evidence {
+                                @match &poll {
+                                    // An accepted row's evidence is what its last poll said.
+                                    Some(p) => { span.poll { (p.headline()) (p.joiner()) } " " (excerpt(p.said(), 120)) }
+                                    None => { (excerpt(op.evidence.as_deref().unwrap_or(""), 120)) }
+                                }
+                            }
                         }
                     }
                 }
@@ -191,6 +216,163 @@ fn groups_table(filter: &ConsoleFilter, groups: &[crate::ledger::queries::CauseG
             }
         }
     }
+}
+
+/// What an `accepted` row says about its polls. A poll leaves no row of its own: its lease
+/// moves the fence (a new `updated_at`) and its answer replaces the evidence (another one, when
+/// the words changed), so the row's evidence is what the last poll said and `updated_at` when
+/// that poll began or answered; a live lease is a poll running now.
+#[derive(Debug, Clone, PartialEq)]
+enum LastPoll<'a> {
+    /// A poll holds a live lease: it began at `since`; `said` is the evidence before it.
+    Running { since: DateTime<Utc>, said: &'a str },
+    /// No poll since the acceptance (or since an operator's recheck asked for one) at `at`.
+    Waiting {
+        at: DateTime<Utc>,
+        said: &'a str,
+        next: Option<DateTime<Utc>>,
+        recheck: bool,
+    },
+    /// The last poll ran at `at` and said `said`; the next one is due at `next`.
+    Polled {
+        at: DateTime<Utc>,
+        said: &'a str,
+        next: Option<DateTime<Utc>>,
+    },
+}
+
+/// The words an acceptance's evidence starts with (the dispatcher's and recovery's).
+const ACCEPTED_AS: &str = "accepted as operation";
+/// The words an operator's recheck's evidence starts with.
+const RECHECK_BY: &str = "recheck by ";
+
+/// The last poll of `op` when it is `accepted` (None for any other state).
+fn last_poll(op: &Operation, now: DateTime<Utc>) -> Option<LastPoll<'_>> {
+    if op.state() != OpState::Accepted {
+        return None;
+    }
+    let said = op.evidence.as_deref().unwrap_or("");
+    if op.lease_owner.is_some() && op.lease_until.is_some_and(|u| u > now) {
+        return Some(LastPoll::Running {
+            since: op.updated_at,
+            said,
+        });
+    }
+    let at = op.updated_at;
+    let next = op.next_attempt_at;
+    let recheck = said.starts_with(RECHECK_BY);
+    Some(if said.starts_with(ACCEPTED_AS) || recheck {
+        LastPoll::Waiting {
+            at,
+            said,
+            next,
+            recheck,
+        }
+    } else {
+        LastPoll::Polled { at, said, next }
+    })
+}
+
+impl LastPoll<'_> {
+    /// When the last poll ran (or that none did yet), in words.
+    fn headline(&self) -> String {
+        let when = |t: DateTime<Utc>| format!("{} ({} ago)", views::time(t), age_of(t));
+        match self {
+            LastPoll::Running { since, .. } => format!("polling now (began {})", when(*since)),
+            LastPoll::Waiting {
+                at, recheck: true, ..
+            } => format!("recheck asked {}, poll due", when(*at)),
+            LastPoll::Waiting { at, .. } => {
+                format!("not polled since the acceptance ({})", when(*at))
+            }
+            LastPoll::Polled { at, .. } => format!("last poll {}", when(*at)),
+        }
+    }
+
+    /// What joins the headline to [`LastPoll::said`] in a list row: a poll's own words, or
+    /// the words the row had before the poll that runs or is due.
+    fn joiner(&self) -> &'static str {
+        match self {
+            LastPoll::Polled { .. } => ":",
+            LastPoll::Waiting { recheck: false, .. } => ":",
+            LastPoll::Running { .. } | LastPoll::Waiting { .. } => "; before it:",
+        }
+    }
+
+    /// What the row says: the last poll's answer, or the words before it.
+    fn said(&self) -> &str {
+        match self {
+            LastPoll::Running { said, .. }
+            | LastPoll::Waiting { said, .. }
+            | LastPoll::Polled { said, .. } => said,
+        }
+    }
+
+    /// When the next poll is due (none while one runs: its lease, not a poll, is in the row).
+    fn next(&self) -> Option<DateTime<Utc>> {
+        match self {
+            LastPoll::Running { .. } => None,
+            LastPoll::Waiting { next, .. } | LastPoll::Polled { next, .. } => *next,
+        }
+    }
+}
+
+/// The notice after a recheck, in the words of what it did to `op` (the row after it).
+fn recheck_notice(op: &Operation, now: DateTime<Utc>) -> &'static str {
+    match last_poll(op, now) {
+        Some(LastPoll::Running { .. }) => {
+            "Rechecked: a poll of its status is running now; reload for what it finds."
+        }
+        Some(_) => "Rechecked: its status was polled now; the state below is what it found.",
+        None => "Rechecked: one recovery round (or, for an accepted operation, one poll) ran; the state below is what it found.",
+    }
+}
+
+/// The polls among the history entries: a worker's entry left from `accepted` is a poll
+/// (its lease moved the fence; the evidence is what the row said after it), unless the next
+/// entry has the same fence: then it is the poll's beginning, still showing the words before,
+/// and the next entry its answer. The last one is running while the row's lease is live.
+fn poll_steps(
+    history: &[HistoryEntry],
+    op: &Operation,
+    now: DateTime<Utc>,
+) -> Vec<Option<&'static str>> {
+    let running = last_poll(op, now).is_some_and(|p| matches!(p, LastPoll::Running { .. }));
+    history
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let by_worker = !h.actor.starts_with("operator:");
+            let from_accepted = h.from_state.as_deref() == Some("accepted");
+            if !by_worker {
+                return None;
+            }
+            if !from_accepted {
+                return (h.to_state == "accepted").then_some("accepted");
+            }
+            if h.to_state != "accepted" {
+                // Out of `accepted` by a worker: a poll's answer, or something else (a late
+                // receipt, a tool no longer configured) that is not labelled a poll.
+                return poll_answer(h.evidence.as_deref().unwrap_or("")).then_some("poll");
+            }
+            match history.get(i + 1) {
+                Some(n) if n.fence == h.fence && !n.actor.starts_with("operator:") => {
+                    Some("poll began")
+                }
+                None if running => Some("poll running"),
+                _ => Some("poll"),
+            }
+        })
+        .collect()
+}
+
+/// Whether `evidence` that moved a row out of `accepted` is a poll's answer: done, failed as
+/// the status says, or held at the poll deadline ([`crate::dispatch::next_state::after_poll`]).
+fn poll_answer(evidence: &str) -> bool {
+    evidence.starts_with(crate::dispatch::next_state::ASYNC_DEADLINE)
+        || (evidence.starts_with("operation ")
+            && (evidence.contains(" done: receipt ")
+                || evidence.contains(" failed, as its status says")))
 }
 
 /// What the action forms show again after a refusal (so a pasted receipt is not lost).
@@ -245,7 +427,7 @@ pub async fn detail(
             Some("Resolved: the operation succeeded with the receipt you gave; the agent is told.")
         }
         "fail" => Some("Marked failed with your evidence; the agent is told."),
-        "recheck" => Some("Rechecked: one recovery round ran; the state below is what it found."),
+        "recheck" => Some(recheck_notice(&op, Utc::now())),
         "repeated" => Some("That request was already applied; nothing changed."),
         _ => None,
     });
@@ -281,6 +463,8 @@ async fn detail_page(
         }
     };
     let view = actions::OperationView::new(&op, Vec::new());
+    let now = Utc::now();
+    let poll = last_poll(&op, now);
     let class = cause::classify(op.state().as_str(), op.evidence.as_deref());
     let unresolved = !op.state().is_final();
     let title = format!("{}/{}", visible(&op.tenant), visible(&op.action_id));
@@ -313,6 +497,16 @@ async fn detail_page(
                     (fact("first dispatch", views::time_or_dash(op.first_dispatch_at)))
                     (fact("replay deadline", views::time_or_dash(op.replay_deadline)))
                     (fact("receipt id", op.receipt_id.as_deref().map(visible).unwrap_or_else(|| "—".into())))
+                    (fact("operation id", op.remote_id.as_deref().map(visible).unwrap_or_else(|| "—".into())))
+                    (fact("poll deadline", match op.poll_deadline {
+                        Some(d) if d > now => format!("{} (in {})", views::time(d), views::age((d - now).num_milliseconds() as f64 / 1000.0)),
+                        Some(d) => format!("{} (passed)", views::time(d)),
+                        None => "—".into(),
+                    }))
+                    @if let Some(p) = &poll {
+                        tr { th { "last poll" } td { span.poll { (p.headline()) } } }
+                    }
+                    (fact("verified by", op.verified_by.as_deref().map(visible).unwrap_or_else(|| "—".into())))
                     (fact("call id", op.call_id.as_deref().map(visible).unwrap_or_else(|| "—".into())))
                     (fact("reply to", op.reply_to.as_deref().map(visible).unwrap_or_else(|| "—".into())))
                     (fact("fingerprint", op.fingerprint.clone()))
@@ -335,13 +529,18 @@ async fn detail_page(
                 pre.evidence { (visible(op.evidence.as_deref().unwrap_or("—"))) }
                 h2 { "Receipt" }
                 @match &op.receipt {
-                    Some(r) => { pre.json { (visible(&json(r))) } }
+                    Some(r) => { pre.json { (visible(&json(r.value()))) } }
                     None => { p { "No receipt." } }
+                }
+                @if let Some(a) = &op.acceptance {
+                    h2 { "Acceptance" }
+                    p { "The downstream's answer when it accepted the write as a long-running operation." }
+                    pre.json.acceptance { (visible(&json(a.value()))) }
                 }
             }
         }
         h2 { "Timeline" }
-        (timeline(&history))
+        (timeline(&history, &op, now))
         @if signed.session.is_admin() && unresolved {
             (action_forms(signed, &op, &prefill))
         }
@@ -356,17 +555,19 @@ async fn detail_page(
     )
 }
 
-fn timeline(history: &[HistoryEntry]) -> Markup {
+fn timeline(history: &[HistoryEntry], op: &Operation, now: DateTime<Utc>) -> Markup {
+    let steps = poll_steps(history, op, now);
     html! {
         table.timeline {
             thead { tr { th { "when" } th { "change" } th { "who" } th { "why" } th.num { "fence" } th.num { "attempts" } th { "next attempt" } } }
             tbody {
-                @for h in history {
+                @for (h, step) in history.iter().zip(steps) {
                     tr {
                         td { (views::time(h.at)) }
                         td {
                             @if let Some(from) = &h.from_state { (views::state_badge(from)) " → " }
                             (views::state_badge(&h.to_state))
+                            @if let Some(step) = step { " " span.step { (step) } }
                         }
                         td { (visible(&h.actor)) }
                         td.evidence { (visible(h.evidence.as_deref().unwrap_or(""))) }
@@ -383,13 +584,18 @@ fn timeline(history: &[HistoryEntry]) -> Markup {
 fn action_forms(signed: &Signed, op: &Operation, prefill: &Prefill) -> Markup {
     let action = |name: &str| format!("/ui/operations/{}/{name}", op.id);
     let operator = visible(signed.session.operator.as_deref().unwrap_or(""));
+    let accepted = op.state() == OpState::Accepted;
+    let remote = op.remote_id.as_deref().map(visible);
+    let remote = remote.as_deref();
     html! {
         h2 { "Act" }
         p { "Each action is recorded as " code { "operator:" (operator) } " and is refused if the operation moved on meanwhile." }
         div.actions {
             form.action method="post" action=(action("resolve")) {
                 h3 { "Resolve" }
-                p { "Paste the downstream's receipt for " code { (visible(&op.tenant)) ":" (visible(&op.action_id)) } "; it must pass the tool's receipt check." }
+                p { "Paste the downstream's receipt for " code { (visible(&op.tenant)) ":" (visible(&op.action_id)) }
+                    @if let Some(id) = remote { " (for operation " code { (id) } ", its final status document)" }
+                    "; it must pass the tool's receipt check." }
                 (views::csrf_field(&signed.csrf))
                 input type="hidden" name="request_id" value=(request_id());
                 label for="receipt" { "Receipt (JSON)" }
@@ -400,7 +606,11 @@ fn action_forms(signed: &Signed, op: &Operation, prefill: &Prefill) -> Markup {
             }
             form.action method="post" action=(action("fail")) {
                 h3 { "Fail" }
-                p { "Only with the downstream's proof that it did not and will not apply it." }
+                @if accepted {
+                    p { "Only with the downstream's proof that operation " code { (remote.unwrap_or_default()) } " failed or will never complete: polling stops and the agent is told failed. Refused while a poll is running." }
+                } @else {
+                    p { "Only with the downstream's proof that it did not and will not apply it." }
+                }
                 (views::csrf_field(&signed.csrf))
                 input type="hidden" name="request_id" value=(request_id());
                 label for="evidence" { "Evidence (at least " (actions::MIN_EVIDENCE_CHARS) " characters)" }
@@ -408,13 +618,19 @@ fn action_forms(signed: &Signed, op: &Operation, prefill: &Prefill) -> Markup {
                 button type="submit" name="go" value="fail" { "Mark failed" }
             }
             form.action method="post" action=(action("recheck")) {
-                h3 { "Recheck" }
-                p { "One more recovery round now (replay or lookup, as the tool allows)." }
+                h3 { @if accepted { "Recheck (poll now)" } @else { "Recheck" } }
+                @if accepted {
+                    p { "Read the status of operation " code { (remote.unwrap_or_default()) } " now (read only, never the write); the next poll is then scheduled as usual. Refused while a poll is running." }
+                } @else if let Some(id) = remote.filter(|_| op.state() == OpState::Held) {
+                    p { "The downstream accepted it as operation " code { (id) } ": if the tool is still async, it is polled now with a fresh deadline (" code { "poll.deadline_secs" } "); otherwise one more recovery round (replay or lookup, as the tool allows)." }
+                } @else {
+                    p { "One more recovery round now (replay or lookup, as the tool allows)." }
+                }
                 (views::csrf_field(&signed.csrf))
                 input type="hidden" name="request_id" value=(request_id());
                 label for="recheck-reason" { "Reason" }
                 input id="recheck-reason" type="text" name="reason" required;
-                button type="submit" name="go" value="recheck" { "Recheck now" }
+                button type="submit" name="go" value="recheck" { @if accepted { "Poll now" } @else { "Recheck now" } }
             }
         }
     }
@@ -491,7 +707,7 @@ async fn run_action(
         "resolve" => {
             prefill.receipt = get("receipt").unwrap_or_default();
             prefill.reason = get("reason").unwrap_or_default();
-            match serde_json::from_str::<serde_json::Value>(&prefill.receipt) {
+            match crate::document::Document::parse(prefill.receipt.as_bytes()) {
                 Err(e) => Err(OpsError::BadRequest(format!(
                     "the receipt is not valid JSON: {e}"
                 ))),
@@ -547,7 +763,251 @@ fn refusal(e: &OpsError) -> (StatusCode, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ledger::LedgerError;
+    use crate::ledger::{LedgerError, StateColumn};
+    use chrono::Duration;
+
+    fn accepted(evidence: &str) -> Operation {
+        let now = Utc::now();
+        Operation {
+            id: 7,
+            tenant: "north".into(),
+            action_id: "deploy-1".into(),
+            tool: "deploy".into(),
+            fingerprint: "f".into(),
+            arguments: Some("{}".into()),
+            call_id: None,
+            reply_to: None,
+            state: StateColumn(OpState::Accepted),
+            fence: 2,
+            lease_owner: None,
+            lease_until: None,
+            attempts: 1,
+            recovery_attempts: 0,
+            next_attempt_at: Some(now + Duration::seconds(30)),
+            first_dispatch_at: Some(now),
+            replay_deadline: None,
+            receipt: None,
+            receipt_id: None,
+            evidence: Some(evidence.into()),
+            last_reported: Some("pending".into()),
+            created_at: now - Duration::seconds(60),
+            updated_at: now - Duration::seconds(5),
+            state_since: now - Duration::seconds(50),
+            swept_at: None,
+            traceparent: None,
+            tracestate: None,
+            remote_id: Some("op-1".into()),
+            acceptance: Some(crate::document::Document::from_value(
+                serde_json::json!({"operation_id": "op-1"}),
+            )),
+            poll_deadline: Some(now + Duration::seconds(3600)),
+            verified_by: Some("dispatch".into()),
+        }
+    }
+
+    fn entry(
+        from: Option<&str>,
+        to: &str,
+        fence: i64,
+        actor: &str,
+        evidence: &str,
+    ) -> HistoryEntry {
+        HistoryEntry {
+            at: Utc::now(),
+            from_state: from.map(str::to_string),
+            to_state: to.into(),
+            fence,
+            actor: actor.into(),
+            evidence: (!evidence.is_empty()).then(|| evidence.to_string()),
+            attempts: Some(1),
+            next_attempt_at: None,
+        }
+    }
+
+    #[test]
+    fn an_accepted_rows_last_poll_is_read_from_the_row() {
+        let now = Utc::now();
+        let running = "still running: {\"state\":\"running\"}";
+        let op = accepted(running);
+        let poll = last_poll(&op, now).unwrap();
+        assert!(matches!(poll, LastPoll::Polled { .. }), "{poll:?}");
+        assert!(
+            poll.headline().starts_with("last poll "),
+            "{}",
+            poll.headline()
+        );
+        assert_eq!(poll.said(), running);
+        assert_eq!(poll.next(), op.next_attempt_at);
+
+        let fresh = accepted("accepted as operation op-1; polling its status");
+        let poll = last_poll(&fresh, now).unwrap();
+        assert!(
+            poll.headline()
+                .starts_with("not polled since the acceptance"),
+            "{poll:?}"
+        );
+
+        let asked = accepted("recheck by alice: is it done?");
+        let poll = last_poll(&asked, now).unwrap();
+        assert!(poll.headline().starts_with("recheck asked"), "{poll:?}");
+
+        let mut leased = accepted("status read answered HTTP 503: busy");
+        leased.lease_owner = Some("w-1".into());
+        leased.lease_until = Some(now + Duration::seconds(10));
+        let poll = last_poll(&leased, now).unwrap();
+        assert!(poll.headline().starts_with("polling now"), "{poll:?}");
+        assert_eq!(poll.next(), None, "the lease is not the next poll");
+        assert!(recheck_notice(&leased, now).contains("running now"));
+        // A lapsed lease is no poll running.
+        leased.lease_until = Some(now - Duration::seconds(1));
+        assert!(matches!(
+            last_poll(&leased, now),
+            Some(LastPoll::Polled { .. })
+        ));
+
+        let mut held = accepted("async_deadline: operation op-1 was not done");
+        held.state = StateColumn(OpState::Held);
+        assert_eq!(last_poll(&held, now), None);
+        assert!(recheck_notice(&held, now).contains("recovery round"));
+    }
+
+    #[test]
+    fn polls_are_marked_in_the_timeline() {
+        let now = Utc::now();
+        let history = [
+            entry(None, "dispatching", 1, "w-1", ""),
+            entry(
+                Some("dispatching"),
+                "accepted",
+                1,
+                "w-1",
+                "accepted as operation op-1; polling its status",
+            ),
+            entry(
+                Some("accepted"),
+                "accepted",
+                1,
+                "operator:alice",
+                "recheck by alice: now?",
+            ),
+            // The recheck's poll: its lease (the words before), then its answer.
+            entry(
+                Some("accepted"),
+                "accepted",
+                2,
+                "w-1",
+                "recheck by alice: now?",
+            ),
+            entry(
+                Some("accepted"),
+                "accepted",
+                2,
+                "w-1",
+                "status read answered HTTP 503: busy",
+            ),
+            // A poll whose answer changed nothing but the fence.
+            entry(
+                Some("accepted"),
+                "accepted",
+                3,
+                "w-2",
+                "status read answered HTTP 503: busy",
+            ),
+            entry(
+                Some("accepted"),
+                "accepted",
+                4,
+                "w-2",
+                "status read answered HTTP 503: busy",
+            ),
+            entry(
+                Some("accepted"),
+                "held",
+                4,
+                "w-2",
+                "async_deadline: operation op-1 was not done 60 s after it was accepted",
+            ),
+        ];
+        let mut op = accepted("");
+        op.state = StateColumn(OpState::Held);
+        assert_eq!(
+            poll_steps(&history, &op, now),
+            [
+                None,
+                Some("accepted"),
+                None,
+                Some("poll began"),
+                Some("poll"),
+                Some("poll"),
+                Some("poll began"),
+                Some("poll"),
+            ]
+        );
+        // A late receipt out of `accepted` is no poll; a poll's answer of done is.
+        let out = [
+            entry(
+                Some("dispatching"),
+                "accepted",
+                1,
+                "w-1",
+                "accepted as operation op-1",
+            ),
+            entry(
+                Some("accepted"),
+                "succeeded",
+                1,
+                "w-1",
+                "late receipt r-1 matches",
+            ),
+        ];
+        assert_eq!(poll_steps(&out, &op, now), [Some("accepted"), None]);
+        let done = [entry(
+            Some("accepted"),
+            "succeeded",
+            2,
+            "w-1",
+            "operation op-1 done: receipt d-1 read from its status",
+        )];
+        assert_eq!(poll_steps(&done, &op, now), [Some("poll")]);
+        // The current version of a row whose poll holds a live lease is that poll, running.
+        let mut leased = accepted("status read answered HTTP 503: busy");
+        leased.lease_owner = Some("w-1".into());
+        leased.lease_until = Some(now + Duration::seconds(10));
+        assert_eq!(
+            poll_steps(&history[..6], &leased, now)[5],
+            Some("poll running")
+        );
+    }
+
+    #[test]
+    fn an_accepted_row_lists_its_operation_id_and_last_poll_as_text() {
+        let hostile = "<script>alert(1)</script>\u{1b}[31m";
+        let mut op = accepted(&format!("still running: {hostile}"));
+        op.remote_id = Some(format!("op-{hostile}"));
+        let mut other = accepted("timed out");
+        other.state = StateColumn(OpState::Unknown);
+        other.remote_id = None;
+        let markup = rows_table(&ConsoleFilter::default(), &[op, other]).into_string();
+        assert!(markup.contains("<th>operation id</th>"), "{markup}");
+        assert!(markup.contains("op-&lt;script&gt;"), "{markup}");
+        assert!(markup.contains("last poll "), "{markup}");
+        assert!(markup.contains("next poll "), "{markup}");
+        assert!(
+            !markup.contains("<script>") && !markup.contains('\u{1b}'),
+            "{markup}"
+        );
+        assert!(markup.contains("\\x1b[31m"), "{markup}");
+        // A page without any operation id has no such column.
+        let plain = rows_table(&ConsoleFilter::default(), &[accepted_without_id()]).into_string();
+        assert!(!plain.contains("operation id"), "{plain}");
+    }
+
+    fn accepted_without_id() -> Operation {
+        let mut op = accepted("timed out");
+        op.state = StateColumn(OpState::Unknown);
+        op.remote_id = None;
+        op
+    }
 
     #[test]
     fn a_refused_action_answers_with_the_status_of_its_cause() {

@@ -32,26 +32,7 @@ pub const LOGIN_COOKIE: &str = "iw_login";
 /// How long a sign-in form stays usable, seconds (it is also used once only).
 pub const LOGIN_FORM_SECS: i64 = 600;
 
-/// HMAC-SHA256 (RFC 2104).
-pub fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
-    const BLOCK: usize = 64;
-    let mut block = [0u8; BLOCK];
-    if key.len() > BLOCK {
-        block[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        block[..key.len()].copy_from_slice(key);
-    }
-    let pad = |byte: u8| block.map(|b| b ^ byte);
-    let inner = Sha256::new()
-        .chain_update(pad(0x36))
-        .chain_update(message)
-        .finalize();
-    Sha256::new()
-        .chain_update(pad(0x5c))
-        .chain_update(inner)
-        .finalize()
-        .into()
-}
+pub use kit::secret::hmac_sha256;
 
 fn hex(bytes: &[u8]) -> String {
     crate::amqp::hex(bytes)

@@ -26,7 +26,8 @@ use crate::config::ToolConfig;
 use crate::context::Context;
 use crate::fault;
 use crate::ledger::{
-    Applied, Completion, LedgerError, Operation, Phase, SendFence, State, Transition, LEDGER_ERRORS,
+    Applied, Completion, LedgerError, Operation, Phase, SendFence, Source, State, Transition,
+    LEDGER_ERRORS,
 };
 use crate::outcome::Outcome;
 use crate::retry::RetryPolicy;
@@ -298,6 +299,9 @@ fn done(ctx: &Context, new: &Operation, schedules_retry: bool, deferred: bool) {
     if new.state() == State::Succeeded {
         fault::point("after_succeeded", &new.action_id);
     }
+    if new.state() == State::Accepted {
+        fault::point("after_accepted", &new.action_id);
+    }
     if new.state() == State::Unknown {
         ctx.scheduler_wake.notify_one();
     }
@@ -305,66 +309,36 @@ fn done(ctx: &Context, new: &Operation, schedules_retry: bool, deferred: bool) {
 
 /// Records a transition and reacts to what the ledger did. The result event it causes carries
 /// the context of the current span (the send, recovery or operator span that decided it), or
-/// the intent's own when spans are not recorded.
+/// the intent's own when spans are not recorded. Its source ([`Source`]) follows from the
+/// phase: a dispatch's or a retry's answer, a poll's; a recovery round names its own
+/// ([`finish_by`]).
 pub async fn finish(
     ctx: &Context,
     op: &Operation,
     phase: Phase,
     transition: Transition,
 ) -> Option<Operation> {
+    let by = match phase {
+        Phase::Leased(State::Accepted) => Source::Poll,
+        Phase::Leased(State::Unknown) => Source::Lookup,
+        _ => Source::Dispatch,
+    };
+    finish_by(ctx, op, phase, transition, by).await
+}
+
+/// [`finish`] with the call that established the outcome named.
+pub async fn finish_by(
+    ctx: &Context,
+    op: &Operation,
+    phase: Phase,
+    transition: Transition,
+    by: Source,
+) -> Option<Operation> {
     let was_receipt = matches!(transition, Transition::Succeeded { .. });
-    let schedules_retry = matches!(
-        transition,
-        Transition::RetryWait { .. } | Transition::Resend { .. }
-    );
-    let deferred = matches!(transition, Transition::Defer { .. });
-    let applied = record(
-        ctx,
-        &op.idempotency_key(),
-        Completion {
-            operation_id: op.id,
-            fence: op.fence,
-            phase,
-            transition,
-            trace: kit::otel::context_of(&Span::current()),
-        },
-    )
-    .await;
-    match applied {
-        Ok(Applied::Done(new)) => {
-            done(ctx, &new, schedules_retry, deferred);
-            // The relay was woken by the completion batcher (Context::complete), which knows
-            // whether the commit left events to publish.
-            Some(new)
-        }
-        Ok(Applied::Stale(current)) => {
-            counter!(m::STALE_WRITES).increment(1);
-            tracing::info!(
-                tenant = %op.tenant, action_id = %op.action_id, fence = op.fence,
-                current_state = current.as_ref().map(|c| c.state().as_str()).unwrap_or("missing"),
-                current_fence = current.as_ref().map(|c| c.fence),
-                "outcome discarded: the operation moved on (stale owner or late answer)"
-            );
-            None
-        }
-        Ok(Applied::LateReceiptMatches(current)) => {
-            counter!(m::LATE_RECEIPTS, "outcome" => "matches").increment(1);
-            tracing::info!(tenant = %op.tenant, action_id = %op.action_id, "late receipt equals the stored one");
-            release_held_events(ctx, op.id).await;
-            Some(current)
-        }
-        Ok(Applied::LateReceiptConflict(current)) => {
-            counter!(m::LATE_RECEIPTS, "outcome" => "conflict").increment(1);
-            tracing::error!(
-                tenant = %op.tenant, action_id = %op.action_id, state = %current.state(),
-                stored_receipt = current.receipt_id.as_deref().unwrap_or(""),
-                "late receipt differs from the final state; rejected, nothing stored"
-            );
-            None
-        }
+    match settle(ctx, op, phase, transition, by).await {
+        Ok(Applied::Done(new)) | Ok(Applied::LateReceiptMatches(new)) => Some(new),
+        Ok(Applied::Stale(_)) | Ok(Applied::LateReceiptConflict(_)) => None,
         Err(e) => {
-            ctx.ledger.failed("complete", &e);
-            tracing::error!(tenant = %op.tenant, action_id = %op.action_id, error = %e, "cannot record outcome");
             if was_receipt && phase == Phase::Dispatch {
                 // The downstream answered but the receipt could not be saved: the outcome is
                 // unknown here; recovery will fetch the original receipt.
@@ -386,4 +360,71 @@ pub async fn finish(
             None
         }
     }
+}
+
+/// Records a transition and reacts to what the ledger did (logs, metrics, wake-ups, held
+/// events released), answering what it did: for a caller that tells someone (a callback's
+/// answer), where [`finish_by`] only goes on.
+pub async fn settle(
+    ctx: &Context,
+    op: &Operation,
+    phase: Phase,
+    transition: Transition,
+    by: Source,
+) -> Result<Applied, LedgerError> {
+    let schedules_retry = matches!(
+        transition,
+        Transition::RetryWait { .. } | Transition::Resend { .. }
+    );
+    let deferred = matches!(transition, Transition::Defer { .. });
+    let applied = record(
+        ctx,
+        &op.idempotency_key(),
+        Completion {
+            operation_id: op.id,
+            fence: op.fence,
+            phase,
+            transition,
+            by,
+            trace: kit::otel::context_of(&Span::current()),
+        },
+    )
+    .await;
+    match &applied {
+        Ok(Applied::Done(new)) => {
+            done(ctx, new, schedules_retry, deferred);
+            // The relay was woken by the completion batcher (Context::complete), which knows
+            // whether the commit left events to publish.
+        }
+        Ok(Applied::Stale(current)) => {
+            counter!(m::STALE_WRITES).increment(1);
+            tracing::info!(
+                tenant = %op.tenant, action_id = %op.action_id, fence = op.fence,
+                current_state = current.as_ref().map(|c| c.state().as_str()).unwrap_or("missing"),
+                current_fence = current.as_ref().map(|c| c.fence),
+                "outcome discarded: the operation moved on (stale owner or late answer)"
+            );
+        }
+        Ok(Applied::LateReceiptMatches(_)) => {
+            counter!(m::LATE_RECEIPTS, "outcome" => "matches").increment(1);
+            tracing::info!(tenant = %op.tenant, action_id = %op.action_id, "late receipt equals the stored one");
+            // A callback repeats the downstream's word; no commit of this worker was lost.
+            if by != Source::Callback {
+                release_held_events(ctx, op.id).await;
+            }
+        }
+        Ok(Applied::LateReceiptConflict(current)) => {
+            counter!(m::LATE_RECEIPTS, "outcome" => "conflict").increment(1);
+            tracing::error!(
+                tenant = %op.tenant, action_id = %op.action_id, state = %current.state(),
+                stored_receipt = current.receipt_id.as_deref().unwrap_or(""),
+                "late receipt differs from the final state; rejected, nothing stored"
+            );
+        }
+        Err(e) => {
+            ctx.ledger.failed("complete", e);
+            tracing::error!(tenant = %op.tenant, action_id = %op.action_id, error = %e, "cannot record outcome");
+        }
+    }
+    applied
 }

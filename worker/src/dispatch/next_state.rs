@@ -16,8 +16,9 @@
 use chrono::{DateTime, Utc};
 
 use crate::config::ToolConfig;
+use crate::document::Document;
 use crate::ledger::{Operation, Transition};
-use crate::outcome::Outcome;
+use crate::outcome::{Outcome, Polled};
 use crate::recovery::Capability;
 use crate::retry::{retry_delay, with_retry_after, RetryPolicy};
 
@@ -64,7 +65,13 @@ pub fn after_dispatch(
             delay: local_exhaustion_delay(),
             evidence,
         },
-        Outcome::Rejected { evidence, .. } => Transition::Failed { evidence },
+        Outcome::Rejected { evidence, .. } | Outcome::Failed { evidence } => {
+            Transition::Failed { evidence }
+        }
+        Outcome::Accepted {
+            operation_id,
+            acceptance,
+        } => accepted(tool, operation_id, acceptance),
         Outcome::Unknown { .. } | Outcome::LookupMiss { .. } => {
             let delay = match tool.capability {
                 // Nothing to try: the scheduler holds it at once.
@@ -120,9 +127,100 @@ pub fn after_recovery(op: &Operation, tool: &ToolConfig, outcome: Outcome) -> Tr
                 retry_after: None,
             },
         ),
+        // A replay answered with the acceptance, or a lookup that found the operation in
+        // progress: polled from now on (the ledger holds one naming another operation).
+        Outcome::Accepted {
+            operation_id,
+            acceptance,
+        } => accepted(tool, operation_id, acceptance),
+        Outcome::Failed { evidence } => Transition::Failed { evidence },
         other => recovery_unproven(op, tool, other),
     }
 }
+
+/// `accepted`, the first poll due after the tool's first delay. A tool without an async
+/// contract cannot have produced an acceptance; if one did, the outcome is unknown.
+fn accepted(tool: &ToolConfig, operation_id: String, acceptance: Document) -> Transition {
+    match tool.completion.contract() {
+        Some(contract) => Transition::Accepted {
+            evidence: format!("accepted as operation {operation_id}; polling its status"),
+            operation_id,
+            acceptance,
+            delay: contract.poll.delay(std::time::Duration::ZERO),
+            deadline: contract.poll.deadline(),
+        },
+        None => Transition::Unknown {
+            delay: retry_delay(&tool.retry, 1),
+            evidence: format!(
+                "accepted as operation {operation_id}, but tool {} declares no async contract",
+                tool.name
+            ),
+        },
+    }
+}
+
+/// The next state after a poll of an `accepted` operation at `now`: done with a matching
+/// receipt succeeds; the downstream's documented failure fails; anything else (still running,
+/// or nothing proven: no answer, 404, 5xx, an unreadable document) polls again after a delay
+/// that grows with the operation's age, until the deadline passes: then `held`, a person
+/// decides. This worker's own exhaustion defers the poll. Pure.
+pub fn after_poll(
+    op: &Operation,
+    tool: &ToolConfig,
+    polled: Polled,
+    now: DateTime<Utc>,
+) -> Transition {
+    let remote = op.remote_id.as_deref().unwrap_or("?");
+    match polled {
+        Polled::Done {
+            receipt,
+            receipt_id,
+        } => Transition::Succeeded {
+            evidence: format!("operation {remote} done: receipt {receipt_id} read from its status"),
+            receipt,
+            receipt_id,
+        },
+        Polled::Failed { evidence } => Transition::Failed {
+            evidence: format!("operation {remote} failed, as its status says: {evidence}"),
+        },
+        Polled::LocalExhaustion { .. } => Transition::Defer {
+            delay: local_exhaustion_delay(),
+        },
+        Polled::Running { evidence } | Polled::Unproven { evidence } => {
+            let Some(contract) = tool.completion.contract() else {
+                return Transition::Held {
+                    evidence: format!(
+                        "tool {} is no longer async; operation {remote} needs a person",
+                        tool.name
+                    ),
+                };
+            };
+            let deadline = op.poll_deadline.unwrap_or(now);
+            if now >= deadline {
+                return Transition::Held {
+                    evidence: format!(
+                        "{ASYNC_DEADLINE}: operation {remote} was not done {} s after it was \
+                         accepted (poll.deadline_secs); last: {evidence}",
+                        contract.poll.deadline_secs
+                    ),
+                };
+            }
+            let deadline_span = chrono::Duration::from_std(contract.poll.deadline())
+                .unwrap_or(chrono::Duration::MAX);
+            let age = (now - (deadline - deadline_span))
+                .to_std()
+                .unwrap_or_default();
+            Transition::Poll {
+                delay: contract.poll.delay(age),
+                evidence,
+            }
+        }
+    }
+}
+
+/// The words a row held at its poll deadline starts its evidence with: the cause class
+/// `async_deadline` ([`crate::ledger::cause`]).
+pub const ASYNC_DEADLINE: &str = "async_deadline";
 
 /// A recovery round that brought no matching receipt: unknown again, or held once the tool's
 /// recovery rounds are spent. The answer is kept as evidence.
@@ -205,6 +303,7 @@ mod tests {
             retry: policy(),
             budget: BudgetPolicy::default(),
             headers: BTreeMap::new(),
+            completion: Default::default(),
         }
     }
 
@@ -246,12 +345,16 @@ mod tests {
             swept_at: None,
             traceparent: None,
             tracestate: None,
+            remote_id: None,
+            acceptance: None,
+            poll_deadline: None,
+            verified_by: None,
         }
     }
 
     fn succeeded() -> Outcome {
         Outcome::Succeeded {
-            receipt: json!({"receipt_id": "r-1"}),
+            receipt: Document::from_value(json!({"receipt_id": "r-1"})),
             receipt_id: "r-1".into(),
         }
     }
@@ -300,6 +403,8 @@ mod tests {
         Unknown(u64),
         Held,
         Defer,
+        Accepted(String),
+        Poll,
     }
 
     /// The kind, the exact delay in ms (for the jitter-free ones) and the evidence.
@@ -322,6 +427,12 @@ mod tests {
                 assert!((500..=1_500).contains(&ms(delay)), "{delay:?}");
                 (Next::Defer, String::new())
             }
+            Transition::Accepted {
+                operation_id,
+                evidence,
+                ..
+            } => (Next::Accepted(operation_id.clone()), evidence.clone()),
+            Transition::Poll { evidence, .. } => (Next::Poll, evidence.clone()),
         }
     }
 
@@ -405,6 +516,155 @@ mod tests {
             let (next, said) = seen(&after_recovery(&op, &tool(replay()), outcome));
             assert_eq!(next, want, "{row}");
             assert!(said.contains(evidence), "{row}: {said}");
+        }
+    }
+
+    /// An async tool: polls from 1 s up to 8 s, held after a minute.
+    fn async_tool() -> ToolConfig {
+        ToolConfig {
+            completion: crate::config::Completion::Async(Box::new(crate::config::AsyncContract {
+                accepted_statuses: vec![202],
+                operation_id: "/operation_id".into(),
+                status_url: "http://d/ops/{operation_id}".into(),
+                done_match: [("/state".to_string(), json!("succeeded"))].into(),
+                failed_match: [("/state".to_string(), json!("failed"))].into(),
+                poll: crate::config::PollPolicy {
+                    first_ms: 1_000,
+                    max_ms: 8_000,
+                    deadline_secs: 60,
+                },
+                callback: None,
+            })),
+            ..tool(replay())
+        }
+    }
+
+    fn accepted_outcome(id: &str) -> Outcome {
+        Outcome::Accepted {
+            operation_id: id.into(),
+            acceptance: Document::from_value(json!({"operation_id": id, "state": "running"})),
+        }
+    }
+
+    #[test]
+    fn an_acceptance_is_accepted_with_the_first_poll_and_the_deadline() {
+        let t = chrono::Duration::seconds(1);
+        for (row, transition) in [
+            (
+                "after a write",
+                after_dispatch(
+                    &op(1, 0, t),
+                    &async_tool(),
+                    accepted_outcome("op-1"),
+                    Utc::now(),
+                ),
+            ),
+            (
+                "after a replay",
+                after_recovery(&op(1, 1, t), &async_tool(), accepted_outcome("op-1")),
+            ),
+        ] {
+            let Transition::Accepted {
+                operation_id,
+                delay,
+                deadline,
+                evidence,
+                ..
+            } = transition
+            else {
+                panic!("{row}: {transition:?}")
+            };
+            assert_eq!(operation_id, "op-1", "{row}");
+            assert!(
+                (500..=1_500).contains(&(delay.as_millis() as u64)),
+                "{row}: {delay:?}"
+            );
+            assert_eq!(deadline, Duration::from_secs(60), "{row}");
+            assert!(
+                evidence.contains("accepted as operation op-1"),
+                "{row}: {evidence}"
+            );
+        }
+        // The downstream's documented failure of an accepted operation fails it.
+        let failed = Outcome::Failed {
+            evidence: "state failed".into(),
+        };
+        let (next, _) = seen(&after_recovery(&op(1, 1, t), &async_tool(), failed));
+        assert_eq!(next, Next::Failed);
+        // A sync tool never polls: an acceptance it somehow produced proves nothing.
+        let (next, said) = seen(&after_dispatch(
+            &op(1, 0, t),
+            &tool(replay()),
+            accepted_outcome("op-1"),
+            Utc::now(),
+        ));
+        assert_eq!(next, Next::Unknown(100));
+        assert!(said.contains("declares no async contract"), "{said}");
+    }
+
+    /// An accepted operation, accepted `age` ago (its deadline a minute after).
+    fn accepted_op(age: chrono::Duration) -> Operation {
+        let now = Utc::now();
+        Operation {
+            state: StateColumn(State::Accepted),
+            remote_id: Some("op-9".into()),
+            poll_deadline: Some(now - age + chrono::Duration::seconds(60)),
+            ..op(1, 0, age)
+        }
+    }
+
+    #[test]
+    fn after_a_poll_every_answer_leads_where_the_table_says() {
+        let early = chrono::Duration::seconds(2);
+        let late = chrono::Duration::seconds(61);
+        let run = |e: &str| Polled::Running { evidence: e.into() };
+        let unproven = |e: &str| Polled::Unproven { evidence: e.into() };
+        #[rustfmt::skip]
+        let table: Vec<(&str, Operation, Polled, Next, &str)> = vec![
+            ("done with the receipt succeeds", accepted_op(early),
+             Polled::Done { receipt: Document::from_value(json!({"deployment_id": "d-1"})), receipt_id: "d-1".into() },
+             Next::Succeeded, "operation op-9 done: receipt d-1"),
+            ("the documented failure fails", accepted_op(early),
+             Polled::Failed { evidence: "{\"state\":\"failed\"}".into() },
+             Next::Failed, "operation op-9 failed, as its status says"),
+            ("still running polls again", accepted_op(early), run("still running"),
+             Next::Poll, "still running"),
+            ("a 404 proves nothing: poll again", accepted_op(early), unproven("HTTP 404"),
+             Next::Poll, "HTTP 404"),
+            ("running past the deadline is held", accepted_op(late), run("still running"),
+             Next::Held, "async_deadline: operation op-9 was not done 60 s after"),
+            ("nothing proven past the deadline is held", accepted_op(late), unproven("HTTP 503"),
+             Next::Held, "last: HTTP 503"),
+            ("done past the deadline still succeeds", accepted_op(late),
+             Polled::Done { receipt: Document::from_value(json!({"deployment_id": "d-1"})), receipt_id: "d-1".into() },
+             Next::Succeeded, "receipt d-1"),
+            ("local exhaustion defers the poll", accepted_op(early),
+             Polled::LocalExhaustion { evidence: "EMFILE".into() }, Next::Defer, ""),
+        ];
+        for (row, op, polled, want, evidence) in table {
+            let (next, said) = seen(&after_poll(&op, &async_tool(), polled, Utc::now()));
+            assert_eq!(next, want, "{row}");
+            assert!(said.contains(evidence), "{row}: {said}");
+        }
+    }
+
+    #[test]
+    fn the_next_poll_waits_about_as_long_as_the_operation_is_old() {
+        for (age_s, lo_ms, hi_ms) in [(2, 1_000, 3_000), (6, 3_000, 8_000), (40, 4_000, 8_000)] {
+            let op = accepted_op(chrono::Duration::seconds(age_s));
+            let t = after_poll(
+                &op,
+                &async_tool(),
+                Polled::Running {
+                    evidence: String::new(),
+                },
+                Utc::now(),
+            );
+            let Transition::Poll { delay, .. } = t else {
+                panic!("{t:?}")
+            };
+            let ms = delay.as_millis() as u64;
+            assert!((lo_ms..=hi_ms).contains(&ms), "age {age_s} s: {ms} ms");
         }
     }
 }

@@ -49,6 +49,24 @@ pub const RULES: &[Rule] = &[
         meaning: "an operator's action wrote the last evidence",
     },
     Rule {
+        class: "async_deadline",
+        matching: Match::Prefix,
+        markers: &["async_deadline"],
+        meaning: "an accepted long-running operation was not done by its poll deadline",
+    },
+    Rule {
+        class: "async_conflict",
+        matching: Match::Contains,
+        markers: &["but it was accepted as operation"],
+        meaning: "the downstream named another operation than the one it accepted before",
+    },
+    Rule {
+        class: "in_progress",
+        matching: Match::Prefix,
+        markers: &["accepted as operation", "still running"],
+        meaning: "the downstream accepted the write and the operation is still running",
+    },
+    Rule {
         class: "not_configured",
         matching: Match::Contains,
         markers: &["is not configured"],

@@ -45,6 +45,8 @@ pub enum ClaimKind {
     Retry,
     /// An `unknown` row: recovery by capability.
     Recover,
+    /// An `accepted` row whose next poll is due: read its status.
+    Poll,
 }
 
 /// A leased row and what to do with it.
@@ -228,10 +230,10 @@ impl Ledger {
         Ok(r.rows_affected() == 1)
     }
 
-    /// Leases up to `limit` due rows (`prepared` past its grace, `retry_wait` and `unknown` whose
-    /// `next_attempt_at` has come). Rows stay in their state; the lease (fence + 1, owner,
-    /// `next_attempt_at` pushed past the lease) keeps other schedulers away, and lapses by itself
-    /// if this worker dies. `SKIP LOCKED` lets many schedulers run at once.
+    /// Leases up to `limit` due rows (`prepared` past its grace, `retry_wait`, `unknown` and
+    /// `accepted` whose `next_attempt_at` has come). Rows stay in their state; the lease (the
+    /// fence raised by one, owner, `next_attempt_at` pushed past the lease) keeps others away, and
+    /// lapses by itself if this worker dies. `SKIP LOCKED` lets many schedulers run at once.
     pub async fn lease_due(
         &self,
         limit: i64,
@@ -241,7 +243,8 @@ impl Ledger {
         let sql = format!(
             "WITH due AS (
                 SELECT id FROM operations
-                WHERE state IN ('prepared', 'retry_wait', 'unknown') AND next_attempt_at <= now()
+                WHERE state IN ('prepared', 'retry_wait', 'unknown', 'accepted')
+                  AND next_attempt_at <= now()
                 ORDER BY next_attempt_at
                 LIMIT $1
                 FOR UPDATE SKIP LOCKED
@@ -268,11 +271,53 @@ impl Ledger {
                     State::Prepared => ClaimKind::FirstDispatch,
                     State::RetryWait => ClaimKind::Retry,
                     State::Unknown => ClaimKind::Recover,
+                    State::Accepted => ClaimKind::Poll,
                     _ => return None,
                 };
                 Some(Claimed { kind, operation })
             })
             .collect())
+    }
+
+    /// Accepted rows of `tool` whose poll is more than `late` overdue (no worker could poll
+    /// them on time: every worker was down, or saturated) get a new time at random within
+    /// their poll gap (their age in `accepted`, between `first` and `max`), so that polls
+    /// resume spread out rather than all at once, and the downstream's status URL never sees
+    /// a burst after an outage. At most `limit` rows per call; locked rows are left to their
+    /// holder. The schedule is all that changes (no state, no fence: no history).
+    pub async fn spread_late_polls(
+        &self,
+        tool: &str,
+        first: Duration,
+        max: Duration,
+        late: Duration,
+        limit: i64,
+    ) -> Result<u64, LedgerError> {
+        let r = sqlx::query(
+            "WITH late AS (
+                SELECT id FROM operations
+                WHERE state = 'accepted' AND tool = $1
+                  AND next_attempt_at < now() - make_interval(secs => $4)
+                  -- Past its deadline it is due now: the poll holds it.
+                  AND (poll_deadline IS NULL OR poll_deadline > now())
+                ORDER BY next_attempt_at
+                LIMIT $5
+                FOR UPDATE SKIP LOCKED
+             )
+             UPDATE operations o
+             SET next_attempt_at = now() + random() * least(
+                     greatest(now() - o.state_since, make_interval(secs => $2)),
+                     make_interval(secs => $3))
+             FROM late WHERE o.id = late.id AND o.state = 'accepted'",
+        )
+        .bind(tool)
+        .bind(first.as_secs_f64())
+        .bind(max.as_secs_f64())
+        .bind(late.as_secs_f64())
+        .bind(limit)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected())
     }
 
     /// `dispatching` rows whose lease ran out (owner crashed, hung or was paused). One whose

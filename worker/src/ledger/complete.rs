@@ -15,13 +15,14 @@ use super::claim::WithPrev;
 use super::outbox::{self, NewEvent, OutboxRow};
 use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
 use crate::answers;
+use crate::document::Document;
 
 /// Where an operation goes next.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Transition {
     /// A receipt that matches the operation.
     Succeeded {
-        receipt: serde_json::Value,
+        receipt: Document,
         receipt_id: String,
         evidence: String,
     },
@@ -40,6 +41,44 @@ pub enum Transition {
     Held { evidence: String },
     /// Nothing learned (e.g. the retry budget was empty): stay, look again after `delay`.
     Defer { delay: Duration },
+    /// The downstream accepted the write as its operation `operation_id` (a long-running one):
+    /// `accepted`, the acceptance kept, the first poll after `delay`, held if still not done
+    /// `deadline` after this first acceptance. An acceptance naming another operation than the
+    /// one already recorded is `held` with both ids as evidence.
+    Accepted {
+        operation_id: String,
+        acceptance: Document,
+        delay: Duration,
+        deadline: Duration,
+        evidence: String,
+    },
+    /// A poll proved nothing final: stay `accepted`, poll again after `delay`.
+    Poll { delay: Duration, evidence: String },
+}
+
+/// Which call established a completion's outcome: the completion report's `verified_by`
+/// ([`protocol::VerifiedBy`]). A dispatch's receipt recorded on a row that had moved on (its
+/// lease ran out) is stored as `late_receipt`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Dispatch,
+    Replay,
+    Lookup,
+    Poll,
+    /// A signed completion callback from the downstream ([`crate::ops::callback`]).
+    Callback,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Dispatch => "dispatch",
+            Source::Replay => "replay",
+            Source::Lookup => "lookup",
+            Source::Poll => "poll",
+            Source::Callback => "callback",
+        }
+    }
 }
 
 /// Which stage produced a completion: the expected current state for fenced transitions.
@@ -49,6 +88,10 @@ pub enum Phase {
     Dispatch,
     /// A recovery round on a leased row in the given state.
     Leased(State),
+    /// The downstream's own word, arriving unasked (a signed completion callback): like a
+    /// receipt, it may settle any unresolved row, whoever holds it. Only `Succeeded` and
+    /// `Failed` are recorded so.
+    Proof,
 }
 
 /// One outcome to record.
@@ -58,6 +101,8 @@ pub struct Completion {
     pub fence: i64,
     pub phase: Phase,
     pub transition: Transition,
+    /// Which call established it.
+    pub by: Source,
     /// The context of the span that decided it, when recorded: the result event carries it
     /// (else the intent's own), and the commit's span links to it.
     pub trace: Option<protocol::trace::TraceContext>,
@@ -255,6 +300,11 @@ async fn apply_batch(
     Ok((applied, held))
 }
 
+/// The `verified_by` a receipt is stored with: its source (`prev.by`), except a dispatch's
+/// answer arriving for a row that is no longer `dispatching` (its lease ran out meanwhile).
+const VERIFIED_BY: &str = "CASE WHEN prev.by = 'dispatch' AND o.state <> 'dispatching' \
+     THEN 'late_receipt' ELSE prev.by END";
+
 /// Every receipt at `indices` (distinct rows) in one statement: the receipt path, as in
 /// [`apply`]. Rows it did not move (already final, or gone) are absent from the answer and
 /// are then handled one by one.
@@ -269,6 +319,7 @@ async fn succeed_many(
     let mut evidences = Vec::with_capacity(indices.len());
     let mut receipts = Vec::with_capacity(indices.len());
     let mut receipt_ids = Vec::with_capacity(indices.len());
+    let mut sources = Vec::with_capacity(indices.len());
     for &i in indices {
         if let Transition::Succeeded {
             receipt,
@@ -278,8 +329,9 @@ async fn succeed_many(
         {
             ids.push(completions[i].operation_id);
             evidences.push(evidence.as_str());
-            receipts.push(receipt);
+            receipts.push(receipt.text());
             receipt_ids.push(receipt_id.as_str());
+            sources.push(completions[i].by.as_str());
         }
     }
     // `prev` locks the rows in id order (no deadlock between batches of two workers), keeps
@@ -291,19 +343,19 @@ async fn succeed_many(
     // last vacuum, whose pages a bitmap scan would all visit.
     let sql = format!(
         "WITH prev AS (
-            SELECT o.id, o.last_reported, i.evidence, i.receipt, i.receipt_id
-            FROM unnest($1::int8[], $3::text[], $4::jsonb[], $5::text[])
-                AS i(id, evidence, receipt, receipt_id)
+            SELECT o.id, o.last_reported, i.evidence, i.receipt, i.receipt_id, i.by
+            FROM unnest($1::int8[], $3::text[], $4::text[], $5::text[], $6::text[])
+                AS i(id, evidence, receipt, receipt_id, by)
             JOIN operations o ON o.id = i.id
             ORDER BY o.id FOR UPDATE OF o
          )
-         UPDATE operations o SET state = 'succeeded', receipt = prev.receipt,
+         UPDATE operations o SET state = 'succeeded', receipt = prev.receipt::json,
                 receipt_id = prev.receipt_id, evidence = prev.evidence, changed_by = $2,
                 lease_owner = NULL, lease_until = NULL, next_attempt_at = NULL,
                 last_reported = 'succeeded', updated_at = now(), state_since = now(),
-                finished_at = now()
+                finished_at = now(), verified_by = {VERIFIED_BY}
          FROM prev WHERE o.id = prev.id
-           AND (o.state IN ('dispatching', 'unknown', 'held', 'retry_wait')) IS TRUE
+           AND (o.state IN ('dispatching', 'unknown', 'held', 'retry_wait', 'accepted')) IS TRUE
          RETURNING {cols}, prev.last_reported AS prev_reported"
     );
     let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -312,6 +364,7 @@ async fn succeed_many(
         .bind(&evidences)
         .bind(&receipts)
         .bind(&receipt_ids)
+        .bind(&sources)
         // Planned at each run, like the send fence (`Ledger::fence_sends`).
         .persistent(false)
         .fetch_all(&mut *conn)
@@ -348,6 +401,9 @@ async fn update_one(
     let expected = match c.phase {
         Phase::Dispatch => State::Dispatching,
         Phase::Leased(s) => s,
+        // Unfenced: only `Succeeded` (the receipt path) and `Failed` (below) are recorded so;
+        // anything else finds no row in this state at this fence unless it was leased so.
+        Phase::Proof => State::Accepted,
     };
     let row: Option<WithPrev> = match &c.transition {
         Transition::Succeeded {
@@ -356,20 +412,66 @@ async fn update_one(
             evidence,
         } => {
             let sql = format!(
-                "WITH prev AS (SELECT id, last_reported FROM operations WHERE id = $1 FOR UPDATE)
-                 UPDATE operations o SET state = 'succeeded', receipt = $4, receipt_id = $5,
+                "WITH prev AS (SELECT id, last_reported, $6::text AS by FROM operations
+                               WHERE id = $1 FOR UPDATE)
+                 UPDATE operations o SET state = 'succeeded', receipt = $4::json, receipt_id = $5,
                         evidence = $3, changed_by = $2, lease_owner = NULL, lease_until = NULL,
-                        next_attempt_at = NULL, last_reported = 'succeeded'
+                        next_attempt_at = NULL, last_reported = 'succeeded',
+                        verified_by = {VERIFIED_BY}
                  FROM prev WHERE o.id = prev.id
-                   AND o.state IN ('dispatching', 'unknown', 'held', 'retry_wait')
+                   AND o.state IN ('dispatching', 'unknown', 'held', 'retry_wait', 'accepted')
                  RETURNING {cols}, prev.last_reported AS prev_reported"
             );
             sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .bind(c.operation_id)
                 .bind(worker_id)
                 .bind(evidence)
-                .bind(receipt)
+                .bind(receipt.text())
                 .bind(receipt_id)
+                .bind(c.by.as_str())
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+        Transition::Accepted {
+            operation_id,
+            acceptance,
+            delay,
+            deadline,
+            evidence,
+        } => {
+            // One statement: an acceptance of the recorded operation (or a first one) moves the
+            // row to `accepted`; one naming another operation holds it, keeping what was
+            // recorded and saying both.
+            let sql = format!(
+                "WITH prev AS (SELECT id, last_reported, remote_id IS NULL OR remote_id = $6 AS same
+                               FROM operations WHERE id = $1 FOR UPDATE)
+                 UPDATE operations o SET
+                        state = CASE WHEN prev.same THEN 'accepted' ELSE 'held' END,
+                        remote_id = coalesce(o.remote_id, $6),
+                        acceptance = CASE WHEN prev.same THEN $7::json ELSE o.acceptance END,
+                        poll_deadline = coalesce(o.poll_deadline, now() + make_interval(secs => $9)),
+                        next_attempt_at = CASE WHEN prev.same
+                                          THEN now() + make_interval(secs => $8) END,
+                        evidence = CASE WHEN prev.same THEN $3
+                                   ELSE 'the downstream accepted the write as operation ' || $6 ||
+                                        ', but it was accepted as operation ' || o.remote_id ||
+                                        ' before; held for a person' END,
+                        verified_by = $10, last_reported = 'pending', changed_by = $2,
+                        lease_owner = NULL, lease_until = NULL
+                 FROM prev WHERE o.id = prev.id AND o.fence = $4 AND o.state = $5
+                 RETURNING {cols}, prev.last_reported AS prev_reported"
+            );
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(c.operation_id)
+                .bind(worker_id)
+                .bind(evidence)
+                .bind(c.fence)
+                .bind(expected.as_str())
+                .bind(operation_id)
+                .bind(acceptance.text())
+                .bind(delay.as_secs_f64())
+                .bind(deadline.as_secs_f64())
+                .bind(c.by.as_str())
                 .fetch_optional(&mut *conn)
                 .await?
         }
@@ -392,25 +494,53 @@ async fn update_one(
                 .fetch_optional(&mut *conn)
                 .await?
         }
+        Transition::Failed { evidence } if c.phase == Phase::Proof => {
+            // The downstream's documented failure, sent unasked: like a receipt, it settles any
+            // unresolved row; a final one is left as it is.
+            let sql = format!(
+                "WITH prev AS (SELECT id, last_reported FROM operations WHERE id = $1 FOR UPDATE)
+                 UPDATE operations o SET state = 'failed', next_attempt_at = NULL,
+                        last_reported = 'failed', verified_by = $4, evidence = $3,
+                        changed_by = $2, lease_owner = NULL, lease_until = NULL
+                 FROM prev WHERE o.id = prev.id
+                   AND o.state IN ('dispatching', 'unknown', 'held', 'retry_wait', 'accepted')
+                 RETURNING {cols}, prev.last_reported AS prev_reported"
+            );
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(c.operation_id)
+                .bind(worker_id)
+                .bind(evidence)
+                .bind(c.by.as_str())
+                .fetch_optional(&mut *conn)
+                .await?
+        }
         Transition::Failed { evidence } | Transition::Held { evidence } => {
             let set = if matches!(c.transition, Transition::Failed { .. }) {
-                "state = 'failed', next_attempt_at = NULL, last_reported = 'failed'"
+                "state = 'failed', next_attempt_at = NULL, last_reported = 'failed', \
+                 verified_by = $6"
             } else {
-                "state = 'held', next_attempt_at = NULL, last_reported = 'pending'"
+                "state = 'held', next_attempt_at = NULL, last_reported = 'pending', \
+                 verified_by = coalesce($6, o.verified_by)"
             };
+            let by = matches!(c.transition, Transition::Failed { .. }).then(|| c.by.as_str());
             sqlx::query_as(sqlx::AssertSqlSafe(fenced(cols, set)))
                 .bind(c.operation_id)
                 .bind(worker_id)
                 .bind(evidence)
                 .bind(c.fence)
                 .bind(expected.as_str())
+                .bind(by)
                 .fetch_optional(&mut *conn)
                 .await?
         }
         Transition::RetryWait { delay, evidence }
         | Transition::Resend { delay, evidence }
-        | Transition::Unknown { delay, evidence } => {
+        | Transition::Unknown { delay, evidence }
+        | Transition::Poll { delay, evidence } => {
             let set = match c.transition {
+                Transition::Poll { .. } => {
+                    "state = 'accepted', next_attempt_at = now() + make_interval(secs => $6)"
+                }
                 Transition::RetryWait { .. } => {
                     "state = 'retry_wait', next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
                 }
@@ -441,14 +571,30 @@ async fn update_one(
 async fn refused(conn: &mut PgConnection, c: &Completion) -> Result<Applied, LedgerError> {
     let current = current(conn, c.operation_id).await?;
     Ok(match (&c.transition, current) {
-        (Transition::Succeeded { receipt, .. }, Some(op)) if op.state() == State::Succeeded => {
-            if op.receipt.as_ref() == Some(receipt) {
+        (
+            Transition::Succeeded {
+                receipt,
+                receipt_id,
+                ..
+            },
+            Some(op),
+        ) if op.state() == State::Succeeded => {
+            // A callback's document may differ from the one a poll stored (a delivery time,
+            // say): the same receipt id is the same outcome.
+            let same_id = c.by == Source::Callback && op.receipt_id.as_ref() == Some(receipt_id);
+            if same_id || op.receipt.as_ref() == Some(receipt) {
                 Applied::LateReceiptMatches(op)
             } else {
                 Applied::LateReceiptConflict(op)
             }
         }
         (Transition::Succeeded { .. }, Some(op)) if op.state().is_final() => {
+            Applied::LateReceiptConflict(op)
+        }
+        // The downstream's word that it failed, for a row already final otherwise.
+        (Transition::Failed { .. }, Some(op))
+            if c.phase == Phase::Proof && op.state() == State::Succeeded =>
+        {
             Applied::LateReceiptConflict(op)
         }
         (_, current) => Applied::Stale(current),
@@ -473,7 +619,9 @@ fn event_for(op: &Operation, prev_reported: Option<&str>, c: &Completion) -> Opt
     let event = match op.state() {
         State::Succeeded => Some(answers::succeeded(op)),
         State::Failed => Some(answers::failed(op)),
-        State::RetryWait | State::Unknown | State::Held if prev_reported != Some("pending") => {
+        State::RetryWait | State::Unknown | State::Held | State::Accepted
+            if prev_reported != Some("pending") =>
+        {
             Some(answers::pending(op))
         }
         _ => None,

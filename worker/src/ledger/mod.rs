@@ -35,13 +35,15 @@ pub mod workers;
 
 pub use admit::{Admitted, NewOperation};
 pub use claim::{ClaimKind, Claimed, ReplayWindows, SendFence};
-pub use complete::{Applied, Completed, Completion, Phase, Transition};
+pub use complete::{Applied, Completed, Completion, Phase, Source, Transition};
 pub use operator::{OperatorChange, OperatorOutcome, OperatorRequest, UnresolvedFilter};
 pub use retention::SweepReport;
 pub use states::State;
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgPool;
+
+use crate::document::Document;
 
 /// Errors from the ledger.
 #[derive(Debug, thiserror::Error)]
@@ -92,7 +94,8 @@ pub struct Operation {
     pub next_attempt_at: Option<DateTime<Utc>>,
     pub first_dispatch_at: Option<DateTime<Utc>>,
     pub replay_deadline: Option<DateTime<Utc>>,
-    pub receipt: Option<serde_json::Value>,
+    /// The receipt exactly as the downstream sent it.
+    pub receipt: Option<Document>,
     pub receipt_id: Option<String>,
     pub evidence: Option<String>,
     pub last_reported: Option<String>,
@@ -104,6 +107,15 @@ pub struct Operation {
     /// had none, or a malformed one).
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
+    /// The downstream's operation id, once it accepted the write (a long-running operation).
+    pub remote_id: Option<String>,
+    /// The downstream's acceptance answer, as it sent it.
+    pub acceptance: Option<Document>,
+    /// When an accepted operation is held if still not done: acceptance + `poll.deadline_secs`.
+    pub poll_deadline: Option<DateTime<Utc>>,
+    /// How the final answer (or the acceptance) is known: `dispatch`, `replay`, `lookup`,
+    /// `poll`, `late_receipt` or `operator:<name>`.
+    pub verified_by: Option<String>,
 }
 
 /// A state read from the database.
@@ -141,10 +153,11 @@ pub fn idempotency_key(tenant: &str, action_id: &str) -> String {
 pub(crate) const OPERATION_COLUMNS: &str = "id, tenant, action_id, tool, fingerprint, arguments, call_id, \
      reply_to, state, fence, lease_owner, lease_until, attempts, recovery_attempts, next_attempt_at, \
      first_dispatch_at, replay_deadline, receipt, receipt_id, evidence, last_reported, created_at, \
-     updated_at, state_since, swept_at, traceparent, tracestate";
+     updated_at, state_since, swept_at, traceparent, tracestate, remote_id, acceptance, poll_deadline, \
+     verified_by";
 
 /// How many columns `OPERATION_COLUMNS` names: one per field of [`Operation`].
-const OPERATION_FIELDS: usize = 27;
+const OPERATION_FIELDS: usize = 31;
 // [`OperationDecoder`] keeps a bit per field.
 const _: () = assert!(OPERATION_FIELDS <= u32::BITS as usize);
 
@@ -286,6 +299,10 @@ fn decode_operation(
         swept_at: col!(24),
         traceparent: col!(25),
         tracestate: col!(26),
+        remote_id: col!(27),
+        acceptance: col!(28),
+        poll_deadline: col!(29),
+        verified_by: col!(30),
     })
 }
 
@@ -334,6 +351,8 @@ static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> = std::sync::LazyL
         "0014_published_watermark.sql",
         "0015_outbox_link_without_trigger.sql",
         "0016_console_spent_ids.sql",
+        "0017_accepted_operations.sql",
+        "0018_documents_as_sent.sql",
     )
 });
 
@@ -461,13 +480,13 @@ mod tests {
             kit::schema::unlisted(&dir, &MIGRATOR).unwrap(),
             Vec::<String>::new()
         );
-        assert_eq!(MIGRATOR.iter().count(), 16);
+        assert_eq!(MIGRATOR.iter().count(), 18);
     }
 
     #[test]
     fn every_operation_column_has_its_field() {
         assert_eq!(OPERATION_COLUMN_NAMES.len(), OPERATION_FIELDS);
         assert_eq!(OPERATION_COLUMN_NAMES[8], "state");
-        assert_eq!(OPERATION_COLUMN_NAMES[OPERATION_FIELDS - 1], "tracestate");
+        assert_eq!(OPERATION_COLUMN_NAMES[OPERATION_FIELDS - 1], "verified_by");
     }
 }

@@ -16,6 +16,7 @@ use super::outbox;
 use super::queries::HistoryEntry;
 use super::{Ledger, LedgerError, Operation, State, OPERATION_COLUMNS};
 use crate::answers;
+use crate::document::Document;
 
 /// Which unresolved operations to list.
 #[derive(Debug, Clone)]
@@ -35,14 +36,20 @@ pub struct UnresolvedFilter {
 pub enum OperatorChange {
     /// `succeeded` with a receipt that already passed the tool's receipt check.
     Resolve {
-        receipt: serde_json::Value,
+        receipt: Document,
         receipt_id: String,
     },
     /// `failed`, with the operator's written evidence.
     Fail { evidence: String },
     /// `held` -> `unknown` due now with `recovery_attempts` set to `held_recovery_attempts`
-    /// (one round left); an `unknown` row without a live lease becomes due now.
-    Recheck { held_recovery_attempts: i32 },
+    /// (one round left); an `unknown` or `accepted` row without a live lease becomes due now
+    /// (an accepted one is polled). A held row the downstream had accepted (it has an
+    /// operation id) goes back to `accepted` when `poll_deadline_secs` is given (the tool is
+    /// async), polled now with a fresh deadline.
+    Recheck {
+        held_recovery_attempts: i32,
+        poll_deadline_secs: Option<f64>,
+    },
 }
 
 impl OperatorChange {
@@ -126,10 +133,11 @@ impl Ledger {
         // arguments or receipts (each may be hundreds of kilobytes): one operation's route does.
         let columns = OPERATION_COLUMNS
             .replace("arguments,", "NULL::text AS arguments,")
-            .replace("receipt,", "NULL::jsonb AS receipt,");
+            .replace("receipt,", "NULL::json AS receipt,")
+            .replace("acceptance,", "NULL::json AS acceptance,");
         let sql = format!(
             "SELECT {columns} FROM operations
-             WHERE state IN ('dispatching', 'retry_wait', 'unknown', 'held')
+             WHERE state IN ('dispatching', 'retry_wait', 'unknown', 'held', 'accepted')
                AND state = ANY($1)
                AND ($2::text IS NULL OR tool = $2)
                AND ($3::float8 IS NULL OR created_at <= now() - make_interval(secs => $3))
@@ -242,9 +250,9 @@ impl Ledger {
         .fetch_all(&mut *tx)
         .await?;
         let response = respond(&op, history);
-        sqlx::query("UPDATE operator_requests SET response = $2 WHERE request_id = $1")
+        sqlx::query("UPDATE operator_requests SET response = $2::json WHERE request_id = $1")
             .bind(&request.request_id)
-            .bind(&response)
+            .bind(response.to_string())
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -261,17 +269,20 @@ impl Ledger {
         request_id: &str,
         response: &serde_json::Value,
     ) -> Result<(), LedgerError> {
-        sqlx::query("UPDATE operator_requests SET response = $2 WHERE request_id = $1")
+        // As text: a receipt in the response is kept as sent (a U+0000 included), like the
+        // operation's own.
+        sqlx::query("UPDATE operator_requests SET response = $2::json WHERE request_id = $1")
             .bind(request_id)
-            .bind(response)
+            .bind(response.to_string())
             .execute(&self.pool)
             .await?;
         Ok(())
     }
 
-    /// Leases one specific `unknown` row that is due, for a recovery round run now (an operator
-    /// recheck): the same lease as the scheduler's (fence + 1, owner, lease, one more recovery
-    /// round counted). None when it is not due or another worker leased it first.
+    /// Leases one specific `unknown` or `accepted` row that is due, for a recovery round or a
+    /// poll run now (an operator recheck): the same lease as the scheduler's (fence + 1, owner,
+    /// lease, one more recovery round counted for an unknown row). None when it is not due or
+    /// another worker leased it first.
     pub async fn lease_for_recovery(
         &self,
         operation_id: i64,
@@ -281,10 +292,11 @@ impl Ledger {
         let sql = format!(
             "UPDATE operations o
              SET fence = o.fence + 1, lease_owner = $2,
-                 recovery_attempts = o.recovery_attempts + 1,
+                 recovery_attempts = o.recovery_attempts + (o.state = 'unknown')::int,
                  lease_until = now() + make_interval(secs => $3),
                  next_attempt_at = now() + make_interval(secs => $3), changed_by = $2
-             WHERE o.id = $1 AND o.state = 'unknown' AND o.next_attempt_at <= now()
+             WHERE o.id = $1 AND o.state IN ('unknown', 'accepted')
+               AND o.next_attempt_at <= now()
              RETURNING {}",
             o_columns()
         );
@@ -321,17 +333,18 @@ async fn transition(
             // The receipt path: the downstream's proof may settle any unresolved row, whoever
             // owns it; the owner's later fenced write then finds the row moved on.
             let sql = format!(
-                "UPDATE operations SET state = 'succeeded', receipt = $4, receipt_id = $5,
+                "UPDATE operations SET state = 'succeeded', receipt = $4::json, receipt_id = $5,
                         evidence = $3, changed_by = $2, lease_owner = NULL, lease_until = NULL,
-                        next_attempt_at = NULL, last_reported = 'succeeded'
-                 WHERE id = $1 AND state IN ('dispatching', 'retry_wait', 'unknown', 'held')
+                        next_attempt_at = NULL, last_reported = 'succeeded', verified_by = $2
+                 WHERE id = $1
+                   AND state IN ('dispatching', 'retry_wait', 'unknown', 'held', 'accepted')
                  RETURNING {returning}"
             );
             sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .bind(operation_id)
                 .bind(&actor)
                 .bind(&evidence)
-                .bind(receipt)
+                .bind(receipt.text())
                 .bind(receipt_id)
                 .fetch_optional(&mut *conn)
                 .await?
@@ -342,10 +355,11 @@ async fn transition(
             let sql = format!(
                 "UPDATE operations SET state = 'failed', evidence = $3, changed_by = $2,
                         lease_owner = NULL, lease_until = NULL, next_attempt_at = NULL,
-                        last_reported = 'failed'
+                        last_reported = 'failed', verified_by = $2
                  WHERE id = $1
                    AND (state IN ('retry_wait', 'held')
-                        OR (state = 'unknown' AND (lease_until IS NULL OR lease_until < now())))
+                        OR (state IN ('unknown', 'accepted')
+                            AND (lease_until IS NULL OR lease_until < now())))
                  RETURNING {returning}"
             );
             sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -357,18 +371,30 @@ async fn transition(
         }
         OperatorChange::Recheck {
             held_recovery_attempts,
+            poll_deadline_secs,
         } => {
-            // A held row gets exactly one more round; an unknown row becomes due now unless a
-            // recovery round holds a live lease on it (that round is the recheck).
+            // A held row gets exactly one more round, or, once accepted by an async tool's
+            // downstream, polls again with a fresh deadline; an unknown or accepted row becomes
+            // due now unless a round holds a live lease on it (that round is the recheck).
             let sql = format!(
-                "UPDATE operations SET state = 'unknown', next_attempt_at = now(),
+                "UPDATE operations SET
+                        state = CASE WHEN state = 'accepted'
+                                       OR (state = 'held' AND remote_id IS NOT NULL
+                                           AND $5::float8 IS NOT NULL)
+                                     THEN 'accepted' ELSE 'unknown' END,
+                        poll_deadline = CASE WHEN state = 'held' AND remote_id IS NOT NULL
+                                                  AND $5::float8 IS NOT NULL
+                                             THEN now() + make_interval(secs => $5)
+                                             ELSE poll_deadline END,
+                        next_attempt_at = now(),
                         recovery_attempts = CASE WHEN state = 'held' THEN $4
                                                  ELSE recovery_attempts END,
                         evidence = $3, changed_by = $2, lease_owner = NULL, lease_until = NULL,
                         last_reported = 'pending'
                  WHERE id = $1
                    AND (state = 'held'
-                        OR (state = 'unknown' AND (lease_until IS NULL OR lease_until < now())))
+                        OR (state IN ('unknown', 'accepted')
+                            AND (lease_until IS NULL OR lease_until < now())))
                  RETURNING {returning}"
             );
             sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -376,6 +402,7 @@ async fn transition(
                 .bind(&actor)
                 .bind(&evidence)
                 .bind(*held_recovery_attempts)
+                .bind(*poll_deadline_secs)
                 .fetch_optional(&mut *conn)
                 .await?
         }

@@ -146,7 +146,7 @@ struct EventColumns {
     op_ids: Vec<Option<i64>>,
     keys: Vec<String>,
     statuses: Vec<String>,
-    /// JSON text, cast to `jsonb` by the statement.
+    /// JSON text, cast to `json` (kept as written) by the statement.
     payloads: Vec<String>,
     traceparents: Vec<Option<String>>,
     tracestates: Vec<Option<String>>,
@@ -192,7 +192,7 @@ pub async fn insert_events(
     sqlx::query(
         "INSERT INTO result_outbox (event_id, operation_id, routing_key, status, payload,
                                     traceparent, tracestate)
-         SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[],
+         SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::json[],
                               $6::text[], $7::text[])",
     )
     .bind(&c.ids)
@@ -243,7 +243,7 @@ pub async fn insert_held_events(
                     (event_id, operation_id, routing_key, status, payload, traceparent, tracestate,
                      relay_owner, relay_until, relay_epoch)
              SELECT e.*, $8, 'infinity', epoch.id
-             FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::jsonb[], $6::text[],
+             FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::json[], $6::text[],
                          $7::text[]) AS e, epoch
              RETURNING id, relay_epoch, event_id",
         )

@@ -68,6 +68,24 @@ impl Ledger {
         .await?)
     }
 
+    /// The operations of `tool` the downstream accepted as its operation `remote_id` (a
+    /// completion callback names it so): one, or none; two (at most two are read) when the
+    /// downstream named one operation for two writes.
+    pub async fn find_remote(
+        &self,
+        tool: &str,
+        remote_id: &str,
+    ) -> Result<Vec<Operation>, LedgerError> {
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT {OPERATION_COLUMNS} FROM operations
+             WHERE tool = $1 AND remote_id = $2 AND remote_id IS NOT NULL LIMIT 2"
+        )))
+        .bind(tool)
+        .bind(remote_id)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     pub async fn get(&self, id: i64) -> Result<Option<Operation>, LedgerError> {
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "SELECT {OPERATION_COLUMNS} FROM operations WHERE id = $1"
@@ -105,7 +123,7 @@ impl Ledger {
             "SELECT tool, state, count(*) AS count,
                     extract(epoch FROM now() - min(created_at))::float8 AS oldest_age_secs
              FROM operations
-             WHERE state IN ('retry_wait', 'unknown', 'held')
+             WHERE state IN ('retry_wait', 'unknown', 'held', 'accepted')
                 OR (state = 'dispatching' AND lease_until < now())
              GROUP BY tool, state",
         )
@@ -182,7 +200,7 @@ pub const MAX_GROUPED_ROWS: i64 = 100_000;
 fn search_predicate(unresolved_only: bool) -> String {
     // The literal list lets the planner use the partial index of unresolved rows.
     let unresolved = if unresolved_only {
-        "state IN ('dispatching', 'retry_wait', 'unknown', 'held') AND "
+        "state IN ('dispatching', 'retry_wait', 'unknown', 'held', 'accepted') AND "
     } else {
         ""
     };
@@ -348,7 +366,7 @@ impl Ledger {
         Ok(sqlx::query_as(
             "WITH rows AS (
                  SELECT state, tool, created_at,
-                        state IN ('retry_wait', 'unknown', 'held')
+                        state IN ('retry_wait', 'unknown', 'held', 'accepted')
                         OR (state = 'dispatching' AND lease_until < now()) AS open
                  FROM operations WHERE $1::text IS NULL OR tenant = $1)
              SELECT state, tool, count(*) AS count,

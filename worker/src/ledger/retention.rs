@@ -1,4 +1,5 @@
-//! Retention: private data (arguments, receipts, call ids) of finished operations is removed
+//! Retention: private data (arguments, receipts, call ids, and a long-running operation's
+//! acceptance, which may echo the arguments) of finished operations is removed
 //! after the retention period, leaving a tombstone (key, fingerprint, final state, receipt id,
 //! evidence) that still suppresses an old retry; tombstones are deleted after the longer
 //! tombstone retention. Every pass works in small batches (`LIMIT` + `FOR UPDATE SKIP LOCKED`)
@@ -15,7 +16,7 @@ pub const SWEEP_BATCH: i64 = 1000;
 /// What one sweep removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SweepReport {
-    /// Finished operations whose arguments and receipt were removed.
+    /// Finished operations whose arguments, receipt and acceptance were removed.
     pub private_data: u64,
     /// Tombstones deleted.
     pub tombstones: u64,
@@ -40,7 +41,8 @@ impl Ledger {
     ) -> Result<u64, LedgerError> {
         Ok(sqlx::query(
             "UPDATE operations
-             SET arguments = NULL, receipt = NULL, call_id = NULL, swept_at = now(),
+             SET arguments = NULL, receipt = NULL, call_id = NULL, acceptance = NULL,
+                 swept_at = now(),
                  changed_by = 'retention'
              WHERE id IN (
                 SELECT id FROM operations

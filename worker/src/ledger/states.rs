@@ -15,6 +15,9 @@ pub enum State {
     Unknown,
     /// Recovery cannot proceed automatically; a person must reconcile.
     Held,
+    /// The downstream acknowledged the write with an operation id (a long-running operation):
+    /// its status URL is polled, read only, until it is done, failed, or past its deadline.
+    Accepted,
     /// Receipt stored; final.
     Succeeded,
     /// The downstream proved it did not and will not apply; final.
@@ -22,22 +25,24 @@ pub enum State {
 }
 
 impl State {
-    pub const ALL: [State; 7] = [
+    pub const ALL: [State; 8] = [
         State::Prepared,
         State::Dispatching,
         State::RetryWait,
         State::Unknown,
         State::Held,
+        State::Accepted,
         State::Succeeded,
         State::Failed,
     ];
 
     /// States whose age the hold-age gauge reports.
-    pub const UNRESOLVED: [State; 4] = [
+    pub const UNRESOLVED: [State; 5] = [
         State::Dispatching,
         State::RetryWait,
         State::Unknown,
         State::Held,
+        State::Accepted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -47,6 +52,7 @@ impl State {
             State::RetryWait => "retry_wait",
             State::Unknown => "unknown",
             State::Held => "held",
+            State::Accepted => "accepted",
             State::Succeeded => "succeeded",
             State::Failed => "failed",
         }

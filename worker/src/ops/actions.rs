@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::adapter::Request;
 use crate::answers::stored_result;
 use crate::context::Context;
+use crate::document::Document;
 use crate::ledger::queries::HistoryEntry;
 use crate::ledger::{
     Ledger, LedgerError, Operation, OperatorChange, OperatorOutcome, OperatorRequest, State,
@@ -82,7 +83,8 @@ pub struct OperationView {
     pub lease_owner: Option<String>,
     pub lease_until: Option<DateTime<Utc>>,
     pub evidence: Option<String>,
-    pub receipt: Option<serde_json::Value>,
+    /// The receipt exactly as the downstream sent it (its bytes, a U+0000 included).
+    pub receipt: Option<Document>,
     pub receipt_id: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
@@ -93,6 +95,15 @@ pub struct OperationView {
     pub trace_id: Option<String>,
     /// `trace_id` in the trace viewer (`WORKER_TRACE_URL`), when that is configured.
     pub trace_url: Option<String>,
+    /// The downstream's operation id, once it accepted a long-running write.
+    pub remote_id: Option<String>,
+    /// The acceptance answer it sent.
+    pub acceptance: Option<Document>,
+    /// When an accepted operation is held if still not done.
+    pub poll_deadline: Option<DateTime<Utc>>,
+    /// How the final answer (or the acceptance) is known: `dispatch`, `replay`, `lookup`,
+    /// `poll`, `late_receipt` or `operator:<name>`.
+    pub verified_by: Option<String>,
     pub history: Vec<HistoryView>,
 }
 
@@ -142,6 +153,10 @@ impl OperationView {
             swept_at: op.swept_at,
             trace_id: op.trace().map(|t| t.parent.trace_id_hex()),
             trace_url: op.trace().and_then(|t| trace_url(&t.parent.trace_id_hex())),
+            remote_id: op.remote_id.clone(),
+            acceptance: op.acceptance.clone(),
+            poll_deadline: op.poll_deadline,
+            verified_by: op.verified_by.clone(),
             history,
         }
     }
@@ -192,6 +207,10 @@ pub struct OperationSummary {
     pub state_since: DateTime<Utc>,
     pub trace_id: Option<String>,
     pub trace_url: Option<String>,
+    /// The downstream's operation id, once it accepted a long-running write.
+    pub remote_id: Option<String>,
+    /// When an accepted operation is held if still not done.
+    pub poll_deadline: Option<DateTime<Utc>>,
 }
 
 /// The longest evidence a listing shows per operation.
@@ -229,6 +248,8 @@ impl OperationSummary {
             state_since: op.state_since,
             trace_id: op.trace().map(|t| t.parent.trace_id_hex()),
             trace_url: op.trace().and_then(|t| trace_url(&t.parent.trace_id_hex())),
+            remote_id: op.remote_id.clone(),
+            poll_deadline: op.poll_deadline,
         }
     }
 }
@@ -245,7 +266,8 @@ pub struct ListPage {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ResolveInput {
-    pub receipt: Option<serde_json::Value>,
+    /// Kept exactly as the operator sent it, like a downstream's receipt.
+    pub receipt: Option<Document>,
     pub operator: Option<String>,
     pub reason: Option<String>,
     pub request_id: Option<String>,
@@ -296,18 +318,6 @@ fn required_text(field: &str, value: Option<String>, max: usize) -> Result<Strin
         return Err(bad(format!("{field} must not contain NUL characters")));
     }
     Ok(value.to_string())
-}
-
-/// True when a string or key anywhere in `value` contains NUL (jsonb cannot store it).
-fn json_has_nul(value: &serde_json::Value) -> bool {
-    match value {
-        serde_json::Value::String(s) => s.contains('\0'),
-        serde_json::Value::Array(items) => items.iter().any(json_has_nul),
-        serde_json::Value::Object(map) => {
-            map.iter().any(|(k, v)| k.contains('\0') || json_has_nul(v))
-        }
-        _ => false,
-    }
 }
 
 fn name(field: &str, value: Option<String>, max: usize) -> Result<String, OpsError> {
@@ -375,7 +385,7 @@ fn parse_states(raw: Option<&str>) -> Result<Vec<State>, OpsError> {
             Some(_) => {}
             None => {
                 return Err(bad(format!(
-                    "state {part:?} is not an unresolved state: expected dispatching, retry_wait, unknown or held"
+                    "state {part:?} is not an unresolved state: expected dispatching, retry_wait, unknown, held or accepted"
                 )))
             }
         }
@@ -451,27 +461,54 @@ pub async fn show(
     Ok(OperationView::new(&op, history))
 }
 
-/// The status query: the result event the operation answers with now (the same shape the agent
-/// receives), plus the detail view under `"operation"` when `with_operation` (admin callers).
+/// The status query's answer: the result event the operation answers with now (the same shape
+/// the agent receives) with its trace, and the detail view under `"operation"` for admin
+/// callers. The receipt, in both, is the exact text the downstream sent.
+#[derive(Debug, Serialize)]
+pub struct StatusAnswer {
+    /// The event's members but its receipt, and `trace_id` (with `trace_url` when configured).
+    #[serde(flatten)]
+    pub event: serde_json::Map<String, serde_json::Value>,
+    /// The receipt on `succeeded`, else null (as in the event).
+    pub receipt: Option<Document>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub operation: Option<OperationView>,
+}
+
+/// The status query (see [`StatusAnswer`]); `with_operation` for admin callers.
 pub async fn status(
     ledger: &Ledger,
     tenant: &str,
     action_id: &str,
     with_operation: bool,
-) -> Result<serde_json::Value, OpsError> {
+) -> Result<StatusAnswer, OpsError> {
     let op = find(ledger, tenant, action_id).await?;
     let event = stored_result(&op).event;
-    let mut body = serde_json::to_value(&event).expect("result events serialize");
+    let serde_json::Value::Object(mut fields) =
+        serde_json::to_value(&event).expect("result events serialize")
+    else {
+        unreachable!("a result event is a JSON object")
+    };
+    fields.remove("receipt");
+    let receipt = event
+        .receipt
+        .is_some()
+        .then(|| op.receipt.clone())
+        .flatten();
     let trace_id = op.trace().map(|t| t.parent.trace_id_hex());
     if let Some(url) = trace_id.as_deref().and_then(trace_url) {
-        body["trace_url"] = url.into();
+        fields.insert("trace_url".into(), url.into());
     }
-    body["trace_id"] = trace_id.into();
-    if with_operation {
-        let history = ledger.history(op.id).await?;
-        body["operation"] = OperationView::new(&op, history).to_json();
-    }
-    Ok(body)
+    fields.insert("trace_id".into(), trace_id.into());
+    let operation = match with_operation {
+        true => Some(OperationView::new(&op, ledger.history(op.id).await?)),
+        false => None,
+    };
+    Ok(StatusAnswer {
+        event: fields,
+        receipt,
+        operation,
+    })
 }
 
 /// What the receipt check needs: the stable key and identity (the body is not consulted).
@@ -556,11 +593,9 @@ pub async fn resolve(
     let request_id = name("request_id", input.request_id, MAX_REQUEST_ID_CHARS)?;
     let reason = reason_text(input.reason)?;
     let receipt = match input.receipt {
-        None | Some(serde_json::Value::Null) => return Err(bad("receipt is required")),
-        Some(r @ serde_json::Value::Object(_)) if json_has_nul(&r) => {
-            return Err(bad("receipt must not contain NUL characters"))
-        }
-        Some(r @ serde_json::Value::Object(_)) => r,
+        None => return Err(bad("receipt is required")),
+        Some(r) if r.value().is_null() => return Err(bad("receipt is required")),
+        Some(r) if r.value().is_object() => r,
         Some(_) => return Err(bad("receipt must be a JSON object")),
     };
     let op = find(&ctx.ledger, tenant, action_id).await?;
@@ -570,7 +605,7 @@ pub async fn resolve(
         .ok_or_else(|| OpsError::ToolNotConfigured(op.tool.clone()))?;
     let receipt_id = tool
         .adapter
-        .check_receipt(&receipt_request(&op), &receipt)
+        .check_receipt(&receipt_request(&op), receipt.value())
         .map_err(OpsError::ReceiptMismatch)?;
     let request = OperatorRequest {
         request_id,
@@ -587,7 +622,7 @@ pub async fn resolve(
         op.id,
         &request,
         &change,
-        "held, unknown, retry_wait or dispatching",
+        "held, unknown, retry_wait, dispatching or accepted",
     )
     .instrument(span)
     .await
@@ -617,7 +652,7 @@ pub async fn fail(
         op.id,
         &request,
         &change,
-        "held, retry_wait, or unknown while no recovery round is running",
+        "held, retry_wait, or unknown or accepted while no recovery round or poll is running",
     )
     .instrument(span)
     .await
@@ -675,6 +710,11 @@ pub async fn recheck(
             &request,
             &OperatorChange::Recheck {
                 held_recovery_attempts,
+                poll_deadline_secs: tool
+                    .config
+                    .completion
+                    .contract()
+                    .map(|c| c.poll.deadline().as_secs_f64()),
             },
             respond,
         )
@@ -683,7 +723,7 @@ pub async fn recheck(
     let (response, applied) = answer(
         outcome,
         "recheck",
-        "held, or unknown while no recovery round is running",
+        "held, or unknown or accepted while no recovery round or poll is running",
     )?;
     let Some(op) = applied else {
         return Ok(response);

@@ -26,6 +26,9 @@
 //! - `POST /v1/operations/{tenant}/{action_id}/resolve` — `succeeded` with a matching receipt
 //! - `POST /v1/operations/{tenant}/{action_id}/fail` — `failed` with written evidence
 //! - `POST /v1/operations/{tenant}/{action_id}/recheck` — one recovery round now
+//! - `POST /v1/callbacks/{tool}` — a long-running tool's signed completion callback
+//!   ([`super::callback`]): no bearer token, the tool's signature instead; wrong signatures
+//!   draw on the same failure budget as wrong tokens
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -41,6 +44,7 @@ use axum::{Extension, Json, Router};
 use serde::de::DeserializeOwned;
 
 use super::actions::{self, ActionResponse, ListParams, OpsError};
+use super::callback;
 use crate::config::auth::{Principal, Tokens};
 use crate::context::Context;
 use kit::guard::FailureBudget;
@@ -132,6 +136,12 @@ impl AdminApi {
                 authenticate_request,
             ))
             .with_state(self.state.clone());
+        // Signed by the downstream, not authenticated by a token: beside the layer above.
+        let api = api.merge(
+            Router::new()
+                .route("/v1/callbacks/{tool}", post(callback))
+                .with_state(self.state.clone()),
+        );
         let api = api
             .layer(middleware::from_fn(refuse_large_bodies))
             .layer(middleware::map_response(private_answer));
@@ -470,6 +480,86 @@ async fn recheck(
     let input = parse_body(body)?;
     let r = actions::recheck(&state.ctx, &tenant, &action_id, input).await?;
     Ok(action_reply(r))
+}
+
+/// A completion callback: the failure budget first (a wrong signature is a guess like a wrong
+/// token), the tool's body cap before the body is read, the signature before the body is
+/// believed; then [`callback::receive`]. Every refusal is logged with the client's address.
+async fn callback(
+    AxumState(state): Shared,
+    Path(tool): Path<String>,
+    peer: Option<Extension<Peer>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let client = peer
+        .map(|Extension(p)| p.0.ip())
+        .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into());
+    let refuse = |e: callback::CallbackError| {
+        callback::refused(&tool, &e);
+        tracing::warn!(
+            %client, tool = %kit::text::visible(&tool), reason = %e,
+            "completion callback refused"
+        );
+        callback_error(&e)
+    };
+    // What is not a guess at the secret (no such tool, too large, unsigned) spends nothing of
+    // the failure budget.
+    let settings = match callback::settings(&state.ctx, &tool) {
+        Ok(s) => s,
+        Err(e) => return refuse(e),
+    };
+    let too_large = || callback::CallbackError::TooLarge {
+        tool: tool.clone(),
+        max: settings.max_body_bytes,
+    };
+    if kit::http::announces_more_than(&headers, settings.max_body_bytes) {
+        return refuse(too_large());
+    }
+    if !headers.contains_key(settings.signature_header.as_str()) {
+        return refuse(callback::CallbackError::MissingSignature(
+            settings.signature_header.clone(),
+        ));
+    }
+    if let Err(refused) = state.budget.admit(client) {
+        callback::throttled(&tool);
+        tracing::warn!(
+            %client, tool = %kit::text::visible(&tool),
+            "completion callback refused: too many wrong signatures"
+        );
+        return ApiError::too_many(refused);
+    }
+    let body = match axum::body::to_bytes(body, settings.max_body_bytes).await {
+        Ok(b) => b,
+        Err(_) => {
+            state.budget.forgive(client);
+            return refuse(too_large());
+        }
+    };
+    if let Err(e) = callback::verify(
+        &tool,
+        settings,
+        &headers,
+        &body,
+        std::time::SystemTime::now(),
+    ) {
+        return refuse(e);
+    }
+    state.budget.forgive(client);
+    match callback::receive(&state.ctx, &tool, &body).await {
+        Ok(answer) => (StatusCode::OK, Json(answer)).into_response(),
+        Err(e) => {
+            tracing::warn!(tool = %tool, reason = %e, "completion callback changed nothing");
+            callback_error(&e)
+        }
+    }
+}
+
+/// A refused callback's answer: the JSON error shape, without the bearer challenge.
+fn callback_error(e: &callback::CallbackError) -> Response {
+    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST);
+    let body = serde_json::json!({ "error": e.code(), "message": e.to_string() });
+    (status, Json(body)).into_response()
 }
 
 async fn not_found() -> ApiError {

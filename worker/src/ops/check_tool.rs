@@ -14,7 +14,7 @@ use crate::adapter::http::{Answer, HttpAdapter};
 use crate::adapter::Request;
 use crate::config::ToolConfig;
 use crate::ledger::idempotency_key;
-use crate::outcome::Outcome;
+use crate::outcome::{Outcome, Polled};
 use crate::recovery::Capability;
 
 /// The tenant every probe writes as: it says it is a probe.
@@ -136,7 +136,8 @@ pub async fn run(
         variant: serde_json::Value::Object(variant).to_string(),
         seen_4xx: Vec::new(),
     };
-    let mut probes = checker.probes(&config.capability).await;
+    let asynchronous = config.completion.contract().is_some();
+    let mut probes = checker.probes(&config.capability, asynchronous).await;
     probes.extend(declaration_notes(config));
     Ok(Report {
         tool: config.name.clone(),
@@ -211,7 +212,7 @@ fn probe(
 
 fn evidence(answer: &Answer) -> String {
     match &answer.outcome {
-        Outcome::Succeeded { receipt, .. } => format!("receipt {receipt}"),
+        Outcome::Succeeded { receipt, .. } => format!("receipt {}", receipt.text()),
         other => format!("{}: {}", other.label(), other.evidence()),
     }
 }
@@ -249,10 +250,16 @@ impl Checker {
         answer
     }
 
-    async fn probes(mut self, capability: &Capability) -> Vec<Probe> {
+    async fn probes(mut self, capability: &Capability, asynchronous: bool) -> Vec<Probe> {
         let mut out = Vec::new();
         let first = self.request("first-write", &self.body.clone());
         let answer = self.write("first-write", &first, true).await;
+        if asynchronous {
+            out.extend(self.async_probes(capability, &first, &answer).await);
+            out.push(self.no_key().await);
+            out.push(self.problem_json());
+            return out;
+        }
         let first_id = receipt_id(&answer).map(str::to_owned);
         out.push(match &first_id {
             Some(id) => probe(
@@ -293,6 +300,138 @@ impl Checker {
         out.push(self.no_key().await);
         out.push(self.problem_json());
         out
+    }
+
+    /// An async tool's contract: the acceptance names an operation, its status URL answers
+    /// for it, and (replay) a repeat of the same key names the same operation, or (lookup) the
+    /// key finds it.
+    async fn async_probes(
+        &mut self,
+        capability: &Capability,
+        first: &Request,
+        answer: &Answer,
+    ) -> Vec<Probe> {
+        let mut out = Vec::new();
+        let Outcome::Accepted { operation_id, .. } = &answer.outcome else {
+            out.push(probe(
+                "acceptance",
+                Verdict::Fail,
+                "the write was not accepted with an operation id at operation_id (an answer in \
+                 accepted_statuses naming the operation): the worker could not follow it",
+                answer,
+            ));
+            return out;
+        };
+        let operation_id = operation_id.clone();
+        out.push(probe(
+            "acceptance",
+            Verdict::Pass,
+            format!("the write was accepted as operation {operation_id}"),
+            answer,
+        ));
+        out.push(self.status_probe(first, &operation_id).await);
+        match capability {
+            Capability::Replay { .. } => {
+                const NAME: &str = "replay-same-operation";
+                let again = self.write(NAME, first, true).await;
+                out.push(match &again.outcome {
+                    Outcome::Accepted {
+                        operation_id: id, ..
+                    } if *id == operation_id => probe(
+                        NAME,
+                        Verdict::Pass,
+                        "a repeat of the same key named the same operation: a recovery replay \
+                         cannot start a second one",
+                        &again,
+                    ),
+                    Outcome::Accepted {
+                        operation_id: id, ..
+                    } => probe(
+                        NAME,
+                        Verdict::Fail,
+                        format!(
+                            "a repeat of the same key started another operation ({id}, first \
+                             {operation_id}): this downstream does not replay; declare `none`"
+                        ),
+                        &again,
+                    ),
+                    _ => probe(
+                        NAME,
+                        Verdict::Fail,
+                        "a repeat of the same key was not answered with the operation's \
+                         acceptance: a `replay` async tool must name the same operation again",
+                        &again,
+                    ),
+                });
+            }
+            Capability::Lookup { .. } => {
+                const NAME: &str = "lookup-operation";
+                let found = self.adapter.probe_lookup(first).await;
+                self.note(NAME, &found);
+                out.push(match &found.outcome {
+                    Outcome::Accepted {
+                        operation_id: id, ..
+                    } if *id == operation_id => probe(
+                        NAME,
+                        Verdict::Pass,
+                        "the lookup of the key found the operation in progress",
+                        &found,
+                    ),
+                    Outcome::Succeeded { .. } | Outcome::Failed { .. } => probe(
+                        NAME,
+                        Verdict::Pass,
+                        "the lookup of the key found the operation, already ended",
+                        &found,
+                    ),
+                    _ => probe(
+                        NAME,
+                        Verdict::Fail,
+                        "the lookup of the key did not find the operation: recovery by lookup \
+                         could not tell it was accepted",
+                        &found,
+                    ),
+                });
+            }
+            Capability::None => {}
+        }
+        out
+    }
+
+    /// The status URL answers for the accepted operation (a few tries over two seconds: a
+    /// status may become readable a moment after the acceptance).
+    async fn status_probe(&mut self, first: &Request, operation_id: &str) -> Probe {
+        const NAME: &str = "status-url";
+        let mut polled = self.adapter.read_status(first, operation_id).await;
+        for _ in 0..4 {
+            if !matches!(polled, Polled::Unproven { .. }) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            polled = self.adapter.read_status(first, operation_id).await;
+        }
+        let (verdict, message) = match &polled {
+            Polled::Running { .. } => (
+                Verdict::Pass,
+                "the status URL answers: still running".to_string(),
+            ),
+            Polled::Done { receipt_id, .. } => (
+                Verdict::Pass,
+                format!("the status URL answers: done, with receipt {receipt_id} the tool accepts"),
+            ),
+            Polled::Failed { .. } => (Verdict::Pass, "the status URL answers: failed".to_string()),
+            Polled::Unproven { .. } | Polled::LocalExhaustion { .. } => (
+                Verdict::Fail,
+                "the status URL did not answer for the accepted operation: the worker could \
+                 never learn its end; check status_url"
+                    .to_string(),
+            ),
+        };
+        Probe {
+            name: NAME,
+            verdict,
+            message,
+            evidence: polled.evidence(),
+        }
     }
 
     async fn replay_same(&mut self, first: &Request, first_id: &str) -> Probe {
@@ -634,6 +773,142 @@ mod tests {
             "text/plain; application/problem+json"
         )));
         assert!(!is_problem_json(None));
+    }
+
+    /// The text of every ordinary string literal in `source`, with the line it starts on and
+    /// whether it runs over a line break that no `\\` continues (whose indentation then ends
+    /// up in the text). Escapes count as one character; comments, char literals and raw
+    /// strings are skipped.
+    fn string_literals(source: &str) -> Vec<(usize, String, bool)> {
+        let chars: Vec<char> = source.chars().collect();
+        let at = |i: usize| chars.get(i).copied().unwrap_or('\0');
+        let ident = |c: char| c.is_alphanumeric() || c == '_';
+        let (mut out, mut i, mut line) = (Vec::new(), 0, 1);
+        while i < chars.len() {
+            match at(i) {
+                '\n' => line += 1,
+                '/' if at(i + 1) == '/' => {
+                    while i < chars.len() && at(i) != '\n' {
+                        i += 1;
+                    }
+                    continue;
+                }
+                '/' if at(i + 1) == '*' => {
+                    i += 2;
+                    while i < chars.len() && !(at(i) == '*' && at(i + 1) == '/') {
+                        line += usize::from(at(i) == '\n');
+                        i += 1;
+                    }
+                    i += 2;
+                    continue;
+                }
+                'r' if (at(i + 1) == '"' || at(i + 1) == '#') && (i == 0 || !ident(at(i - 1))) => {
+                    let mut hashes = 0;
+                    let mut j = i + 1;
+                    while at(j) == '#' {
+                        hashes += 1;
+                        j += 1;
+                    }
+                    if at(j) == '"' {
+                        j += 1;
+                        loop {
+                            if j >= chars.len() {
+                                break;
+                            }
+                            if at(j) == '"' && (1..=hashes).all(|k| at(j + k) == '#') {
+                                j += hashes + 1;
+                                break;
+                            }
+                            line += usize::from(at(j) == '\n');
+                            j += 1;
+                        }
+                        i = j;
+                        continue;
+                    }
+                }
+                '\'' if at(i + 1) == '\\' => {
+                    i += 3;
+                    while i < chars.len() && at(i) != '\'' {
+                        i += 1;
+                    }
+                }
+                '\'' if at(i + 2) == '\'' => i += 2,
+                '"' => {
+                    let (start, mut text, mut broken) = (line, String::new(), false);
+                    i += 1;
+                    while i < chars.len() && at(i) != '"' {
+                        match (at(i), at(i + 1)) {
+                            ('\\', '\n') => {
+                                i += 1;
+                                while at(i).is_whitespace() {
+                                    line += usize::from(at(i) == '\n');
+                                    i += 1;
+                                }
+                                continue;
+                            }
+                            ('\\', 'n') => {
+                                text.push('\n');
+                                i += 1;
+                            }
+                            ('\\', escaped) => {
+                                text.push(escaped);
+                                i += 1;
+                            }
+                            ('\n', _) => {
+                                broken = true;
+                                line += 1;
+                                text.push('\n');
+                            }
+                            (c, _) => text.push(c),
+                        }
+                        i += 1;
+                    }
+                    out.push((start, text, broken));
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        out
+    }
+
+    #[test]
+    fn literals_are_found_with_their_continuations_and_breaks() {
+        let source = "// \"not a literal\"\nlet a = 'x'; let b = '\\''; fn f<'a>() {}\n\
+                      let c = \"one \\\n      line\"; let d = r#\"raw \"  \"#;\n\
+                      let e = \"two\n      lines\";";
+        let found = string_literals(source);
+        assert_eq!(
+            found,
+            vec![
+                (3, "one line".to_string(), false),
+                (5, "two\n      lines".to_string(), true),
+            ]
+        );
+    }
+
+    /// A message (or any other text outside the tests) reads as one sentence: no string literal
+    /// breaks a line without a trailing `\`, so none carries a run of the next line's
+    /// indentation. The report's answer lines are indented on purpose, after a `\n`.
+    #[test]
+    fn no_message_contains_a_run_of_spaces() {
+        for (file, source) in [
+            ("ops/check_tool.rs", include_str!("check_tool.rs")),
+            ("adapter/http.rs", include_str!("../adapter/http.rs")),
+        ] {
+            let code = source.split("\n#[cfg(test)]\nmod tests").next().unwrap();
+            let literals = string_literals(code);
+            assert!(literals.len() > 20, "{file}: {}", literals.len());
+            for (line, text, broken) in literals {
+                assert!(!broken, "{file}:{line}: a line break inside {text:?}");
+                for part in text.split('\n') {
+                    assert!(
+                        !part.trim_start().contains("  "),
+                        "{file}:{line}: a run of spaces in {text:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -458,8 +458,8 @@ async fn resolve(
             .with_context(|| format!("reading the receipt from {}", p.display()))?,
         (None, None) => anyhow::bail!("--receipt or --receipt-file is required"),
     };
-    let receipt: serde_json::Value =
-        serde_json::from_str(&receipt_text).context("the receipt is not valid JSON")?;
+    let receipt = crate::document::Document::parse(receipt_text.as_bytes())
+        .context("the receipt is not valid JSON")?;
     let request_id = request_id(args.request_id);
     let ctx = context(settings, trust, ledger, true)?;
     let r = actions::resolve(

@@ -7,6 +7,7 @@
 pub mod actions;
 pub mod api;
 pub mod bulk;
+pub mod callback;
 pub mod check_tool;
 pub mod cli;
 pub mod dead_letters;

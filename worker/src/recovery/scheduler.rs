@@ -16,19 +16,22 @@ use super::choose::{choose, facts, Action};
 use super::Capability;
 use crate::adapter::meters::timed;
 use crate::context::Context;
-use crate::dispatch::{self, after_recovery, finish, request_for, InFlight};
+use crate::dispatch::next_state::after_poll;
+use crate::dispatch::{self, after_recovery, finish, finish_by, request_for, InFlight};
 use crate::fault;
-use crate::ledger::{ClaimKind, Claimed, Phase, State, Transition, LEDGER_ERRORS};
+use crate::ledger::{ClaimKind, Claimed, Phase, Source, State, Transition, LEDGER_ERRORS};
 use crate::retry::WriteKind;
 use crate::telemetry::metrics as m;
 use crate::telemetry::spans;
 
 /// Rows leased per scheduler pass.
 const LEASE_BATCH: i64 = 128;
+/// Late polls rescheduled per tool and pass (the rest in the next passes).
+const SPREAD_BATCH: i64 = 1_000;
 
 /// One scheduler pass: expire leases, lease due rows and start their work. Returns how many
 /// rows it leased (tests drive the scheduler one step at a time with this).
-pub async fn step(ctx: &Arc<Context>) -> Result<usize, crate::ledger::LedgerError> {
+pub async fn step(ctx: &Arc<Context>, tick: Duration) -> Result<usize, crate::ledger::LedgerError> {
     let expired = ctx
         .ledger
         .expire_leases(&ctx.worker_id, LEASE_BATCH)
@@ -51,6 +54,7 @@ pub async fn step(ctx: &Arc<Context>) -> Result<usize, crate::ledger::LedgerErro
     if !expired.is_empty() {
         ctx.relay_wake.notify_one();
     }
+    spread_late_polls(ctx, late_after(tick)).await?;
     let available = ctx.in_flight.available_permits().min(LEASE_BATCH as usize) as i64;
     if available == 0 {
         return Ok(0);
@@ -66,6 +70,45 @@ pub async fn step(ctx: &Arc<Context>) -> Result<usize, crate::ledger::LedgerErro
     Ok(n)
 }
 
+/// How late a poll may be before it is rescheduled within its gap rather than run now
+/// ([`crate::ledger::Ledger::spread_late_polls`]): a few scheduler ticks (a poll is normally
+/// at most one late), at least a second.
+fn late_after(tick: Duration) -> Duration {
+    (tick * 3).max(Duration::from_secs(1))
+}
+
+/// Reschedules the polls no worker could run on time, tool by tool, before leasing: after an
+/// outage (or a restart of the only worker) the overdue polls resume spread over their gaps.
+async fn spread_late_polls(
+    ctx: &Arc<Context>,
+    late: Duration,
+) -> Result<(), crate::ledger::LedgerError> {
+    for (name, tool) in ctx.tools.iter() {
+        let Some(contract) = tool.config.completion.contract() else {
+            continue;
+        };
+        let poll = contract.poll;
+        let spread = ctx
+            .ledger
+            .spread_late_polls(
+                name,
+                Duration::from_millis(poll.first_ms),
+                Duration::from_millis(poll.max_ms),
+                late,
+                SPREAD_BATCH,
+            )
+            .await?;
+        if spread > 0 {
+            counter!(m::POLLS_SPREAD, "tool" => name.clone()).increment(spread);
+            tracing::info!(
+                tool = %name, operations = spread,
+                "polls overdue (workers down or saturated) rescheduled within their gaps"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Runs the scheduler until `stop` fires.
 pub async fn run(ctx: Arc<Context>, interval: Duration, stop: CancellationToken) {
     let mut tick = tokio::time::interval(interval);
@@ -76,7 +119,7 @@ pub async fn run(ctx: Arc<Context>, interval: Duration, stop: CancellationToken)
             _ = tick.tick() => {}
             _ = ctx.scheduler_wake.notified() => {}
         }
-        match step(&ctx).await {
+        match step(&ctx, interval).await {
             Ok(n) if n as i64 == LEASE_BATCH => ctx.scheduler_wake.notify_one(),
             Ok(_) => {}
             Err(e) => {
@@ -184,6 +227,68 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
             }
         }
         ClaimKind::Recover => recover(ctx, op).await,
+        ClaimKind::Poll => poll(ctx, op).await,
+    }
+}
+
+/// One poll of a leased `accepted` row: its status read (never the write), judged by the
+/// tool's async contract, and the next state recorded ([`after_poll`]), in a `poll <tool>`
+/// span (a root in the action's trace, linked to its intent).
+async fn poll(ctx: Arc<Context>, op: crate::ledger::Operation) {
+    let span = spans::poll(&op);
+    poll_round(ctx, op).instrument(span).await
+}
+
+async fn poll_round(ctx: Arc<Context>, op: crate::ledger::Operation) {
+    let _in_flight = InFlight::enter();
+    let phase = Phase::Leased(State::Accepted);
+    let held = |evidence: String| Transition::Held { evidence };
+    let Some(tool) = ctx.tools.get(&op.tool) else {
+        let why = format!(
+            "tool {} is not configured on this worker; held for a person",
+            op.tool
+        );
+        finish_by(&ctx, &op, phase, held(why), Source::Poll).await;
+        return;
+    };
+    let Some(operation_id) = op.remote_id.clone() else {
+        let why = "accepted without an operation id to poll; held for a person".to_string();
+        finish_by(&ctx, &op, phase, held(why), Source::Poll).await;
+        return;
+    };
+    // The status read needs the key (its URL may name it) and the identity (the receipt
+    // check), never the body: a row whose arguments were swept is polled all the same.
+    let request = crate::adapter::Request {
+        tenant: op.tenant.clone(),
+        action_id: op.action_id.clone(),
+        tool: op.tool.clone(),
+        idempotency_key: op.idempotency_key(),
+        body: String::new(),
+        trace: op.trace(),
+    };
+    fault::point("before_poll", &op.action_id);
+    let polled = tool.adapter.poll(&request, &operation_id).await;
+    counter!(m::POLLS, "tool" => op.tool.clone(), "outcome" => polled.label()).increment(1);
+    Span::current().record("intent_worker.outcome", polled.label());
+    tracing::info!(
+        tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool,
+        operation = %operation_id, outcome = polled.label(), "polled a long-running operation"
+    );
+    fault::point("after_poll", &op.action_id);
+    let transition = after_poll(&op, &tool.config, polled, Utc::now());
+    let deadline = matches!(&transition, Transition::Held { evidence }
+        if evidence.starts_with(crate::dispatch::next_state::ASYNC_DEADLINE));
+    if finish_by(&ctx, &op, phase, transition, Source::Poll)
+        .await
+        .is_some()
+        && deadline
+    {
+        counter!(m::ASYNC_DEADLINES, "tool" => op.tool.clone()).increment(1);
+        tracing::warn!(
+            tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool,
+            operation = %operation_id,
+            "a long-running operation was not done by its poll deadline; held for a person"
+        );
     }
 }
 
@@ -201,8 +306,10 @@ pub async fn recover_now(
         .ledger
         .lease_for_recovery(operation_id, &ctx.worker_id, ctx.lease)
         .await?;
-    if let Some(op) = leased {
-        recover(ctx.clone(), op).await;
+    match leased {
+        Some(op) if op.state() == State::Accepted => poll(ctx.clone(), op).await,
+        Some(op) => recover(ctx.clone(), op).await,
+        None => {}
     }
     drop(permit);
     ctx.ledger.get(operation_id).await
@@ -245,10 +352,16 @@ async fn recover_round(ctx: Arc<Context>, op: crate::ledger::Operation) {
         finish(&ctx, &op, phase, Transition::Held { evidence }).await;
         return;
     };
+    let by = match action {
+        Action::ReplayOriginalRequest => Source::Replay,
+        Action::LookupOriginalReceipt => Source::Lookup,
+        // A receipt stored before (an interrupted resolution): an earlier answer's.
+        Action::ReturnStoredReceipt | Action::Hold { .. } => Source::Dispatch,
+    };
     let transition = match action {
         Action::ReturnStoredReceipt => {
             let receipt = op.receipt.clone().expect("facts said a receipt is stored");
-            match tool.adapter.check_receipt(&request, &receipt) {
+            match tool.adapter.check_receipt(&request, receipt.value()) {
                 Ok(receipt_id) => Transition::Succeeded {
                     receipt,
                     receipt_id,
@@ -270,7 +383,7 @@ async fn recover_round(ctx: Arc<Context>, op: crate::ledger::Operation) {
             None => return,
         },
     };
-    finish(&ctx, &op, phase, transition).await;
+    finish_by(&ctx, &op, phase, transition, by).await;
 }
 
 /// A replay of the original request, within the shared retry budget and behind its fence

@@ -39,6 +39,14 @@ pub const RELAY_BACKLOG: &str = "intent_worker_relay_backlog";
 pub const IN_FLIGHT: &str = "intent_worker_in_flight";
 pub const TRANSITIONS: &str = "intent_worker_transitions_total";
 pub const RECOVERIES: &str = "intent_worker_recovery_actions_total";
+/// Status reads of accepted long-running operations, by tool and what each established.
+pub const POLLS: &str = "intent_worker_polls_total";
+/// Accepted long-running operations held because they were not done by their poll deadline.
+pub const ASYNC_DEADLINES: &str = "intent_worker_async_deadlines_total";
+/// Overdue polls rescheduled within their gaps rather than run at once, by tool.
+pub const POLLS_SPREAD: &str = "intent_worker_polls_spread_total";
+/// Signed completion callbacks, by tool and what each did.
+pub const CALLBACKS: &str = "intent_worker_callbacks_total";
 pub const LATE_RECEIPTS: &str = "intent_worker_late_receipts_total";
 pub const STALE_WRITES: &str = "intent_worker_stale_writes_total";
 pub const STALE_SENDS_ABANDONED: &str = "intent_worker_stale_sends_abandoned_total";
@@ -185,6 +193,22 @@ fn describe_work() {
         "Recovery decisions by tool and action (lookup, replay, hold, stored_receipt)."
     );
     describe_counter!(
+        POLLS,
+        "Status reads of accepted long-running operations, by tool and outcome (done, failed, running, unproven, local_exhaustion)."
+    );
+    describe_counter!(
+        ASYNC_DEADLINES,
+        "Accepted long-running operations held for a person because they were not done by their poll deadline, by tool."
+    );
+    describe_counter!(
+        POLLS_SPREAD,
+        "Polls of accepted long-running operations that no worker could run on time (all down or saturated), rescheduled at random within their gaps so they do not all run at once, by tool."
+    );
+    describe_counter!(
+        CALLBACKS,
+        "Completion callbacks of long-running tools, by tool and outcome (settled, already_final, in_progress, refused, not_found, conflict, unproven, ledger_error, bad_request)."
+    );
+    describe_counter!(
         LATE_RECEIPTS,
         "Receipts that arrived for an operation already final, by outcome (matches, conflict)."
     );
@@ -286,6 +310,10 @@ pub fn install(tools: &[String]) -> Result<PrometheusHandle, String> {
         for action in RECOVERY_ACTIONS {
             counter!(RECOVERIES, "tool" => tool.clone(), "action" => *action).absolute(0);
         }
+        for outcome in crate::outcome::Polled::LABELS {
+            counter!(POLLS, "tool" => tool.clone(), "outcome" => outcome).absolute(0);
+        }
+        counter!(ASYNC_DEADLINES, "tool" => tool.clone()).absolute(0);
         for kind in ["write", "lookup"] {
             counter!(LOCAL_RESOURCE_ERRORS, "tool" => tool.clone(), "kind" => kind).absolute(0);
         }

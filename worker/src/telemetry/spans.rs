@@ -11,6 +11,7 @@
 //! | `POST` (the tool's method): the dispatch span, one per first dispatch or retry ([`send`]) | client | the delivery's span, or a root in the action's trace (sent by the scheduler) | the intent |
 //! | `GET`, `POST`: a recovery round's lookup or replay ([`http_client`]) | client | the recovery span | |
 //! | `recover <tool>`: one per recovery round | internal | root in the action's trace | the intent |
+//! | `poll <tool>`: one per status read of an accepted operation, with its `GET` client span | internal | root in the action's trace | the intent |
 //! | `operator <action>` | internal | root in the action's trace | the intent |
 //! | `ledger admit`, `ledger fence`, `ledger complete`: one per commit batch | internal | none | every intent or send it carried |
 //! | `publish results`: one per relay round | producer | none | every event it carried |
@@ -77,6 +78,25 @@ pub fn recover(op: &Operation) -> Span {
             intent_worker.recovery_round = op.recovery_attempts as i64,
             intent_worker.fence = op.fence,
             intent_worker.recovery = Empty,
+            intent_worker.outcome = Empty,
+        )
+    })
+}
+
+/// The span of one poll of an accepted long-running operation `op`: a root in the action's
+/// trace.
+pub fn poll(op: &Operation) -> Span {
+    kit::otel::action_span(op.trace().as_ref(), || {
+        tracing::info_span!(
+            parent: None,
+            "poll",
+            otel.name = format!("poll {}", op.tool),
+            otel.kind = "internal",
+            intent_worker.tenant = op.tenant.as_str(),
+            intent_worker.action_id = op.action_id.as_str(),
+            intent_worker.tool = op.tool.as_str(),
+            intent_worker.remote_id = op.remote_id.as_deref().unwrap_or(""),
+            intent_worker.fence = op.fence,
             intent_worker.outcome = Empty,
         )
     })

@@ -16,7 +16,7 @@ use worker::adapter::ToolSet;
 use worker::config::Tools;
 use worker::context::Context;
 use worker::ledger::{
-    Applied, Completion, Ledger, NewOperation, Operation, Phase, State, Transition,
+    Applied, Completion, Ledger, NewOperation, Operation, Phase, Source, State, Transition,
 };
 use worker::ops::api::AdminApi;
 
@@ -160,6 +160,7 @@ async fn complete(ctx: &Context, op: &Operation, transition: Transition) -> Oper
             operation_id: op.id,
             fence: op.fence,
             phase: Phase::Dispatch,
+            by: Source::Dispatch,
             transition,
             trace: None,
         })
@@ -210,7 +211,9 @@ pub async fn succeeded(ctx: &Context, tenant: &str, action_id: &str, tool: &str)
         ctx,
         &op,
         Transition::Succeeded {
-            receipt: receipt_for(tenant, action_id, "r-auto"),
+            receipt: worker::document::Document::from_value(receipt_for(
+                tenant, action_id, "r-auto",
+            )),
             receipt_id: "r-auto".into(),
             evidence: "receipt r-auto from write attempt 1".into(),
         },

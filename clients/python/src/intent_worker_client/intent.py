@@ -286,7 +286,7 @@ def _parse(body: bytes, numbers: _Numbers) -> Any:
 def _nul_path(value: Any, at: str) -> str | None:
     """Where the first U+0000 in ``value`` (a string or an object key) is, as a path such as
     ``arguments.a[1].b``, visiting object keys in the worker's order (sorted by UTF-8 bytes).
-    Postgres ``jsonb`` cannot store it."""
+    A downstream keeping JSON in Postgres ``jsonb`` cannot store it."""
     if isinstance(value, str):
         return at if "\0" in value else None
     if isinstance(value, list):
@@ -357,8 +357,8 @@ def decode_intent(body: bytes) -> Intent:
     if at is not None:
         raise InvalidIntent(
             "nul_character",
-            f"{at} contains U+0000 (NUL), which the ledger cannot store; remove it or encode "
-            "the value (e.g. base64)",
+            f"{at} contains U+0000 (NUL), which a downstream keeping JSON in Postgres jsonb "
+            "cannot store; remove it or encode the value (e.g. base64)",
         )
     return Intent(
         tenant=value["tenant"],

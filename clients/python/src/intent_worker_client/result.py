@@ -62,6 +62,20 @@ class ResultEvent:
     occurred_at: str
     reason: RejectReason | None = None
     detail: str | None = None
+    verified_by: str | None = None
+    """On ``succeeded`` and ``failed``: how the answer is known (``dispatch``, ``replay``,
+    ``lookup``, ``poll``, ``callback``, ``late_receipt``, ``operator``); a newer worker may add
+    values."""
+    operator: str | None = None
+    """The operator who settled the action, when ``verified_by`` is ``operator``."""
+    remote_id: str | None = None
+    """The downstream's identifier: the receipt id on ``succeeded``, its operation id once it
+    accepted a long-running write."""
+    uncertainty: str | None = None
+    """On ``pending``: ``unknown_outcome``, ``in_progress`` or ``held``; a newer worker may add
+    values."""
+    retry_after_ms: int | None = None
+    """On ``pending``: when the worker looks again, in milliseconds from ``occurred_at``."""
 
     @property
     def is_final(self) -> bool:
@@ -91,6 +105,11 @@ class ResultEvent:
             raise InvalidResultEvent(
                 f"attempts must be an unsigned 32-bit integer, got {attempts!r}"
             )
+        retry_after_ms = _optional(value, "retry_after_ms", int)
+        if retry_after_ms is not None and (isinstance(retry_after_ms, bool) or retry_after_ms < 0):
+            raise InvalidResultEvent(
+                f"retry_after_ms must be a count of milliseconds, got {retry_after_ms!r}"
+            )
         return cls(
             tenant=_required(value, "tenant", str),
             action_id=_required(value, "action_id", str),
@@ -105,6 +124,11 @@ class ResultEvent:
             occurred_at=_required(value, "occurred_at", str),
             reason=reason,
             detail=_optional(value, "detail", str),
+            verified_by=_optional(value, "verified_by", str),
+            operator=_optional(value, "operator", str),
+            remote_id=_optional(value, "remote_id", str),
+            uncertainty=_optional(value, "uncertainty", str),
+            retry_after_ms=retry_after_ms,
         )
 
     def to_dict(self) -> dict[str, Any]:

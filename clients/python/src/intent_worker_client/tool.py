@@ -65,6 +65,13 @@ UNKNOWN_OUTCOME = (
     "user it failed. Its status can be checked later."
 )
 
+IN_PROGRESS = (
+    "ACCEPTED, IN PROGRESS. The downstream accepted the request for {tool} (action {action_id})"
+    "{operation} and is still working on it; the worker checks its status until it is done. Do "
+    "NOT retry or resubmit it, and do not tell the user it failed. Its status can be checked "
+    "later."
+)
+
 
 @dataclass(frozen=True)
 class ToolAnswer:
@@ -85,6 +92,15 @@ class ToolAnswer:
 
 def answer_for(event: ResultEvent | None, tool: str, action_id: str) -> ToolAnswer:
     """Words an answer for the model."""
+    if (
+        event is not None
+        and event.status is Status.PENDING
+        and event.uncertainty == "in_progress"
+        and event.remote_id
+    ):
+        operation = f" as operation {event.remote_id}"
+        text = IN_PROGRESS.format(tool=tool, action_id=action_id, operation=operation)
+        return ToolAnswer(event.status, text + f" Worker says: {event.message}", event)
     if event is None or event.status is Status.PENDING:
         text = UNKNOWN_OUTCOME.format(tool=tool, action_id=action_id)
         if event is not None:
