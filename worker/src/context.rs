@@ -46,7 +46,7 @@ pub struct Context {
     pub completions: CompletionBatcher,
     /// The batchers' tasks.
     pub batchers: crate::batch::Tasks,
-    /// The least time between two batches of one stage under load (`WORKER_BATCH_PACE_MS`):
+    /// The least time between two batches of one saturated stage (`WORKER_BATCH_PACE_MS`):
     /// the batchers', the intake's and the relay's.
     pub batch_pace: Duration,
 }

@@ -607,21 +607,22 @@ async fn a_dead_letter_outlives_the_ttl_its_intent_was_published_with() {
     cleanup(env).await;
 }
 
-/// Under a steady stream each stage starts its batches at least `WORKER_BATCH_PACE_MS` apart,
-/// and what arrived meanwhile goes with the next batch: counted on the ledger's own clock, where
-/// an operation's `created_at` and `finished_at` are the starts of the admission's and the
-/// completion's transactions. Without the pace, intents 10 ms apart each find their stage idle
-/// and go alone.
+/// The pace holds a stage only while it is saturated: intents 50 ms apart, each done with a
+/// stage well before the next arrives, cross every stage at once even with a pace of 100 ms.
+/// Counted on the ledger's own clock, where an operation's `created_at` and `finished_at` are
+/// the starts of the admission's and the completion's transactions: a pace that held every
+/// batch would start them 100 ms apart, two intents each. A few may still share a batch where
+/// one took longer than 50 ms on a busy machine (then the stage is saturated). (Batches paced
+/// under saturation: `batch::tests` in the worker.)
 #[tokio::test]
-async fn a_steady_stream_is_recorded_in_paced_batches() {
+async fn a_stream_the_worker_keeps_up_with_is_not_held_by_the_pace() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let opts =
         WorkerOptions::new(env.standard_tools(ds.port, "")).env("WORKER_BATCH_PACE_MS", "100");
     let _w = Worker::start(&env, "w1", &opts).await;
     let agent = Agent::new(&env, &["north-shop"]).await;
-    let ids: Vec<String> = (0..40).map(|i| format!("paced-{i}")).collect();
-    let started = std::time::Instant::now();
+    let ids: Vec<String> = (0..20).map(|i| format!("paced-{i}")).collect();
     for id in &ids {
         agent
             .request(
@@ -631,9 +632,8 @@ async fn a_steady_stream_is_recorded_in_paced_batches() {
                 json!({"order": id, "amount_cents": 100, "currency": "USD"}),
             )
             .await;
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let stream = started.elapsed();
     for id in &ids {
         assert_eq!(env.final_state("north-shop", id, T).await, "succeeded");
         assert_eq!(env.mutations(&format!("north-shop:{id}")).await, 1);
@@ -645,11 +645,10 @@ async fn a_steady_stream_is_recorded_in_paced_batches() {
     .fetch_one(&env.pool)
     .await
     .unwrap();
-    // One batch per 100 ms of the stream, and a few more for its ends.
-    let most = stream.as_millis() as i64 / 100 + 3;
     assert!(
-        admissions <= most && completions <= most,
-        "{admissions} admissions and {completions} completions for 40 intents in {stream:?}"
+        admissions >= 16 && completions >= 16,
+        "{admissions} admissions and {completions} completions for 20 intents 50 ms apart: \
+         held by the pace"
     );
     cleanup(env).await;
 }

@@ -93,12 +93,23 @@ pub async fn run(
     let max_batch = config.prefetch as usize;
     let mut acks = Acks::default();
     let mut pace = crate::batch::Pace::new(ctx.batch_pace);
+    let mut last_full = false;
     'consume: loop {
-        // Biased: once stopping, no further delivery is taken, even if one is buffered.
-        let first = tokio::select! {
-            biased;
-            _ = stop.cancelled() => break,
-            next = consumer.next() => next,
+        // Once stopping, no further delivery is taken, even if one is buffered.
+        if stop.is_cancelled() {
+            break;
+        }
+        // A delivery already buffered when the last batch ended means the intake is saturated:
+        // then the pace holds; otherwise the next delivery goes at once.
+        let waiting = futures_lite::future::poll_once(consumer.next()).await;
+        pace.ended(last_full || waiting.is_some());
+        let first = match waiting {
+            Some(next) => next,
+            None => tokio::select! {
+                biased;
+                _ = stop.cancelled() => break,
+                next = consumer.next() => next,
+            },
         };
         let mut batch = vec![delivered(first)?];
         // A redelivered message is handled alone so a poison message cannot take others with it.
@@ -126,6 +137,7 @@ pub async fn run(
                 break;
             }
         }
+        last_full = batch.len() == max_batch;
         if process(&channel, &mut dlx, &ctx, config, batch, &stop, &mut acks).await?
             == Processed::Abandoned
         {

@@ -327,7 +327,11 @@ impl Relay {
             pace.wait(&stop).await;
             pace.started();
             let n = self.step().await?;
-            if n as i64 == BATCH || self.ctx.completions.handed_waiting() {
+            // Saturated: a full batch, or events handed over while it ran. Then the pace holds;
+            // a relay woken from idle goes at once.
+            let saturated = n as i64 == BATCH || self.ctx.completions.handed_waiting();
+            pace.ended(saturated);
+            if saturated {
                 continue;
             }
             tokio::select! {

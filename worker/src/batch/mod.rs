@@ -5,12 +5,14 @@
 //! Both follow one rule, and it lives here: a batcher never waits for a batch to fill. A
 //! request that finds it idle runs at once, alone; requests that arrive while a statement is
 //! running wait for it and then go together. So a lone intent never waits, and a busy worker
-//! pays one statement per batch. Under a steady load the [`Pace`] keeps batches from starting
-//! closer together than `WORKER_BATCH_PACE_MS`: each statement, commit and wake-up costs
-//! about the same for a few requests as for many, so a worker at a moderate rate would
-//! otherwise spend its cores (and Postgres's and the broker's) on many small batches, and the
-//! latency of everything would grow with the queueing for those cores. The intake and the
-//! result relay keep the same pace.
+//! pays one statement per batch. While a stage is saturated (its last batch was full, or work
+//! queued while it ran) the [`Pace`] keeps its batches from starting closer together than
+//! `WORKER_BATCH_PACE_MS`: each statement, commit and wake-up costs about the same for a few
+//! requests as for many, so a worker at a steady, heavy rate would otherwise spend its cores
+//! (and Postgres's and the broker's) on many small batches, and the latency of everything would
+//! grow with the queueing for those cores. A stage that keeps up never waits on the timer, so
+//! an intent at light load crosses every stage at once. The intake and the result relay keep
+//! the same pace.
 //!
 //! Each batcher runs on a [`TaskTracker`] until its [`CancellationToken`] is cancelled: then it
 //! stops taking requests (callers fall back to a statement of their own), records what is
@@ -44,25 +46,35 @@ impl Tasks {
     }
 }
 
-/// The least time between the starts of two batches of one stage (`WORKER_BATCH_PACE_MS`).
-/// Work that finds its stage idle for at least that long goes at once; work that arrives
-/// sooner after the last batch started waits out the rest of the interval, and whatever
-/// arrived meanwhile goes with it.
+/// The least time between the starts of two batches of one saturated stage
+/// (`WORKER_BATCH_PACE_MS`). A stage is saturated when its last batch was full or work queued
+/// while it ran ([`Pace::ended`]); then work that arrives sooner than the interval after the
+/// last batch started waits out the rest of it, and whatever arrived meanwhile goes with it.
+/// A stage that is not saturated goes at once, however recently its last batch started.
 #[derive(Debug, Clone, Copy)]
 pub struct Pace {
     every: Duration,
     last: Option<Instant>,
+    saturated: bool,
 }
 
 impl Pace {
     /// A pace of `every` (zero: no pace).
     pub fn new(every: Duration) -> Self {
-        Pace { every, last: None }
+        Pace {
+            every,
+            last: None,
+            saturated: false,
+        }
     }
 
-    /// Waits until the interval since the last batch's start has passed, or `stop` is
-    /// cancelled; at once when it already has. Returns whether it waited.
+    /// Waits, when the stage is saturated, until the interval since the last batch's start has
+    /// passed, or `stop` is cancelled; at once when it already has or the stage keeps up.
+    /// Returns whether it waited.
     pub async fn wait(&self, stop: &CancellationToken) -> bool {
+        if !self.saturated {
+            return false;
+        }
         let Some(due) = self.last.map(|last| last + self.every) else {
             return false;
         };
@@ -83,10 +95,16 @@ impl Pace {
             self.last = Some(Instant::now());
         }
     }
+
+    /// Records how the last batch ended: `saturated` when it was full or more work was already
+    /// waiting for the stage when it finished.
+    pub fn ended(&mut self, saturated: bool) {
+        self.saturated = saturated;
+    }
 }
 
 /// The batching loop both batchers share: takes whatever requests are waiting (up to `max`),
-/// keeps `pace` (a batch already full goes at once), and hands them to `run` together; once
+/// keeps `pace` while saturated (a batch already full goes at once), and hands them to `run` together; once
 /// `stop` is cancelled, closes the queue (new requests are refused, so their callers go
 /// alone), runs what was queued and returns.
 pub(crate) async fn run_batches<T, F, Fut>(
@@ -119,7 +137,9 @@ pub(crate) async fn run_batches<T, F, Fut>(
             }
         }
         pace.started();
+        let full = batch.len() == max;
         run(std::mem::replace(&mut batch, Vec::with_capacity(max))).await;
+        pace.ended(full || !rx.is_empty());
     }
 }
 
@@ -134,6 +154,15 @@ mod tests {
 
     /// Runs the loop over a channel of numbers, recording each batch it hands over.
     fn start(max: usize, pace: Duration) -> (mpsc::Sender<u32>, Tasks, Seen) {
+        start_taking(max, pace, Duration::ZERO)
+    }
+
+    /// [`start`], each batch taking `takes` to run (a statement's time).
+    fn start_taking(
+        max: usize,
+        pace: Duration,
+        takes: Duration,
+    ) -> (mpsc::Sender<u32>, Tasks, Seen) {
         let (tx, rx) = mpsc::channel(16);
         let tasks = Tasks::default();
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -145,7 +174,7 @@ mod tests {
             tasks.stop.clone(),
             move |batch| {
                 record.lock().unwrap().push((Instant::now(), batch));
-                std::future::ready(())
+                tokio::time::sleep(takes)
             },
         ));
         (tx, tasks, seen)
@@ -190,18 +219,41 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn under_a_steady_load_batches_start_a_pace_apart_and_an_idle_batcher_goes_at_once() {
+    async fn a_stage_that_keeps_up_never_waits_on_the_pace() {
         let (tx, tasks, seen) = start(8, Duration::from_millis(300));
+        let mut sent = Vec::new();
+        for n in 1..=3 {
+            sent.push(Instant::now());
+            tx.send(n).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tasks.stop().await;
+        let seen = seen.lock().unwrap().clone();
+        let got: Vec<_> = seen.iter().map(|(_, b)| b.clone()).collect();
+        assert_eq!(got, vec![vec![1], vec![2], vec![3]], "each goes alone");
+        for ((at, _), sent) in seen.iter().zip(sent) {
+            let waited = *at - sent;
+            assert!(
+                waited < Duration::from_millis(150),
+                "a request that finds its stage keeping up goes at once: {waited:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_saturated_stage_starts_its_batches_a_pace_apart_and_goes_at_once_when_idle() {
+        // Each batch takes 100 ms: requests that arrive meanwhile find the stage saturated.
+        let (tx, tasks, seen) =
+            start_taking(8, Duration::from_millis(300), Duration::from_millis(100));
         let ms = |n| tokio::time::sleep(Duration::from_millis(n));
         let first = Instant::now();
         tx.send(1).await.unwrap();
         ms(20).await;
-        let second = Instant::now();
         tx.send(2).await.unwrap();
         ms(20).await;
         tx.send(3).await.unwrap();
-        // Idle for longer than the pace once the second batch started: the next goes at once.
-        ms(700).await;
+        // Idle for longer than the pace once the second batch ran: the next goes at once.
+        ms(900).await;
         let sent = Instant::now();
         tx.send(4).await.unwrap();
         ms(50).await;
@@ -209,14 +261,14 @@ mod tests {
         let seen = seen.lock().unwrap().clone();
         let got: Vec<_> = seen.iter().map(|(_, b)| b.clone()).collect();
         assert_eq!(got, vec![vec![1], vec![2, 3], vec![4]]);
-        let (lone, paced, idle) = (seen[0].0 - first, seen[1].0 - second, seen[2].0 - sent);
+        let (lone, apart, idle) = (seen[0].0 - first, seen[1].0 - seen[0].0, seen[2].0 - sent);
         assert!(
             lone < Duration::from_millis(150),
             "a lone request goes at once: {lone:?}"
         );
         assert!(
-            seen[1].0 - seen[0].0 >= Duration::from_millis(300),
-            "the second batch waits out the pace ({paced:?} after its first request)"
+            apart >= Duration::from_millis(290),
+            "work queued while a batch ran waits out the pace: {apart:?} apart"
         );
         assert!(
             idle < Duration::from_millis(150),

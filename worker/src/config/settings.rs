@@ -74,7 +74,7 @@ pub struct Settings {
     /// How often the recovery scheduler looks for due work.
     pub recovery_interval: Duration,
     /// The least time between the starts of two batches of one stage (intake, send fence,
-    /// completion, result relay) while work keeps arriving (`WORKER_BATCH_PACE_MS`).
+    /// completion, result relay) while that stage is saturated (`WORKER_BATCH_PACE_MS`).
     pub batch_pace: Duration,
     /// Dispatches running at once in this process.
     pub max_in_flight: usize,
@@ -221,8 +221,9 @@ pub struct EnvArgs {
           default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
     pub recovery_interval_ms: u64,
     /// Milliseconds (0 to 100) between the starts of two batches of one stage (intake, send
-    /// fence, completion, result relay) while work keeps arriving; 0 starts each batch as soon
-    /// as the last one ended. Work that finds its stage idle for longer goes at once.
+    /// fence, completion, result relay) while it is saturated (its last batch was full, or work
+    /// queued while it ran); 0 starts each batch as soon as the last one ended. A stage that
+    /// keeps up goes at once.
     #[arg(long, env = "WORKER_BATCH_PACE_MS", value_name = "WORKER_BATCH_PACE_MS",
           default_value_t = 5, value_parser = clap::value_parser!(u64).range(0..=100))]
     pub batch_pace_ms: u64,
