@@ -158,7 +158,15 @@ def main() -> int:
                 "--no-color",
                 *extra,
             ]
-            rc = subprocess.call(cmd, env={**os.environ, "SCHEMATHESIS_TELEMETRY": "false"})
+            # scripts/schemathesis_hooks.py drops the invalid requests that serialize to valid ones.
+            hooks_env = {
+                "SCHEMATHESIS_TELEMETRY": "false",
+                "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(REPO / "scripts"), os.environ.get("PYTHONPATH", "")) if p
+                ),
+            }
+            rc = subprocess.call(cmd, env={**os.environ, **hooks_env})
             if rc != 0 or worker.poll() is not None:
                 print("---- worker log (last 40 lines)")
                 print("\n".join(log.read_text(errors="replace").splitlines()[-40:]))
