@@ -99,6 +99,34 @@ pub fn announces_more_than(headers: &axum::http::HeaderMap, max: usize) -> bool 
         .is_some_and(|n| n > max as u64)
 }
 
+/// How much of a refused body [`linger`] reads at most, and for how long.
+pub const LINGER_BYTES: usize = 16 * 1024 * 1024;
+pub const LINGER_FOR: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Reads and discards, in a task of its own, what is left of a request body refused before it
+/// was read (`413` on its `Content-Length`), at most [`LINGER_BYTES`] or for [`LINGER_FOR`]: a
+/// client still sending it then finishes and reads the answer, where a connection closed under
+/// its upload would give it a broken pipe instead (a lingering close, as web servers do). A
+/// body larger or slower than that is dropped, and the connection with it.
+pub fn linger(body: axum::body::Body) {
+    use axum::body::HttpBody;
+    tokio::spawn(async move {
+        let mut body = std::pin::pin!(body);
+        let mut seen = 0usize;
+        let drain = async {
+            while let Some(Ok(frame)) =
+                std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await
+            {
+                seen += frame.data_ref().map_or(0, |d| d.len());
+                if seen > LINGER_BYTES {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(LINGER_FOR, drain).await;
+    });
+}
+
 /// A listener that could not be bound, naming the setting it came from.
 #[derive(Debug, thiserror::Error)]
 #[error("{var}={addr}: cannot listen there: {source} (another process may hold the port; choose another address, or `off`)")]

@@ -3,7 +3,7 @@
 //! answered at once, never held; each refused token is logged without the token; tokens too
 //! short to resist guessing are refused at start by the worker and the MCP gateway; a listing
 //! stays small whatever the operations carry; every API answer says `no-store` and `nosniff`,
-//! and an oversized body gets the JSON error shape.
+//! and an oversized body gets the JSON error shape, read by a client still sending that body.
 
 use std::time::{Duration, Instant};
 
@@ -358,6 +358,50 @@ async fn api_answers_are_private_and_every_error_is_json() {
     assert_eq!(r.headers()["content-type"], "application/json");
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["error"], "payload_too_large", "{body}");
+    drop(w);
+    cleanup(env).await;
+}
+
+/// A client that sends a body over the cap at its own pace, then reads the answer: the `413`
+/// comes as soon as the headers are read, and the rest of the upload is read and discarded, so
+/// the client finishes sending and reads it, instead of writing into a closed connection.
+#[tokio::test]
+async fn a_client_still_sending_a_body_over_the_cap_reads_the_413() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let opts = WorkerOptions::new(env.standard_tools(ds.port, "")).with_admin(ADMIN);
+    let w = Worker::start(&env, "w", &opts).await;
+    let port = w.admin_port.unwrap();
+    let len = 3_000_000;
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let head = format!(
+        "POST /v1/operations/north-shop/a-1/resolve HTTP/1.1\r\nhost: 127.0.0.1\r\n\
+         authorization: Bearer {ADMIN}\r\ncontent-type: application/json\r\n\
+         content-length: {len}\r\nconnection: close\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    // 3 MB in 64 KiB pieces over about half a second: the answer is long written by the end.
+    let piece = vec![b'r'; 64 * 1024];
+    let mut sent = 0;
+    while sent < len {
+        let n = piece.len().min(len - sent);
+        s.write_all(&piece[..n])
+            .await
+            .unwrap_or_else(|e| panic!("the upload was cut after {sent} bytes: {e}"));
+        sent += n;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 413"),
+        "the client reads the 413: {answer:?}"
+    );
+    assert!(answer.contains("payload_too_large"), "{answer}");
     drop(w);
     cleanup(env).await;
 }

@@ -2,7 +2,8 @@
 //! test's own with the consistent-hash exchange plugin: the shards' leaders are spread over the
 //! nodes, every copy of one action key lands in the same shard, every intent is done once, and a
 //! change of the shard count (3 to 2, with `WORKER_DRAIN_SHARDS=3`) loses none of the intents
-//! still queued in the shard that goes away, which takes no new ones.
+//! still queued in the shard that goes away, which takes no new ones; and shards declared right
+//! after a node restart still get their leaders on more than one node.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -33,6 +34,19 @@ async fn depths(cluster: &RabbitCluster, prefix: &str) -> BTreeMap<String, u64> 
         .collect()
 }
 
+/// The leaders of shards `<queue>.0..2` are on at least two nodes.
+async fn assert_leaders_spread(cluster: &RabbitCluster, queue: &str, when: &str) {
+    let mut leaders = BTreeSet::new();
+    for i in 0..3 {
+        leaders.insert(cluster.leader_of(&format!("{queue}.{i}")).await);
+    }
+    eprintln!("shard leaders {when}: nodes {leaders:?}");
+    assert!(
+        leaders.len() >= 2,
+        "shard leaders {when} spread over the nodes: {leaders:?}"
+    );
+}
+
 async fn all_succeeded(env: &Env, ids: &[String]) {
     for id in ids {
         let state = env.final_state(TENANT, id, T).await;
@@ -61,15 +75,7 @@ async fn shards_spread_leaders_keep_a_key_in_one_shard_and_survive_a_change_of_c
     };
     let w = Worker::start(&env, "w3", &shards(3)).await;
 
-    let mut leaders = BTreeSet::new();
-    for i in 0..3 {
-        leaders.insert(cluster.leader_of(&format!("{q}.{i}")).await);
-    }
-    eprintln!("shard leaders on nodes {leaders:?}");
-    assert!(
-        leaders.len() >= 2,
-        "leaders spread over the nodes: {leaders:?}"
-    );
+    assert_leaders_spread(&cluster, &q, "on a fresh cluster").await;
 
     let publisher =
         publisher::Publisher::connect(&cluster.amqp_urls(), &env.topology.intents_exchange)
@@ -171,6 +177,47 @@ async fn shards_spread_leaders_keep_a_key_in_one_shard_and_survive_a_change_of_c
         w.output.contains("old intents queue unbound"),
         "the worker says it unbound the old shard"
     );
+    drop(w);
+
+    // Right after a node restart the returning node leads no quorum queue, while the others
+    // lead three more each here: `balanced` alone would give it every new shard's leader.
+    for node in [1, 2] {
+        let conn = lapin::Connection::connect(
+            &cluster.amqp_url(node),
+            lapin::ConnectionProperties::default(),
+        )
+        .await
+        .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        for k in 0..3 {
+            let mut args = lapin::types::FieldTable::default();
+            for (k, v) in [
+                ("x-queue-type", "quorum"),
+                ("x-queue-leader-locator", "client-local"),
+            ] {
+                args.insert(
+                    k.into(),
+                    lapin::types::AMQPValue::LongString(lapin::types::LongString::from(v)),
+                );
+            }
+            ch.queue_declare(
+                format!("{q}-led-by-{node}-{k}").as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                args,
+            )
+            .await
+            .unwrap();
+        }
+        let _ = conn.close(200, "".into()).await;
+    }
+    cluster.kill(0);
+    cluster.start_node(0).await;
+    let q2 = format!("{q}-after-restart");
+    let w = Worker::start(&env, "w4", &shards(3).env("WORKER_INTENTS_QUEUE", &q2)).await;
+    assert_leaders_spread(&cluster, &q2, "declared right after a restart of node 0").await;
     drop(w);
     cleanup(env).await;
 }

@@ -10,8 +10,14 @@
 //! bounds the whole pool. With N > 1 the intents exchange is bound to a consistent-hash exchange
 //! `<queue>.hash` (RabbitMQ's `rabbitmq_consistent_hash_exchange` plugin) hashing on the message
 //! id, so every copy of one action key lands in the same shard, and that exchange to N quorum
-//! queues `<queue>.0 … <queue>.N-1`, their leaders spread over the nodes
-//! (`x-queue-leader-locator: balanced`). Publishers are unchanged: topic exchange, routing key =
+//! queues `<queue>.0 … <queue>.N-1`, their leaders spread over the nodes. `balanced` alone does
+//! not spread them: it puts a new queue's leader on the node that leads the fewest quorum
+//! queues overall, so after a node restart (the returning node leads none) every new shard
+//! would land on that one node. So when `AMQP_URL` names several nodes ([`Nodes`]), a shard that
+//! does not exist yet is declared through a connection to node `i mod k` of the list with
+//! `x-queue-leader-locator: client-local`; with one URL (a load balancer), or when that node
+//! cannot be reached, it is declared `balanced`. Existing shards are only checked, passively:
+//! their leaders stay where they are. Publishers are unchanged: topic exchange, routing key =
 //! tenant. While the shard count changes, the queues of the old layout (`WORKER_DRAIN_SHARDS`)
 //! are unbound, so they take no new intents, and consumed until empty.
 
@@ -241,8 +247,30 @@ async fn bind(channel: &Channel, queue: &str, exchange: &str) -> Result<(), Amqp
         )))
 }
 
-/// Declares everything (idempotent; every worker does it at start-up).
+/// The broker's nodes, for placing new shards' leaders one per node ([`declare_placed`]).
+#[derive(Clone)]
+pub struct Nodes {
+    /// One URL per node, in `AMQP_URL`'s order.
+    pub urls: Vec<String>,
+    /// The connections' name (shown in the management UI).
+    pub name: String,
+    pub heartbeat_secs: u16,
+    pub trust: crate::tls::Trust,
+}
+
+/// Declares everything (idempotent; every worker does it at start-up); new shards declared
+/// `balanced` through `connection`.
 pub async fn declare(connection: &Connection, t: &Topology, s: Shards) -> Result<(), AmqpError> {
+    declare_placed(connection, t, s, None).await
+}
+
+/// [`declare`], new shards placed one per node of `nodes` when it names more than one.
+pub async fn declare_placed(
+    connection: &Connection,
+    t: &Topology,
+    s: Shards,
+    nodes: Option<&Nodes>,
+) -> Result<(), AmqpError> {
     let mut channel = connection
         .create_channel()
         .await
@@ -288,7 +316,7 @@ pub async fn declare(connection: &Connection, t: &Topology, s: Shards) -> Result
         .await?;
         bind(&channel, &t.intents_queue, &t.intents_exchange).await?;
     } else {
-        declare_shards(connection, &mut channel, t, s.count).await?;
+        declare_shards(connection, &mut channel, t, s.count, nodes).await?;
     }
     if let Some(old) = s.draining.filter(|old| *old != s.count) {
         unbind_old_layout(connection, t, s.count, old).await?;
@@ -303,6 +331,7 @@ async fn declare_shards(
     channel: &mut Channel,
     t: &Topology,
     n: u16,
+    nodes: Option<&Nodes>,
 ) -> Result<(), AmqpError> {
     let hash = hash_exchange(t);
     let mut args = FieldTable::default();
@@ -338,13 +367,25 @@ async fn declare_shards(
             "binding {hash:?} to {:?}",
             t.intents_exchange
         )))?;
-    for name in shard_queues(t, n) {
-        let mut args = intents_queue_arguments(t);
-        args.insert(
-            "x-queue-leader-locator".into(),
-            AMQPValue::LongString(LongString::from("balanced")),
-        );
-        queue(connection, channel, &name, args, "intents shard").await?;
+    let nodes = nodes.filter(|nodes| nodes.urls.len() > 1);
+    for (i, name) in shard_queues(t, n).into_iter().enumerate() {
+        let placed = match nodes {
+            Some(nodes) => match queue_exists(connection, &name).await? {
+                true => true,
+                false => declare_on_node(nodes, i, &name, t).await,
+            },
+            None => false,
+        };
+        if !placed {
+            queue(
+                connection,
+                channel,
+                &name,
+                shard_arguments(t, "balanced"),
+                "intents shard",
+            )
+            .await?;
+        }
         channel
             .queue_bind(
                 name.as_str().into(),
@@ -360,6 +401,97 @@ async fn declare_shards(
             )))?;
     }
     Ok(())
+}
+
+/// A shard queue's arguments: the intents queue's, and where its leader goes.
+fn shard_arguments(t: &Topology, leader_locator: &str) -> FieldTable {
+    let mut args = intents_queue_arguments(t);
+    args.insert(
+        "x-queue-leader-locator".into(),
+        AMQPValue::LongString(LongString::from(leader_locator)),
+    );
+    args
+}
+
+/// Passively declares queue `name` on a channel of its own (a failed passive declaration closes
+/// its channel): Err when no channel opens, else the declaration's result.
+async fn declare_passively(
+    connection: &Connection,
+    name: &str,
+) -> Result<Result<(), lapin::Error>, AmqpError> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(AmqpError::broker("opening a channel"))?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let declared = channel
+        .queue_declare(name.into(), passive, FieldTable::default())
+        .await
+        .map(|_| ());
+    if declared.is_ok() {
+        let _ = channel.close(200, "checked".into()).await;
+    }
+    Ok(declared)
+}
+
+/// Whether queue `name` exists.
+async fn queue_exists(connection: &Connection, name: &str) -> Result<bool, AmqpError> {
+    match declare_passively(connection, name).await? {
+        Ok(()) => Ok(true),
+        Err(e) if e.to_string().contains("NOT_FOUND") => Ok(false),
+        Err(e) => Err(AmqpError::Broker {
+            what: format!("checking intents shard {name:?}"),
+            error: e,
+        }),
+    }
+}
+
+/// Declares shard `i` (`name`) through a connection of its own to node `i mod k` of `nodes`,
+/// its leader on that node (`client-local`). False when that node cannot be reached or refuses
+/// the declaration: the caller declares it `balanced` instead.
+async fn declare_on_node(nodes: &Nodes, i: usize, name: &str, t: &Topology) -> bool {
+    let url = &nodes.urls[i % nodes.urls.len()];
+    let node = kit::url::host_port(url);
+    let declared = async {
+        let connection =
+            super::connect_with_heartbeat(url, &nodes.name, nodes.heartbeat_secs, &nodes.trust)
+                .await?;
+        let result = async {
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(AmqpError::broker("opening a channel"))?;
+            channel
+                .queue_declare(
+                    name.into(),
+                    durable_queue(),
+                    shard_arguments(t, "client-local"),
+                )
+                .await
+                .map_err(AmqpError::broker(format!(
+                    "declaring intents shard {name:?}"
+                )))?;
+            let _ = channel.close(200, "shard declared".into()).await;
+            Ok::<_, AmqpError>(())
+        }
+        .await;
+        let _ = connection.close(200, "shard declared".into()).await;
+        result
+    }
+    .await;
+    match declared {
+        Ok(()) => {
+            tracing::info!(queue = name, %node, "intents shard declared with its leader on this node");
+            true
+        }
+        Err(e) => {
+            tracing::warn!(queue = name, %node, error = %e, "intents shard not placed on its node; declaring it balanced");
+            false
+        }
+    }
 }
 
 /// Unbinds the queues of the old layout of `old` shards that the layout of `n` does not use, so
@@ -412,19 +544,9 @@ async fn unbind_old_layout(
 pub async fn check(connection: &Connection, t: &Topology, s: Shards) -> Result<(), AmqpError> {
     // The queues first: they are what the worker consumes, the most telling names to report.
     for name in shard_queues(t, s.count) {
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(AmqpError::broker("opening a channel"))?;
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        channel
-            .queue_declare(name.as_str().into(), passive, FieldTable::default())
-            .await
+        declare_passively(connection, &name)
+            .await?
             .map_err(|e| missing_or(e, "intents queue", &name))?;
-        let _ = channel.close(200, "checked".into()).await;
     }
     let hash = hash_exchange(t);
     let mut exchanges = vec![

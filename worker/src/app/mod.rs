@@ -181,6 +181,12 @@ impl Application {
                     own_user: crate::amqp::dead_letters::broker_user(&self.settings.amqp_url),
                 },
                 declare_topology: self.settings.declare_topology,
+                nodes: crate::amqp::topology::Nodes {
+                    urls: kit::url::split_list(&self.settings.amqp_url),
+                    name: format!("{} (declaring shards)", self.settings.worker_id),
+                    heartbeat_secs: self.settings.amqp_heartbeat_secs,
+                    trust: self.trust.clone(),
+                },
                 ever_checked: false,
             },
             self.broker(),

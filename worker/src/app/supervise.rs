@@ -215,6 +215,8 @@ pub struct ConsumerSession {
     pub config: ConsumerConfig,
     /// Declare the topology (true) or only check it passively.
     pub declare_topology: bool,
+    /// The broker's nodes, where new shards get their leaders one per node.
+    pub nodes: amqp::topology::Nodes,
     /// The topology was once declared or found: a missing object later is an outage, not a
     /// deployment error.
     pub ever_checked: bool,
@@ -236,7 +238,7 @@ impl Session for ConsumerSession {
         let topology: &Topology = &self.config.topology;
         let shards = self.config.shards;
         let ready = if self.declare_topology {
-            amqp::topology::declare(connection, topology, shards).await
+            amqp::topology::declare_placed(connection, topology, shards, Some(&self.nodes)).await
         } else {
             amqp::topology::check(connection, topology, shards).await
         };

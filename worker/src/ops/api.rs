@@ -341,10 +341,12 @@ async fn authenticate_request(
 /// The largest request body the API reads (axum's default body limit).
 const MAX_BODY_BYTES: usize = 2 * 1024 * 1024;
 
-/// A body announced larger than [`MAX_BODY_BYTES`] is refused `413` before any of it is read
-/// (after the token, which comes first).
+/// A body announced larger than [`MAX_BODY_BYTES`] is refused `413` before any of it is kept
+/// (after the token, which comes first); what the client still sends is read and discarded
+/// ([`kit::http::linger`]), so it reads the `413`.
 async fn refuse_large_bodies(request: Request, next: Next) -> Response {
     if kit::http::announces_more_than(request.headers(), MAX_BODY_BYTES) {
+        kit::http::linger(request.into_body());
         return ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload_too_large",
@@ -514,6 +516,7 @@ async fn callback(
         max: settings.max_body_bytes,
     };
     if kit::http::announces_more_than(&headers, settings.max_body_bytes) {
+        kit::http::linger(body);
         return refuse(too_large());
     }
     if !headers.contains_key(settings.signature_header.as_str()) {
