@@ -6,8 +6,11 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
-use e2e::bench::{broker_wal_files, roll_over_broker_wal};
+use e2e::bench::{broker_wal_files, confirm_channel, declare_quorum, roll_over_broker_wal};
+use lapin::options::{BasicPublishOptions, QueueDeleteOptions};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
 
 /// The open WAL file of each node, by the node's directory: nodes of other suites' clusters may
 /// come and go on this machine meanwhile, so the shared broker's node is told apart by its own.
@@ -35,13 +38,47 @@ async fn the_brokers_wal_rolls_over_when_asked_and_the_new_file_is_seen() {
     roll_over_broker_wal()
         .await
         .expect("rabbitmqctl eval rolls the quorum WAL over");
-    let after = by_node(broker_wal_files());
-    let rolled: Vec<_> = before
-        .iter()
-        .filter(|(node, file)| after.get(*node).is_some_and(|now| now != *file))
-        .collect();
+    // RabbitMQ 3.10 opens the next WAL file with the next quorum-queue write, not at the
+    // roll-over: on a broker nothing else writes to at that moment, no file is open until then.
+    // So write one message to a quorum queue of the test's own and look again.
+    let conn = Connection::connect(&e2e::env::amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let queue = format!("bench-tools-{}", uuid::Uuid::new_v4().simple());
+    let ch = confirm_channel(&conn).await.unwrap();
+    declare_quorum(&ch, &queue).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let rolled = loop {
+        ch.basic_publish(
+            "".into(),
+            queue.as_str().into(),
+            BasicPublishOptions::default(),
+            b"x",
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+        let after = by_node(broker_wal_files());
+        let rolled: Vec<_> = before
+            .iter()
+            .filter(|(node, file)| after.get(*node).is_some_and(|now| now != *file))
+            .map(|(node, _)| node.clone())
+            .collect();
+        if !rolled.is_empty() || Instant::now() >= deadline {
+            break (rolled, after);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let _ = ch
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    let _ = conn.close(200, "".into()).await;
+    let (rolled, after) = rolled;
     assert!(
         !rolled.is_empty(),
-        "no node holds another WAL file after the roll-over: before {before:?}, after {after:?}"
+        "no node holds another WAL file after the roll-over and a write: before {before:?}, \
+         after {after:?}"
     );
 }
