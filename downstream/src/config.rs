@@ -23,7 +23,15 @@ pub struct Config {
     pub replay_retention: Duration,
     /// How long an async job runs before it ends, unless an `async_delay` fault says otherwise.
     pub async_delay_ms: u64,
+    /// The name of the header a write's deadline comes in (matched case-insensitively).
+    pub deadline_header: String,
+    /// Added to the database clock at a write's commit-point deadline check only: a
+    /// downstream whose clock runs ahead (+) or behind (-).
+    pub clock_offset_ms: i64,
 }
+
+/// The largest `DOWNSTREAM_CLOCK_OFFSET_MS`, either way: 30 days, as for delays.
+pub const MAX_CLOCK_OFFSET_MS: i64 = MAX_DELAY_MS as i64;
 
 impl Config {
     pub fn from_env() -> Result<Self> {
@@ -60,12 +68,33 @@ impl Config {
                      of at most {MAX_DELAY_MS} (30 days)"
                 )
             })?;
+        let deadline_header =
+            get("DOWNSTREAM_DEADLINE_HEADER").unwrap_or_else(|| "Request-Deadline".to_owned());
+        if !is_header_name(&deadline_header) {
+            bail!(
+                "DOWNSTREAM_DEADLINE_HEADER={deadline_header:?} is not an HTTP header name \
+                 (letters, digits and !#$%&'*+-.^_`|~)"
+            );
+        }
+        let offset_text = get("DOWNSTREAM_CLOCK_OFFSET_MS").unwrap_or_else(|| "0".to_owned());
+        let clock_offset_ms = offset_text
+            .parse::<i64>()
+            .ok()
+            .filter(|ms| ms.abs() <= MAX_CLOCK_OFFSET_MS)
+            .with_context(|| {
+                format!(
+                    "DOWNSTREAM_CLOCK_OFFSET_MS={offset_text:?} is not a whole number of \
+                     milliseconds (signed) of at most {MAX_CLOCK_OFFSET_MS} (30 days) either way"
+                )
+            })?;
         Ok(Config {
             database_url,
             schema,
             addr,
             replay_retention: Duration::from_secs(secs),
             async_delay_ms,
+            deadline_header,
+            clock_offset_ms,
         })
     }
 }
@@ -82,6 +111,14 @@ fn validate_schema(schema: &str) -> Result<()> {
         bail!("DOWNSTREAM_SCHEMA={schema:?} must match [a-z_][a-z0-9_]* (at most 63 chars)");
     }
     Ok(())
+}
+
+/// An HTTP field name: one or more `tchar`s (RFC 9110 §5.6.2).
+fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c))
 }
 
 #[cfg(test)]
@@ -110,6 +147,35 @@ mod tests {
         assert_eq!(c.addr.to_string(), "127.0.0.1:9100");
         assert_eq!(c.replay_retention, Duration::from_secs(86400));
         assert_eq!(c.async_delay_ms, 1000);
+        assert_eq!(c.deadline_header, "Request-Deadline");
+        assert_eq!(c.clock_offset_ms, 0);
+    }
+
+    #[test]
+    fn deadline_settings_are_checked() {
+        let url = ("DOWNSTREAM_DATABASE_URL", "postgres://x");
+        let c = cfg(&[
+            url,
+            ("DOWNSTREAM_DEADLINE_HEADER", "X-Deadline"),
+            ("DOWNSTREAM_CLOCK_OFFSET_MS", "+60000"),
+        ])
+        .unwrap();
+        assert_eq!(c.deadline_header, "X-Deadline");
+        assert_eq!(c.clock_offset_ms, 60000);
+        let c = cfg(&[url, ("DOWNSTREAM_CLOCK_OFFSET_MS", "-60000")]).unwrap();
+        assert_eq!(c.clock_offset_ms, -60000);
+        for bad in ["", "1.5", "soon", "60s", "2592000001", "-2592000001"] {
+            let err = cfg(&[url, ("DOWNSTREAM_CLOCK_OFFSET_MS", bad)])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("DOWNSTREAM_CLOCK_OFFSET_MS"), "{bad}: {err}");
+        }
+        for bad in ["", "Request Deadline", "Deadline:", "Déadline"] {
+            let err = cfg(&[url, ("DOWNSTREAM_DEADLINE_HEADER", bad)])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("DOWNSTREAM_DEADLINE_HEADER"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -7,10 +7,26 @@
 //! `GET /lookup/{resource}/by-key/{key}` finds the receipt) and
 //! `POST /none/{resource}` (neither), plus async jobs: `POST /async/{resource}`
 //! answers 202 with an operation id and `GET /async/operations/{id}` tells how the
-//! job ended (`jobs.rs`). Faults are armed through
+//! job ended (`jobs.rs`). Five deliberately broken modes (`replay-new-receipt`,
+//! `replay-ignores-body`, `replay-racy`, `lookup-phantom`, `lookup-ignores-deadline`)
+//! each break one property a capability relies on. Faults are armed through
 //! `POST /_control/faults`; they live in memory, while the data is durable in
 //! Postgres, so a restart keeps the data and forgets the faults. See
 //! README.md for the full contract.
+//!
+//! # Request deadlines
+//!
+//! A write may carry a deadline: the header named by `DOWNSTREAM_DEADLINE_HEADER`
+//! (default `Request-Deadline`, case-insensitive), an absolute RFC 3339 time. It is
+//! checked inside the write's transaction as the last statement before COMMIT, on the
+//! database clock plus `DOWNSTREAM_CLOCK_OFFSET_MS` (signed ms, default 0):
+//! `clock_timestamp() + offset > deadline` rolls the write back (no mutation, receipt,
+//! key or job) and answers 422
+//! `{"error":"deadline_passed","deadline":"<as received>","at":"<clock used, ms>"}`. A
+//! malformed value is 400 `bad_deadline` (validation: no fault consumed). Only a write
+//! that creates something is checked: a replay from a stored receipt is answered after
+//! the deadline too. Lookups and status reads ignore the header, and so does the broken
+//! mode `lookup-ignores-deadline`, whose late writes commit.
 //!
 //! # Counting, for tests
 //!
@@ -37,6 +53,7 @@
 //! it consumed. `requests.replied_at` is when the whole answer was written to a
 //! client that had not hung up; NULL when it was dropped, or the client was gone
 //! first (it timed out or died), so the client never read it.
+//! `requests.deadline` is the deadline a write carried (NULL without one).
 //!
 //! # Layout
 //!
@@ -86,12 +103,16 @@ async fn main() -> Result<()> {
     let config = config::Config::from_env()?;
     tracing::info!(schema = %config.schema, addr = %config.addr,
         retention_secs = config.replay_retention.as_secs(),
-        async_delay_ms = config.async_delay_ms, "starting");
-    let store = store::Store::open(&config.database_url, &config.schema).await?;
+        async_delay_ms = config.async_delay_ms, deadline_header = %config.deadline_header,
+        clock_offset_ms = config.clock_offset_ms, "starting");
+    let store = store::Store::open(&config.database_url, &config.schema)
+        .await?
+        .with_clock_offset(config.clock_offset_ms);
     let app = Arc::new(routes::App::new(
         store,
         config.replay_retention,
         config.async_delay_ms,
+        config.deadline_header,
     ));
     server::serve(app, config.addr).await
 }

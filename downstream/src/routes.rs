@@ -1,7 +1,8 @@
 //! Routing and the life of one business request, faults included.
 //!
 //! The order is the contract the crash tests rely on:
-//! 1. classify and validate the request (pure: a 400/404 consumes no fault);
+//! 1. classify and validate the request (pure: a 400/404 consumes no fault), a
+//!    write's deadline header included;
 //!    a status read of an async job also reads the job's key and resource here,
 //!    since faults are matched by the job's key;
 //! 2. take the first matching fault from the book;
@@ -10,7 +11,9 @@
 //!    (with the trace context headers it carried);
 //! 4. before-commit faults: `drop_before_commit`, `status`, `slow`,
 //!    `lookup_miss`, `status_error`, `status_slow`;
-//! 5. do the work (the write commits, or the lookup reads); an async write that
+//! 5. do the work (the write commits, or the lookup reads); a write that creates
+//!    something checks its deadline last, inside its transaction, and rolls back
+//!    (422 `deadline_passed`) if it is late; an async write that
 //!    creates a job takes the job faults that shape it now, and an async request
 //!    records the operation it found (and `status_not_found`) in its log row;
 //! 6. after-commit faults, whatever the outcome of step 5:
@@ -25,13 +28,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use sqlx::types::chrono::{DateTime, Utc};
 
 use crate::control;
 use crate::faults::{Direction, Fault, FaultBook, FaultKind};
 use crate::http::{percent_decode, Request, Response};
 use crate::jobs::{self, Ending, Job, Shape};
 use crate::receipt;
-use crate::store::{AsyncWrite, Replay, RequestEntry, Store, TraceHeaders};
+use crate::store::{AsyncWrite, Deadline, Replay, RequestEntry, Store, TraceHeaders, Written};
 
 /// Shared state of the running service.
 #[derive(Debug)]
@@ -41,16 +45,24 @@ pub struct App {
     pub retention: Duration,
     /// How long an async job runs unless an `async_delay` fault says otherwise.
     pub async_delay_ms: u64,
+    /// The header a write's deadline comes in (`DOWNSTREAM_DEADLINE_HEADER`).
+    pub deadline_header: String,
     wrong_receipts: AtomicU64,
 }
 
 impl App {
-    pub fn new(store: Store, retention: Duration, async_delay_ms: u64) -> App {
+    pub fn new(
+        store: Store,
+        retention: Duration,
+        async_delay_ms: u64,
+        deadline_header: String,
+    ) -> App {
         App {
             store,
             faults: FaultBook::default(),
             retention,
             async_delay_ms,
+            deadline_header,
             wrong_receipts: AtomicU64::new(0),
         }
     }
@@ -70,7 +82,7 @@ pub enum Reply {
     Drop,
 }
 
-/// The three downstream capabilities, as spelled in the URL, the async jobs, and four
+/// The three downstream capabilities, as spelled in the URL, the async jobs, and five
 /// deliberately broken variants that each break one property a declared capability relies on
 /// (`worker check-tool` must catch every one of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +102,8 @@ enum Mode {
     ReplayRacy,
     /// Lookup answers 200 for any key, with a made-up receipt echoing the key.
     LookupPhantom,
+    /// Exactly `lookup`, but the deadline header is ignored: a late write commits.
+    LookupIgnoresDeadline,
 }
 
 impl Mode {
@@ -103,6 +117,7 @@ impl Mode {
             "replay-ignores-body" => Some(Mode::ReplayIgnoresBody),
             "replay-racy" => Some(Mode::ReplayRacy),
             "lookup-phantom" => Some(Mode::LookupPhantom),
+            "lookup-ignores-deadline" => Some(Mode::LookupIgnoresDeadline),
             _ => None,
         }
     }
@@ -117,7 +132,13 @@ impl Mode {
             Mode::ReplayIgnoresBody => "replay-ignores-body",
             Mode::ReplayRacy => "replay-racy",
             Mode::LookupPhantom => "lookup-phantom",
+            Mode::LookupIgnoresDeadline => "lookup-ignores-deadline",
         }
+    }
+
+    /// Modes whose writes honour the deadline header (all but the one broken for it).
+    fn checks_deadline(self) -> bool {
+        self != Mode::LookupIgnoresDeadline
     }
 
     /// Modes that, like `replay`, refuse a write without an idempotency key.
@@ -141,6 +162,8 @@ enum Op {
         resource: String,
         key: Option<String>,
         body: Value,
+        /// Checked at the commit point of a write that creates something.
+        deadline: Option<Deadline>,
     },
     Lookup {
         mode: Mode,
@@ -187,7 +210,7 @@ pub async fn handle(app: &App, req: Request, too_large: bool) -> Reply {
 }
 
 async fn business(app: &App, req: &Request, segments: &[&str], too_large: bool) -> Reply {
-    let (mut call, parsed) = classify(req, segments);
+    let (mut call, parsed) = classify(req, segments, &app.deadline_header);
     // The body was never read, so whatever validation said, the answer is 413.
     let parsed = if too_large {
         Err(Response::error(413, "body_too_large"))
@@ -220,6 +243,10 @@ async fn business(app: &App, req: &Request, segments: &[&str], too_large: bool) 
             fault: fault.as_ref().map(|f| f.kind.as_str()),
             operation_id: call.operation_id.as_deref(),
             trace: &call.trace,
+            deadline: match &parsed {
+                Ok(Op::Write { deadline, .. }) => deadline.as_ref().map(|d| d.at),
+                _ => None,
+            },
         })
         .await;
     let log_id = match logged {
@@ -284,7 +311,12 @@ async fn business(app: &App, req: &Request, segments: &[&str], too_large: bool) 
 }
 
 /// Work out what the request is, for logging, and whether it is valid.
-fn classify(req: &Request, segments: &[&str]) -> (Call, Result<Op, Response>) {
+/// `deadline_header` names the header a write's deadline comes in.
+fn classify(
+    req: &Request,
+    segments: &[&str],
+    deadline_header: &str,
+) -> (Call, Result<Op, Response>) {
     let header_key = req
         .header("idempotency-key")
         .filter(|k| !k.is_empty())
@@ -330,7 +362,10 @@ fn classify(req: &Request, segments: &[&str]) -> (Call, Result<Op, Response>) {
         ("POST", 2) => match (mode, resource) {
             (None, _) => Err(Response::error(404, "unknown_mode")),
             (_, None) => Err(Response::error(404, "no_route")),
-            (Some(mode), Some(resource)) => validate_write(mode, resource, header_key, &req.body),
+            (Some(mode), Some(resource)) => {
+                let deadline = req.combined_header(deadline_header);
+                validate_write(mode, resource, header_key, &req.body, deadline)
+            }
         },
         ("GET", 4) if segments[2] == "by-key" => {
             let key = percent_decode(segments[3]).filter(|k| !k.is_empty());
@@ -351,11 +386,14 @@ fn classify(req: &Request, segments: &[&str]) -> (Call, Result<Op, Response>) {
     (call, parsed)
 }
 
+/// `deadline` is the deadline header's value (repeated fields joined with `,`, which
+/// makes them malformed), if any.
 fn validate_write(
     mode: Mode,
     resource: String,
     key: Option<String>,
     body: &[u8],
+    deadline: Option<String>,
 ) -> Result<Op, Response> {
     let body: Value = match serde_json::from_slice(body) {
         Ok(v @ Value::Object(_)) => v,
@@ -364,12 +402,36 @@ fn validate_write(
     if mode.requires_key() && key.is_none() {
         return Err(Response::error(400, "idempotency_key_required"));
     }
+    let deadline = match deadline.filter(|_| mode.checks_deadline()) {
+        None => None,
+        Some(raw) => match DateTime::parse_from_rfc3339(&raw) {
+            Ok(at) => Some(Deadline {
+                at: at.with_timezone(&Utc),
+                raw,
+            }),
+            Err(_) => return Err(Response::error(400, "bad_deadline")),
+        },
+    };
     Ok(Op::Write {
         mode,
         resource,
         key,
         body,
+        deadline,
     })
+}
+
+/// The answer to a write refused at its commit point: `deadline` as received, `at` the
+/// (offset) database clock time the check used.
+fn deadline_passed(deadline: Option<&Deadline>, at: DateTime<Utc>) -> Response {
+    Response::json(
+        422,
+        json!({
+            "error": "deadline_passed",
+            "deadline": deadline.map(|d| d.raw.as_str()),
+            "at": at.format("%Y-%m-%dT%H:%M:%S%.3fZ").to_string(),
+        }),
+    )
 }
 
 /// Do the actual business work.
@@ -387,23 +449,22 @@ async fn run(app: &App, op: &Op) -> (Response, Note) {
             resource,
             key,
             body,
+            deadline,
         } => {
             let key = key
                 .as_deref()
                 .expect("validated: replay writes carry a key");
             app.store
-                .replay_write(resource, key, body, app.retention)
+                .replay_write(resource, key, body, app.retention, deadline.as_ref())
                 .await
-                .map(|outcome| match outcome {
-                    Replay::Created(r) | Replay::Replayed(r) => Response::json(201, r),
-                    Replay::KeyReused => Response::error(422, "idempotency_key_reused"),
-                })
+                .map(|outcome| replay_response(outcome, deadline.as_ref()))
         }
         Op::Write {
             mode: mode @ (Mode::ReplayIgnoresBody | Mode::ReplayRacy),
             resource,
             key,
             body,
+            deadline,
         } => {
             let key = key
                 .as_deref()
@@ -415,23 +476,31 @@ async fn run(app: &App, op: &Op) -> (Response, Note) {
                     key,
                     body,
                     *mode == Mode::ReplayRacy,
+                    deadline.as_ref(),
                 )
                 .await
-                .map(|outcome| match outcome {
-                    Replay::Created(r) | Replay::Replayed(r) => Response::json(201, r),
-                    Replay::KeyReused => Response::error(422, "idempotency_key_reused"),
-                })
+                .map(|outcome| replay_response(outcome, deadline.as_ref()))
         }
         Op::Write {
             mode,
             resource,
             key,
             body,
+            deadline,
         } => app
             .store
-            .plain_write(mode.as_str(), resource, key.as_deref(), body)
+            .plain_write(
+                mode.as_str(),
+                resource,
+                key.as_deref(),
+                body,
+                deadline.as_ref(),
+            )
             .await
-            .map(|r| Response::json(201, r)),
+            .map(|written| match written {
+                Written::Created(r) => Response::json(201, r),
+                Written::Late(at) => deadline_passed(deadline.as_ref(), at),
+            }),
         Op::Lookup {
             mode,
             resource,
@@ -456,6 +525,14 @@ async fn run(app: &App, op: &Op) -> (Response, Note) {
     (response, Note::default())
 }
 
+fn replay_response(outcome: Replay, deadline: Option<&Deadline>) -> Response {
+    match outcome {
+        Replay::Created(r) | Replay::Replayed(r) => Response::json(201, r),
+        Replay::KeyReused => Response::error(422, "idempotency_key_reused"),
+        Replay::Late(at) => deadline_passed(deadline, at),
+    }
+}
+
 /// The async requests: create or find a job, look one up by key, read its status.
 async fn run_async(app: &App, op: &Op) -> (Response, Note) {
     let result = match op {
@@ -463,11 +540,14 @@ async fn run_async(app: &App, op: &Op) -> (Response, Note) {
             resource,
             key,
             body,
+            deadline,
             ..
         } => {
             let key = key.as_deref().expect("validated: async writes carry a key");
             app.store
-                .async_write(resource, key, body, || job_shape(app, key))
+                .async_write(resource, key, body, deadline.as_ref(), || {
+                    job_shape(app, key)
+                })
                 .await
                 .map(|outcome| match outcome {
                     AsyncWrite::Created(job) | AsyncWrite::Replayed(job) => {
@@ -480,6 +560,9 @@ async fn run_async(app: &App, op: &Op) -> (Response, Note) {
                         Response::error(422, "idempotency_key_reused"),
                         Note::default(),
                     ),
+                    AsyncWrite::Late(at) => {
+                        (deadline_passed(deadline.as_ref(), at), Note::default())
+                    }
                 })
         }
         Op::Lookup { resource, key, .. } => {
@@ -608,5 +691,86 @@ async fn finish(app: &App, log_id: i64, response: Response) -> Reply {
     Reply::Logged {
         response,
         request_id: log_id,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(mode: Mode, deadline: Option<&str>) -> Result<Op, Response> {
+        validate_write(
+            mode,
+            "r".into(),
+            Some("k".into()),
+            b"{}",
+            deadline.map(str::to_owned),
+        )
+    }
+
+    fn deadline_of(op: Result<Op, Response>) -> Option<Deadline> {
+        match op {
+            Ok(Op::Write { deadline, .. }) => deadline,
+            other => panic!("not a write: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn deadlines_are_parsed_as_rfc3339() {
+        assert!(deadline_of(write(Mode::Lookup, None)).is_none());
+        let utc = deadline_of(write(Mode::Replay, Some("2026-12-06T11:30:00.123Z"))).unwrap();
+        let offset = deadline_of(write(Mode::None, Some("2026-12-06T13:30:00.123+02:00"))).unwrap();
+        assert_eq!(utc.at, offset.at);
+        assert_eq!(offset.raw, "2026-12-06T13:30:00.123+02:00");
+        for bad in [
+            "",
+            "tomorrow",
+            "2026-12-06",
+            "2026-12-06T11:30:00",
+            "1765020600",
+        ] {
+            let refused = write(Mode::Async, Some(bad)).unwrap_err();
+            assert_eq!(
+                (refused.status, &refused.body),
+                (400, &json!({"error": "bad_deadline"}))
+            );
+        }
+        // Two fields are joined with `,`: malformed.
+        let two = "2026-12-06T11:30:00Z,2026-12-06T11:31:00Z";
+        assert_eq!(write(Mode::Lookup, Some(two)).unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn lookup_ignores_deadline_never_reads_the_header() {
+        assert!(deadline_of(write(Mode::LookupIgnoresDeadline, Some("garbage"))).is_none());
+        assert!(deadline_of(write(
+            Mode::LookupIgnoresDeadline,
+            Some("2020-01-01T00:00:00Z")
+        ))
+        .is_none());
+        assert_eq!(
+            Mode::parse("lookup-ignores-deadline"),
+            Some(Mode::LookupIgnoresDeadline)
+        );
+        assert_eq!(
+            Mode::LookupIgnoresDeadline.as_str(),
+            "lookup-ignores-deadline"
+        );
+        assert!(!Mode::LookupIgnoresDeadline.requires_key());
+    }
+
+    #[test]
+    fn deadline_passed_names_both_times() {
+        let d = deadline_of(write(Mode::Lookup, Some("2026-12-06T13:30:00+02:00"))).unwrap();
+        let at = DateTime::parse_from_rfc3339("2026-12-06T11:30:00.5Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let r = deadline_passed(Some(&d), at);
+        assert_eq!(r.status, 422);
+        assert_eq!(
+            r.body,
+            json!({"error": "deadline_passed", "deadline": "2026-12-06T13:30:00+02:00",
+                   "at": "2026-12-06T11:30:00.500Z"})
+        );
     }
 }

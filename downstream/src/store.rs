@@ -1,6 +1,10 @@
 //! All SQL: the schema, the request log, the three write modes, the lookup and the
 //! async jobs.
 //!
+//! A write that creates something checks its deadline, if it has one, as the last
+//! statement of its transaction, on the database clock ([`Store::past_deadline`]): a
+//! late write rolls back and has no effect.
+//!
 //! Every statement is schema-qualified with the validated `DOWNSTREAM_SCHEMA`
 //! (identifiers cannot be bind parameters, hence the `{s}` template; the name
 //! was checked against `[a-z_][a-z0-9_]*` in `config.rs`). Tests count
@@ -63,6 +67,8 @@ ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS replied_at timestamptz NULL;
 ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS traceparent text NULL;
 ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS tracestate text NULL;
 ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS operation_id text NULL;
+-- The deadline a write carried (the deadline header, parsed), NULL without one.
+ALTER TABLE {s}.requests ADD COLUMN IF NOT EXISTS deadline timestamptz NULL;
 CREATE INDEX IF NOT EXISTS requests_idem_key_idx ON {s}.requests (idem_key);
 CREATE INDEX IF NOT EXISTS requests_operation_id_idx ON {s}.requests (operation_id);
 -- Schemas created before status reads: widen the kind check (once).
@@ -181,6 +187,27 @@ pub struct RequestEntry<'a> {
     /// The async operation the request names (a status read).
     pub operation_id: Option<&'a str>,
     pub trace: &'a TraceHeaders,
+    /// The deadline a write carried.
+    pub deadline: Option<DateTime<Utc>>,
+}
+
+/// A write's deadline (the `DOWNSTREAM_DEADLINE_HEADER` header): an absolute time the
+/// write must commit before, or not at all.
+#[derive(Debug, Clone)]
+pub struct Deadline {
+    /// The header value as received, echoed in the `deadline_passed` answer.
+    pub raw: String,
+    pub at: DateTime<Utc>,
+}
+
+/// Outcome of a write in a mode with no replay (lookup, none, the broken ones).
+#[derive(Debug)]
+pub enum Written {
+    /// One new mutation, this is its receipt.
+    Created(Value),
+    /// The deadline had passed at the commit point, at this (database clock + offset)
+    /// time: rolled back, nothing was written.
+    Late(DateTime<Utc>),
 }
 
 /// Outcome of an async-mode write.
@@ -192,6 +219,8 @@ pub enum AsyncWrite {
     Replayed(Job),
     /// Known key, another resource or body.
     KeyReused,
+    /// New key, but the deadline had passed at the commit point: no job.
+    Late(DateTime<Utc>),
 }
 
 /// Outcome of a replay-mode write.
@@ -203,12 +232,16 @@ pub enum Replay {
     Replayed(Value),
     /// Known key, different body.
     KeyReused,
+    /// New key, but the deadline had passed at the commit point: nothing was written.
+    Late(DateTime<Utc>),
 }
 
 #[derive(Debug, Clone)]
 pub struct Store {
     pool: PgPool,
     schema: String,
+    /// `DOWNSTREAM_CLOCK_OFFSET_MS`: added to the database clock at the deadline check.
+    clock_offset_ms: i64,
 }
 
 impl Store {
@@ -225,9 +258,17 @@ impl Store {
         let store = Store {
             pool,
             schema: schema.to_owned(),
+            clock_offset_ms: 0,
         };
         store.create_schema().await?;
         Ok(store)
+    }
+
+    /// The same store, with its deadline checks run on a clock `ms` ahead (or behind,
+    /// when negative) of the database's.
+    pub fn with_clock_offset(mut self, ms: i64) -> Store {
+        self.clock_offset_ms = ms;
+        self
     }
 
     pub async fn close(&self) {
@@ -259,8 +300,9 @@ impl Store {
     pub async fn log_request(&self, entry: &RequestEntry<'_>) -> Result<i64> {
         let id = sqlx::query_scalar(self.sql(
             "INSERT INTO {s}.requests
-                 (kind, mode, resource, idem_key, fault, operation_id, traceparent, tracestate)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING id",
+                 (kind, mode, resource, idem_key, fault, operation_id, traceparent, tracestate,
+                  deadline)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING id",
         ))
         .bind(entry.kind)
         .bind(entry.mode)
@@ -270,6 +312,7 @@ impl Store {
         .bind(entry.operation_id)
         .bind(entry.trace.traceparent.as_deref())
         .bind(entry.trace.tracestate.as_deref())
+        .bind(entry.deadline)
         .fetch_one(&self.pool)
         .await?;
         Ok(id)
@@ -323,15 +366,40 @@ impl Store {
         Ok(())
     }
 
+    /// The commit point of a write: the last statement of its transaction, run just before
+    /// COMMIT. With a deadline, reads the database clock as it is now (`clock_timestamp()`,
+    /// not the transaction's start) plus `DOWNSTREAM_CLOCK_OFFSET_MS` and returns that time
+    /// if the deadline has passed, in which case the caller rolls back. No deadline: no
+    /// statement, `None`.
+    async fn past_deadline(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        deadline: Option<&Deadline>,
+    ) -> Result<Option<DateTime<Utc>>> {
+        let Some(deadline) = deadline else {
+            return Ok(None);
+        };
+        let (at, passed): (DateTime<Utc>, bool) = sqlx::query_as(
+            "SELECT t, t > $2 FROM (SELECT clock_timestamp() + make_interval(secs => $1) AS t) c",
+        )
+        .bind(self.clock_offset_ms as f64 / 1000.0)
+        .bind(deadline.at)
+        .fetch_one(&mut **tx)
+        .await?;
+        Ok(passed.then_some(at))
+    }
+
     /// Durable key replay, in one transaction. A concurrent request with the
     /// same key blocks on the primary key until this one commits, then sees the
-    /// committed key and replays: no double mutation under concurrency.
+    /// committed key and replays: no double mutation under concurrency. Only a new key
+    /// checks the deadline (a replay creates nothing); a late one rolls back.
     pub async fn replay_write(
         &self,
         resource: &str,
         idem_key: &str,
         body: &Value,
         retention: Duration,
+        deadline: Option<&Deadline>,
     ) -> Result<Replay> {
         let mut tx = self.pool.begin().await?;
         // Forget an expired key first, so the write below is a fresh one: this
@@ -364,6 +432,10 @@ impl Store {
             .bind(id)
             .execute(&mut *tx)
             .await?;
+            if let Some(at) = self.past_deadline(&mut tx, deadline).await? {
+                tx.rollback().await?;
+                return Ok(Replay::Late(at));
+            }
             tx.commit().await?;
             return Ok(Replay::Created(receipt));
         }
@@ -390,7 +462,8 @@ impl Store {
     /// lock and no unique key: a same-body repeat replays the first receipt; another body is
     /// a new mutation (`racy` = false, "key ignored when the body differs") or 422 (`racy`
     /// = true). With `racy`, the gap between the check and the insert is widened so two
-    /// concurrent requests under one new key both miss the check and both write.
+    /// concurrent requests under one new key both miss the check and both write. A write
+    /// checks its deadline as [`Store::plain_write`] does; a replay does not.
     pub async fn broken_replay_write(
         &self,
         mode: &str,
@@ -398,6 +471,7 @@ impl Store {
         idem_key: &str,
         body: &Value,
         racy: bool,
+        deadline: Option<&Deadline>,
     ) -> Result<Replay> {
         let found: Option<(Value, bool)> = sqlx::query_as(self.sql(
             "SELECT receipt, arguments = $3 FROM {s}.mutations
@@ -416,25 +490,35 @@ impl Store {
             None if racy => tokio::time::sleep(Duration::from_millis(300)).await,
             None => {}
         }
-        self.plain_write(mode, resource, Some(idem_key), body)
-            .await
-            .map(Replay::Created)
+        let written = self
+            .plain_write(mode, resource, Some(idem_key), body, deadline)
+            .await?;
+        Ok(match written {
+            Written::Created(receipt) => Replay::Created(receipt),
+            Written::Late(at) => Replay::Late(at),
+        })
     }
 
-    /// Lookup and none modes: every write is a new mutation, no dedupe.
+    /// Lookup and none modes: every write is a new mutation, no dedupe. With a deadline
+    /// that has passed at the commit point, the mutation is rolled back.
     pub async fn plain_write(
         &self,
         mode: &str,
         resource: &str,
         idem_key: Option<&str>,
         body: &Value,
-    ) -> Result<Value> {
+        deadline: Option<&Deadline>,
+    ) -> Result<Written> {
         let mut tx = self.pool.begin().await?;
         let (_, receipt) = self
             .insert_mutation(&mut tx, mode, resource, idem_key, body)
             .await?;
+        if let Some(at) = self.past_deadline(&mut tx, deadline).await? {
+            tx.rollback().await?;
+            return Ok(Written::Late(at));
+        }
         tx.commit().await?;
-        Ok(receipt)
+        Ok(Written::Created(receipt))
     }
 
     /// Insert one mutation with its receipt. The id and timestamp are taken
@@ -477,12 +561,14 @@ impl Store {
     /// Async mode: create the job for a new key, or find the job of a known one. Same-key
     /// writes are serialised on an advisory lock, so a concurrent repeat waits for the
     /// first one to commit and then finds its job. `shape` is called only when a job is
-    /// created (it consumes the job faults), inside the transaction that stores it.
+    /// created (it consumes the job faults), inside the transaction that stores it. A new
+    /// job checks the deadline last and is rolled back if it is late.
     pub async fn async_write(
         &self,
         resource: &str,
         idem_key: &str,
         body: &Value,
+        deadline: Option<&Deadline>,
         shape: impl FnOnce() -> Shape,
     ) -> Result<AsyncWrite> {
         let mut tx = self.pool.begin().await?;
@@ -577,6 +663,10 @@ impl Store {
         .bind(at)
         .execute(&mut *tx)
         .await?;
+        if let Some(late) = self.past_deadline(&mut tx, deadline).await? {
+            tx.rollback().await?;
+            return Ok(AsyncWrite::Late(late));
+        }
         tx.commit().await?;
         Ok(AsyncWrite::Created(job))
     }

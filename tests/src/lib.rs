@@ -14,7 +14,8 @@
 //! - [`flags`]: command-line flags of the e2e binaries.
 //! - [`mcp_gateway`]: `publisher mcp` as a child process.
 //! - [`otlp`]: an OTLP/HTTP trace receiver that keeps every span exported to it.
-//! - [`proxy`]: a TCP fault proxy that cuts or black-holes one link (broker, Postgres).
+//! - [`proxy`]: a TCP fault proxy that cuts, black-holes or holds (then delivers) one link
+//!   (broker, Postgres, a downstream).
 //! - [`soak`]: the seeded chaos soak (the `soak` binary and `tests/soak_short.rs`).
 //! - [`wait`]: polling with deadlines.
 //! - [`tls`]: a test CA, server certificates, a TLS-terminating forwarder, a Postgres cluster

@@ -523,16 +523,22 @@ pub struct Downstream {
 
 impl Downstream {
     pub async fn start(env: &Env) -> Downstream {
-        Downstream::start_on(&env.db_url, 0).await
+        Downstream::start_on(&env.db_url, 0, &[]).await
+    }
+
+    /// Starts with extra settings, e.g. `[("DOWNSTREAM_CLOCK_OFFSET_MS", "10000")]`.
+    pub async fn start_with(env: &Env, vars: &[(&str, &str)]) -> Downstream {
+        Downstream::start_on(&env.db_url, 0, vars).await
     }
 
     /// Starts on a given port (e.g. one a worker was already refused on).
     pub async fn start_at(env: &Env, port: u16) -> Downstream {
-        Downstream::start_on(&env.db_url, port).await
+        Downstream::start_on(&env.db_url, port, &[]).await
     }
 
-    async fn start_on(db_url: &str, port: u16) -> Downstream {
+    async fn start_on(db_url: &str, port: u16, vars: &[(&str, &str)]) -> Downstream {
         let mut child = Command::new(bin_dir().join("reference-downstream"))
+            .envs(vars.iter().copied())
             .env("DOWNSTREAM_DATABASE_URL", db_url)
             .env("DOWNSTREAM_SCHEMA", "downstream")
             .env("DOWNSTREAM_ADDR", format!("127.0.0.1:{port}"))
@@ -576,7 +582,7 @@ impl Downstream {
     pub async fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let next = Downstream::start_on(&self.db_url, self.port).await;
+        let next = Downstream::start_on(&self.db_url, self.port, &[]).await;
         *self = next;
     }
 

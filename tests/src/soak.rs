@@ -2,7 +2,8 @@
 //! Postgres links each run through their own [`FaultProxy`]; a seeded schedule of SIGKILLs
 //! (the soak restarts killed workers as a supervisor would), link cuts and black holes, and
 //! downstream faults (replies lost before or after the commit, late replies, 5xx/4xx/429,
-//! wrong receipts, lookup misses); an agent publishing intents for tools of all three
+//! wrong receipts, lookup misses, or lookup errors where the lookup tool declares
+//! `absence_proof`, whose contract a false miss would break); an agent publishing intents for tools of all three
 //! capabilities (some repeated under the same key, reordered, with other number spellings)
 //! and reading its result events from queues bound to its tenants. After the faults stop and
 //! a settle period (no operator acts), the invariants are checked from the downstream's own
@@ -108,6 +109,10 @@ pub struct SoakConfig {
     /// The broker a 3-node cluster of the soak's own, nodes SIGKILLed and restarted during the
     /// faults (see the module doc).
     pub cluster: bool,
+    /// The lookup tool `ticket` declares `absence_proof` (docs/recovery.md, "Proof of
+    /// absence"): a lookup miss after its writes' deadline sends the write again instead of
+    /// holding it.
+    pub absence_proof: bool,
 }
 
 impl Default for SoakConfig {
@@ -120,6 +125,7 @@ impl Default for SoakConfig {
             settle_secs: 60,
             pg_failover: false,
             cluster: false,
+            absence_proof: true,
         }
     }
 }
@@ -630,8 +636,10 @@ impl Action {
 }
 
 /// The soak's tools file: one tool per capability against the reference downstream; the async
-/// ones on its `/async/...` jobs, polled through `/async/operations/{operation_id}`.
-pub fn tools_toml(port: u16) -> String {
+/// ones on its `/async/...` jobs, polled through `/async/operations/{operation_id}`; the lookup
+/// tool with `absence_proof` when `absence_proof` (the downstream reads the ledger's clock: one
+/// Postgres, so the declared skew is a margin).
+pub fn tools_toml(port: u16, absence_proof: bool) -> String {
     let base = format!("http://127.0.0.1:{port}");
     let limits = format!(
         "timeout_ms = {TIMEOUT_MS}\n\
@@ -654,11 +662,19 @@ pub fn tools_toml(port: u16) -> String {
          poll = {{ first_ms = {ASYNC_POLL_FIRST_MS}, max_ms = {ASYNC_POLL_MAX_MS}, \
          deadline_secs = {ASYNC_DEADLINE_SECS} }}\n{limits}"
     );
+    let proof = if absence_proof {
+        format!(
+            "absence_proof = {{ deadline_ms = {}, clock_skew_ms = 200 }}\n",
+            TIMEOUT_MS * 2
+        )
+    } else {
+        String::new()
+    };
     format!(
         "[tools.refund]\nurl = \"{base}/replay/refunds\"\nrecovery = \"replay\"\n\
          replay_window_secs = 3600\nreplay_safety_margin_secs = 60\n{common}\n\
          [tools.ticket]\nurl = \"{base}/lookup/tickets\"\nrecovery = \"lookup\"\n\
-         lookup_url = \"{base}/lookup/tickets/by-key/{{key}}\"\n{common}\n\
+         lookup_url = \"{base}/lookup/tickets/by-key/{{key}}\"\n{common}{proof}\n\
          [tools.deploy]\nurl = \"{base}/none/deploys\"\nrecovery = \"none\"\n{common}\n\
          [tools.rollout]\nurl = \"{base}/async/rollouts\"\nrecovery = \"replay\"\n\
          replay_window_secs = 3600\nreplay_safety_margin_secs = 60\n{long_running}\n\
@@ -1000,7 +1016,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     let env = Arc::new(env);
     let downstream = Downstream::start(&env).await;
     arm_jobs(&downstream, &actions, &mut report).await;
-    let tools = env.write_tools(&tools_toml(downstream.port));
+    let tools = env.write_tools(&tools_toml(downstream.port, cfg.absence_proof));
     let mut opts = WorkerOptions::new(tools);
     opts.lease_secs = LEASE_SECS;
     opts.recovery_interval_ms = 200;
@@ -1544,6 +1560,11 @@ async fn chaos(
                     7 => json!({"kind": "status_after_commit", "times": times, "status": 500}),
                     8 => json!({"kind": "status", "times": 1, "status": 403}),
                     9 => json!({"kind": "wrong_receipt", "times": 1}),
+                    // A false miss breaks a lookup's contract (authoritative by key), which
+                    // `absence_proof` relies on: then the lookups fail instead (down, or 5xx).
+                    10 if cfg.absence_proof => {
+                        json!({"kind": "status", "on": "lookup", "times": times, "status": 503})
+                    }
                     10 => json!({"kind": "lookup_miss", "times": times}),
                     // The async jobs' status URL: 5xx, flapping (every other read), slow
                     // (straddling the timeout), or another operation's document.
@@ -1748,6 +1769,9 @@ kit::pg_row! {
         lookups: i64,
         /// HTTP status of each write request in arrival order (`None`: dropped on purpose).
         write_statuses: Vec<Option<i32>>,
+        /// When each write request arrived, and the deadline it carried (`absence_proof`).
+        write_times: Vec<DateTime<Utc>>,
+        write_deadlines: Vec<Option<DateTime<Utc>>>,
         /// When the downstream finished sending each true answer to a write or lookup for the
         /// key (a 2xx that is not a `wrong_receipt` fault) to a client that was still
         /// connected (`requests.replied_at`).
@@ -1835,6 +1859,9 @@ async fn check(
              SELECT idem_key, count(*) FILTER (WHERE kind = 'write') AS writes,
                     coalesce(array_agg(status ORDER BY id) FILTER (WHERE kind = 'write'),
                              '{}') AS write_statuses,
+                    array_agg(at ORDER BY id) FILTER (WHERE kind = 'write') AS write_times,
+                    array_agg(deadline ORDER BY id) FILTER (WHERE kind = 'write')
+                        AS write_deadlines,
                     count(*) FILTER (WHERE kind = 'lookup') AS lookups,
                     count(*) FILTER (WHERE kind = 'status') AS status_reads,
                     array_agg(replied_at ORDER BY id) FILTER (
@@ -1859,6 +1886,8 @@ async fn check(
                 coalesce(m.mutations, 0) AS mutations, m.first_receipt,
                 coalesce(r.writes, 0) AS writes, coalesce(r.lookups, 0) AS lookups,
                 coalesce(r.write_statuses, '{}') AS write_statuses,
+                coalesce(r.write_times, '{}') AS write_times,
+                coalesce(r.write_deadlines, '{}') AS write_deadlines,
                 coalesce(r.delivered, '{}') AS delivered,
                 coalesce(j.jobs, 0) AS jobs, coalesce(r.status_reads, 0) AS status_reads,
                 j.job_operation_id, j.job_outcome, j.job_ends_at, j.job_deployment_id,
@@ -1905,14 +1934,22 @@ async fn check(
         }
         let figures = report.per_capability.entry(a.cap).or_default();
         // Without replay, a write may follow another only if that one was proven not applied
-        // (here: 429, the tools' only `not_applied_statuses`); after anything else (a dropped
-        // reply, a 5xx, an answer the worker no longer waited for) a second send is unsafe even
-        // when it happened not to duplicate.
+        // (here: 429, the tools' only `not_applied_statuses`) or can no longer apply (it carried
+        // a deadline, `absence_proof`, that had passed when the next one arrived: the
+        // downstream refuses it at its commit point); after anything else (a dropped reply, a
+        // 5xx, an answer the worker no longer waited for) a second send is unsafe even when it
+        // happened not to duplicate.
         if !a.cap.replays() {
             let statuses = ds.map_or(&[][..], |d| &d.write_statuses[..]);
-            let unsafe_resend = statuses
-                .split_last()
-                .is_some_and(|(_, before)| before.iter().any(|s| *s != Some(429)));
+            let times = ds.map_or(&[][..], |d| &d.write_times[..]);
+            let deadlines = ds.map_or(&[][..], |d| &d.write_deadlines[..]);
+            // Write `j` could still apply when write `i` arrived.
+            let still_open = |j: usize, i: usize| match (deadlines.get(j), times.get(i)) {
+                (Some(Some(deadline)), Some(at)) => at <= deadline,
+                _ => true,
+            };
+            let unsafe_resend = (1..statuses.len())
+                .any(|i| (0..i).any(|j| statuses[j] != Some(429) && still_open(j, i)));
             if unsafe_resend {
                 report.unsafe_resends += 1;
                 report.violations.push(format!(

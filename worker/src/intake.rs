@@ -692,6 +692,7 @@ mod tests {
             acceptance: None,
             poll_deadline: None,
             verified_by: None,
+            send_deadline: None,
         }
     }
 

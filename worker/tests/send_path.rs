@@ -63,33 +63,123 @@ async fn set(db: &TestDb, id: i64, assignment: &str) {
     .unwrap();
 }
 
+/// A send fence of `id` at `fence` for a tool without `absence_proof`.
+fn send(id: i64, fence: i64) -> worker::ledger::SendFence {
+    worker::ledger::SendFence {
+        id,
+        fence,
+        timeout: TIMEOUT,
+        deadline: None,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dispatch_fence_needs_this_fence_and_a_live_lease_and_renews_it_past_the_timeout() {
     let db = TestDb::new().await;
     let ctx = context(&db);
     let op = dispatching(&ctx, "north", "fence-1", "refund").await;
     let l = &db.ledger;
-    assert!(!l
-        .fence_send(op.id, op.fence + 1, WORKER_ID, LEASE, TIMEOUT)
+    assert!(l
+        .fence_send(send(op.id, op.fence + 1), WORKER_ID, LEASE)
         .await
-        .unwrap());
-    assert!(!l
-        .fence_send(op.id, op.fence, "another-worker", LEASE, TIMEOUT)
+        .unwrap()
+        .is_none());
+    assert!(l
+        .fence_send(send(op.id, op.fence), "another-worker", LEASE)
         .await
-        .unwrap());
+        .unwrap()
+        .is_none());
     let before = db_clock(&db).await;
     assert!(l
-        .fence_send(op.id, op.fence, WORKER_ID, LEASE, TIMEOUT)
+        .fence_send(send(op.id, op.fence), WORKER_ID, LEASE)
         .await
-        .unwrap());
+        .unwrap()
+        .is_some());
     // The lease is renewed to timeout + lease ahead.
     assert_set_ahead(&db, op.id, "lease_until", before, 5.0).await;
     // The lease ran out on the database clock (a paused worker): no send.
     set(&db, op.id, "lease_until = now() - interval '1 millisecond'").await;
-    assert!(!l
-        .fence_send(op.id, op.fence, WORKER_ID, LEASE, TIMEOUT)
+    assert!(l
+        .fence_send(send(op.id, op.fence), WORKER_ID, LEASE)
         .await
-        .unwrap());
+        .unwrap()
+        .is_none());
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_with_a_deadline_stores_it_on_the_database_clock_and_never_lowers_it() {
+    use std::time::Duration;
+    use worker::ledger::SendFence;
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let op = dispatching(&ctx, "north", "deadline-1", "ticket").await;
+    let l = &db.ledger;
+    let with = |deadline_ms: u64| SendFence {
+        deadline: Some(Duration::from_millis(deadline_ms)),
+        ..send(op.id, op.fence)
+    };
+    let before = db_clock(&db).await;
+    let passed = l.fence_send(with(30_000), WORKER_ID, LEASE).await.unwrap();
+    assert_set_ahead(&db, op.id, "send_deadline", before, 30.0).await;
+    let stored: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT send_deadline FROM operations WHERE id = $1")
+            .bind(op.id)
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        passed.unwrap().deadline,
+        Some(stored),
+        "the request carries what is stored"
+    );
+    // A later fence under a shorter deadline keeps the later one: an earlier request may still
+    // be in flight until it.
+    let passed = l.fence_send(with(1_000), WORKER_ID, LEASE).await.unwrap();
+    assert_eq!(passed.unwrap().deadline, Some(stored));
+    // A refused fence stores nothing.
+    let other = SendFence {
+        fence: op.fence + 1,
+        ..with(60_000)
+    };
+    assert!(l
+        .fence_send(other, WORKER_ID, LEASE)
+        .await
+        .unwrap()
+        .is_none());
+    assert!(secs_ahead(&db, op.id, "send_deadline").await < 31.0);
+    // Without a deadline (the tool has no absence_proof): none carried, and none kept, since
+    // that request may commit at any time.
+    let plain = l
+        .fence_send(send(op.id, op.fence), WORKER_ID, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(plain.unwrap().deadline, None);
+    let kept: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT send_deadline FROM operations WHERE id = $1")
+            .bind(op.id)
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+    assert_eq!(kept, None);
+    // A row already sent without one (a second attempt, no deadline stored) gets none stored
+    // from now on, though its requests still carry one.
+    set(&db, op.id, "attempts = 2").await;
+    let passed = l.fence_send(with(30_000), WORKER_ID, LEASE).await.unwrap();
+    assert!(
+        passed.unwrap().deadline.is_some(),
+        "the request still carries a deadline"
+    );
+    let kept: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT send_deadline FROM operations WHERE id = $1")
+            .bind(op.id)
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        kept, None,
+        "no proof for a row once sent without a deadline"
+    );
     db.drop_db().await;
 }
 
@@ -219,16 +309,19 @@ async fn a_batched_fence_checks_each_row_on_its_own() {
             id: stale.id,
             fence: stale.fence + 1,
             timeout: TIMEOUT,
+            deadline: None,
         },
         SendFence {
             id: live.id,
             fence: live.fence,
             timeout: TIMEOUT,
+            deadline: None,
         },
         SendFence {
             id: expired.id,
             fence: expired.fence,
             timeout: TIMEOUT,
+            deadline: None,
         },
     ];
     let before = db_clock(&db).await;
@@ -238,7 +331,7 @@ async fn a_batched_fence_checks_each_row_on_its_own() {
         .await
         .unwrap();
     assert_eq!(
-        passed,
+        passed.iter().map(Option::is_some).collect::<Vec<_>>(),
         vec![false, true, false],
         "one answer per send, in order"
     );
@@ -253,11 +346,13 @@ async fn a_batched_fence_checks_each_row_on_its_own() {
                 id: live.id,
                 fence: live.fence,
                 timeout: TIMEOUT,
+                deadline: None,
             },
             None
         )
         .await
-        .unwrap());
+        .unwrap()
+        .is_some());
     db.drop_db().await;
 }
 
@@ -400,7 +495,7 @@ async fn a_claim_by_insert_sets_what_a_claim_of_a_prepared_row_sets() {
 }
 
 /// Every column of an operation, in the order the worker's statements select them.
-const COLUMNS: [&str; 31] = [
+const COLUMNS: [&str; 32] = [
     "id",
     "tenant",
     "action_id",
@@ -432,6 +527,7 @@ const COLUMNS: [&str; 31] = [
     "acceptance",
     "poll_deadline",
     "verified_by",
+    "send_deadline",
 ];
 
 async fn read_as(
@@ -600,10 +696,11 @@ async fn fence_and_complete(
             id,
             fence: 1,
             timeout: TIMEOUT,
+            deadline: None,
         })
         .collect();
     let passed = ledger.fence_sends(&sends, WORKER_ID, LEASE).await.unwrap();
-    assert!(passed.iter().all(|&p| p), "every fence passes");
+    assert!(passed.iter().all(Option::is_some), "every fence passes");
     let completions: Vec<Completion> = ids
         .iter()
         .map(|&id| Completion {

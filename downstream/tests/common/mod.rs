@@ -164,10 +164,22 @@ impl Downstream {
     }
 
     pub async fn post(&self, path: &str, key: Option<&str>, body: &Value) -> Reply {
+        self.post_with(path, key, &[], body).await
+    }
+
+    /// [`Downstream::post`] with more headers (e.g. a deadline).
+    pub async fn post_with(
+        &self,
+        path: &str,
+        key: Option<&str>,
+        extra: &[(&str, &str)],
+        body: &Value,
+    ) -> Reply {
         let mut headers = vec![("Content-Type", "application/json")];
         if let Some(k) = key {
             headers.push(("Idempotency-Key", k));
         }
+        headers.extend_from_slice(extra);
         send(
             self.port,
             "POST",

@@ -8,11 +8,12 @@
 //! fails it over (and switches it back) during the faults, printing how soon the workers
 //! resumed on each new primary. `--cluster` puts the broker on a 3-node RabbitMQ cluster of the
 //! soak's own and SIGKILLs (and restarts) nodes during the faults, printing how soon the workers
-//! were ready again after each loss.
+//! were ready again after each loss. The lookup tool declares `absence_proof` unless
+//! `--no-absence-proof`.
 //!
 //! ```sh
 //! cargo build --workspace       # the worker (with fault points) and reference-downstream
-//! cargo run -p e2e --bin soak -- --seed 7 --intents 2000 --seconds 300 [--workers 3] [--settle-secs 90] [--pg-failover] [--cluster]
+//! cargo run -p e2e --bin soak -- --seed 7 --intents 2000 --seconds 300 [--workers 3] [--settle-secs 90] [--pg-failover] [--cluster] [--no-absence-proof]
 //! ```
 //!
 //! Exit code 0 when every invariant holds, 1 when one is broken, 2 when the soak could not run.
@@ -22,7 +23,7 @@ use anyhow::{bail, Context as _, Result};
 use e2e::soak::{run, SoakConfig};
 
 const USAGE: &str = "usage: soak [--seed S (time-based)] [--intents N (300)] [--seconds T (60)] \
-[--workers W (2)] [--settle-secs S (60)] [--pg-failover] [--cluster]
+[--workers W (2)] [--settle-secs S (60)] [--pg-failover] [--cluster] [--no-absence-proof]
 
 --pg-failover: the ledger on a Postgres primary and synchronous standby of the soak's own
 (initdb, pg_ctl, pg_rewind from the newest /usr/lib/postgresql/*/bin, PG_BIN_DIR overrides),
@@ -32,6 +33,9 @@ stopped hard and promoted, then switched back, during the faults.
 see e2e::rabbit_cluster); one of the two nodes the agent does not use at a time (the intents
 queue's leader when it is one of them) SIGKILLed and restarted during the faults; the agent uses
 a node that does not lead the intents queue.
+
+--no-absence-proof: the lookup tool `ticket` without `absence_proof`, so a lookup miss is held
+as before (compare its unresolved count for one seed with and without).
 
 The worker and reference-downstream binaries are taken from INTENT_BIN_DIR, default the directory
 of this executable (run `cargo build --workspace` first).";
@@ -52,6 +56,10 @@ fn parse_args() -> Result<SoakConfig> {
     if let Some(i) = args.iter().position(|a| a == "--cluster") {
         args.remove(i);
         cfg.cluster = true;
+    }
+    if let Some(i) = args.iter().position(|a| a == "--no-absence-proof") {
+        args.remove(i);
+        cfg.absence_proof = false;
     }
     for (flag, value) in e2e::flags::pairs_from(args, USAGE)? {
         match flag.as_str() {

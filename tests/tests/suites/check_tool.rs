@@ -334,3 +334,53 @@ async fn no_accepted_receipt_on_the_first_write_fails_and_skips_the_capability_p
     assert!(run.stderr.contains("--body must be a JSON object"));
     cleanup(env).await;
 }
+
+const PROOF: &str = "absence_proof = { deadline_ms = 8000, clock_skew_ms = 500, settle_ms = 200 }";
+
+#[tokio::test]
+async fn a_lookup_that_honours_deadlines_passes_the_absence_proof_probes() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let capability = format!("{}\n{PROOF}", lookup("lookup", "tickets"));
+    let path = tools(&env, &ds, "/lookup/tickets", &capability);
+    let run = check(&path, &["t", "--confirm-writes"]).await;
+    assert_eq!(run.code, Some(0));
+    assert_eq!(verdict(&run, "deadline-live"), "PASS");
+    assert_eq!(verdict(&run, "deadline-passed"), "PASS");
+    assert!(line(&run, "deadline-passed").contains("refused with 422"));
+    assert_eq!(verdict(&run, "clock-skew"), "INFO");
+    let id = run_id(&run);
+    assert_eq!(mutations(&env, &id, "first-write").await, 1);
+    assert_eq!(mutations(&env, &id, "deadline-passed").await, 0);
+    // The refused write did reach the downstream, with the deadline header, and was answered 422.
+    let refused = count(
+        &env,
+        "SELECT count(*) FROM downstream.requests WHERE kind = 'write' AND status = 422 AND idem_key = $1",
+        &format!("intent-worker-probe:probe-{id}-deadline-passed"),
+    )
+    .await;
+    assert_eq!(refused, 1);
+    cleanup(env).await;
+}
+
+#[tokio::test]
+async fn a_lookup_that_ignores_deadlines_fails_the_absence_proof_probe() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let capability = format!("{}\n{PROOF}", lookup("lookup-ignores-deadline", "tickets"));
+    let path = tools(&env, &ds, "/lookup-ignores-deadline/tickets", &capability);
+    let run = check(&path, &["t", "--confirm-writes"]).await;
+    assert_eq!(run.code, Some(1));
+    // Everything a lookup tool needs holds; only the deadline is ignored.
+    assert_eq!(verdict(&run, "lookup-written"), "PASS");
+    assert_eq!(verdict(&run, "lookup-never-written"), "PASS");
+    assert_eq!(verdict(&run, "deadline-live"), "PASS");
+    assert_eq!(verdict(&run, "deadline-passed"), "FAIL");
+    assert!(
+        line(&run, "deadline-passed").contains("the downstream applied it"),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(mutations(&env, &run_id(&run), "deadline-passed").await, 1);
+    cleanup(env).await;
+}

@@ -3,6 +3,7 @@
 //! `cargo nextest`; pick a subject with its module path, e.g.
 //! `cargo nextest run -p e2e -E 'test(/^dedupe::/)'`.
 
+mod absence_proof;
 mod agent_side;
 mod alert_metrics;
 mod bench_tools;

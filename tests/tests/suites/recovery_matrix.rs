@@ -1,5 +1,6 @@
-//! The fault matrix (docs/recovery.md, "Crash matrix"): four worker crash points
-//! plus "response dropped after the downstream committed", for each of the three capabilities.
+//! The fault matrix (docs/recovery.md, "Crash matrix"): five worker crash points
+//! plus "response dropped after the downstream committed", for each of the three capabilities,
+//! and for `lookup` with `absence_proof` (the tool `ticket` again, its writes carrying deadlines).
 //! Real worker processes are SIGKILLed at named points and a fresh worker recovers; counts of
 //! mutations and write requests come from the reference downstream's tables.
 
@@ -36,16 +37,24 @@ const fn held(mutations: i64, writes: i64) -> Expect {
 
 /// Crash at `point` (or, for "drop_after_commit", lose the response after the downstream
 /// committed), recover with a fresh worker, and check the seed's required outcome.
-async fn case(point: &str, tool: &str, expect: Expect) {
+async fn case(point: &str, column: &str, expect: Expect) {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
-    let tools = env.standard_tools(ds.port, "");
+    let proven = column == "ticket-proven";
+    let (tool, tools) = if proven {
+        ("ticket", proven_ticket(&env, ds.port))
+    } else {
+        (column, env.standard_tools(ds.port, ""))
+    };
     // A worker stopped after its completion committed (`after_succeeded`) holds that event
     // for its own relay; the next worker publishes it once the hold has passed. A short hold
     // (fault-point builds only) keeps that inside the wait below.
-    let opts = WorkerOptions::new(tools).env("WORKER_FAULT_RELAY_HOLD_SECS", "4");
+    let mut opts = WorkerOptions::new(tools).env("WORKER_FAULT_RELAY_HOLD_SECS", "4");
+    if proven {
+        opts.lease_secs = 5;
+    }
     let tenant = "north-shop";
-    let action = format!("{tool}-{point}");
+    let action = format!("{column}-{point}");
     let key = format!("{tenant}:{action}");
     let args = json!({"order": "order-731", "amount_cents": 4850, "currency": "USD"});
 
@@ -132,6 +141,19 @@ async fn case(point: &str, tool: &str, expect: Expect) {
     cleanup(env).await;
 }
 
+/// The lookup tool `ticket` with `absence_proof`: a 2.5 s deadline past a 1.5 s timeout, 300 ms
+/// of clock skew (the worker's lease is 5 s).
+fn proven_ticket(env: &Env, port: u16) -> std::path::PathBuf {
+    let base = format!("http://127.0.0.1:{port}");
+    env.write_tools(&format!(
+        "[tools.ticket]\nurl = \"{base}/lookup/tickets\"\nrecovery = \"lookup\"\n\
+         lookup_url = \"{base}/lookup/tickets/by-key/{{key}}\"\nreceipt_id = \"/receipt_id\"\n\
+         receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n\
+         timeout_ms = 1500\nrecovery_attempts = 3\nretry = {{ initial_delay_ms = 100, max_delay_ms = 1000 }}\n\
+         absence_proof = {{ deadline_ms = 2500, clock_skew_ms = 300 }}\n"
+    ))
+}
+
 macro_rules! matrix {
     ($($name:ident: $point:literal, $tool:literal => $expect:expr;)*) => {
         $(
@@ -143,7 +165,8 @@ macro_rules! matrix {
     };
 }
 
-// refund = replay, ticket = lookup, deploy = none (tests/src/env.rs).
+// refund = replay, ticket = lookup, deploy = none (tests/src/env.rs); ticket-proven = lookup
+// with absence_proof.
 matrix! {
     after_prepared_replay: "after_prepared", "refund" => ok(1, 1);
     after_prepared_lookup: "after_prepared", "ticket" => ok(1, 1);
@@ -163,4 +186,10 @@ matrix! {
     response_dropped_replay: "drop_after_commit", "refund" => ok(1, 2);
     response_dropped_lookup: "drop_after_commit", "ticket" => ok(1, 1);
     response_dropped_none: "drop_after_commit", "deploy" => held(1, 1);
+    after_prepared_proven: "after_prepared", "ticket-proven" => ok(1, 1);
+    after_dispatching_proven: "after_dispatching", "ticket-proven" => ok(1, 1);
+    after_send_fence_proven: "after_send_fence", "ticket-proven" => ok(1, 1);
+    after_response_proven: "after_response", "ticket-proven" => ok(1, 1);
+    after_succeeded_proven: "after_succeeded", "ticket-proven" => ok(1, 1);
+    response_dropped_proven: "drop_after_commit", "ticket-proven" => ok(1, 1);
 }

@@ -19,6 +19,7 @@ async fn short_seeded_soak_on_a_cluster_losing_nodes_keeps_every_invariant() {
         settle_secs: 30,
         pg_failover: false,
         cluster: true,
+        absence_proof: true,
     };
     let report = run(&cfg).await.expect("the soak could not run");
     println!("{report}");

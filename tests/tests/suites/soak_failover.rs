@@ -19,6 +19,7 @@ async fn short_seeded_soak_through_a_failover_and_a_switchover_keeps_every_invar
         settle_secs: 30,
         pg_failover: true,
         cluster: false,
+        absence_proof: true,
     };
     let report = run(&cfg).await.expect("the soak could not run");
     println!("{report}");

@@ -18,6 +18,7 @@ async fn short_seeded_soak_keeps_every_invariant() {
         settle_secs: 30,
         pg_failover: false,
         cluster: false,
+        absence_proof: true,
     };
     let report = run(&cfg).await.expect("the soak could not run");
     println!("{report}");

@@ -33,6 +33,8 @@ pub struct HttpAdapter {
     method: Method,
     headers: HeaderMap,
     idempotency_header: HeaderName,
+    /// The header a write's deadline goes in (a tool with `absence_proof`).
+    deadline_header: Option<HeaderName>,
     receipt: receipt::ReceiptRule,
     /// The async contract of a long-running tool, its pointers parsed.
     contract: Option<status::Contract>,
@@ -58,6 +60,13 @@ impl HttpAdapter {
         let url = reqwest::Url::parse(&config.url).map_err(|e| bad(format!("url: {e}")))?;
         let idempotency_header = HeaderName::from_bytes(config.idempotency_header.as_bytes())
             .map_err(|e| bad(format!("idempotency_header: {e}")))?;
+        let deadline_header = match &config.absence_proof {
+            Some(proof) => Some(
+                HeaderName::from_bytes(proof.header.as_bytes())
+                    .map_err(|e| bad(format!("absence_proof.deadline_header: {e}")))?,
+            ),
+            None => None,
+        };
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         for (k, v) in &config.headers {
@@ -75,6 +84,7 @@ impl HttpAdapter {
             method,
             headers,
             idempotency_header,
+            deadline_header,
         })
     }
 
@@ -127,6 +137,17 @@ impl HttpAdapter {
                 HeaderValue::from_str(&request.idempotency_key).expect("checked above"),
             );
         }
+        let deadline = match (&self.deadline_header, request.deadline) {
+            (Some(name), Some(deadline)) => {
+                let value = deadline.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+                headers.insert(
+                    name.clone(),
+                    HeaderValue::from_str(&value).expect("an RFC 3339 time is a header value"),
+                );
+                Some(value)
+            }
+            _ => None,
+        };
         trace_headers(&mut headers, span, request);
         let sent = self
             .client
@@ -160,6 +181,18 @@ impl HttpAdapter {
         }
         let excerpt = body.as_deref().map(excerpt).unwrap_or_default();
         let evidence = format!("HTTP {}: {excerpt}", status.as_u16());
+        // The downstream's promise: a request refused at its deadline had no effect.
+        if let (Some(deadline), Some(proof)) = (&deadline, &self.config.absence_proof) {
+            if proof.refused_statuses.contains(&status.as_u16()) {
+                return answer(Outcome::NotApplied {
+                    evidence: format!(
+                        "refused at its deadline {deadline} (deadline_refused_statuses), not \
+                         applied: {evidence}"
+                    ),
+                    retry_after,
+                });
+            }
+        }
         if self
             .config
             .retry

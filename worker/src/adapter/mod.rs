@@ -40,6 +40,8 @@ pub struct Request {
     /// The trace context of the intent. An adapter sends the context of its own request span
     /// when spans are recorded ([`kit::otel::outgoing`]), else this one unchanged.
     pub trace: Option<protocol::trace::TraceContext>,
+    /// The absolute deadline a write carries (a tool with `absence_proof`), from its send fence.
+    pub deadline: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// A downstream the worker can drive.

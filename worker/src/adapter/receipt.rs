@@ -217,6 +217,7 @@ mod tests {
             idempotency_key: "north-shop:refund/204 x".into(),
             body: "{}".into(),
             trace: None,
+            deadline: None,
         }
     }
 
@@ -241,6 +242,7 @@ mod tests {
             idempotency_key: "t{tool}:brace{tool}-1{key}".into(),
             body: "{}".into(),
             trace: None,
+            deadline: None,
         };
         assert_eq!(
             fill("{tenant}:{action_id}", &r, false),
@@ -284,6 +286,7 @@ mod tests {
                 tool: "ticket".into(),
                 body: "{}".into(),
                 trace: None,
+                deadline: None,
             };
             let url = fill("http://h/a/{tenant}/b/{action_id}/c/{key}?tool={tool}", &r, true);
             let (path, query) = url.split_once('?').unwrap();

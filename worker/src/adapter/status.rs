@@ -185,6 +185,7 @@ mod tests {
             idempotency_key: "north-shop:deploy-1".into(),
             body: String::new(),
             trace: None,
+            deadline: None,
         };
         let ours = "north-shop:deploy-1";
         for (doc, polled, says) in [

@@ -9,7 +9,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument as _;
 
 use super::{run_batches, Pace, Tasks};
-use crate::ledger::{Ledger, SendFence};
+use crate::ledger::{Ledger, Passed, SendFence};
 
 /// Largest number of sends fenced by one statement.
 const FENCE_BATCH: usize = 256;
@@ -23,7 +23,7 @@ pub struct FenceError(String);
 type Request = (
     SendFence,
     Option<protocol::trace::TraceContext>,
-    oneshot::Sender<Result<bool, FenceError>>,
+    oneshot::Sender<Result<Option<Passed>, FenceError>>,
 );
 
 /// The handle callers use; the batching task runs on [`Tasks`].
@@ -60,29 +60,23 @@ impl FenceBatcher {
         }
     }
 
-    /// Whether `send` may leave: batched with the fences requested meanwhile, or alone once the
-    /// batcher has stopped (shutdown). `trace` is the context of the send's span, linked from
-    /// the batch's span.
+    /// Whether `send` may leave (and the deadline it carries): batched with the fences
+    /// requested meanwhile, or alone once the batcher has stopped (shutdown). `trace` is the
+    /// context of the send's span, linked from the batch's span.
     pub async fn fence_send(
         &self,
         send: SendFence,
         trace: Option<protocol::trace::TraceContext>,
-    ) -> Result<bool, FenceError> {
+    ) -> Result<Option<Passed>, FenceError> {
         let (tx, rx) = oneshot::channel();
         if self.tx.send((send, trace, tx)).await.is_err() {
             // Boxed for the same reason as the completion batcher's own statement.
-            return Box::pin(self.ledger.fence_send(
-                send.id,
-                send.fence,
-                &self.worker_id,
-                self.lease,
-                send.timeout,
-            ))
-            .await
-            .map_err(|e| {
-                self.ledger.observe(&e);
-                FenceError(e.to_string())
-            });
+            return Box::pin(self.ledger.fence_send(send, &self.worker_id, self.lease))
+                .await
+                .map_err(|e| {
+                    self.ledger.observe(&e);
+                    FenceError(e.to_string())
+                });
         }
         rx.await
             .unwrap_or_else(|_| Err(FenceError("fence batcher stopped".into())))

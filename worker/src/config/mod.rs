@@ -27,7 +27,7 @@ pub mod tools;
 
 pub use completion::{AsyncContract, Callback, Completion, PollPolicy};
 pub use settings::{blank_env_is_unset, ConsoleSettings, EnvArgs, Listen, Settings, Topology};
-pub use tools::{check_proof, ToolConfig, Tools};
+pub use tools::{check_proof, AbsenceProof, ToolConfig, Tools};
 
 /// Errors found while reading configuration.
 #[derive(Debug, thiserror::Error)]

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use serde::Deserialize;
 
 use super::auth::{self, RawAuth};
@@ -66,6 +67,52 @@ struct RawTool {
     poll: Option<PollPolicy>,
     #[serde(default)]
     callback: Option<RawCallback>,
+    #[serde(default)]
+    absence_proof: Option<RawAbsenceProof>,
+    #[serde(default)]
+    deadline_refused_statuses: Option<Vec<u16>>,
+}
+
+/// `absence_proof = { ... }` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAbsenceProof {
+    #[serde(default = "default_deadline_header")]
+    deadline_header: String,
+    deadline_ms: Option<u64>,
+    clock_skew_ms: Option<u64>,
+    #[serde(default)]
+    settle_ms: u64,
+}
+
+fn default_deadline_header() -> String {
+    "Request-Deadline".into()
+}
+
+/// A tool's proof-of-absence contract (`absence_proof`, `recovery = "lookup"` only): every write
+/// carries an absolute deadline in `header`, `deadline` after its send fence on the database
+/// clock; the downstream refuses, with no effect and one of `refused_statuses`, a request that
+/// reaches its commit point after it. A lookup that misses later than the last deadline plus
+/// `clock_skew` and `settle` proves the write never happened ([`AbsenceProof::proof_at`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AbsenceProof {
+    pub header: String,
+    pub deadline: Duration,
+    /// The most the downstream's clock may differ from the database's.
+    pub clock_skew: Duration,
+    /// How long after a commit the downstream's lookup may still miss it.
+    pub settle: Duration,
+    /// Statuses the downstream answers a request refused at its deadline with: proven not applied.
+    pub refused_statuses: Vec<u16>,
+}
+
+impl AbsenceProof {
+    /// The first moment (database clock) at which a lookup miss proves that no request with a
+    /// deadline up to `last_deadline` committed or ever will.
+    pub fn proof_at(&self, last_deadline: DateTime<Utc>) -> DateTime<Utc> {
+        let wait = self.clock_skew + self.settle;
+        last_deadline + chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX)
+    }
 }
 
 impl RawTool {
@@ -130,6 +177,8 @@ pub struct ToolConfig {
     pub headers: BTreeMap<String, String>,
     /// How the write completes: at once, or as a long-running operation that is polled.
     pub completion: Completion,
+    /// The proof-of-absence contract of a `lookup` tool, when it declares one.
+    pub absence_proof: Option<AbsenceProof>,
 }
 /// The parsed tools file.
 #[derive(Debug, Clone, Default)]
@@ -207,6 +256,7 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
     check_capability_keys(&t, &capability).map_err(bad)?;
     check_policies(&t).map_err(bad)?;
     let completion = completion::completion(&t.completion_keys()).map_err(bad)?;
+    let absence_proof = absence_proof(&t, &capability).map_err(bad)?;
     Ok(ToolConfig {
         name: name.to_string(),
         url: t.url,
@@ -225,7 +275,77 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
         budget: t.budget,
         headers: t.headers,
         completion,
+        absence_proof,
     })
+}
+
+/// `absence_proof` and `deadline_refused_statuses`: a `lookup` tool's only; the deadline outlives
+/// the timeout (checked against the lease in [`check_proof`]); the header is a valid name that
+/// no other header of the tool uses.
+fn absence_proof(t: &RawTool, capability: &Capability) -> Result<Option<AbsenceProof>, String> {
+    let Some(raw) = &t.absence_proof else {
+        if t.deadline_refused_statuses.is_some() {
+            return Err("deadline_refused_statuses is only used with absence_proof".into());
+        }
+        return Ok(None);
+    };
+    if !matches!(capability, Capability::Lookup { .. }) {
+        return Err(format!(
+            "absence_proof is only used with recovery = \"lookup\" (this tool's is {:?}): a \
+             replay already proves the outcome by the key, and without a lookup a miss cannot be seen",
+            capability.name()
+        ));
+    }
+    let deadline_ms = raw.deadline_ms.ok_or(
+        "absence_proof needs deadline_ms (how long after its send a write may still commit)",
+    )?;
+    let clock_skew_ms = raw.clock_skew_ms.ok_or(
+        "absence_proof needs clock_skew_ms (the most the downstream's clock may differ from the \
+         ledger database's; 0 only when both read one clock)",
+    )?;
+    if deadline_ms <= t.timeout_ms {
+        return Err(format!(
+            "absence_proof.deadline_ms = {deadline_ms} must exceed timeout_ms = {}: a request the \
+             worker still waits for must not be refused for lateness",
+            t.timeout_ms
+        ));
+    }
+    let header = raw.deadline_header.trim();
+    if header.is_empty()
+        || !header
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    {
+        return Err(format!(
+            "absence_proof.deadline_header {:?} is not an HTTP header name",
+            raw.deadline_header
+        ));
+    }
+    let taken = |name: &str| name.eq_ignore_ascii_case(header);
+    if taken(&t.idempotency_header) || t.headers.keys().any(|k| taken(k)) {
+        return Err(format!(
+            "absence_proof.deadline_header {header:?} is already one of the tool's headers"
+        ));
+    }
+    let refused_statuses = t.deadline_refused_statuses.clone().unwrap_or(vec![422]);
+    if refused_statuses.is_empty() {
+        return Err("deadline_refused_statuses must list at least one status".into());
+    }
+    for s in &refused_statuses {
+        if !(400..=499).contains(s) || matches!(s, 408 | 409 | 429) {
+            return Err(format!(
+                "deadline_refused_statuses: {s} is not a 4xx status that can mean \"refused, no \
+                 effect\" (408, 409 and 429 may come from a request that was applied)"
+            ));
+        }
+    }
+    Ok(Some(AbsenceProof {
+        header: header.to_string(),
+        deadline: Duration::from_millis(deadline_ms),
+        clock_skew: Duration::from_millis(clock_skew_ms),
+        settle: Duration::from_millis(raw.settle_ms),
+        refused_statuses,
+    }))
 }
 
 /// The request a dispatch sends and the receipt it expects: the upper-cased method and the
@@ -408,6 +528,22 @@ pub fn check_proof(settings: &Settings, tools: &Tools) -> Result<(), ConfigError
                     settings.lease.as_secs()
                 ),
             ));
+        }
+        // A write's deadline passes before its owner's lease can lapse, so whoever recovers a
+        // crashed owner's send finds its deadline already behind it, and a slow downstream
+        // cannot hold a row's proof back by more than one lease.
+        if let Some(proof) = &tool.absence_proof {
+            if proof.deadline >= settings.lease {
+                return Err(bad(
+                    name,
+                    format!(
+                        "absence_proof.deadline_ms = {} is not shorter than WORKER_LEASE_SECS = {}; \
+                         a write could still commit after its lease ended",
+                        proof.deadline.as_millis(),
+                        settings.lease.as_secs()
+                    ),
+                ));
+            }
         }
         // The tombstone (key, fingerprint, final answer) must outlive the downstream's memory
         // of the key; else a redelivered intent is admitted as new while the key is remembered.
@@ -715,5 +851,99 @@ budget = { ratio = 0.2 }
             "{err}"
         );
         check_proof(&settings(30, 86_400), &tools).unwrap();
+    }
+
+    const LOOKUP: &str = "[tools.ticket]\nurl='http://a'\nreceipt_id='/id'\nreceipt_match={}\n\
+        timeout_ms = 2000\nrecovery='lookup'\nlookup_url='http://a/{key}'\n";
+
+    fn proof_tool(extra: &str) -> Result<Tools, String> {
+        Tools::parse(Path::new("t.toml"), &format!("{LOOKUP}{extra}\n")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn absence_proof_is_read_with_its_defaults() {
+        let tools =
+            proof_tool("absence_proof = { deadline_ms = 5000, clock_skew_ms = 250 }").unwrap();
+        let proof = tools.tools["ticket"].absence_proof.clone().unwrap();
+        assert_eq!(
+            proof,
+            AbsenceProof {
+                header: "Request-Deadline".into(),
+                deadline: Duration::from_secs(5),
+                clock_skew: Duration::from_millis(250),
+                settle: Duration::ZERO,
+                refused_statuses: vec![422],
+            }
+        );
+        let deadline = Utc::now();
+        assert_eq!(
+            proof.proof_at(deadline),
+            deadline + chrono::Duration::milliseconds(250)
+        );
+        let tools = proof_tool(
+            "absence_proof = { deadline_header = 'X-Deadline', deadline_ms = 5000, \
+             clock_skew_ms = 0, settle_ms = 700 }\ndeadline_refused_statuses = [410, 422]",
+        )
+        .unwrap();
+        let proof = tools.tools["ticket"].absence_proof.clone().unwrap();
+        assert_eq!(proof.header, "X-Deadline");
+        assert_eq!(proof.settle, Duration::from_millis(700));
+        assert_eq!(proof.refused_statuses, vec![410, 422]);
+    }
+
+    #[test]
+    fn absence_proof_is_refused_where_it_cannot_hold_naming_the_tool_and_key() {
+        for (extra, says) in [
+            ("absence_proof = { clock_skew_ms = 0 }", "needs deadline_ms"),
+            ("absence_proof = { deadline_ms = 5000 }", "needs clock_skew_ms"),
+            ("absence_proof = { deadline_ms = 2000, clock_skew_ms = 0 }", "must exceed timeout_ms = 2000"),
+            ("absence_proof = { deadline_ms = 5000, clock_skew_ms = 0, deadline_header = 'A B' }", "not an HTTP header name"),
+            ("absence_proof = { deadline_ms = 5000, clock_skew_ms = 0, deadline_header = 'idempotency-key' }", "already one of the tool's headers"),
+            ("absence_proof = { deadline_ms = 5000, clock_skew_ms = 0 }\ndeadline_refused_statuses = [409]", "deadline_refused_statuses: 409"),
+            ("absence_proof = { deadline_ms = 5000, clock_skew_ms = 0 }\ndeadline_refused_statuses = [500]", "deadline_refused_statuses: 500"),
+            ("absence_proof = { deadline_ms = 5000, clock_skew_ms = 0 }\ndeadline_refused_statuses = []", "at least one status"),
+            ("deadline_refused_statuses = [422]", "only used with absence_proof"),
+        ] {
+            let err = proof_tool(extra).unwrap_err();
+            assert!(err.contains("tools.ticket") && err.contains(says), "{extra}: {err}");
+        }
+        // A misspelt key is refused by the parser, which names the line.
+        let err = proof_tool("absence_proof = { deadline_ms = 5000, clock_skew_ms = 0, typo = 1 }")
+            .unwrap_err();
+        assert!(err.contains("unknown field `typo`"), "{err}");
+        for recovery in [
+            "recovery='none'",
+            "recovery='replay'\nreplay_window_secs=60",
+        ] {
+            let err = Tools::parse(
+                Path::new("t.toml"),
+                &format!(
+                    "[tools.x]\nurl='http://a'\nreceipt_id='/id'\nreceipt_match={{}}\n{recovery}\n\
+                     absence_proof = {{ deadline_ms = 20000, clock_skew_ms = 0 }}\n"
+                ),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains("tools.x") && err.contains("only used with recovery = \"lookup\""),
+                "{recovery}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_deadline_at_or_above_the_lease_is_refused() {
+        let tools =
+            proof_tool("absence_proof = { deadline_ms = 30000, clock_skew_ms = 0 }").unwrap();
+        let err = check_proof(&settings(30, 365 * 86_400), &tools)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tools.ticket")
+                && err.contains("absence_proof.deadline_ms = 30000")
+                && err.contains("WORKER_LEASE_SECS = 30"),
+            "{err}"
+        );
+        check_proof(&settings(31, 365 * 86_400), &tools).unwrap();
     }
 }

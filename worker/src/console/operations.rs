@@ -496,6 +496,9 @@ async fn detail_page(
                     (fact("next attempt", views::time_or_dash(op.next_attempt_at)))
                     (fact("first dispatch", views::time_or_dash(op.first_dispatch_at)))
                     (fact("replay deadline", views::time_or_dash(op.replay_deadline)))
+                    @if op.send_deadline.is_some() {
+                        (fact("request deadline", views::time_or_dash(op.send_deadline)))
+                    }
                     (fact("receipt id", op.receipt_id.as_deref().map(visible).unwrap_or_else(|| "—".into())))
                     (fact("operation id", op.remote_id.as_deref().map(visible).unwrap_or_else(|| "—".into())))
                     (fact("poll deadline", match op.poll_deadline {
@@ -802,6 +805,7 @@ mod tests {
             )),
             poll_deadline: Some(now + Duration::seconds(3600)),
             verified_by: Some("dispatch".into()),
+            send_deadline: None,
         }
     }
 

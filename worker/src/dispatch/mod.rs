@@ -12,7 +12,7 @@
 pub mod kept;
 pub mod next_state;
 
-pub use next_state::{after_dispatch, after_recovery, local_exhaustion_delay};
+pub use next_state::{after_dispatch, after_lookup, after_recovery, local_exhaustion_delay};
 
 use std::sync::Arc;
 
@@ -26,8 +26,8 @@ use crate::config::ToolConfig;
 use crate::context::Context;
 use crate::fault;
 use crate::ledger::{
-    Applied, Completion, LedgerError, Operation, Phase, SendFence, Source, State, Transition,
-    LEDGER_ERRORS,
+    Applied, Completion, LedgerError, Operation, Passed, Phase, SendFence, Source, State,
+    Transition, LEDGER_ERRORS,
 };
 use crate::outcome::Outcome;
 use crate::retry::RetryPolicy;
@@ -44,6 +44,7 @@ pub fn request_for(op: &Operation) -> Option<Request> {
         idempotency_key: op.idempotency_key(),
         body: op.arguments.clone()?,
         trace: op.trace(),
+        deadline: None,
     })
 }
 
@@ -105,39 +106,62 @@ async fn send(ctx: Arc<Context>, op: Operation) {
     } else {
         WriteKind::Retry
     };
-    if !send_fence(&ctx, &op, &tool.config, kind).await {
+    let Some(passed) = send_fence(&ctx, &op, &tool.config, kind).await else {
         return;
-    }
+    };
     fault::point("after_send_fence", &op.action_id);
+    let request = Request {
+        deadline: passed.deadline,
+        ..request
+    };
     let outcome = timed(tool, "write", tool.adapter.execute(&request)).await;
     Span::current().record("intent_worker.outcome", outcome.label());
     account(&ctx, &tool.config, kind, &outcome);
     fault::point("after_response", &op.action_id);
     let transition = after_dispatch(&op, &tool.config, outcome, Utc::now());
+    let transition = match passed.deadline {
+        Some(deadline) => transition.noting(&deadline_note(deadline)),
+        None => transition,
+    };
     finish(&ctx, &op, Phase::Dispatch, transition).await;
 }
 
+/// What the outcome of a write with a deadline records beside its evidence, so the history
+/// keeps every send's deadline.
+pub fn deadline_note(deadline: chrono::DateTime<Utc>) -> String {
+    format!(
+        "request deadline {}",
+        deadline.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+    )
+}
+
 /// The send fence of a first dispatch or retry (see [`crate::ledger::Ledger::fence_send`],
-/// batched by [`crate::batch::fence`]):
-/// true when the write may leave now. Time may have passed since the claim (waiting for a
-/// permit, a slow completion, a paused process), so ownership is confirmed on the database
-/// clock right before the request leaves; otherwise nothing is sent and the row is left to
-/// whoever owns it now.
-async fn send_fence(ctx: &Context, op: &Operation, tool: &ToolConfig, kind: WriteKind) -> bool {
+/// batched by [`crate::batch::fence`]): when the write may leave now, what it carries (its
+/// deadline, for a tool with `absence_proof`). Time may have passed since the claim (waiting
+/// for a permit, a slow completion, a paused process), so ownership is confirmed on the
+/// database clock right before the request leaves; otherwise nothing is sent and the row is
+/// left to whoever owns it now.
+async fn send_fence(
+    ctx: &Context,
+    op: &Operation,
+    tool: &ToolConfig,
+    kind: WriteKind,
+) -> Option<Passed> {
     let send = SendFence {
         id: op.id,
         fence: op.fence,
         timeout: tool.timeout,
+        deadline: tool.absence_proof.as_ref().map(|p| p.deadline),
     };
     match ctx
         .fences
         .fence_send(send, kit::otel::context_of(&Span::current()))
         .await
     {
-        Ok(true) => true,
-        Ok(false) => {
+        Ok(Some(passed)) => Some(passed),
+        Ok(None) => {
             abandoned(ctx, op, kind, "the lease was lost before the request left");
-            false
+            None
         }
         Err(e) => {
             // Unconfirmed ownership is no ownership: the lease lapses and recovery decides.
@@ -148,7 +172,7 @@ async fn send_fence(ctx: &Context, op: &Operation, tool: &ToolConfig, kind: Writ
                 kind,
                 &format!("the send fence could not be checked: {e}"),
             );
-            false
+            None
         }
     }
 }

@@ -39,26 +39,7 @@ pub fn after_dispatch(
             receipt,
             receipt_id,
         },
-        Outcome::NotSent { .. } | Outcome::NotApplied { .. } => {
-            let attempts = op.attempts.max(1) as u32;
-            let elapsed = (now - op.created_at).to_std().unwrap_or_default();
-            let evidence = outcome.evidence();
-            if attempts >= policy.max_attempts {
-                Transition::Failed {
-                    evidence: format!("{attempts} write attempts, none applied (retry.max_attempts reached); last: {evidence}"),
-                }
-            } else if elapsed.as_secs() >= policy.max_elapsed_secs {
-                Transition::Failed {
-                    evidence: format!(
-                        "not applied and retry.max_elapsed_secs passed; last: {evidence}"
-                    ),
-                }
-            } else {
-                let delay =
-                    with_retry_after(policy, retry_delay(policy, attempts), outcome.retry_after());
-                Transition::RetryWait { delay, evidence }
-            }
-        }
+        Outcome::NotSent { .. } | Outcome::NotApplied { .. } => not_applied(op, tool, outcome, now),
         // Nothing left this process: try again, the claim's attempt given back, whatever
         // max_attempts and max_elapsed_secs say (the downstream never saw it).
         Outcome::LocalExhaustion { evidence } => Transition::Resend {
@@ -83,6 +64,99 @@ pub fn after_dispatch(
                 evidence: outcome.evidence(),
             }
         }
+    }
+}
+
+/// A write proven not applied: another one after the retry delay, or `failed` once
+/// `retry.max_attempts` or `retry.max_elapsed_secs` is spent.
+fn not_applied(
+    op: &Operation,
+    tool: &ToolConfig,
+    outcome: Outcome,
+    now: DateTime<Utc>,
+) -> Transition {
+    let policy = &tool.retry;
+    let attempts = op.attempts.max(1) as u32;
+    let elapsed = (now - op.created_at).to_std().unwrap_or_default();
+    let evidence = outcome.evidence();
+    if attempts >= policy.max_attempts {
+        Transition::Failed {
+            evidence: format!(
+                "{attempts} write attempts, none applied (retry.max_attempts reached); last: {evidence}"
+            ),
+        }
+    } else if elapsed.as_secs() >= policy.max_elapsed_secs {
+        Transition::Failed {
+            evidence: format!("not applied and retry.max_elapsed_secs passed; last: {evidence}"),
+        }
+    } else {
+        let delay = with_retry_after(policy, retry_delay(policy, attempts), outcome.retry_after());
+        Transition::RetryWait { delay, evidence }
+    }
+}
+
+/// The next state after a lookup round on an `unknown` row whose lookup was sent after
+/// `looked_at` (database clock). For a tool with `absence_proof` and a row whose every write
+/// carried a deadline (`send_deadline`), a miss at or after [`AbsenceProof::proof_at`] proves
+/// that no write committed or ever will: the write is not applied, and is sent again under the
+/// same key like any proven-not-applied retry (or fails once its attempts are spent). A miss
+/// before that point proves nothing: the row stays `unknown` and its next round is not due
+/// before the proof point. Anything else is [`after_recovery`]'s.
+///
+/// [`AbsenceProof::proof_at`]: crate::config::AbsenceProof::proof_at
+pub fn after_lookup(
+    op: &Operation,
+    tool: &ToolConfig,
+    outcome: Outcome,
+    looked_at: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+) -> Transition {
+    let (Outcome::LookupMiss { .. }, Some(proof), Some(deadline), Some(looked_at)) =
+        (&outcome, &tool.absence_proof, op.send_deadline, looked_at)
+    else {
+        return after_recovery(op, tool, outcome);
+    };
+    let proof_at = proof.proof_at(deadline);
+    let stamp = |t: DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    if looked_at >= proof_at {
+        let evidence = format!(
+            "{PROOF_OF_ABSENCE}: the lookup sent after {} missed, and the last request's deadline \
+             {} plus clock_skew_ms = {} and settle_ms = {} had passed; not applied ({})",
+            stamp(looked_at),
+            stamp(deadline),
+            proof.clock_skew.as_millis(),
+            proof.settle.as_millis(),
+            outcome.evidence()
+        );
+        return not_applied(
+            op,
+            tool,
+            Outcome::NotApplied {
+                evidence,
+                retry_after: None,
+            },
+            now,
+        );
+    }
+    let early = Outcome::Unknown {
+        evidence: format!(
+            "{}; before {}, the last request's deadline {} plus clock skew and settle time, a \
+             miss proves nothing",
+            outcome.evidence(),
+            stamp(proof_at),
+            stamp(deadline)
+        ),
+        retry_after: None,
+    };
+    match recovery_unproven(op, tool, early) {
+        Transition::Unknown { delay, evidence } => {
+            let until_proof = (proof_at - looked_at).to_std().unwrap_or_default();
+            Transition::Unknown {
+                delay: delay.max(until_proof),
+                evidence,
+            }
+        }
+        held => held,
     }
 }
 
@@ -218,6 +292,9 @@ pub fn after_poll(
     }
 }
 
+/// The words the evidence of a write proven absent by a lookup miss ([`after_lookup`]) carries.
+pub const PROOF_OF_ABSENCE: &str = "proof of absence";
+
 /// The words a row held at its poll deadline starts its evidence with: the cause class
 /// `async_deadline` ([`crate::ledger::cause`]).
 pub const ASYNC_DEADLINE: &str = "async_deadline";
@@ -304,6 +381,7 @@ mod tests {
             budget: BudgetPolicy::default(),
             headers: BTreeMap::new(),
             completion: Default::default(),
+            absence_proof: None,
         }
     }
 
@@ -349,6 +427,7 @@ mod tests {
             acceptance: None,
             poll_deadline: None,
             verified_by: None,
+            send_deadline: None,
         }
     }
 
@@ -666,5 +745,122 @@ mod tests {
             let ms = delay.as_millis() as u64;
             assert!((lo_ms..=hi_ms).contains(&ms), "age {age_s} s: {ms} ms");
         }
+    }
+
+    fn proof_tool() -> ToolConfig {
+        ToolConfig {
+            absence_proof: Some(crate::config::AbsenceProof {
+                header: "Request-Deadline".into(),
+                deadline: Duration::from_secs(30),
+                clock_skew: Duration::from_secs(5),
+                settle: Duration::from_secs(1),
+                refused_statuses: vec![422],
+            }),
+            ..tool(Capability::Lookup {
+                url_template: "http://a/{key}".into(),
+            })
+        }
+    }
+
+    #[test]
+    fn a_miss_proves_absence_only_after_the_deadline_with_skew_and_settle_time() {
+        let tool = proof_tool();
+        let now = Utc::now();
+        let deadline = now - chrono::Duration::seconds(10);
+        let mut row = op(1, 1, chrono::Duration::seconds(40));
+        row.send_deadline = Some(deadline);
+        let ms = chrono::Duration::milliseconds;
+        // Proof point: the deadline + 5 s skew + 1 s settle.
+        let at_proof = deadline + ms(6_000);
+        match after_lookup(&row, &tool, miss(), Some(at_proof), now) {
+            Transition::RetryWait { delay, evidence } => {
+                assert_eq!(delay, Duration::from_millis(100));
+                assert!(evidence.contains("proof of absence"), "{evidence}");
+                assert!(
+                    evidence
+                        .contains(&deadline.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
+                    "{evidence}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // A millisecond earlier proves nothing: unknown, next round not before the proof point.
+        match after_lookup(&row, &tool, miss(), Some(at_proof - ms(1)), now) {
+            Transition::Unknown { delay, evidence } => {
+                assert_eq!(
+                    delay,
+                    Duration::from_millis(100).max(Duration::from_millis(1))
+                );
+                assert!(evidence.contains("proves nothing"), "{evidence}");
+            }
+            other => panic!("{other:?}"),
+        }
+        match after_lookup(&row, &tool, miss(), Some(at_proof - ms(4_000)), now) {
+            Transition::Unknown { delay, .. } => assert_eq!(delay, Duration::from_secs(4)),
+            other => panic!("{other:?}"),
+        }
+        // Early with the rounds spent: held, never resent.
+        let spent = Operation {
+            recovery_attempts: 3,
+            ..row.clone()
+        };
+        assert!(matches!(
+            after_lookup(&spent, &tool, miss(), Some(at_proof - ms(1)), now),
+            Transition::Held { .. }
+        ));
+        // Proven with the write attempts spent: failed (nothing was applied).
+        let tried = Operation {
+            attempts: 3,
+            ..row.clone()
+        };
+        match after_lookup(&tried, &tool, miss(), Some(at_proof), now) {
+            Transition::Failed { evidence } => {
+                assert!(
+                    evidence.contains("max_attempts") && evidence.contains("proof of absence"),
+                    "{evidence}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn without_a_stored_deadline_or_the_contract_a_miss_is_what_it_always_was() {
+        let now = Utc::now();
+        let later = Some(now + chrono::Duration::days(1));
+        let mut row = op(1, 1, chrono::Duration::seconds(40));
+        // Sent without a deadline (or before the tool declared absence_proof).
+        let transition = after_lookup(&row, &proof_tool(), miss(), later, now);
+        assert!(
+            matches!(transition, Transition::Unknown { .. }),
+            "{transition:?}"
+        );
+        // A tool without the contract, whatever the row says.
+        row.send_deadline = Some(now - chrono::Duration::days(1));
+        let plain = tool(Capability::Lookup {
+            url_template: "http://a/{key}".into(),
+        });
+        let transition = after_lookup(&row, &plain, miss(), later, now);
+        assert!(
+            matches!(transition, Transition::Unknown { .. }),
+            "{transition:?}"
+        );
+        // Not a miss: an error proves nothing, a receipt succeeds, as in any lookup.
+        let transition = after_lookup(&row, &proof_tool(), unknown(None), later, now);
+        assert!(
+            matches!(transition, Transition::Unknown { .. }),
+            "{transition:?}"
+        );
+        let transition = after_lookup(&row, &proof_tool(), succeeded(), later, now);
+        assert!(
+            matches!(transition, Transition::Succeeded { .. }),
+            "{transition:?}"
+        );
+        // No lease time known: no proof.
+        let transition = after_lookup(&row, &proof_tool(), miss(), None, now);
+        assert!(
+            matches!(transition, Transition::Unknown { .. }),
+            "{transition:?}"
+        );
     }
 }

@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+
 use super::admit::o_columns;
 use super::outbox;
 use super::{Ledger, LedgerError, Operation, State};
@@ -27,13 +29,22 @@ impl ReplayWindows {
     }
 }
 
-/// One ready send to fence: the row, the fence its claim took, and the tool's timeout (the
-/// renewed lease outlives it).
+/// One ready send to fence: the row, the fence its claim took, the tool's timeout (the
+/// renewed lease outlives it) and, for a tool with `absence_proof`, its `deadline_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SendFence {
     pub id: i64,
     pub fence: i64,
     pub timeout: Duration,
+    pub deadline: Option<Duration>,
+}
+
+/// A send fence that passed: the request may leave, carrying `deadline` when its tool declares
+/// `absence_proof` (fence time + `deadline_ms` on the database clock, stored in the row as its
+/// `send_deadline` in the same statement).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Passed {
+    pub deadline: Option<DateTime<Utc>>,
 }
 
 /// What a leased row needs next (decided by its state when the lease was taken).
@@ -135,51 +146,63 @@ impl Ledger {
     /// row moved on (its lease expired and recovery may own it): the send must be abandoned.
     pub async fn fence_send(
         &self,
-        id: i64,
-        fence: i64,
+        send: SendFence,
         worker_id: &str,
         lease: Duration,
-        timeout: Duration,
-    ) -> Result<bool, LedgerError> {
-        let passed = self
-            .fence_sends(&[SendFence { id, fence, timeout }], worker_id, lease)
-            .await?;
+    ) -> Result<Option<Passed>, LedgerError> {
+        let passed = self.fence_sends(&[send], worker_id, lease).await?;
         Ok(passed[0])
     }
 
     /// [`Ledger::fence_send`] for many ready sends in one statement (the dispatcher's fence
     /// batcher): each row's own predicate (fence, state, owner, `lease_until > now()`) is
-    /// checked as if alone. Answers one flag per entry, in order.
+    /// checked as if alone. Answers one entry per send, in order: None where the fence did not
+    /// pass. A send with a `deadline` stores fence time + deadline as the row's `send_deadline`
+    /// (never lowering it: a request sent earlier under a longer deadline is still covered) and
+    /// carries what is stored. A row that was ever sent without a deadline (its tool declared
+    /// none then) keeps none: that request may commit at any time, so no lookup miss can prove
+    /// its absence; its later requests still carry a deadline of their own.
     pub async fn fence_sends(
         &self,
         sends: &[SendFence],
         worker_id: &str,
         lease: Duration,
-    ) -> Result<Vec<bool>, LedgerError> {
+    ) -> Result<Vec<Option<Passed>>, LedgerError> {
         if sends.is_empty() {
             return Ok(Vec::new());
         }
         let ids: Vec<i64> = sends.iter().map(|s| s.id).collect();
         let fences: Vec<i64> = sends.iter().map(|s| s.fence).collect();
         let timeouts: Vec<f64> = sends.iter().map(|s| s.timeout.as_secs_f64()).collect();
+        let deadlines: Vec<Option<f64>> = sends
+            .iter()
+            .map(|s| s.deadline.map(|d| d.as_secs_f64()))
+            .collect();
         // Each row is found by its id. The state predicate is written so that no index can
         // serve it: the unresolved index still holds an entry for every row that was
         // `dispatching` since the last vacuum, and a bitmap scan through it (what the planner
         // picks when it believes few rows are `dispatching`) visits all of their pages.
-        let passed: Vec<(i64, i64)> = sqlx::query_as(
+        let passed: Vec<(i64, i64, Option<DateTime<Utc>>)> = sqlx::query_as(
             "UPDATE operations o
              SET lease_until = now() + make_interval(secs => i.timeout + $5),
-                 unsent_fence = NULL
-             FROM unnest($1::int8[], $2::int8[], $3::float8[]) AS i(id, fence, timeout)
+                 unsent_fence = NULL,
+                 send_deadline = CASE
+                     WHEN i.deadline IS NULL OR (o.send_deadline IS NULL AND o.attempts > 1)
+                         THEN NULL
+                     ELSE greatest(o.send_deadline, now() + make_interval(secs => i.deadline)) END
+             FROM unnest($1::int8[], $2::int8[], $3::float8[], $6::float8[])
+                  AS i(id, fence, timeout, deadline)
              WHERE o.id = i.id AND o.fence = i.fence AND (o.state = 'dispatching') IS TRUE
                AND o.lease_owner = $4 AND o.lease_until > now()
-             RETURNING o.id, o.fence",
+             RETURNING o.id, o.fence, CASE WHEN i.deadline IS NOT NULL
+                 THEN coalesce(o.send_deadline, now() + make_interval(secs => i.deadline)) END",
         )
         .bind(&ids)
         .bind(&fences)
         .bind(&timeouts)
         .bind(worker_id)
         .bind(lease.as_secs_f64())
+        .bind(&deadlines)
         // Planned at each run, for the batch and the table it meets: a prepared statement's
         // generic plan, made while the table was small (a sequential scan), would be kept until
         // the next ANALYZE and read the whole table for every batch once it has grown.
@@ -188,7 +211,12 @@ impl Ledger {
         .await?;
         Ok(sends
             .iter()
-            .map(|s| passed.contains(&(s.id, s.fence)))
+            .map(|s| {
+                passed
+                    .iter()
+                    .find(|(id, fence, _)| (*id, *fence) == (s.id, s.fence))
+                    .map(|&(_, _, deadline)| Passed { deadline })
+            })
             .collect())
     }
 

@@ -56,6 +56,27 @@ pub enum Transition {
     Poll { delay: Duration, evidence: String },
 }
 
+impl Transition {
+    /// The same transition with `note` added to its evidence (a `Defer` has none).
+    pub fn noting(mut self, note: &str) -> Transition {
+        match &mut self {
+            Transition::Succeeded { evidence, .. }
+            | Transition::Failed { evidence }
+            | Transition::RetryWait { evidence, .. }
+            | Transition::Resend { evidence, .. }
+            | Transition::Unknown { evidence, .. }
+            | Transition::Held { evidence }
+            | Transition::Accepted { evidence, .. }
+            | Transition::Poll { evidence, .. } => {
+                evidence.push_str("; ");
+                evidence.push_str(note);
+            }
+            Transition::Defer { .. } => {}
+        }
+        self
+    }
+}
+
 /// Which call established a completion's outcome: the completion report's `verified_by`
 /// ([`protocol::VerifiedBy`]). A dispatch's receipt recorded on a row that had moved on (its
 /// lease ran out) is stored as `late_receipt`.
@@ -542,7 +563,9 @@ async fn update_one(
                     "state = 'accepted', next_attempt_at = now() + make_interval(secs => $6)"
                 }
                 Transition::RetryWait { .. } => {
-                    "state = 'retry_wait', next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
+                    // A new write starts new recovery rounds (a retry after a proof of absence).
+                    "state = 'retry_wait', recovery_attempts = 0, \
+                     next_attempt_at = now() + make_interval(secs => $6), last_reported = 'pending'"
                 }
                 Transition::Resend { .. } => {
                     "state = 'retry_wait', attempts = greatest(o.attempts - 1, 0), \

@@ -34,7 +34,7 @@ mod states;
 pub mod workers;
 
 pub use admit::{Admitted, NewOperation};
-pub use claim::{ClaimKind, Claimed, ReplayWindows, SendFence};
+pub use claim::{ClaimKind, Claimed, Passed, ReplayWindows, SendFence};
 pub use complete::{Applied, Completed, Completion, Phase, Source, Transition};
 pub use operator::{OperatorChange, OperatorOutcome, OperatorRequest, UnresolvedFilter};
 pub use retention::SweepReport;
@@ -116,6 +116,9 @@ pub struct Operation {
     /// How the final answer (or the acceptance) is known: `dispatch`, `replay`, `lookup`,
     /// `poll`, `late_receipt` or `operator:<name>`.
     pub verified_by: Option<String>,
+    /// The deadline the last write request carried (a tool with `absence_proof`), on the
+    /// database clock; the downstream refuses a request that reaches its commit point later.
+    pub send_deadline: Option<DateTime<Utc>>,
 }
 
 /// A state read from the database.
@@ -154,10 +157,10 @@ pub(crate) const OPERATION_COLUMNS: &str = "id, tenant, action_id, tool, fingerp
      reply_to, state, fence, lease_owner, lease_until, attempts, recovery_attempts, next_attempt_at, \
      first_dispatch_at, replay_deadline, receipt, receipt_id, evidence, last_reported, created_at, \
      updated_at, state_since, swept_at, traceparent, tracestate, remote_id, acceptance, poll_deadline, \
-     verified_by";
+     verified_by, send_deadline";
 
 /// How many columns `OPERATION_COLUMNS` names: one per field of [`Operation`].
-const OPERATION_FIELDS: usize = 31;
+const OPERATION_FIELDS: usize = 32;
 // [`OperationDecoder`] keeps a bit per field.
 const _: () = assert!(OPERATION_FIELDS <= u32::BITS as usize);
 
@@ -303,6 +306,7 @@ fn decode_operation(
         acceptance: col!(28),
         poll_deadline: col!(29),
         verified_by: col!(30),
+        send_deadline: col!(31),
     })
 }
 
@@ -353,6 +357,7 @@ static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> = std::sync::LazyL
         "0016_console_spent_ids.sql",
         "0017_accepted_operations.sql",
         "0018_documents_as_sent.sql",
+        "0019_request_deadlines.sql",
     )
 });
 
@@ -480,13 +485,16 @@ mod tests {
             kit::schema::unlisted(&dir, &MIGRATOR).unwrap(),
             Vec::<String>::new()
         );
-        assert_eq!(MIGRATOR.iter().count(), 18);
+        assert_eq!(MIGRATOR.iter().count(), 19);
     }
 
     #[test]
     fn every_operation_column_has_its_field() {
         assert_eq!(OPERATION_COLUMN_NAMES.len(), OPERATION_FIELDS);
         assert_eq!(OPERATION_COLUMN_NAMES[8], "state");
-        assert_eq!(OPERATION_COLUMN_NAMES[OPERATION_FIELDS - 1], "verified_by");
+        assert_eq!(
+            OPERATION_COLUMN_NAMES[OPERATION_FIELDS - 1],
+            "send_deadline"
+        );
     }
 }

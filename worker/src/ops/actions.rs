@@ -101,6 +101,8 @@ pub struct OperationView {
     pub acceptance: Option<Document>,
     /// When an accepted operation is held if still not done.
     pub poll_deadline: Option<DateTime<Utc>>,
+    /// The deadline the last write request carried (a tool with `absence_proof`).
+    pub send_deadline: Option<DateTime<Utc>>,
     /// How the final answer (or the acceptance) is known: `dispatch`, `replay`, `lookup`,
     /// `poll`, `late_receipt` or `operator:<name>`.
     pub verified_by: Option<String>,
@@ -156,6 +158,7 @@ impl OperationView {
             remote_id: op.remote_id.clone(),
             acceptance: op.acceptance.clone(),
             poll_deadline: op.poll_deadline,
+            send_deadline: op.send_deadline,
             verified_by: op.verified_by.clone(),
             history,
         }
@@ -520,6 +523,7 @@ fn receipt_request(op: &Operation) -> Request {
         idempotency_key: op.idempotency_key(),
         body: op.arguments.clone().unwrap_or_default(),
         trace: op.trace(),
+        deadline: None,
     }
 }
 

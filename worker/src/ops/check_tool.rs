@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use crate::adapter::http::{Answer, HttpAdapter};
 use crate::adapter::Request;
-use crate::config::ToolConfig;
+use crate::config::{AbsenceProof, ToolConfig};
 use crate::ledger::idempotency_key;
 use crate::outcome::{Outcome, Polled};
 use crate::recovery::Capability;
@@ -135,6 +135,7 @@ pub async fn run(
         body: body.to_string(),
         variant: serde_json::Value::Object(variant).to_string(),
         seen_4xx: Vec::new(),
+        absence_proof: config.absence_proof.clone(),
     };
     let asynchronous = config.completion.contract().is_some();
     let mut probes = checker.probes(&config.capability, asynchronous).await;
@@ -162,6 +163,19 @@ fn declaration_notes(config: &ToolConfig) -> Vec<Probe> {
                 "the downstream must remember each key for at least replay_window_secs = {}; \
                  that cannot be checked from outside: confirm it in its documentation",
                 window.as_secs()
+            ),
+            evidence: String::new(),
+        });
+    }
+    if let Some(proof) = &config.absence_proof {
+        notes.push(Probe {
+            name: "clock-skew",
+            verdict: Verdict::Info,
+            message: format!(
+                "the downstream's clock must stay within clock_skew_ms = {} of the ledger \
+                 database's (deadline-passed probed only this machine's): confirm how both are \
+                 synchronised",
+                proof.clock_skew.as_millis()
             ),
             evidence: String::new(),
         });
@@ -194,6 +208,8 @@ struct Checker {
     variant: String,
     /// (probe, status, content type) of every 4xx seen, for the problem+json probe.
     seen_4xx: Vec<(&'static str, u16, Option<String>)>,
+    /// The tool's proof-of-absence contract, probed when declared.
+    absence_proof: Option<AbsenceProof>,
 }
 
 fn probe(
@@ -234,6 +250,10 @@ impl Checker {
             tool: self.tool.clone(),
             body: body.into(),
             trace: None,
+            // As the worker's writes do: a live deadline on this machine's clock.
+            deadline: self.absence_proof.as_ref().map(|p| {
+                chrono::Utc::now() + chrono::Duration::from_std(p.deadline).unwrap_or_default()
+            }),
         }
     }
 
@@ -285,6 +305,10 @@ impl Checker {
             (Capability::Lookup { .. }, Some(id)) => {
                 out.push(self.lookup_written(&first, id).await);
                 out.push(self.lookup_never_written().await);
+                if let Some(proof) = self.absence_proof.clone() {
+                    out.push(self.deadline_live(&first, &proof).await);
+                    out.push(self.deadline_passed(&proof).await);
+                }
             }
             (Capability::None, _) => {}
             (_, None) => out.push(Probe {
@@ -612,6 +636,110 @@ impl Checker {
                 Verdict::Info,
                 "a key never written did not answer 404: the worker keeps such rows unknown",
                 &answer,
+            ),
+        }
+    }
+
+    /// `absence_proof`: the first write (sent with a live deadline) is visible to the lookup
+    /// within `settle_ms`.
+    async fn deadline_live(&mut self, first: &Request, proof: &AbsenceProof) -> Probe {
+        const NAME: &str = "deadline-live";
+        let started = std::time::Instant::now();
+        let settle = proof.settle;
+        let mut answer = self.adapter.probe_lookup(first).await;
+        while matches!(answer.outcome, Outcome::LookupMiss { .. }) && started.elapsed() < settle {
+            tokio::time::sleep((settle / 10).max(std::time::Duration::from_millis(50))).await;
+            answer = self.adapter.probe_lookup(first).await;
+        }
+        self.note(NAME, &answer);
+        match &answer.outcome {
+            Outcome::Succeeded { .. } => probe(
+                NAME,
+                Verdict::Pass,
+                format!(
+                    "a write sent with a live deadline succeeded and the lookup found it within \
+                     settle_ms = {}",
+                    settle.as_millis()
+                ),
+                &answer,
+            ),
+            _ => probe(
+                NAME,
+                Verdict::Fail,
+                format!(
+                    "a write sent with a live deadline was not found by the lookup within \
+                     settle_ms = {}: a miss after the deadline would not prove its absence; \
+                     raise settle_ms or do not declare absence_proof",
+                    settle.as_millis()
+                ),
+                &answer,
+            ),
+        }
+    }
+
+    /// `absence_proof`: a write whose deadline passed (by more than the declared clock skew) is
+    /// refused with a listed status and leaves nothing the lookup can find, `settle_ms` later.
+    async fn deadline_passed(&mut self, proof: &AbsenceProof) -> Probe {
+        const NAME: &str = "deadline-passed";
+        let mut request = self.request("deadline-passed", &self.body.clone());
+        let past = proof.clock_skew + std::time::Duration::from_secs(1);
+        let deadline = chrono::Utc::now() - chrono::Duration::from_std(past).unwrap_or_default();
+        request.deadline = Some(deadline);
+        let stamp = deadline.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let answer = self.write(NAME, &request, true).await;
+        let refused = matches!(answer.outcome, Outcome::NotApplied { .. })
+            && answer
+                .status
+                .is_some_and(|s| proof.refused_statuses.contains(&s));
+        if !refused {
+            let what = match (&answer.outcome, answer.status) {
+                (Outcome::Succeeded { .. }, _) | (_, Some(200..=299)) => {
+                    "the downstream applied it: it does not check the deadline at its commit \
+                     point, so a lookup miss proves nothing and absence_proof would send a \
+                     write twice"
+                        .to_owned()
+                }
+                (_, Some(s)) => format!(
+                    "the downstream answered {s}, not one of deadline_refused_statuses {:?}: \
+                     the worker cannot tell this refusal from another answer",
+                    proof.refused_statuses
+                ),
+                (_, None) => "no HTTP answer: the refusal could not be seen".to_owned(),
+            };
+            return probe(
+                NAME,
+                Verdict::Fail,
+                format!(
+                    "a write with a deadline already passed ({stamp}, beyond clock_skew_ms = \
+                     {}) was not refused: {what}",
+                    proof.clock_skew.as_millis()
+                ),
+                &answer,
+            );
+        }
+        tokio::time::sleep(proof.settle).await;
+        let lookup = self.adapter.probe_lookup(&request).await;
+        self.note(NAME, &lookup);
+        match &lookup.outcome {
+            Outcome::LookupMiss { .. } => probe(
+                NAME,
+                Verdict::Pass,
+                format!(
+                    "a write with a deadline already passed ({stamp}) was refused with {} and \
+                     the lookup does not find it: a miss after a deadline proves absence",
+                    answer.status.unwrap_or_default()
+                ),
+                &answer,
+            ),
+            _ => probe(
+                NAME,
+                Verdict::Fail,
+                format!(
+                    "a write refused for its passed deadline ({stamp}) is found by the lookup \
+                     all the same: the refusal did not undo its effect; do not declare \
+                     absence_proof"
+                ),
+                &lookup,
             ),
         }
     }

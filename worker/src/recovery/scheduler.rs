@@ -17,7 +17,9 @@ use super::Capability;
 use crate::adapter::meters::timed;
 use crate::context::Context;
 use crate::dispatch::next_state::after_poll;
-use crate::dispatch::{self, after_recovery, finish, finish_by, request_for, InFlight};
+use crate::dispatch::{
+    self, after_lookup, after_recovery, finish, finish_by, request_for, InFlight,
+};
 use crate::fault;
 use crate::ledger::{ClaimKind, Claimed, Phase, Source, State, Transition, LEDGER_ERRORS};
 use crate::retry::WriteKind;
@@ -265,6 +267,7 @@ async fn poll_round(ctx: Arc<Context>, op: crate::ledger::Operation) {
         idempotency_key: op.idempotency_key(),
         body: String::new(),
         trace: op.trace(),
+        deadline: None,
     };
     fault::point("before_poll", &op.action_id);
     let polled = tool.adapter.poll(&request, &operation_id).await;
@@ -376,7 +379,19 @@ async fn recover_round(ctx: Arc<Context>, op: crate::ledger::Operation) {
         Action::LookupOriginalReceipt => {
             let outcome = timed(tool, "lookup", tool.adapter.lookup(&request)).await;
             Span::current().record("intent_worker.outcome", outcome.label());
-            after_recovery(&op, config, outcome)
+            let transition = after_lookup(&op, config, outcome, leased_at(&ctx, &op), Utc::now());
+            if let Transition::RetryWait { evidence, .. } | Transition::Failed { evidence } =
+                &transition
+            {
+                if evidence.contains(crate::dispatch::next_state::PROOF_OF_ABSENCE) {
+                    counter!(m::ABSENCE_PROOFS, "tool" => op.tool.clone()).increment(1);
+                    tracing::info!(
+                        tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool,
+                        "a lookup miss after the last request's deadline proved the write absent"
+                    );
+                }
+            }
+            transition
         }
         Action::ReplayOriginalRequest => match replay(&ctx, &op, tool, &request, phase).await {
             Some(transition) => transition,
@@ -384,6 +399,14 @@ async fn recover_round(ctx: Arc<Context>, op: crate::ledger::Operation) {
         },
     };
     finish_by(&ctx, &op, phase, transition, by).await;
+}
+
+/// When this worker leased `op`, on the database clock (the lease statement set `lease_until`
+/// to its `now()` plus this worker's lease), less a millisecond for the rounding of the
+/// interval: the lookup of this round left after it.
+fn leased_at(ctx: &Context, op: &crate::ledger::Operation) -> Option<chrono::DateTime<Utc>> {
+    let lease = chrono::Duration::from_std(ctx.lease).ok()?;
+    Some(op.lease_until? - lease - chrono::Duration::milliseconds(1))
 }
 
 /// A replay of the original request, within the shared retry budget and behind its fence

@@ -43,6 +43,8 @@ pub const RECOVERIES: &str = "intent_worker_recovery_actions_total";
 pub const POLLS: &str = "intent_worker_polls_total";
 /// Accepted long-running operations held because they were not done by their poll deadline.
 pub const ASYNC_DEADLINES: &str = "intent_worker_async_deadlines_total";
+/// Lookup misses after the last request's deadline that proved a write absent (`absence_proof`).
+pub const ABSENCE_PROOFS: &str = "intent_worker_absence_proofs_total";
 /// Overdue polls rescheduled within their gaps rather than run at once, by tool.
 pub const POLLS_SPREAD: &str = "intent_worker_polls_spread_total";
 /// Signed completion callbacks, by tool and what each did.
@@ -197,6 +199,10 @@ fn describe_work() {
         "Status reads of accepted long-running operations, by tool and outcome (done, failed, running, unproven, local_exhaustion)."
     );
     describe_counter!(
+        ABSENCE_PROOFS,
+        "Lookup misses after the last request's deadline plus clock skew and settle time that proved a write absent (absence_proof): sent again under the same key, or failed when its attempts were spent; by tool."
+    );
+    describe_counter!(
         ASYNC_DEADLINES,
         "Accepted long-running operations held for a person because they were not done by their poll deadline, by tool."
     );
@@ -314,6 +320,7 @@ pub fn install(tools: &[String]) -> Result<PrometheusHandle, String> {
             counter!(POLLS, "tool" => tool.clone(), "outcome" => outcome).absolute(0);
         }
         counter!(ASYNC_DEADLINES, "tool" => tool.clone()).absolute(0);
+        counter!(ABSENCE_PROOFS, "tool" => tool.clone()).absolute(0);
         for kind in ["write", "lookup"] {
             counter!(LOCAL_RESOURCE_ERRORS, "tool" => tool.clone(), "kind" => kind).absolute(0);
         }

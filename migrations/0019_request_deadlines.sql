@@ -1,0 +1,12 @@
+-- Proof of absence (docs/recovery.md, "Proof of absence"): a tool that declares
+-- `absence_proof` sends every write with an absolute deadline the downstream checks at its
+-- commit point. The send fence computes it on the database clock (fence time + deadline_ms) and
+-- keeps the latest one here; a lookup that misses after this deadline, plus the declared clock
+-- skew and settle time, proves that no request of the operation committed or ever will.
+--
+-- send_deadline  the deadline of the operation's last write request (never lowered); NULL for a
+--                tool without absence_proof
+--
+-- A nullable column without a default: no table rewrite. It is not indexed, so the send fence
+-- that writes it stays a heap-only update.
+ALTER TABLE operations ADD COLUMN send_deadline timestamptz;
