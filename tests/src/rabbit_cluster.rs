@@ -199,6 +199,33 @@ impl RabbitCluster {
         self.os_pid(i).is_some()
     }
 
+    /// `kill -STOP` of node `i`'s `beam.smp`: a partitioned node, not a dead one. Its sockets
+    /// stay open and say nothing, so its peers and clients notice only through their own
+    /// heartbeats (the other nodes through Erlang's `net_ticktime`). [`RabbitCluster::resume`]
+    /// lets it go on. Drop and [`RabbitCluster::kill`] work on a paused node.
+    pub fn pause(&self, i: usize) {
+        self.signal(i, libc::SIGSTOP);
+    }
+
+    /// `kill -CONT` of a node [`RabbitCluster::pause`] stopped.
+    pub fn resume(&self, i: usize) {
+        self.signal(i, libc::SIGCONT);
+    }
+
+    fn signal(&self, i: usize, signal: libc::c_int) {
+        let pid = self
+            .os_pid(i)
+            .unwrap_or_else(|| panic!("node {i} is not running"));
+        // SAFETY: kill(2) with the pid of a child this fixture started and has not reaped.
+        let rc = unsafe { libc::kill(pid as libc::pid_t, signal) };
+        assert_eq!(
+            rc,
+            0,
+            "signal {signal} to node {i}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+
     /// `kill -9` of node `i`'s `beam.smp` (reaped; its pid file removed). No-op if not running.
     pub fn kill(&self, i: usize) {
         if let Some(mut child) = self.nodes[i].child.lock().unwrap().take() {

@@ -1073,3 +1073,143 @@ async fn two_workers_ride_out_node_losses_of_a_three_node_cluster() {
         println!("{what}: {}", secs(*d));
     }
 }
+
+/// How long the paused node stays stopped: long past the workers' heartbeat, and below Erlang's
+/// default `net_ticktime` (60 s), so the other nodes never declare it down.
+const PAUSE: Duration = Duration::from_secs(25);
+/// The paused-node test's AMQP heartbeat and connection timeout: a silent link is declared dead
+/// after two beats, and a node that accepts and never answers costs one timeout.
+const PAUSE_HEARTBEAT_SECS: &str = "3";
+const PAUSE_CONNECT_TIMEOUT_MS: u64 = 2000;
+
+/// A partitioned node, not a dead one: the node worker B consumes through (a follower of the
+/// intents queue: its leader, the agent's results queue and worker A stay on node 0) is
+/// SIGSTOPped mid-feed, its
+/// sockets open and silent, for 25 s. Worker B notices within two heartbeats and consumes
+/// through the node left; consumption by both workers of intents sent after the pause resumes
+/// within 15 s. (A worker that declared its topology again on that reconnect waited on the
+/// broker's metadata store, which waits for the paused node until Erlang declares it down,
+/// `net_ticktime`: about a minute.) Once the node goes on, every intent of the test keeps the
+/// invariants of the node-loss test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_rides_out_a_paused_node_within_two_heartbeats() {
+    let (cluster, mut env) = tokio::join!(
+        RabbitCluster::start(RabbitClusterOptions::default()),
+        Env::new()
+    );
+    env.amqp_url = cluster.amqp_url(0);
+    let urls: Vec<String> = (0..NODES)
+        .map(|i| {
+            format!(
+                "{}?connection_timeout={PAUSE_CONNECT_TIMEOUT_MS}",
+                cluster.amqp_url(i)
+            )
+        })
+        .collect();
+    let ds = Downstream::start(&env).await;
+    let tools = roomy_tools(&env, ds.port);
+    let intents_queue = env.topology.intents_queue.clone();
+    let results_queue = format!("{}.agent", env.topology.results_exchange);
+    declare_results_queue(&urls[0], &env.topology.results_exchange, &results_queue).await;
+    let got: Log<Received> = Arc::default();
+    let stop_reader = Arc::new(AtomicBool::new(false));
+    let reader = spawn_collector(
+        urls.clone(),
+        results_queue.clone(),
+        got.clone(),
+        stop_reader.clone(),
+    );
+    let opts = |list: &[String]| {
+        worker_opts(&tools, &list.join(",")).env("WORKER_AMQP_HEARTBEAT_SECS", PAUSE_HEARTBEAT_SECS)
+    };
+    // Worker A, on node 0 only, declares the intents queue: node 0 leads both queues, and no
+    // queue the test uses has its leader on the node that is paused (a quorum queue whose
+    // leader is paused waits for the broker's own failure detection, which this test is not
+    // about).
+    let wa = Worker::start(&env, "wa", &opts(&urls[..1])).await;
+    let (_, a_consumer) = e2e::wait_for("worker A ready", T, || async {
+        let (status, c, _, _) = readyz(&wa).await;
+        (status == 200).then_some(((), c))
+    })
+    .await;
+    let leader = cluster.leader_of(&intents_queue).await;
+    assert_eq!(
+        (
+            node_index(&cluster, a_consumer.as_deref().unwrap_or("")),
+            leader
+        ),
+        (Some(0), 0),
+        "worker A declared the queue through node 0, so node 0 leads it"
+    );
+    let followers: Vec<String> = (0..NODES)
+        .filter(|&i| i != leader)
+        .map(|i| urls[i].clone())
+        .collect();
+    let wb = Worker::start(&env, "wb", &opts(&followers)).await;
+    let (_, b_consumer) = e2e::wait_for("worker B ready", T, || async {
+        let (status, c, _, _) = readyz(&wb).await;
+        (status == 200).then_some(((), c))
+    })
+    .await;
+    let victim = node_index(&cluster, b_consumer.as_deref().unwrap_or(""))
+        .expect("worker B names a cluster node");
+    let workers = [&wa, &wb];
+    let sent: Log<Sent> = Arc::default();
+    let stop_feed = Arc::new(AtomicBool::new(false));
+    let feed = spawn_feed(
+        "paused",
+        Sender::new(&urls, &env.topology.intents_exchange, leader),
+        sent.clone(),
+        stop_feed.clone(),
+    );
+    let warm = Instant::now();
+    consumption_resumed(&env, &workers, warm, &sent, &got).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let on = links_on(&cluster, &workers, victim).await;
+    println!("pausing node {victim} (a follower; node {leader} leads); worker links on it: {on:?}");
+    let paused_at = Instant::now();
+    cluster.pause(victim);
+    let resumed = tokio::time::timeout(
+        PAUSE,
+        consumption_resumed(&env, &workers, paused_at, &sent, &got),
+    )
+    .await;
+    println!("paused node: consumption per worker after the pause: {resumed:?}");
+    tokio::time::sleep_until((paused_at + PAUSE).into()).await;
+    cluster.resume(victim);
+    println!("node {victim} goes on after {}", secs(paused_at.elapsed()));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop_feed.store(true, Ordering::SeqCst);
+    let feed_sender = feed.await.expect("the feed task");
+    let sent_now = sent.lock().unwrap().clone();
+    println!(
+        "feed: {} intents sent, {} attempts failed and were sent again",
+        sent_now.len(),
+        feed_sender.errors.len()
+    );
+    let sends: BTreeMap<String, u32> = sent_now
+        .iter()
+        .map(|s| (s.id.clone(), s.attempts))
+        .collect();
+    let ids: Vec<String> = sent_now.iter().map(|s| s.id.clone()).collect();
+    println!(
+        "at the end: {}",
+        check_invariants(&env, &ids, &sends, &got).await
+    );
+    let per_worker = resumed.unwrap_or_else(|_| {
+        panic!("both workers were not consuming again within {PAUSE:?} of the pause")
+    });
+    let both = per_worker.values().max().copied().unwrap_or_default();
+    assert!(
+        both < RESUME_LIMIT,
+        "consumption resumed in both workers only after {per_worker:?}"
+    );
+    stop_reader.store(true, Ordering::SeqCst);
+    let _ = reader.await;
+    drop(wa);
+    drop(wb);
+    drop(ds);
+    cleanup(env).await;
+    drop(cluster);
+}

@@ -218,7 +218,7 @@ pub struct ConsumerSession {
     /// The broker's nodes, where new shards get their leaders one per node.
     pub nodes: amqp::topology::Nodes,
     /// The topology was once declared or found: a missing object later is an outage, not a
-    /// deployment error.
+    /// deployment error, and a reconnect checks rather than declares.
     pub ever_checked: bool,
 }
 
@@ -237,10 +237,21 @@ impl Session for ConsumerSession {
     async fn set_up(&mut self, connection: &Connection) -> Result<(), SetUpError> {
         let topology: &Topology = &self.config.topology;
         let shards = self.config.shards;
-        let ready = if self.declare_topology {
-            amqp::topology::declare_placed(connection, topology, shards, Some(&self.nodes)).await
-        } else {
-            amqp::topology::check(connection, topology, shards).await
+        let declare =
+            || amqp::topology::declare_placed(connection, topology, shards, Some(&self.nodes));
+        let ready = match (self.declare_topology, self.ever_checked) {
+            (false, _) => amqp::topology::check(connection, topology, shards).await,
+            (true, false) => declare().await,
+            // Declared once by this process: a reconnect only checks, passively (a read), and
+            // declares again only what went missing. A declaration or binding is a transaction
+            // of the broker's cluster-wide metadata store, which waits while any node is
+            // unresponsive (paused, partitioned) until Erlang declares it down (`net_ticktime`,
+            // 60 s by default): a worker whose link moved away from such a node would wait for
+            // it before consuming again.
+            (true, true) => match amqp::topology::check(connection, topology, shards).await {
+                Err(AmqpError::Missing { .. }) => declare().await,
+                checked => checked,
+            },
         };
         match ready {
             // Missing objects at start-up are a deployment error, not an outage: stop with
