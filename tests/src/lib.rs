@@ -9,6 +9,7 @@
 //! - [`env`](mod@env): the per-test database, broker names and tools file.
 //! - [`procs`]: worker and downstream child processes.
 //! - [`agent`]: publishing intents and reading result events as an agent would.
+//! - [`cluster_agent`]: an agent's results queue and reader that survive any node of a cluster.
 //! - [`bench`](mod@bench): what the benchmarks share: publishing with confirms, a null downstream, CPU
 //!   per process group from `/proc`, what a run wrote.
 //! - [`flags`]: command-line flags of the e2e binaries.
@@ -24,6 +25,7 @@
 pub mod agent;
 pub mod bench;
 pub mod broker_user;
+pub mod cluster_agent;
 pub mod console;
 pub mod env;
 pub mod flags;

@@ -154,19 +154,30 @@ pub struct FailoverFigures {
 /// The node the agent uses in [`SoakConfig::cluster`] mode (and never killed) unless it leads
 /// the intents queue once the workers declared it: then the next one.
 const AGENT_NODE: usize = 2;
+/// The workers' AMQP heartbeat in cluster mode: a paused node (12–16 s) is noticed after two.
+const CLUSTER_HEARTBEAT_SECS: &str = "4";
+/// The workers' connection timeout per node in cluster mode.
+const CLUSTER_CONNECT_TIMEOUT_MS: u64 = 2000;
 
 /// One node loss of [`SoakConfig::cluster`] mode.
 #[derive(Debug, Clone)]
 pub struct NodeLoss {
-    /// Seconds into the faults at which the node was SIGKILLed.
+    /// Seconds into the faults at which the node was SIGKILLed (or SIGSTOPped).
     pub at: Duration,
     pub node: usize,
     /// Whether it led the intents queue then.
     pub was_leader: bool,
-    /// From the kill until every live worker was ready again (`None`: not within the cap).
+    /// SIGSTOPped for this long (a partitioned node, not a dead one) rather than SIGKILLed.
+    pub paused: Option<Duration>,
+    /// From the loss until every live worker was ready again (`None`: not within the cap).
     pub resume: Option<Duration>,
-    /// How long the node took to start and rejoin.
+    /// From the loss until the agent received the first `succeeded` answer to an intent it
+    /// first published after the loss: consumption resumed (`None`: none by the end).
+    pub consumed: Option<Duration>,
+    /// How long the node took to start and rejoin (0 for a pause).
     pub restart_took: Duration,
+    /// When the loss began, for [`NodeLoss::consumed`].
+    lost_at: Instant,
 }
 
 /// A tool's recovery capability and completion; each has one tool in the soak's tools file.
@@ -528,7 +539,8 @@ impl fmt::Display for SoakReport {
         for loss in &self.node_losses {
             writeln!(
                 f,
-                "node loss at {:.1} s: node {}{}, live workers ready again {}; restarted in {} ms",
+                "node {} at {:.1} s: node {}{}, live workers ready again {}, first success of an intent published after it {}; {}",
+                if loss.paused.is_some() { "pause" } else { "loss" },
                 loss.at.as_secs_f64(),
                 loss.node,
                 if loss.was_leader {
@@ -540,7 +552,29 @@ impl fmt::Display for SoakReport {
                     format!("not within {} s", RESUME_CAP.as_secs()),
                     |d| format!("after {} ms", d.as_millis())
                 ),
-                loss.restart_took.as_millis()
+                loss.consumed
+                    .map_or("never".to_string(), |d| format!("after {} ms", d.as_millis())),
+                match loss.paused {
+                    Some(p) => format!("SIGCONT after {} ms", p.as_millis()),
+                    None => format!("restarted in {} ms", loss.restart_took.as_millis()),
+                }
+            )?;
+        }
+        if !self.node_losses.is_empty() {
+            let mut consumed: Vec<i64> = self
+                .node_losses
+                .iter()
+                .filter_map(|l| l.consumed.map(|d| d.as_millis() as i64))
+                .collect();
+            consumed.sort_unstable();
+            writeln!(
+                f,
+                "resume (first success after a loss) p50/p99/max: {} / {} / {} (n={} of {} losses)",
+                ms(percentile(&consumed, 0.50)),
+                ms(percentile(&consumed, 0.99)),
+                ms(consumed.last().copied()),
+                consumed.len(),
+                self.node_losses.len()
             )?;
         }
         writeln!(
@@ -1026,6 +1060,11 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         // worker follow.
         opts = opts.with_metrics();
     }
+    if cluster.is_some() {
+        // A paused node is noticed after two heartbeats; one that accepts and never answers
+        // costs a connection timeout (the URLs below).
+        opts = opts.env("WORKER_AMQP_HEARTBEAT_SECS", CLUSTER_HEARTBEAT_SECS);
+    }
     let ledger_url = match &pair {
         Some((pair, db)) => pair.multi_host_url(db, "target_session_attrs=read-write"),
         None => env.db_url.clone(),
@@ -1047,9 +1086,17 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     }
     let fleet = Arc::new(Fleet {
         ledger_url,
-        broker_urls: cluster
-            .as_ref()
-            .map_or_else(String::new, RabbitCluster::amqp_urls),
+        broker_urls: cluster.as_ref().map_or_else(String::new, |c| {
+            (0..crate::rabbit_cluster::NODES)
+                .map(|i| {
+                    format!(
+                        "{}?connection_timeout={CLUSTER_CONNECT_TIMEOUT_MS}",
+                        c.amqp_url(i)
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(",")
+        }),
         slots,
         procs: Mutex::new(Vec::new()),
         opts,
@@ -1083,6 +1130,8 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     };
     // The agent: results first, so no event is missed.
     let events: Arc<Mutex<Vec<ResultEvent>>> = Arc::default();
+    // When each `succeeded` answer arrived (`tenant:action_id`), for the resume after a loss.
+    let arrivals: Arc<Mutex<Vec<(Instant, String)>>> = Arc::default();
     let follow_errors: Arc<Mutex<Vec<String>>> = Arc::default();
     let stop_following = Arc::new(AtomicBool::new(false));
     let mut followers = Vec::new();
@@ -1095,10 +1144,17 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
             follow_errors.clone(),
             stop_following.clone(),
         );
+        let arrivals = arrivals.clone();
         followers.push(tokio::spawn(async move {
             loop {
                 match f.next(Duration::from_millis(300)).await {
-                    Ok(Some(ev)) => events.lock().unwrap().push(ev),
+                    Ok(Some(ev)) => {
+                        if ev.status == Status::Succeeded {
+                            let key = format!("{}:{}", ev.tenant, ev.action_id);
+                            arrivals.lock().unwrap().push((Instant::now(), key));
+                        }
+                        events.lock().unwrap().push(ev)
+                    }
                     Ok(None) if stop.load(Ordering::SeqCst) => break,
                     Ok(None) => {}
                     Err(e) => {
@@ -1132,11 +1188,15 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     // Publishing, chaos and the failover run side by side for `seconds` (a switchover still
     // under way then is finished first).
     let t0 = Instant::now();
+    let mut first_published: HashMap<String, Instant> = HashMap::new();
     let publishing = async {
         let mut errors = Vec::new();
         let mut counts = (0usize, 0usize);
         for p in &planned {
             tokio::time::sleep_until(t0 + p.at).await;
+            first_published
+                .entry(format!("{}:{}", p.tenant, p.action_id))
+                .or_insert_with(Instant::now);
             let mut sent = false;
             for _ in 0..5 {
                 match publisher
@@ -1276,6 +1336,14 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     let _ = publisher.close().await;
 
     let events = std::mem::take(&mut *events.lock().unwrap());
+    let arrivals = std::mem::take(&mut *arrivals.lock().unwrap());
+    for loss in &mut report.node_losses {
+        loss.consumed = arrivals
+            .iter()
+            .filter(|(_, key)| first_published.get(key).is_some_and(|t| *t >= loss.lost_at))
+            .map(|(at, _)| at.saturating_duration_since(loss.lost_at))
+            .min();
+    }
     report.unexpected_exits = std::mem::take(&mut *fleet.unexpected.lock().unwrap());
     report.startup_exits = std::mem::take(&mut *fleet.startup_exits.lock().unwrap());
     let kills = std::mem::take(&mut *fleet.kills.lock().unwrap());
@@ -1444,23 +1512,45 @@ async fn node_losses(
     while next < end {
         tokio::time::sleep_until(next).await;
         let leader = cluster.try_leader_of(intents_queue).await;
+        // One loss in three is a pause (SIGSTOP, its sockets open and silent) of a node that
+        // leads nothing of the soak's, for longer than two worker heartbeats; the others kill
+        // the intents queue's leader when the agent does not use it.
+        let pause = rng.u8(..3) == 0;
         let (node, was_leader) = match leader {
-            Some(l) if l != agent_node => (l, true),
+            Some(l) if l != agent_node && !pause => (l, true),
+            Some(l) if pause => match others.iter().copied().find(|&n| n != l) {
+                Some(n) => (n, false),
+                None => (others[rng.usize(..others.len())], false),
+            },
             _ => (others[rng.usize(..others.len())], false),
         };
         let at = t0.elapsed();
-        cluster.kill(node);
-        let killed = Instant::now();
-        let resume = ready_again(fleet, killed).await;
-        tokio::time::sleep_until(killed + Duration::from_secs_f64(2.0 + 3.0 * rng.f64())).await;
-        let restarting = Instant::now();
-        cluster.start_node(node).await;
+        let lost_at = Instant::now();
+        let (resume, paused, restart_took) = if pause {
+            let length = Duration::from_secs_f64(12.0 + 4.0 * rng.f64());
+            cluster.pause(node);
+            let resume = ready_again(fleet, lost_at).await;
+            tokio::time::sleep_until(lost_at + length).await;
+            cluster.resume(node);
+            (resume, Some(lost_at.elapsed()), Duration::ZERO)
+        } else {
+            cluster.kill(node);
+            let resume = ready_again(fleet, lost_at).await;
+            tokio::time::sleep_until(lost_at + Duration::from_secs_f64(2.0 + 3.0 * rng.f64()))
+                .await;
+            let restarting = Instant::now();
+            cluster.start_node(node).await;
+            (resume, None, restarting.elapsed())
+        };
         losses.push(NodeLoss {
             at,
             node,
             was_leader,
+            paused,
             resume,
-            restart_took: restarting.elapsed(),
+            consumed: None,
+            restart_took,
+            lost_at,
         });
         next = Instant::now().max(next) + Duration::from_secs_f64(span * (0.25 + 0.10 * rng.f64()));
     }
