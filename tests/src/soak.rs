@@ -47,7 +47,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Write as _};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -164,7 +164,11 @@ const CLUSTER_CONNECT_TIMEOUT_MS: u64 = 2000;
 pub struct NodeLoss {
     /// Seconds into the faults at which the node was SIGKILLed (or SIGSTOPped).
     pub at: Duration,
+    /// One of [`LOSS_KINDS`].
+    pub kind: &'static str,
     pub node: usize,
+    /// The other node of a two-node window.
+    pub second: Option<usize>,
     /// Whether it led the intents queue then.
     pub was_leader: bool,
     /// SIGSTOPped for this long (a partitioned node, not a dead one) rather than SIGKILLed.
@@ -310,6 +314,9 @@ pub struct SoakReport {
     pub config_line: String,
     pub published: usize,
     pub republished: usize,
+    /// Publish attempts that failed and were sent again, same key, through another node
+    /// (cluster mode: a node loss, or a confirm lost with its node).
+    pub publish_retries: usize,
     pub events: usize,
     pub kills: usize,
     pub link_cuts: usize,
@@ -384,6 +391,13 @@ impl fmt::Display for SoakReport {
             self.settled,
             self.settle_time.as_secs_f64()
         )?;
+        if self.publish_retries > 0 {
+            writeln!(
+                f,
+                "  publish attempts that failed and were sent again (same key, next node): {}",
+                self.publish_retries
+            )?;
+        }
         if let Some(outstanding) = &self.settle_outstanding {
             writeln!(f, "  not settled: {outstanding}")?;
         }
@@ -539,10 +553,13 @@ impl fmt::Display for SoakReport {
         for loss in &self.node_losses {
             writeln!(
                 f,
-                "node {} at {:.1} s: node {}{}, live workers ready again {}, first success of an intent published after it {}; {}",
-                if loss.paused.is_some() { "pause" } else { "loss" },
+                "{} at {:.1} s: node {}{}, live workers ready again {}, first success of an intent published after it {}; {}",
+                loss.kind,
                 loss.at.as_secs_f64(),
-                loss.node,
+                match loss.second {
+                    Some(second) => format!("{} and {second}", loss.node),
+                    None => loss.node.to_string(),
+                },
                 if loss.was_leader {
                     " (the intents queue's leader)"
                 } else {
@@ -1135,7 +1152,53 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     let follow_errors: Arc<Mutex<Vec<String>>> = Arc::default();
     let stop_following = Arc::new(AtomicBool::new(false));
     let mut followers = Vec::new();
-    for tenant in TENANTS {
+    // In cluster mode the agent's node may die, or lose its quorum: its results queue is a
+    // quorum queue with a member on each node, read through whichever node answers, and it
+    // publishes through the node list ([`AgentPublisher`]).
+    let agent_urls: Vec<String> = match &fleet.broker_urls {
+        urls if cluster.is_some() => {
+            let mut list: Vec<String> = urls.split(',').map(str::to_owned).collect();
+            list.rotate_left(agent_node);
+            list
+        }
+        _ => vec![agent_url.clone()],
+    };
+    if cluster.is_some() {
+        let queue = format!("{}.soak-agent", env.topology.results_exchange);
+        crate::cluster_agent::declare_results_queue(
+            &agent_urls[0],
+            &env.topology.results_exchange,
+            &queue,
+            &TENANTS,
+        )
+        .await;
+        let got: Arc<Mutex<Vec<crate::cluster_agent::Received>>> = Arc::default();
+        let collector = crate::cluster_agent::spawn_collector(
+            agent_urls.clone(),
+            queue,
+            got.clone(),
+            stop_following.clone(),
+        );
+        let (events, arrivals, stop) = (events.clone(), arrivals.clone(), stop_following.clone());
+        followers.push(tokio::spawn(async move {
+            let drain = || {
+                for r in std::mem::take(&mut *got.lock().unwrap()) {
+                    if r.event.status == Status::Succeeded {
+                        let key = format!("{}:{}", r.event.tenant, r.event.action_id);
+                        arrivals.lock().unwrap().push((r.at.into(), key));
+                    }
+                    events.lock().unwrap().push(r.event);
+                }
+            };
+            while !stop.load(Ordering::SeqCst) {
+                drain();
+                sleep(Duration::from_millis(100)).await;
+            }
+            let _ = collector.await;
+            drain();
+        }));
+    }
+    for tenant in TENANTS.iter().filter(|_| cluster.is_none()) {
         let mut f = Follower::follow(&agent_url, &env.topology.results_exchange, tenant, None)
             .await
             .context("follow results")?;
@@ -1168,9 +1231,11 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
             let _ = f.close().await;
         }));
     }
-    let publisher = Publisher::connect(&agent_url, &env.topology.intents_exchange)
-        .await
-        .context("publisher connect")?;
+    let mut publisher =
+        AgentPublisher::connect(agent_urls, &env.topology.intents_exchange, agent_node)
+            .await
+            .context("publisher connect")?;
+    let agent_on = publisher.node.clone();
 
     // Supervisor.
     let stop_supervising = Arc::new(AtomicBool::new(false));
@@ -1189,6 +1254,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     // under way then is finished first).
     let t0 = Instant::now();
     let mut first_published: HashMap<String, Instant> = HashMap::new();
+    let mut resent = 0usize;
     let publishing = async {
         let mut errors = Vec::new();
         let mut counts = (0usize, 0usize);
@@ -1197,22 +1263,17 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
             first_published
                 .entry(format!("{}:{}", p.tenant, p.action_id))
                 .or_insert_with(Instant::now);
-            let mut sent = false;
-            for _ in 0..5 {
-                match publisher
-                    .publish_encoded(p.tenant, &p.action_id, &p.body)
-                    .await
-                {
-                    Ok(()) => {
-                        sent = true;
-                        break;
-                    }
-                    Err(e) => {
-                        errors.push(format!("{}:{}: {e}", p.tenant, p.action_id));
-                        sleep(Duration::from_millis(200)).await;
-                    }
-                }
+            let mut failed = Vec::new();
+            let sent = publisher
+                .publish(p.tenant, &p.action_id, &p.body, &mut failed)
+                .await;
+            // Through a node list (cluster mode) a failed attempt is sent again through the
+            // next node: only an intent given up on is an error; through one broker, every
+            // failure is.
+            if !sent || cluster.is_none() {
+                errors.extend(failed.iter().cloned());
             }
+            resent += failed.len();
             if sent {
                 if p.republish {
                     counts.1 += 1;
@@ -1247,6 +1308,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
             None => None,
         }
     };
+    let loss_violations = Mutex::new(Vec::new());
     let losing_nodes = async {
         match &cluster {
             Some(cluster) => {
@@ -1254,10 +1316,11 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
                     cfg,
                     fastrand::Rng::with_seed(cfg.seed ^ 0x2545_f491_4f6c_dd1d),
                     cluster,
-                    agent_node,
+                    &agent_on,
                     &env.topology.intents_queue,
                     &fleet,
                     t0,
+                    &loss_violations,
                 )
                 .await
             }
@@ -1266,6 +1329,10 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     };
     let (((published, republished), publish_errors), (), failover, node_losses) =
         tokio::join!(publishing, chaos, failing_over, losing_nodes);
+    report
+        .violations
+        .extend(loss_violations.into_inner().unwrap());
+    report.publish_retries = resent;
     for loss in &node_losses {
         if loss.resume.is_none() {
             report.violations.push(format!(
@@ -1333,7 +1400,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     for f in followers {
         let _ = f.await;
     }
-    let _ = publisher.close().await;
+    publisher.close().await;
 
     let events = std::mem::take(&mut *events.lock().unwrap());
     let arrivals = std::mem::take(&mut *arrivals.lock().unwrap());
@@ -1488,73 +1555,222 @@ async fn until_all_ready(
     }
 }
 
+/// The kinds of node loss of [`SoakConfig::cluster`] mode, taken in this order.
+const LOSS_KINDS: [&str; 4] = ["agent-node kill", "two-node window", "leader kill", "pause"];
+
 /// The seeded node losses of [`SoakConfig::cluster`] mode: a first at 10–25 % of the fault
-/// period, then one every 25–35 % while time is left, each of the two nodes other than
-/// `agent_node` (the intents queue's leader when it is one of them, else either) SIGKILLed,
-/// started again 2–5 s later and waited for before the next. After each kill, how long until
-/// the live workers are ready again.
+/// period, then one every 25–35 % while time is left, of the kinds of [`LOSS_KINDS`] in turn:
+/// the node the agent publishes through (`agent_on`) SIGKILLed; two of the three nodes SIGKILLed
+/// for 6–10 s (the one left is a minority and pauses: every live worker must answer `/readyz`
+/// 503 naming the broker meanwhile); the intents queue's leader SIGKILLed (another node when the
+/// agent uses it); a node that leads nothing SIGSTOPped for 12–16 s (longer than two worker
+/// heartbeats). Killed nodes are started again 2–5 s later and waited for before the next loss.
+/// After each, how long until the live workers are ready again.
+#[allow(clippy::too_many_arguments)]
 async fn node_losses(
     cfg: &SoakConfig,
     mut rng: fastrand::Rng,
     cluster: &RabbitCluster,
-    agent_node: usize,
+    agent_on: &AtomicUsize,
     intents_queue: &str,
     fleet: &Fleet,
     t0: Instant,
+    violations: &Mutex<Vec<String>>,
 ) -> Vec<NodeLoss> {
-    let others: Vec<usize> = (0..crate::rabbit_cluster::NODES)
-        .filter(|&i| i != agent_node)
-        .collect();
+    let nodes = crate::rabbit_cluster::NODES;
     let span = cfg.seconds as f64;
     let end = t0 + Duration::from_secs(cfg.seconds);
     let mut next = t0 + Duration::from_secs_f64(span * (0.10 + 0.15 * rng.f64()));
     let mut losses = Vec::new();
+    let mut turn = 0;
     while next < end {
         tokio::time::sleep_until(next).await;
+        let kind = LOSS_KINDS[turn % LOSS_KINDS.len()];
+        turn += 1;
         let leader = cluster.try_leader_of(intents_queue).await;
-        // One loss in three is a pause (SIGSTOP, its sockets open and silent) of a node that
-        // leads nothing of the soak's, for longer than two worker heartbeats; the others kill
-        // the intents queue's leader when the agent does not use it.
-        let pause = rng.u8(..3) == 0;
-        let (node, was_leader) = match leader {
-            Some(l) if l != agent_node && !pause => (l, true),
-            Some(l) if pause => match others.iter().copied().find(|&n| n != l) {
-                Some(n) => (n, false),
-                None => (others[rng.usize(..others.len())], false),
-            },
-            _ => (others[rng.usize(..others.len())], false),
+        let agent = agent_on.load(Ordering::SeqCst);
+        let other = |not: &[Option<usize>], rng: &mut fastrand::Rng| {
+            let pick: Vec<usize> = (0..nodes).filter(|n| !not.contains(&Some(*n))).collect();
+            pick[rng.usize(..pick.len())]
         };
         let at = t0.elapsed();
         let lost_at = Instant::now();
-        let (resume, paused, restart_took) = if pause {
-            let length = Duration::from_secs_f64(12.0 + 4.0 * rng.f64());
-            cluster.pause(node);
-            let resume = ready_again(fleet, lost_at).await;
-            tokio::time::sleep_until(lost_at + length).await;
-            cluster.resume(node);
-            (resume, Some(lost_at.elapsed()), Duration::ZERO)
-        } else {
-            cluster.kill(node);
-            let resume = ready_again(fleet, lost_at).await;
-            tokio::time::sleep_until(lost_at + Duration::from_secs_f64(2.0 + 3.0 * rng.f64()))
-                .await;
-            let restarting = Instant::now();
-            cluster.start_node(node).await;
-            (resume, None, restarting.elapsed())
-        };
-        losses.push(NodeLoss {
+        let mut loss = NodeLoss {
             at,
-            node,
-            was_leader,
-            paused,
-            resume,
+            kind,
+            node: agent,
+            second: None,
+            was_leader: false,
+            paused: None,
+            resume: None,
             consumed: None,
-            restart_took,
+            restart_took: Duration::ZERO,
             lost_at,
-        });
+        };
+        match kind {
+            "pause" => {
+                loss.node = other(&[leader, Some(agent)], &mut rng);
+                let length = Duration::from_secs_f64(12.0 + 4.0 * rng.f64());
+                cluster.pause(loss.node);
+                loss.resume = ready_again(fleet, lost_at).await;
+                tokio::time::sleep_until(lost_at + length).await;
+                cluster.resume(loss.node);
+                loss.paused = Some(lost_at.elapsed());
+            }
+            "two-node window" => {
+                let survivor = rng.usize(..nodes);
+                let dead: Vec<usize> = (0..nodes).filter(|&n| n != survivor).collect();
+                loss.node = dead[0];
+                loss.second = Some(dead[1]);
+                loss.was_leader = leader.is_some_and(|l| dead.contains(&l));
+                for &n in &dead {
+                    cluster.kill(n);
+                }
+                let window = Duration::from_secs_f64(6.0 + 4.0 * rng.f64());
+                let refused = until_all_ready(fleet, lost_at, |status, body| {
+                    status == 503
+                        && body["reasons"].as_array().is_some_and(|r| {
+                            r.iter()
+                                .any(|r| r.as_str().is_some_and(|r| r.starts_with("broker ")))
+                        })
+                })
+                .await;
+                if refused.is_none_or(|d| d > window) {
+                    violations.lock().unwrap().push(format!(
+                        "cluster: with nodes {dead:?} down (quorum lost) the live workers did not all answer /readyz 503 naming the broker within the {:.1} s window",
+                        window.as_secs_f64()
+                    ));
+                }
+                tokio::time::sleep_until(lost_at + window).await;
+                let restarting = Instant::now();
+                let (_, _, resume) = tokio::join!(
+                    cluster.start_node(dead[0]),
+                    cluster.start_node(dead[1]),
+                    ready_again(fleet, lost_at)
+                );
+                loss.resume = resume;
+                loss.restart_took = restarting.elapsed();
+            }
+            _ => {
+                loss.node = match (kind, leader) {
+                    ("agent-node kill", _) => agent,
+                    (_, Some(l)) if l != agent => l,
+                    _ => other(&[Some(agent)], &mut rng),
+                };
+                loss.was_leader = leader == Some(loss.node);
+                cluster.kill(loss.node);
+                loss.resume = ready_again(fleet, lost_at).await;
+                tokio::time::sleep_until(lost_at + Duration::from_secs_f64(2.0 + 3.0 * rng.f64()))
+                    .await;
+                let restarting = Instant::now();
+                cluster.start_node(loss.node).await;
+                loss.restart_took = restarting.elapsed();
+            }
+        }
+        losses.push(loss);
         next = Instant::now().max(next) + Duration::from_secs_f64(span * (0.25 + 0.10 * rng.f64()));
     }
     losses
+}
+
+/// The soak agent's publisher. With a node list (cluster mode), through the first node that
+/// accepts, the agent's own first; on any error (a refused or lost connection, a confirm that
+/// does not come) the connection is dropped and the same intent is sent again, same key and
+/// body, through the next node ("may or may not be queued, safe to send again": the inbox
+/// answers a copy), until it is confirmed or two minutes have passed. With one URL it tries
+/// five times on one connection, as before.
+struct AgentPublisher {
+    urls: Vec<String>,
+    exchange: String,
+    publisher: Option<Publisher>,
+    /// The index in `urls` of the node in use (or to try next).
+    next: usize,
+    /// The cluster node index the publisher is on (`urls` is the node list rotated so that the
+    /// agent's own node comes first, `offset`).
+    node: Arc<AtomicUsize>,
+    offset: usize,
+}
+
+impl AgentPublisher {
+    async fn connect(urls: Vec<String>, exchange: &str, offset: usize) -> Result<AgentPublisher> {
+        let mut p = AgentPublisher {
+            urls,
+            exchange: exchange.to_string(),
+            publisher: None,
+            next: 0,
+            node: Arc::new(AtomicUsize::new(offset)),
+            offset,
+        };
+        p.connected().await.map_err(|e| anyhow::anyhow!(e))?;
+        Ok(p)
+    }
+
+    async fn connected(&mut self) -> Result<&Publisher, String> {
+        if self.publisher.is_none() {
+            let url = &self.urls[self.next];
+            let p = tokio::time::timeout(
+                Duration::from_secs(5),
+                Publisher::connect(url, &self.exchange),
+            )
+            .await
+            .map_err(|_| "connect: timed out".to_string())?
+            .map_err(|e| format!("connect: {e}"))?;
+            self.node.store(
+                (self.next + self.offset) % crate::rabbit_cluster::NODES,
+                Ordering::SeqCst,
+            );
+            self.publisher = Some(p);
+        }
+        Ok(self.publisher.as_ref().expect("connected"))
+    }
+
+    /// Publishes until confirmed; every failed attempt is added to `errors`. False: given up.
+    async fn publish(
+        &mut self,
+        tenant: &str,
+        action_id: &str,
+        body: &[u8],
+        errors: &mut Vec<String>,
+    ) -> bool {
+        let list = self.urls.len() > 1;
+        let give_up = Instant::now() + Duration::from_secs(120);
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let outcome = match self.connected().await {
+                Ok(p) => tokio::time::timeout(
+                    Duration::from_secs(10),
+                    p.publish_encoded(tenant, action_id, body),
+                )
+                .await
+                .map_err(|_| "no confirm within 10 s".to_string())
+                .and_then(|r| r.map_err(|e| e.to_string())),
+                Err(e) => Err(e),
+            };
+            let Err(e) = outcome else {
+                return true;
+            };
+            errors.push(format!("{tenant}:{action_id}: {e}"));
+            if list {
+                if let Some(p) = self.publisher.take() {
+                    tokio::spawn(async move {
+                        let _ = tokio::time::timeout(Duration::from_secs(2), p.close()).await;
+                    });
+                }
+                self.next = (self.next + 1) % self.urls.len();
+            }
+            if (!list && tries >= 5) || Instant::now() > give_up {
+                return false;
+            }
+            sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn close(self) {
+        if let Some(p) = self.publisher {
+            let _ = tokio::time::timeout(Duration::from_secs(2), p.close()).await;
+        }
+    }
 }
 
 /// Polls every live worker's `/readyz` until each is ready, or unready only for a ledger link
