@@ -1559,7 +1559,8 @@ async fn until_all_ready(
 const LOSS_KINDS: [&str; 4] = ["agent-node kill", "two-node window", "leader kill", "pause"];
 
 /// The seeded node losses of [`SoakConfig::cluster`] mode: a first at 10–25 % of the fault
-/// period, then one every 25–35 % while time is left, of the kinds of [`LOSS_KINDS`] in turn:
+/// period, then one every 25–35 % (at most [`LOSS_GAP_MAX_SECS`]) while time is left, of the
+/// kinds of [`LOSS_KINDS`] in turn:
 /// the node the agent publishes through (`agent_on`) SIGKILLed; two of the three nodes SIGKILLed
 /// for 6–10 s (the one left is a minority and pauses: every live worker must answer `/readyz`
 /// 503 naming the broker meanwhile); the intents queue's leader SIGKILLed (another node when the
@@ -1668,10 +1669,15 @@ async fn node_losses(
             }
         }
         losses.push(loss);
-        next = Instant::now().max(next) + Duration::from_secs_f64(span * (0.25 + 0.10 * rng.f64()));
+        // At most two minutes apart, so a long run goes through every kind several times.
+        let gap = (span * (0.25 + 0.10 * rng.f64())).min(LOSS_GAP_MAX_SECS);
+        next = Instant::now().max(next) + Duration::from_secs_f64(gap);
     }
     losses
 }
+
+/// The longest gap between two node losses of [`SoakConfig::cluster`] mode, seconds.
+const LOSS_GAP_MAX_SECS: f64 = 120.0;
 
 /// The soak agent's publisher. With a node list (cluster mode), through the first node that
 /// accepts, the agent's own first; on any error (a refused or lost connection, a confirm that
