@@ -8,6 +8,8 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 #[derive(Debug, Clone, Copy)]
 pub struct TcpConnection {
     pub peer: SocketAddr,
+    /// This end's address: which socket it is, across two looks.
+    pub local: SocketAddr,
     /// `TCP_NODELAY`: small writes go out at once instead of waiting for the previous one's ACK.
     pub nodelay: bool,
 }
@@ -75,19 +77,40 @@ fn inspect(fd: libc::c_int) -> Option<TcpConnection> {
     if int_opt(libc::SOL_SOCKET, libc::SO_TYPE)? != libc::SOCK_STREAM {
         return None;
     }
+    // A listener, or not connected: no peer.
+    let peer = address(fd, libc::getpeername)?;
+    let local = address(fd, libc::getsockname)?;
+    let nodelay = int_opt(libc::IPPROTO_TCP, libc::TCP_NODELAY)? != 0;
+    Some(TcpConnection {
+        peer,
+        local,
+        nodelay,
+    })
+}
+
+/// The address `get` (`getpeername` or `getsockname`) gives for `fd`; None for a Unix socket
+/// or when it fails.
+fn address(
+    fd: libc::c_int,
+    get: unsafe extern "C" fn(
+        libc::c_int,
+        *mut libc::sockaddr,
+        *mut libc::socklen_t,
+    ) -> libc::c_int,
+) -> Option<SocketAddr> {
     let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
     if unsafe {
-        libc::getpeername(
+        get(
             fd,
             (&mut storage as *mut libc::sockaddr_storage).cast(),
             &mut len,
         )
     } != 0
     {
-        return None; // a listener, or not connected
+        return None;
     }
-    let peer = match storage.ss_family as libc::c_int {
+    Some(match storage.ss_family as libc::c_int {
         libc::AF_INET => {
             let a: libc::sockaddr_in =
                 unsafe { std::ptr::read((&storage as *const libc::sockaddr_storage).cast()) };
@@ -105,7 +128,5 @@ fn inspect(fd: libc::c_int) -> Option<TcpConnection> {
             ))
         }
         _ => return None, // a Unix socket
-    };
-    let nodelay = int_opt(libc::IPPROTO_TCP, libc::TCP_NODELAY)? != 0;
-    Some(TcpConnection { peer, nodelay })
+    })
 }
