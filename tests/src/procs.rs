@@ -289,9 +289,40 @@ pub struct Worker {
 impl Worker {
     /// Starts a worker and waits until it consumes.
     pub async fn start(env: &Env, name: &str, opts: &WorkerOptions) -> Worker {
-        let w = Worker::spawn(env, name, opts);
-        w.wait_ready().await;
-        w
+        // The metrics and admin ports are picked here and bound by the worker: free when picked,
+        // a test in another process may take one before the worker binds it (a port cannot be
+        // held across exec). The worker then exits naming the address; it is started again on
+        // fresh ports, and only for that reason.
+        for _ in 0..3 {
+            let w = Worker::spawn(env, name, opts);
+            if w.ready_unless_port_taken().await {
+                return w;
+            }
+        }
+        panic!("worker {name}: its listening ports were taken three times in a row");
+    }
+
+    /// Waits for "consuming intents"; false when the worker stopped because an address it was
+    /// given is in use.
+    async fn ready_unless_port_taken(&self) -> bool {
+        let timeout = Duration::from_secs(30);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if self.output.contains("consuming intents") {
+                return true;
+            }
+            let text = self.output.text();
+            if text.contains("cannot listen there: Address already in use") {
+                return false;
+            }
+            if tokio::time::Instant::now() > deadline {
+                panic!(
+                    "worker {} did not print \"consuming intents\" within {timeout:?}; output:\n{text}",
+                    self.name
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Starts a worker without waiting.
