@@ -63,6 +63,15 @@ async fn set(db: &TestDb, id: i64, assignment: &str) {
     .unwrap();
 }
 
+/// The row's stored `send_deadline`.
+async fn send_deadline(db: &TestDb, id: i64) -> Option<chrono::DateTime<chrono::Utc>> {
+    sqlx::query_scalar("SELECT send_deadline FROM operations WHERE id = $1")
+        .bind(id)
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+}
+
 /// A send fence of `id` at `fence` for a tool without `absence_proof`.
 fn send(id: i64, fence: i64) -> worker::ledger::SendFence {
     worker::ledger::SendFence {
@@ -122,12 +131,9 @@ async fn a_fence_with_a_deadline_stores_it_on_the_database_clock_and_never_lower
     let before = db_clock(&db).await;
     let passed = l.fence_send(with(30_000), WORKER_ID, LEASE).await.unwrap();
     assert_set_ahead(&db, op.id, "send_deadline", before, 30.0).await;
-    let stored: chrono::DateTime<chrono::Utc> =
-        sqlx::query_scalar("SELECT send_deadline FROM operations WHERE id = $1")
-            .bind(op.id)
-            .fetch_one(db.pool())
-            .await
-            .unwrap();
+    let stored = send_deadline(&db, op.id)
+        .await
+        .expect("a deadline is stored");
     assert_eq!(
         passed.unwrap().deadline,
         Some(stored),
@@ -155,12 +161,7 @@ async fn a_fence_with_a_deadline_stores_it_on_the_database_clock_and_never_lower
         .await
         .unwrap();
     assert_eq!(plain.unwrap().deadline, None);
-    let kept: Option<chrono::DateTime<chrono::Utc>> =
-        sqlx::query_scalar("SELECT send_deadline FROM operations WHERE id = $1")
-            .bind(op.id)
-            .fetch_one(db.pool())
-            .await
-            .unwrap();
+    let kept = send_deadline(&db, op.id).await;
     assert_eq!(kept, None);
     // A row already sent without one (a second attempt, no deadline stored) gets none stored
     // from now on, though its requests still carry one.
@@ -170,12 +171,7 @@ async fn a_fence_with_a_deadline_stores_it_on_the_database_clock_and_never_lower
         passed.unwrap().deadline.is_some(),
         "the request still carries a deadline"
     );
-    let kept: Option<chrono::DateTime<chrono::Utc>> =
-        sqlx::query_scalar("SELECT send_deadline FROM operations WHERE id = $1")
-            .bind(op.id)
-            .fetch_one(db.pool())
-            .await
-            .unwrap();
+    let kept = send_deadline(&db, op.id).await;
     assert_eq!(
         kept, None,
         "no proof for a row once sent without a deadline"
