@@ -463,12 +463,47 @@ for seconds, name in sorted(cases, reverse=True)[:10]:
 PY
 }
 
+# failed_tests: why each test of the last nextest run failed (its panic message, from the
+# JUnit report), printed last, so the tail of a CI log says it without the full output.
+failed_tests() {
+    local report="${CARGO_TARGET_DIR:-target}/nextest/default/junit.xml"
+    [ -f "$report" ] || return 0
+    python3 - "$report" <<'PY' || true
+import sys
+import xml.etree.ElementTree as ET
+
+failed = []
+for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+    failure = case.find("failure")
+    if failure is None:
+        continue
+    text = "\n".join(
+        (node.text or "")
+        for node in [failure, case.find("system-err"), case.find("rerun")]
+        if node is not None
+    )
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if "panicked at" in l), None)
+    why = lines[start : start + 25] if start is not None else lines[-25:]
+    failed.append((f"{case.get('classname')} {case.get('name')}", why))
+if failed:
+    print(f"[test.sh] why the {len(failed)} failed test(s) failed:")
+    for name, why in failed:
+        print(f"  --- {name}")
+        for line in why:
+            if line.strip().startswith(("stack backtrace", "note: run with")):
+                break
+            print(f"      {line[:400]}")
+PY
+}
+
 nextest_rc=0 pubcheck_rc=0
 start_publisher_check
 # In a subshell: a failing step exits it, and the slowest tests are still printed.
 (step "cargo nextest" cargo nextest run --binaries-metadata "$NEXTEST_META/binaries-metadata.json" \
     --cargo-metadata "$NEXTEST_META/cargo-metadata.json" --no-fail-fast "$@") || nextest_rc=$?
 slowest_tests
+failed_tests
 await_publisher_check || pubcheck_rc=$?
 [ "$nextest_rc" -eq 0 ] || exit "$nextest_rc"
 [ "$pubcheck_rc" -eq 0 ] || exit "$pubcheck_rc"
