@@ -18,9 +18,13 @@
 # outbox, every third one again with its JSON reordered and re-spaced (answered from the ledger),
 # one action id reused with other arguments (refused: intent_conflict), one `deploy` (a
 # long-running tool, completion = "async": accepted with an operation id, pending while the
-# worker polls its status URL, then succeeded, verified by the poll) and one `payout` (a tool
+# worker polls its status URL, then succeeded, verified by the poll), one `payout` (a tool
 # without recovery) whose reply the downstream loses after committing (pending, then held for a
-# person). The downstream runs a deploy for DOWNSTREAM_ASYNC_DELAY_MS=1000 ms.
+# person), one refund above the refund tool's approval limit (pending, awaiting approval, never
+# sent until the agent, standing in for a person, approves it with `worker ops approve`; then
+# sent once and succeeded) and one `refund_reversal` compensating the first refund (succeeded;
+# the refund is announced again with compensated_by). The downstream runs a deploy for
+# DOWNSTREAM_ASYNC_DELAY_MS=1000 ms.
 # Broker names are its own (intent-demo.intents, intent-demo.results, intent-demo.intents.dlx,
 # intent-demo.intents.dead); the admin API on worker-1 takes DEMO_ADMIN_TOKEN, the status API
 # also the tenant token demo-shop-status-token.
@@ -371,7 +375,10 @@ say "everything is up ($((SECONDS - t_start))s)"
 RUN_ID=$(date +%s)$$
 ASYNC=deploy-$RUN_ID
 HELD=payout-$RUN_ID
-say "--- demo agent (run $RUN_ID): $COUNT refunds, repeats, one conflicting reuse, one long-running deploy, one lost reply"
+APPROVAL=refund-$RUN_ID-approval
+REVERSAL=refund_reversal-$RUN_ID
+ORIGINAL=refund-$RUN_ID-1
+say "--- demo agent (run $RUN_ID): $COUNT refunds, repeats, one conflicting reuse, one long-running deploy, one lost reply, one approval, one compensation"
 # The downstream will commit the payout and then drop the connection: the worker cannot know
 # whether it happened and the tool has no recovery, so it must hold it (never resend, never guess).
 code=$(http_post "$DS_PORT" /_control/faults "{\"kind\":\"drop_after_commit\",\"key\":\"$TENANT:$HELD\"}" || true)
@@ -383,7 +390,8 @@ agent_rc=0
 waited timeout 120 "${PUBLISHER_ENV[@]}" "PUBLISHER_STATUS_URL=http://127.0.0.1:$ADMIN_PORT" \
     "PUBLISHER_STATUS_TOKEN=$TENANT_TOKEN" "$BIN_DIR/demo-agent" --scenario full \
     --tenant "$TENANT" --tool refund --count "$COUNT" --interval-ms 100 --duplicate-every 3 \
-    --async-tool deploy --held-tool payout --run-id "$RUN_ID" --answer-timeout 20s \
+    --async-tool deploy --held-tool payout --reversal-tool refund_reversal --run-id "$RUN_ID" \
+    --answer-timeout 20s --worker-bin "$BIN_DIR/worker" --ledger-url "$LEDGER_URL" --worker-tools "$TOOLS" \
     >"$STATE/agent.out" 2>"$STATE/agent.log" || agent_rc=$?
 say "agent finished in $((SECONDS - t_agent))s (exit $agent_rc; answers: $STATE/agent.out, log: $STATE/agent.log)"
 if [ "$agent_rc" -ne 0 ]; then
@@ -413,6 +421,12 @@ async_op=$(get async_operation_id)
 async_status=$(get async_status)
 async_verified_by=$(get async_verified_by)
 async_receipt=$(get async_receipt_id)
+approval_awaiting=$(num approval_awaiting)
+approval_operator=$(get approval_operator)
+approval_status=$(get approval_status)
+compensation_status=$(get compensation_status)
+compensation_compensates=$(get compensation_compensates)
+compensated_by=$(get compensated_by)
 # Keys of this run only: <tenant>:refund-<run>-<i>, <tenant>:deploy-<run> and <tenant>:payout-<run>.
 KEYS="(idem_key LIKE '$TENANT:%-$RUN_ID' OR idem_key LIKE '$TENANT:%-$RUN_ID-%')"
 ACTIONS="tenant = '$TENANT' AND (action_id LIKE '%-$RUN_ID' OR action_id LIKE '%-$RUN_ID-%')"
@@ -436,6 +450,24 @@ async_moves=$(sql "$LEDGER_URL" "SELECT h.to_state FROM operation_history h JOIN
     awk 'NF && $0 != last { printf "%s%s", (n++ ? " -> " : ""), $0; last = $0 }')
 sql "$DOWNSTREAM_URL" "SELECT receipt FROM downstream.mutations WHERE idem_key = '$TENANT:$HELD' ORDER BY id LIMIT 1" \
     >"$STATE/held-receipt.json"
+# The refund above the approval limit: when it was approved (its move out of awaiting_approval
+# by an operator, in the ledger), by whom, its moves; at the downstream its mutations, its write
+# requests, and any request or mutation of it from before the approval (same server, same clock).
+approval_row=$(sql "$LEDGER_URL" "SELECT coalesce(array_to_string(o.approved_by, ','), '-') || ' ' || coalesce((SELECT extract(epoch FROM min(h.at))::text FROM operation_history h WHERE h.operation_id = o.id AND h.from_state = 'awaiting_approval' AND h.to_state = 'prepared' AND h.actor LIKE 'operator:%'), '') FROM operations o WHERE o.tenant = '$TENANT' AND o.action_id = '$APPROVAL'")
+read -r approved_by approved_at <<<"${approval_row:-- }" || true
+approval_state=$(sql "$LEDGER_URL" "SELECT state FROM operations WHERE tenant = '$TENANT' AND action_id = '$APPROVAL'")
+approval_moves=$(sql "$LEDGER_URL" "SELECT h.to_state FROM operation_history h JOIN operations o ON o.id = h.operation_id WHERE o.tenant = '$TENANT' AND o.action_id = '$APPROVAL' ORDER BY h.id" |
+    awk 'NF && $0 != last { printf "%s%s", (n++ ? " -> " : ""), $0; last = $0 }')
+ds_approval_mutations=$(sql "$DOWNSTREAM_URL" "SELECT count(*) FROM downstream.mutations WHERE idem_key = '$TENANT:$APPROVAL'")
+ds_approval_writes=$(sql "$DOWNSTREAM_URL" "SELECT count(*) FROM downstream.requests WHERE kind = 'write' AND idem_key = '$TENANT:$APPROVAL'")
+ds_approval_early=$(sql "$DOWNSTREAM_URL" "SELECT (SELECT count(*) FROM downstream.requests WHERE idem_key = '$TENANT:$APPROVAL' AND at < to_timestamp(${approved_at:-0})) + (SELECT count(*) FROM downstream.mutations WHERE idem_key = '$TENANT:$APPROVAL' AND created_at < to_timestamp(${approved_at:-0}))")
+# The compensation: its own one mutation (at /replay/refund-reversals), the refund it undoes
+# still one; in the ledger it is linked to the refund, which stays succeeded.
+ds_reversal_mutations=$(sql "$DOWNSTREAM_URL" "SELECT count(*) FROM downstream.mutations WHERE idem_key = '$TENANT:$REVERSAL'")
+ds_original_mutations=$(sql "$DOWNSTREAM_URL" "SELECT count(*) FROM downstream.mutations WHERE idem_key = '$TENANT:$ORIGINAL'")
+reversal_row=$(sql "$LEDGER_URL" "SELECT state || ' ' || coalesce(compensates, '-') FROM operations WHERE tenant = '$TENANT' AND action_id = '$REVERSAL'")
+read -r reversal_state reversal_of <<<"${reversal_row:-none -}" || true
+original_state=$(sql "$LEDGER_URL" "SELECT state FROM operations WHERE tenant = '$TENANT' AND action_id = '$ORIGINAL'")
 
 check() {
     local what=$1
@@ -455,6 +487,29 @@ all_eq() {
 }
 
 expected_repeats=$((COUNT / 3))
+# The refund above the limit, as the agent was told: pending (awaiting approval), approved with
+# `worker ops approve`, then succeeded.
+approval_told() {
+    [ "$approval_awaiting/$approval_status" = 1/succeeded ] && [ -n "$approval_operator" ]
+}
+# ... at the downstream: one mutation, one write, nothing before the approval.
+approval_at_downstream() {
+    [ "$ds_approval_mutations/$ds_approval_writes/$ds_approval_early" = 1/1/0 ] && [ -n "$approved_at" ]
+}
+# ... in the ledger: awaiting_approval, approved by the agent's operator, then succeeded.
+approval_in_ledger() {
+    [ "$approval_state" = succeeded ] && [ "$approved_by" = "$approval_operator" ] &&
+        [[ "$approval_moves " == "awaiting_approval -> prepared "* ]]
+}
+# The compensation, as the agent was told: succeeded naming the refund, and the refund announced
+# again with compensated_by naming the compensation.
+compensation_told() {
+    [ "$compensation_status/$compensation_compensates/$compensated_by" = "succeeded/$ORIGINAL/$REVERSAL" ]
+}
+# ... in the ledger: the compensation succeeded, linked to the refund, which stays succeeded.
+compensation_in_ledger() {
+    [ "$reversal_state/$reversal_of/$original_state" = "succeeded/$ORIGINAL/succeeded" ]
+}
 # The deploy, as the agent was told: accepted (pending, in progress, with the operation id),
 # then succeeded, verified by a poll, with the deployment's receipt id.
 async_told() {
@@ -478,16 +533,24 @@ async_in_ledger() {
 {
     echo
     echo "=============================== demo summary (run $RUN_ID) ==============================="
-    printf ' %-46s %s\n' "intents sent by the agent" "$intents_sent  ($COUNT refunds + $repeats_sent repeats + $conflicts_sent conflicting reuse + 1 deploy + 1 payout)"
+    printf ' %-46s %s\n' "intents sent by the agent" "$intents_sent  ($COUNT refunds + $repeats_sent repeats + $conflicts_sent conflicting reuse + 1 deploy + 1 payout + 1 refund to approve + 1 reversal)"
     printf ' %-46s %s\n' "distinct actions" "$actions"
     printf ' %-46s %s\n' "downstream writes (its own mutations table)" "$ds_writes  (write requests it received: $ds_requests)"
-    printf ' %-46s %s\n' "answered succeeded" "$succeeded  (ledger: $ledger_succeeded succeeded: the refunds and the deploy)"
+    printf ' %-46s %s\n' "answered succeeded" "$succeeded  (ledger: $ledger_succeeded succeeded: the refunds, the deploy, the approved refund, the reversal)"
     printf ' %-46s %s\n' "repeats answered from the ledger" "$repeats_ledger of $repeats_sent  (JSON reordered and re-spaced, new call id)"
     printf ' %-46s %s\n' "conflicts refused (rejected / intent_conflict)" "$conflicts_refused of $conflicts_sent"
     printf ' %-46s %s\n' "long-running deploy ($ASYNC)" "accepted: pending, in_progress, operation ${async_op:-none}"
     printf ' %-46s %s\n' "  then" "${async_status:-no final answer}, verified_by=${async_verified_by:-none}, receipt ${async_receipt:-none}  (status reads at the downstream: $ds_status_reads)"
     printf ' %-46s %s\n' "  in the ledger" "${async_moves:-none}"
     printf ' %-46s %s\n' "pending, then held for a person" "$held held  ($HELD; ledger state: ${held_state:-none})"
+    printf ' %-46s %s\n' "refund above the approval limit" "$APPROVAL: $([ "$approval_awaiting" = 1 ] && echo "pending (awaiting_approval)" || echo "not awaiting approval"),"
+    printf ' %-46s %s\n' "  then" "approved by ${approval_operator:-nobody} (worker ops approve), then ${approval_status:-no final answer}"
+    printf ' %-46s %s\n' "  in the ledger" "${approval_moves:-none}  (approved_by: ${approved_by:-none})"
+    printf ' %-46s %s\n' "  at the downstream" "$ds_approval_mutations mutation(s), $ds_approval_writes write request(s), $ds_approval_early before the approval"
+    printf ' %-46s %s\n' "compensation of the first refund" "$REVERSAL: ${compensation_status:-no final answer}, compensates ${compensation_compensates:-none}"
+    printf ' %-46s %s\n' "  the refund told again" "$ORIGINAL: compensated_by=${compensated_by:-none}"
+    printf ' %-46s %s\n' "  at the downstream" "$REVERSAL: $ds_reversal_mutations mutation(s); $ORIGINAL: still $ds_original_mutations"
+    printf ' %-46s %s\n' "  in the ledger" "$REVERSAL: $reversal_state (compensates $reversal_of); $ORIGINAL: ${original_state:-none}"
     echo
     echo " checks (the agent's answers against the downstream's and the ledger's tables):"
     check "the agent got every answer it waited for (exit 0)" eq "$agent_rc" 0
@@ -495,8 +558,8 @@ async_in_ledger() {
     check "one write request per action ($ds_requests), one mutation per key ($ds_keys)" \
         all_eq "$actions" "$ds_requests" "$ds_keys"
     check "ledger operations ($ledger_ops) == distinct actions" eq "$ledger_ops" "$actions"
-    check "answered succeeded ($succeeded) == succeeded in the ledger == refunds + the deploy ($((COUNT + 1)))" \
-        all_eq $((COUNT + 1)) "$succeeded" "$ledger_succeeded"
+    check "answered succeeded ($succeeded) == succeeded in the ledger == refunds + the deploy + the approved refund + the reversal ($((COUNT + 3)))" \
+        all_eq $((COUNT + 3)) "$succeeded" "$ledger_succeeded"
     check "every repeat answered from the ledger ($repeats_ledger of $expected_repeats)" \
         all_eq "$expected_repeats" "$repeats_ledger" "$repeats_sent"
     check "the conflicting reuse refused ($conflicts_refused of 1)" eq "$conflicts_refused" 1
@@ -507,8 +570,21 @@ async_in_ledger() {
         async_in_ledger
     check "the lost reply: pending, then held ($held held; ledger: ${held_state:-none})" \
         eq "$held/$held_state" 1/held
-    check "pending answers ($pending): the deploy while in progress, the payout" eq "$pending" 2
-    check "intents sent == refunds + repeats + 1 reuse + 1 deploy + 1 payout" eq "$intents_sent" $((COUNT + repeats_sent + 3))
+    check "the refund above the limit: pending (awaiting approval), approved with worker ops approve, then ${approval_status:-no answer}" \
+        approval_told
+    check "the approved refund at the downstream: one mutation ($ds_approval_mutations), one write ($ds_approval_writes), none before the approval ($ds_approval_early)" \
+        approval_at_downstream
+    check "the approved refund in the ledger: awaiting_approval -> prepared (approved by ${approved_by:-nobody}) ... ${approval_state:-none}" \
+        approval_in_ledger
+    check "the compensation: ${compensation_status:-no answer} (compensates ${compensation_compensates:-none}), the refund told compensated_by=${compensated_by:-none}" \
+        compensation_told
+    check "the compensation at the downstream: the reversal one mutation ($ds_reversal_mutations), the refund still one ($ds_original_mutations)" \
+        all_eq 1 "$ds_reversal_mutations" "$ds_original_mutations"
+    check "the compensation in the ledger: $reversal_state, linked to the refund, which stays ${original_state:-none}" \
+        compensation_in_ledger
+    check "pending answers ($pending): the deploy while in progress, the payout, the refund awaiting approval" eq "$pending" 3
+    check "intents sent == refunds + repeats + 1 reuse + 1 deploy + 1 payout + 1 approved refund + 1 reversal" \
+        eq "$intents_sent" $((COUNT + repeats_sent + 5))
     echo "=========================================================================================="
 } | tee "$STATE/summary.txt"
 # (check ran in the pipeline's subshell: count its lines)
@@ -524,11 +600,15 @@ Where to look next:
                          read-only with $TENANT_TOKEN); docs/console.md
   status API (worker-1)  curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' http://127.0.0.1:$ADMIN_PORT/v1/operations/$TENANT/$ASYNC
                          curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' http://127.0.0.1:$ADMIN_PORT/v1/operations/$TENANT/$HELD
+                         curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' http://127.0.0.1:$ADMIN_PORT/v1/operations/$TENANT/$ORIGINAL
+                         (the refund the reversal undid: compensated_by, its compensations)
                          curl -s -H 'Authorization: Bearer $ADMIN_TOKEN' 'http://127.0.0.1:$ADMIN_PORT/v1/operations?state=held'
                          (tenant token for $TENANT: $TENANT_TOKEN; routes in docs/openapi.yaml)
   metrics                http://127.0.0.1:$METRICS_1/metrics (worker-1), http://127.0.0.1:$METRICS_2/metrics (worker-2),
                          http://127.0.0.1:$RELAY_METRICS/metrics (relay); readiness: /readyz on the workers' ports
   unresolved operations  $OPS_ENV $BIN_DIR/worker ops list
+  the approval           $OPS_ENV $BIN_DIR/worker ops show $TENANT $APPROVAL
+                         (its history: awaiting_approval, approved by operator:${approval_operator:-?}, then sent once)
   resolve the held one   with the downstream's own receipt (saved from its mutations table):
                          $RESOLVE
   the downstream's table psql $DOWNSTREAM_URL -c "SELECT idem_key, receipt_id FROM downstream.mutations ORDER BY id"

@@ -31,7 +31,7 @@ pub enum DecodeError {
     /// A top-level field outside the contract; refused rather than ignored so a typo
     /// (say `action-id`) cannot silently drop meaning.
     #[error(
-        "unknown field {0:?}; allowed fields are tenant, action_id, tool, arguments, call_id and reply_to"
+        "unknown field {0:?}; allowed fields are tenant, action_id, tool, arguments, call_id, reply_to and compensates"
     )]
     UnknownField(String),
     /// A required field is absent.

@@ -44,6 +44,29 @@ pub fn fingerprint_canonical(tool: &str, canonical_arguments: &str) -> String {
     to_hex(&sha.finalize())
 }
 
+/// [`fingerprint_canonical`] of a compensation: the canonical JSON of
+/// `{"arguments": ..., "compensates": original, "tool": tool}`, so the same key naming another
+/// original is another intent.
+pub fn fingerprint_canonical_compensating(
+    tool: &str,
+    canonical_arguments: &str,
+    original: &str,
+) -> String {
+    let mut tool_json = String::with_capacity(tool.len() + 2);
+    write_string(&mut tool_json, tool);
+    let mut original_json = String::with_capacity(original.len() + 2);
+    write_string(&mut original_json, original);
+    let mut sha = Sha256::new();
+    sha.update(b"{\"arguments\":");
+    sha.update(canonical_arguments.as_bytes());
+    sha.update(b",\"compensates\":");
+    sha.update(original_json.as_bytes());
+    sha.update(b",\"tool\":");
+    sha.update(tool_json.as_bytes());
+    sha.update(b"}");
+    to_hex(&sha.finalize())
+}
+
 fn write_value(out: &mut String, v: &Value) {
     match v {
         Value::Null => out.push_str("null"),

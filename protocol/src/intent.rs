@@ -9,9 +9,11 @@ mod top_level;
 
 use serde_json::Value;
 
-use crate::fingerprint::{canonical_json, fingerprint, fingerprint_canonical};
+use crate::fingerprint::{
+    canonical_json, fingerprint, fingerprint_canonical, fingerprint_canonical_compensating,
+};
 use crate::DecodeError;
-use rules::{ACTION_ID, CALL_ID, REPLY_TO, TENANT, TOOL};
+use rules::{ACTION_ID, CALL_ID, COMPENSATES, REPLY_TO, TENANT, TOOL};
 use top_level::Entries;
 
 /// Largest accepted intent body, in bytes.
@@ -45,13 +47,14 @@ pub fn check_action_key(tenant: &str, action_id: &str) -> Result<(), DecodeError
 }
 
 /// The top-level fields the contract allows; anything else is refused.
-const KNOWN_FIELDS: [&str; 6] = [
+const KNOWN_FIELDS: [&str; 7] = [
     "tenant",
     "action_id",
     "tool",
     "arguments",
     "call_id",
     "reply_to",
+    "compensates",
 ];
 
 /// A request for one side effect. `(tenant, action_id)` is the logical action key;
@@ -75,12 +78,25 @@ pub struct Intent {
     /// results.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reply_to: Option<String>,
+    /// The `action_id` (same tenant) of a succeeded action this one undoes: a compensation, an
+    /// operation of its own linked to the original, admitted only while the original is
+    /// `succeeded`. Part of the fingerprint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compensates: Option<String>,
 }
 
 impl Intent {
-    /// The intent fingerprint: SHA-256 of the canonical `{tool, arguments}`.
+    /// The intent fingerprint: SHA-256 of the canonical `{tool, arguments}`, with
+    /// `compensates` among them when the intent carries it.
     pub fn fingerprint(&self) -> String {
-        fingerprint(&self.tool, &self.arguments)
+        match &self.compensates {
+            None => fingerprint(&self.tool, &self.arguments),
+            Some(original) => fingerprint_canonical_compensating(
+                &self.tool,
+                &canonical_json(&self.arguments),
+                original,
+            ),
+        }
     }
 
     /// The arguments as RFC 8785 canonical JSON.
@@ -91,7 +107,10 @@ impl Intent {
     /// The canonical arguments and the fingerprint, the arguments written once for both.
     pub fn canonical_arguments_and_fingerprint(&self) -> (String, String) {
         let arguments = self.canonical_arguments();
-        let fingerprint = fingerprint_canonical(&self.tool, &arguments);
+        let fingerprint = match &self.compensates {
+            None => fingerprint_canonical(&self.tool, &arguments),
+            Some(original) => fingerprint_canonical_compensating(&self.tool, &arguments, original),
+        };
         (arguments, fingerprint)
     }
 
@@ -137,6 +156,7 @@ pub fn decode_intent(body: &[u8]) -> Result<Intent, DecodeError> {
     };
     let call_id = optional_string(raw.take("call_id"), "call_id")?;
     let reply_to = optional_string(raw.take("reply_to"), "reply_to")?;
+    let compensates = optional_string(raw.take("compensates"), "compensates")?;
 
     let mut checked = vec![
         (&TENANT, tenant.as_str()),
@@ -148,6 +168,9 @@ pub fn decode_intent(body: &[u8]) -> Result<Intent, DecodeError> {
     }
     if let Some(reply_to) = &reply_to {
         checked.push((&REPLY_TO, reply_to));
+    }
+    if let Some(compensates) = &compensates {
+        checked.push((&COMPENSATES, compensates));
     }
     rules::check(&checked)?;
     check_action_key(&tenant, &action_id)?;
@@ -162,6 +185,7 @@ pub fn decode_intent(body: &[u8]) -> Result<Intent, DecodeError> {
         arguments,
         call_id,
         reply_to,
+        compensates,
     })
 }
 

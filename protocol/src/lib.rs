@@ -20,7 +20,9 @@ pub mod result;
 pub mod trace;
 
 pub use error::DecodeError;
-pub use fingerprint::{canonical_json, fingerprint, fingerprint_canonical};
+pub use fingerprint::{
+    canonical_json, fingerprint, fingerprint_canonical, fingerprint_canonical_compensating,
+};
 pub use intent::{
     action_key, check_action_key, decode_intent, salvage_key, salvage_reply_to, Intent,
     MAX_ACTION_KEY_BYTES, MAX_INTENT_BYTES, MAX_KEY_LEN, MAX_TOOL_LEN,

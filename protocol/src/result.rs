@@ -55,6 +55,20 @@ pub enum RejectReason {
     /// The action already finished and its details were removed by retention; only a
     /// tombstone (key, fingerprint, final state in `detail`) remains. It will not run again.
     Expired,
+    /// A compensation whose original is not settled (`unknown`, `held`, `accepted`, ...; its
+    /// state in `detail`): undoing it now could make a second unintended effect. Reconcile it
+    /// first.
+    OriginalUnresolved,
+    /// A compensation whose original `failed`: nothing was applied, nothing to undo.
+    OriginalNotApplied,
+    /// A compensation naming an action this tenant does not have.
+    OriginalNotFound,
+    /// The original already has a compensation that may have been or will be applied (its
+    /// action_id in `detail`).
+    AlreadyCompensated,
+    /// The tool may not compensate that action: it does not list the original's tool in
+    /// `compensation_for`, or the intent names itself.
+    CompensationNotAllowed,
 }
 
 impl RejectReason {
@@ -66,6 +80,11 @@ impl RejectReason {
             RejectReason::UnknownTool => "unknown_tool",
             RejectReason::TenantMismatch => "tenant_mismatch",
             RejectReason::Expired => "expired",
+            RejectReason::OriginalUnresolved => "original_unresolved",
+            RejectReason::OriginalNotApplied => "original_not_applied",
+            RejectReason::OriginalNotFound => "original_not_found",
+            RejectReason::AlreadyCompensated => "already_compensated",
+            RejectReason::CompensationNotAllowed => "compensation_not_allowed",
         }
     }
 }
@@ -95,6 +114,9 @@ pub enum VerifiedBy {
     LateReceipt,
     /// A person, through the operator actions (`operator` names them).
     Operator,
+    /// The worker's own record: the intent waited for approval past its time and was never
+    /// sent.
+    Expiry,
     /// A source this version does not know (a newer worker's).
     #[serde(other)]
     Other,
@@ -111,6 +133,7 @@ impl VerifiedBy {
             VerifiedBy::Callback => "callback",
             VerifiedBy::LateReceipt => "late_receipt",
             VerifiedBy::Operator => "operator",
+            VerifiedBy::Expiry => "expiry",
             VerifiedBy::Other => "other",
         }
     }
@@ -127,6 +150,9 @@ pub enum Uncertainty {
     InProgress,
     /// Recovery cannot proceed automatically: a person must decide.
     Held,
+    /// The tool asks a person to approve this exact intent first: nothing was sent, and
+    /// nothing will be unless it is approved before its wait ends.
+    AwaitingApproval,
     /// A kind this version does not know (a newer worker's).
     #[serde(other)]
     Other,
@@ -139,6 +165,7 @@ impl Uncertainty {
             Uncertainty::UnknownOutcome => "unknown_outcome",
             Uncertainty::InProgress => "in_progress",
             Uncertainty::Held => "held",
+            Uncertainty::AwaitingApproval => "awaiting_approval",
             Uncertainty::Other => "other",
         }
     }
@@ -169,7 +196,8 @@ pub struct ResultEvent {
     /// Why it was rejected; only present on `rejected`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<RejectReason>,
-    /// Machine detail for `rejected`, e.g. a [`crate::DecodeError::code`].
+    /// Machine detail: for `rejected`, e.g. a [`crate::DecodeError::code`]; for a `failed` that
+    /// was never sent because its approval did not come, `not_approved` or `approval_expired`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
     /// How the answer is known; on `succeeded` and `failed`.
@@ -189,6 +217,13 @@ pub struct ResultEvent {
     /// milliseconds from `occurred_at`; absent while nothing is scheduled (a person decides).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
+    /// On every event about a compensation: the action_id of the original it undoes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensates: Option<String>,
+    /// On the `succeeded` event about an original sent when its compensation succeeded: the
+    /// compensation's action_id. The original keeps its state and receipt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensated_by: Option<String>,
     /// Unique per event, so agents can drop redelivered copies.
     pub event_id: String,
     /// When the state was reached, RFC 3339.

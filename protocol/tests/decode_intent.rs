@@ -35,6 +35,7 @@ fn design_example_decodes() {
             arguments: json!({"order": "order-731", "amount_cents": 4850, "currency": "USD"}),
             call_id: Some("model-call-9f2".into()),
             reply_to: Some("north-shop".into()),
+            compensates: None,
         }
     );
 }

@@ -104,3 +104,32 @@ fn a_different_tool_or_value_differs() {
         )
     );
 }
+
+#[test]
+fn a_compensation_fingerprints_the_original_it_names_with_its_arguments() {
+    use sha2::{Digest, Sha256};
+    let body = br#"{"tenant":"t","action_id":"undo-1","tool":"refund_reversal",
+        "arguments":{"refund_id":"r-9\"}"},"compensates":"refund-1"}"#;
+    let intent = decode_intent(body).unwrap();
+    assert_eq!(intent.compensates.as_deref(), Some("refund-1"));
+    let wrapper = json!({"tool": "refund_reversal", "compensates": "refund-1",
+        "arguments": {"refund_id": "r-9\"}"}});
+    let digest = Sha256::digest(canonical_json(&wrapper).as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(intent.fingerprint(), hex);
+    assert_eq!(intent.canonical_arguments_and_fingerprint().1, hex);
+    // Another original, or none, is another intent.
+    let other = protocol::Intent {
+        compensates: Some("refund-2".into()),
+        ..intent.clone()
+    };
+    assert_ne!(other.fingerprint(), hex);
+    let plain = protocol::Intent {
+        compensates: None,
+        ..intent
+    };
+    assert_eq!(
+        plain.fingerprint(),
+        fingerprint("refund_reversal", &plain.arguments)
+    );
+}

@@ -94,6 +94,7 @@ fn valid_intent() -> impl Strategy<Value = Intent> {
                 arguments,
                 call_id,
                 reply_to,
+                compensates: None,
             },
         )
 }

@@ -25,6 +25,8 @@ fn pending() -> ResultEvent {
         remote_id: None,
         uncertainty: None,
         retry_after_ms: None,
+        compensates: None,
+        compensated_by: None,
         event_id: "5f0c6c1e-8a5c-4c2b-9d4e-1b2a3c4d5e6f".into(),
         occurred_at: "2025-11-29T21:34:00Z".into(),
     }

@@ -300,6 +300,11 @@ pub struct SendArgs {
     /// Where results should go (defaults to the tenant on the worker side).
     #[arg(long)]
     pub reply_to: Option<String>,
+    /// Send a compensation: the action id (same tenant) of the succeeded action this one undoes
+    /// (the intent's `compensates`; the tool must list the original's tool in its
+    /// `compensation_for`).
+    #[arg(long, value_name = "ACTION_ID")]
+    pub compensates: Option<String>,
     /// Intents exchange.
     #[arg(long, env = "INTENTS_EXCHANGE", default_value = "intents")]
     pub exchange: String,
@@ -775,10 +780,13 @@ async fn send(amqp_url: &str, set_user_id: bool, args: SendArgs) -> anyhow::Resu
     if let Some(reply_to) = args.reply_to {
         body.insert("reply_to".into(), reply_to.into());
     }
+    if let Some(compensates) = args.compensates {
+        body.insert("compensates".into(), compensates.into());
+    }
     let body = serde_json::to_vec(&serde_json::Value::Object(body))?;
     let intent = protocol::decode_intent(&body)
         .map_err(|error| UsageError(format!("invalid intent: {error}")))?;
-    let fingerprint = protocol::fingerprint(&intent.tool, &intent.arguments);
+    let fingerprint = intent.fingerprint();
     let options = send_trace(args.traceparent.as_deref(), args.tracestate.as_deref());
 
     let publisher = Publisher::connect(amqp_url, &args.exchange)

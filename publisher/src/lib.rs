@@ -16,7 +16,8 @@
 //! # Layout
 //! - `publish.rs` ([`publish`]): [`Publisher`]: connect in confirm mode, `publish`,
 //!   `publish_encoded`, pipelined `publish_batch` (each with a `*_with` form taking
-//!   [`PublishOptions`]), `publish_raw`; tenant proof (`user_id`).
+//!   [`PublishOptions`]), `publish_raw`; `compensate` and [`compensating`] (an intent that undoes
+//!   a succeeded action); tenant proof (`user_id`).
 //! - `trace.rs` ([`trace`]): the W3C trace context every intent carries (`traceparent` and
 //!   `tracestate` headers): the caller's, else the current one (feature `otel`); the
 //!   `publish intents` producer span; reading and counting a received context (the
@@ -71,6 +72,6 @@ pub use error::PublishError;
 pub use follow::Follower;
 pub use outbox::{Outbox, OutboxError};
 pub use protocol::trace::{TraceContext, TraceParent};
-pub use publish::{action_key, PublishOptions, Publisher, Traced};
+pub use publish::{action_key, compensating, PublishOptions, Publisher, Traced};
 pub use relay::{Relay, RelayConfig};
 pub use wait::{Answer, AnswerConfig, StatusApi, Until, WaitError};

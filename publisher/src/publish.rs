@@ -13,6 +13,10 @@
 //! the connection's user, so a worker in `[auth] mode = "user_id"` can trust it.
 //! [`Publisher::with_user_id`] turns this off (for a broker user whose name must not be sent).
 //!
+//! Compensation: [`Publisher::compensate`] publishes an intent that undoes a succeeded action
+//! (its `compensates` set to the original's action id, checked with the worker's decoder first);
+//! [`compensating`] builds such an intent for the other ways in (`send_and_wait`, the outbox).
+//!
 //! Trace context: every intent publish carries the `traceparent`/`tracestate` headers of the
 //! context [`crate::trace`] chooses (the caller's through the `*_with` methods and
 //! [`PublishOptions`], else with the feature `otel` the current one, else none) and, with
@@ -42,6 +46,42 @@ const PERSISTENT: u8 = 2;
 /// The logical action key `<tenant>:<action_id>`, used as the AMQP `message_id` (one home:
 /// the wire contract's own function; [`protocol::check_action_key`] bounds it).
 pub use protocol::action_key;
+
+/// `intent` as the compensation of `original_action_id`: the action (same tenant) whose
+/// `succeeded` effect it undoes, set as its `compensates` (replacing any). For every way in:
+/// [`Publisher::send_and_wait`], [`crate::Outbox::enqueue`], [`Publisher::publish_with`].
+///
+/// The intent keeps its own `action_id`, chosen by the application like any other and the same
+/// on every retry of this compensation. `compensates` is part of the fingerprint, so the key
+/// sent again naming another original is an `intent_conflict`. The worker admits it only while
+/// the original is `succeeded` and the intent's tool lists the original's tool in its
+/// `compensation_for`; otherwise it is `rejected` with `original_unresolved` (`detail`: the
+/// original's state), `original_not_applied`, `original_not_found`, `already_compensated`
+/// (`detail`: the live compensation's action id) or `compensation_not_allowed`. Every event about
+/// it carries `compensates`; when it succeeds, the original's `reply_to` also gets a `succeeded`
+/// event about the original with `compensated_by` (the original keeps its state and receipt).
+///
+/// ```
+/// let refund = protocol::Intent {
+///     tenant: "north-shop".into(),
+///     action_id: "cancel-refund-731".into(),
+///     tool: "cancel_refund".into(),
+///     arguments: serde_json::json!({"order": "order-731"}),
+///     call_id: None,
+///     reply_to: None,
+///     compensates: None,
+/// };
+/// let undo = publisher::compensating(refund, "refund-order-731");
+/// assert_eq!(undo.compensates.as_deref(), Some("refund-order-731"));
+/// assert_ne!(undo.fingerprint(), protocol::fingerprint(&undo.tool, &undo.arguments));
+/// ```
+pub fn compensating(
+    mut intent: protocol::Intent,
+    original_action_id: impl Into<String>,
+) -> protocol::Intent {
+    intent.compensates = Some(original_action_id.into());
+    intent
+}
 
 /// The broker user an AMQP URL connects as (`guest`, the AMQP default, when it names none).
 pub fn url_user(amqp_url: &str) -> Result<String, PublishError> {
@@ -195,6 +235,30 @@ impl Publisher {
             Some(&intent.tool),
             &intent.to_json(),
             options,
+        )
+        .await
+    }
+
+    /// Publishes `intent` as the compensation of the succeeded action `original_action_id` of
+    /// the same tenant ([`compensating`], which describes what the worker answers), like
+    /// [`Publisher::publish`]. The intent, `compensates` included, is checked with the worker's
+    /// decoder first: one it would refuse is [`PublishError::InvalidIntent`] and nothing is sent.
+    /// To wait for the answer, or to go through the outbox, pass [`compensating`]`(intent,
+    /// original)` to [`Publisher::send_and_wait`] or [`crate::Outbox::enqueue`].
+    pub async fn compensate(
+        &self,
+        original_action_id: &str,
+        intent: &protocol::Intent,
+    ) -> Result<(), PublishError> {
+        let intent = compensating(intent.clone(), original_action_id);
+        let body = intent.to_json();
+        protocol::decode_intent(&body)?;
+        self.publish_one(
+            &intent.tenant,
+            &intent.action_id,
+            Some(&intent.tool),
+            &body,
+            &PublishOptions::default(),
         )
         .await
     }

@@ -176,6 +176,84 @@ async fn publish_sets_key_properties_and_body() {
     delete_exchanges(&[&exchange]).await;
 }
 
+/// `compensate` sends the intent with `compensates` set, under its own key; an original the
+/// worker's decoder would refuse is refused before anything is sent.
+#[tokio::test]
+async fn compensate_publishes_the_intent_with_compensates() {
+    let exchange = unique("intents");
+    let publisher = Publisher::connect(&amqp_url(), &exchange)
+        .await
+        .expect("connect");
+    publisher.declare_exchange().await.expect("declare");
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    let queue = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue");
+    channel
+        .queue_bind(
+            queue.name().clone(),
+            exchange.as_str().into(),
+            "north-shop".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+
+    let undo = intent("north-shop", "cancel-refund-204");
+    let error = publisher
+        .compensate("refund 204", &undo)
+        .await
+        .expect_err("not an action id");
+    assert!(
+        matches!(&error, PublishError::InvalidIntent(e) if e.code() == "invalid_characters"),
+        "{error:?}"
+    );
+    publisher
+        .compensate("refund-204", &undo)
+        .await
+        .expect("routed and confirmed");
+
+    let message = channel
+        .basic_get(queue.name().clone(), BasicGetOptions { no_ack: true })
+        .await
+        .expect("get")
+        .expect("a message");
+    let sent = protocol::decode_intent(&message.delivery.data).expect("a valid intent");
+    assert_eq!(sent, publisher::compensating(undo, "refund-204"));
+    assert_eq!(
+        message
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str()),
+        Some("north-shop:cancel-refund-204")
+    );
+    // The refused one was never sent.
+    let more = channel
+        .basic_get(queue.name().clone(), BasicGetOptions { no_ack: true })
+        .await
+        .expect("get");
+    assert!(more.is_none());
+
+    connection.close(200, "OK".into()).await.ok();
+    publisher.close().await.expect("close");
+    delete_exchanges(&[&exchange]).await;
+}
+
 #[tokio::test]
 async fn missing_exchange_is_reported_not_created() {
     let exchange = unique("absent");

@@ -36,6 +36,7 @@ fn intent(tenant: &str, action_id: &str) -> protocol::Intent {
         arguments: serde_json::json!({"order": "order-731"}),
         call_id: None,
         reply_to: None,
+        compensates: None,
     }
 }
 

@@ -1,5 +1,6 @@
 """The console's browser suite: one world for the whole run (a fresh Postgres database, unique
-broker names, the reference downstream and one real worker with the console on), and one
+broker names, the reference downstream and one real worker with the console on, whose tokens are
+the admin's, two tenants' and an approver's, and whose `payout` tool asks for approval), and one
 headless Chromium driven by Selenium through Debian's chromedriver, named explicitly so that
 Selenium Manager never reaches for the network. Screenshots of each page go to
 $CONSOLE_SCREENSHOTS (default <target>/console-screenshots). Mirrors clients/python/tests/
@@ -118,6 +119,13 @@ lookup_url = "{base}/lookup/tickets/by-key/{{key}}"
 url = "{base}/none/deploys"
 recovery = "none"
 {common}
+[tools.payout]
+url = "{base}/replay/payouts"
+recovery = "replay"
+replay_window_secs = 3600
+replay_safety_margin_secs = 60
+approval = "required"
+{common}
 """
 COMMON = """\
 receipt_id = "/receipt_id"
@@ -146,6 +154,7 @@ class World:
     admin_port: int
     admin_token: str
     tenant_tokens: dict[str, str]
+    approver_tokens: dict[str, str]
     dir: Path
     downstream_url: str = ""
     worker: Child | None = None
@@ -188,6 +197,7 @@ class World:
             "WORKER_ADMIN_ADDR": f"127.0.0.1:{self.admin_port}",
             "WORKER_ADMIN_TOKEN": self.admin_token,
             "WORKER_TENANT_TOKENS": ",".join(f"{t}={k}" for t, k in self.tenant_tokens.items()),
+            "WORKER_APPROVER_TOKENS": ",".join(f"{a}={k}" for a, k in self.approver_tokens.items()),
             "METRICS_ADDR": "off",
             "WORKER_DB_POOL_SIZE": "4",
             **self.names(),
@@ -336,6 +346,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         admin_port=free_port(),
         admin_token=f"console-admin-{wid}",
         tenant_tokens={"north-shop": f"north-{wid}", "south-shop": f"south-{wid}"},
+        approver_tokens={"alice": f"approver-alice-{wid}"},
         dir=tmp_path_factory.mktemp("console"),
     )
     try:

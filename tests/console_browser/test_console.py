@@ -3,7 +3,9 @@ Postgres and the reference downstream: sign in; filter and group by cause; open 
 operation made by a dropped reply, refuse a wrong receipt with its reason, resolve it with the
 downstream's receipt and see it leave the list; bulk-recheck 50 rows with progress; republish a
 dead letter after fixing its tool; a tenant sees only its tenant and no action; a forged POST
-without the CSRF token is refused; hostile strings render as text. The tests run in file order
+without the CSRF token is refused; hostile strings render as text; an approver signs in, sees
+the exact arguments and approves an intent that waited for approval (a forged post and a
+fingerprint other than the one shown are refused). The tests run in file order
 on one world and one browser; each page is saved as a screenshot."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import shutil
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -347,6 +350,114 @@ def test_a_tenant_sees_only_its_tenant_and_no_action(
     driver.get(f"{seeded.base}/ui/dead-letters")
     assert not driver.find_elements(By.CSS_SELECTOR, "details.letter, form.inline")
     _readme_images(shots)
+
+
+def _post_from_the_page(driver: webdriver.Chrome, url: str, fields: dict[str, str]) -> int:
+    """A script on the console's own page posting a form with fetch (the session cookie goes
+    with it, as with any same-origin request): what a forgery that got into the page could do."""
+    body = urllib.parse.urlencode(fields)
+    status = driver.execute_async_script(
+        """
+        const done = arguments[arguments.length - 1];
+        fetch(arguments[0], {
+            method: "POST",
+            headers: {"Content-Type": "application/x-www-form-urlencoded"},
+            body: arguments[1],
+            redirect: "manual",
+        }).then((r) => done(r.status), (e) => done(String(e)));
+        """,
+        url,
+        body,
+    )
+    return int(status)
+
+
+def test_an_approver_approves_through_the_page(
+    driver: webdriver.Chrome, seeded: World, shots: Shots
+) -> None:
+    action = "payout-1"
+    args = {
+        "amount_cents": 250000,
+        "iban": "DE89370400440532013000",
+        "note": "<script>alert(6)</script>\"'{}",
+        "rtl": "\u202etxe.exe",
+    }
+    seeded.publish(NORTH, action, "payout", args)
+    seeded.wait_until(
+        f"{action} awaiting approval",
+        lambda: seeded.state(NORTH, action) == "awaiting_approval",
+    )
+    fingerprint = seeded.query(
+        "SELECT fingerprint FROM operations WHERE tenant = %s AND action_id = %s", NORTH, action
+    )[0][0]
+    # The approver signs in through the form, without a name: the token's is recorded.
+    driver.get(f"{seeded.base}/ui/login")
+    driver.delete_all_cookies()
+    driver.get(f"{seeded.base}/ui/login")
+    driver.find_element(By.ID, "token").send_keys(seeded.approver_tokens["alice"])
+    driver.find_element(By.CSS_SELECTOR, "form button[type=submit]").click()
+    wait(driver).until(lambda d: d.current_url.endswith("/ui/approvals"))
+    assert "approver alice" in text(driver)
+    nav = [a.text for a in driver.find_elements(By.CSS_SELECTOR, "header nav a")]
+    assert nav == ["Approvals"], nav
+    shots.take(driver, "approvals")
+    driver.find_element(By.LINK_TEXT, action).click()
+    wait(driver).until(lambda d: f"/ui/approvals/{NORTH}/{action}" in d.current_url)
+    page = driver.current_url
+    no_alert(driver)
+    assert driver.find_element(By.ID, "fingerprint").text == fingerprint
+    shown = driver.find_element(By.ID, "arguments").text
+    assert '"note": "<script>alert(6)</script>\\"\'{}"' in shown, shown
+    assert "\\u{202e}txe.exe" in shown and "\u202e" not in driver.page_source, shown
+    assert '"amount_cents": 250000' in shown, shown
+    assert not driver.find_elements(By.CSS_SELECTOR, "main script, main img")
+    shots.take(driver, "approval", full=True)
+
+    # A forged post without the CSRF token is refused, and nothing changes.
+    forged = {
+        "fingerprint": fingerprint,
+        "reason": "forged by a script",
+        "decision": "approve",
+        "request_id": "forged-approval-1",
+    }
+    assert _post_from_the_page(driver, page, forged) == 403
+    # A fingerprint that is not the one shown is refused with its reason.
+    driver.execute_script(
+        "document.querySelector('form.decision input[name=fingerprint]').value = arguments[0]",
+        "0" * len(fingerprint),
+    )
+    driver.find_element(By.ID, "reason").send_keys("looks right")
+    driver.find_element(By.CSS_SELECTOR, "button.approve").click()
+    wait(driver).until(lambda d: "approve refused" in text(d))
+    assert "fingerprint" in text(driver)
+    shots.take(driver, "approval-wrong-fingerprint")
+    assert seeded.state(NORTH, action) == "awaiting_approval"
+
+    # Approved through the page's form: sent once, and the page shows it.
+    driver.get(page)
+    driver.find_element(By.ID, "reason").send_keys("the customer confirmed by phone")
+    driver.find_element(By.CSS_SELECTOR, "button.approve").click()
+    wait(driver).until(lambda d: "done=approve" in d.current_url)
+    assert "Approved" in text(driver)
+    seeded.wait_until("the payout sent", lambda: seeded.state(NORTH, action) == "succeeded")
+    wait(driver).until(
+        lambda d: d.find_elements(By.CSS_SELECTOR, "h1 .state-succeeded") or d.refresh()
+    )
+    body = text(driver)
+    assert "Approved, sent and succeeded" in body and "alice" in body, body
+    assert not driver.find_elements(By.CSS_SELECTOR, "form.decision")
+    shots.take(driver, "approval-approved")
+    sent = seeded.query(
+        "SELECT count(*) FROM downstream.mutations WHERE idem_key = %s", f"{NORTH}:{action}"
+    )
+    assert sent[0][0] == 1, sent
+    actors = seeded.query(
+        "SELECT actor FROM operation_history WHERE operation_id = %s", seeded.op_id(NORTH, action)
+    )
+    assert ("operator:alice",) in actors, actors
+    # An approver's session opens nothing else.
+    driver.get(f"{seeded.base}/ui/operations")
+    assert "Approvers only approve" in text(driver) and "deploy-s1" not in text(driver)
 
 
 def _readme_images(shots: Shots) -> None:

@@ -28,6 +28,7 @@ pub fn intent(tenant: &str, action_id: &str, tool: &str, arguments: Value) -> In
         arguments,
         call_id: Some(format!("call-{}", uuid::Uuid::new_v4().simple())),
         reply_to: Some(tenant.into()),
+        compensates: None,
     }
 }
 

@@ -120,6 +120,7 @@ pub fn build_messages(n: usize, tenant: &str, tool: &str) -> Vec<(String, Vec<u8
                 }),
                 call_id: Some(format!("call-{i:07}")),
                 reply_to: Some(tenant.into()),
+                compensates: None,
             };
             (
                 publisher::action_key(&intent.tenant, &intent.action_id),

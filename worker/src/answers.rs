@@ -87,6 +87,7 @@ pub fn verified_by(stored: &str) -> (VerifiedBy, Option<String>) {
         "poll" => VerifiedBy::Poll,
         "callback" => VerifiedBy::Callback,
         "late_receipt" => VerifiedBy::LateReceipt,
+        "expiry" => VerifiedBy::Expiry,
         _ => VerifiedBy::Other,
     };
     (by, None)
@@ -116,6 +117,7 @@ pub fn report(op: &Operation, status: Status, now: DateTime<Utc>) -> Report {
             let uncertainty = match op.state() {
                 State::Unknown => Uncertainty::UnknownOutcome,
                 State::Held => Uncertainty::Held,
+                State::AwaitingApproval => Uncertainty::AwaitingApproval,
                 _ => Uncertainty::InProgress,
             };
             let scheduled = matches!(
@@ -162,6 +164,8 @@ pub fn operation_event(op: &Operation, status: Status, message: String) -> NewEv
             remote_id: report.remote_id,
             uncertainty: report.uncertainty,
             retry_after_ms: report.retry_after_ms,
+            compensates: op.compensates.clone(),
+            compensated_by: None,
             event_id: uuid::Uuid::new_v4().to_string(),
             occurred_at: now_rfc3339(),
         },
@@ -200,6 +204,8 @@ pub fn rejected_event(
             remote_id: None,
             uncertainty: None,
             retry_after_ms: None,
+            compensates: None,
+            compensated_by: None,
             event_id: uuid::Uuid::new_v4().to_string(),
             occurred_at: now_rfc3339(),
         },
@@ -217,6 +223,10 @@ pub fn pending_message(op: &Operation) -> String {
         ),
         State::Held => format!(
             "The {} outcome is unknown and is held for reconciliation by a person. Do not submit it again.",
+            op.tool
+        ),
+        State::AwaitingApproval => format!(
+            "The {} waits for a person to approve these exact arguments; nothing has been sent. It runs once approved, or fails if it is rejected or not approved in time. Do not submit it again.",
             op.tool
         ),
         State::Accepted => format!(
@@ -250,10 +260,20 @@ pub fn stored_result(op: &Operation) -> NewEvent {
         event.operation_id = Some(op.id);
         event.reply_to = op.reply_to.clone();
         event.event.attempts = op.attempts.max(0) as u32;
+        event.event.compensates = op.compensates.clone();
         return event;
     }
     match op.state() {
         State::Succeeded => succeeded(op),
+        // No attempt: only an intent whose approval did not come fails without one.
+        State::Failed if op.attempts == 0 => not_approved(
+            op,
+            if op.verified_by.as_deref() == Some("expiry") {
+                NotApproved::Expired
+            } else {
+                NotApproved::Rejected
+            },
+        ),
         State::Failed => failed(op),
         _ => pending(op),
     }
@@ -295,6 +315,127 @@ pub fn succeeded_by_operator(op: &Operation, receipt_id: &str) -> NewEvent {
 /// `failed`, with the evidence.
 pub fn failed(op: &Operation) -> NewEvent {
     operation_event(op, Status::Failed, failed_message(op))
+}
+
+/// Why a compensation was not admitted (nothing was recorded).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotAdmitted {
+    /// No action of this tenant has that action_id.
+    OriginalNotFound,
+    /// The original failed: nothing was applied.
+    OriginalNotApplied,
+    /// The original is not settled; its state.
+    OriginalUnresolved(State),
+    /// The compensating tool does not list the original's tool.
+    ToolNotAllowed { original_tool: String },
+    /// This live compensation of the original came first.
+    AlreadyCompensated { by: String },
+}
+
+/// `rejected` for a compensation that was not admitted (nothing recorded), with the reason
+/// and, where one helps, a `detail`: the original's state, or the compensation that came
+/// first.
+pub fn compensation_refused(new: &NewOperation, why: &NotAdmitted) -> NewEvent {
+    let original = new.compensates.as_deref().unwrap_or_default();
+    let (reason, detail, message) = match why {
+        NotAdmitted::OriginalNotFound => (
+            RejectReason::OriginalNotFound,
+            None,
+            format!("There is no action {original:?} of this tenant to compensate; nothing was sent."),
+        ),
+        NotAdmitted::OriginalNotApplied => (
+            RejectReason::OriginalNotApplied,
+            Some(State::Failed.as_str().to_string()),
+            format!("Action {original:?} failed: it was not applied, so there is nothing to undo; nothing was sent."),
+        ),
+        NotAdmitted::OriginalUnresolved(state) => (
+            RejectReason::OriginalUnresolved,
+            Some(state.as_str().to_string()),
+            format!(
+                "Action {original:?} is {state}, not known to have succeeded: undoing it now could cause a second unintended effect. Reconcile it first (check its status), then send the compensation again; nothing was sent."
+            ),
+        ),
+        NotAdmitted::ToolNotAllowed { original_tool } if original == new.action_id => (
+            RejectReason::CompensationNotAllowed,
+            Some(original_tool.clone()),
+            "An action cannot compensate itself; nothing was sent.".to_string(),
+        ),
+        NotAdmitted::ToolNotAllowed { original_tool } => (
+            RejectReason::CompensationNotAllowed,
+            Some(original_tool.clone()),
+            format!(
+                "Tool {:?} may not compensate a {original_tool:?} action (its compensation_for does not list it); nothing was sent.",
+                new.tool
+            ),
+        ),
+        NotAdmitted::AlreadyCompensated { by } => (
+            RejectReason::AlreadyCompensated,
+            Some(by.clone()),
+            format!(
+                "Action {original:?} already has compensation {by:?}, which succeeded or may still apply; nothing was sent."
+            ),
+        ),
+    };
+    let mut event = rejected_event(
+        &new.tenant,
+        &new.action_id,
+        &new.tool,
+        reason,
+        detail,
+        message,
+        Some(new.fingerprint.clone()),
+    );
+    event.event.compensates = new.compensates.clone();
+    event
+}
+
+/// `succeeded` again about an original whose compensation `by` succeeded: its state and
+/// receipt are unchanged; `compensated_by` names the compensation.
+pub fn compensated(original: &Operation, by: &str) -> NewEvent {
+    let mut event = succeeded(original);
+    event.event.compensated_by = Some(by.to_string());
+    event.event.message = format!(
+        "The {} succeeded (receipt {}) and was undone by its compensation {by:?}, which succeeded.",
+        original.tool,
+        original.receipt_id.as_deref().unwrap_or_default()
+    );
+    event
+}
+
+/// Why an intent that waited for approval failed without being sent: `detail` of its `failed`
+/// event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotApproved {
+    /// An approver rejected it.
+    Rejected,
+    /// Its wait (`approval_ttl_secs`) ended before enough people approved it.
+    Expired,
+}
+
+impl NotApproved {
+    /// The `detail` code.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NotApproved::Rejected => "not_approved",
+            NotApproved::Expired => "approval_expired",
+        }
+    }
+}
+
+/// `failed` for an intent that was never sent because its approval did not come: the evidence
+/// says who rejected it and why, or that its wait ended; `detail` carries the code.
+pub fn not_approved(op: &Operation, why: NotApproved) -> NewEvent {
+    let mut event = operation_event(
+        op,
+        Status::Failed,
+        format!(
+            "The {} was not sent and will not be: {}",
+            op.tool,
+            op.evidence.as_deref().unwrap_or(why.as_str())
+        ),
+    );
+    event.event.detail = Some(why.as_str().to_string());
+    event
 }
 
 /// `pending`, saying why the outcome is not known yet.
@@ -389,7 +530,7 @@ fn key_taken(
 /// `rejected` / `intent_conflict` for an intent whose key was already used for a different
 /// intent (tool or arguments differ), routed to the delivery that reused the key.
 pub fn conflict(new: &NewOperation) -> NewEvent {
-    rejected_event(
+    let mut event = rejected_event(
         &new.tenant,
         &new.action_id,
         &new.tool,
@@ -400,8 +541,9 @@ pub fn conflict(new: &NewOperation) -> NewEvent {
             new.action_id
         ),
         Some(new.fingerprint.clone()),
-    )
-    .answering(new.reply_to.as_deref())
+    );
+    event.event.compensates = new.compensates.clone();
+    event.answering(new.reply_to.as_deref())
 }
 
 #[cfg(test)]

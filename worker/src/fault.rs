@@ -8,7 +8,7 @@
 //! process every time that action is taken from the queue: a poison message.
 
 /// Points a test can stop at.
-pub const POINTS: [&str; 12] = [
+pub const POINTS: [&str; 13] = [
     "after_ledger_connected",
     "after_prepared",
     "after_dispatching",
@@ -21,6 +21,7 @@ pub const POINTS: [&str; 12] = [
     "after_accepted",
     "before_poll",
     "after_poll",
+    "after_approval",
 ];
 
 #[cfg(feature = "fault-points")]

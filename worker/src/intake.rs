@@ -24,6 +24,7 @@ use tracing::{Instrument as _, Span};
 use crate::answers::{self, DeadLetterReason};
 use crate::context::Context;
 use crate::fault;
+use crate::ledger::approval::ApprovalTerms;
 use crate::ledger::outbox::NewEvent;
 use crate::ledger::{Admitted, LedgerError, NewOperation, Operation, State};
 use crate::telemetry::metrics as m;
@@ -254,6 +255,7 @@ pub fn triage(
                     call_id: intent.call_id,
                     reply_to: intent.reply_to,
                     trace: incoming.trace.clone(),
+                    compensates: intent.compensates,
                 },
                 answer_trace: incoming.answer_trace(),
             })
@@ -343,6 +345,15 @@ pub async fn step(
 ) -> Result<StepOutcome, LedgerError> {
     let mut out = StepOutcome::default();
     let (refusals, valid) = sort(ctx, auth, max_bytes, batch, &mut out.dead_letters);
+    // Compensations are admitted one by one, each against its original's row.
+    let (compensations, valid): (Vec<Valid>, Vec<Valid>) =
+        valid.into_iter().partition(|v| v.new.compensates.is_some());
+    if !compensations.is_empty() {
+        let (events, claimed) = admit_compensations(ctx, batch, &compensations).await?;
+        ctx.ledger.emit(&events).await?;
+        out.answered += events.len();
+        out.claimed.extend(claimed);
+    }
 
     // Stage 3: admit, then look up the refused keys (after admitting, so a key first
     // recorded in this very batch is seen too).
@@ -352,16 +363,46 @@ pub async fn step(
         .filter_map(|d| kit::otel::context_of(&d.span))
         .collect();
     let span = crate::telemetry::spans::ledger_batch("admit", batch.len(), &recorded);
-    let admitted = ctx
-        .ledger
-        .admit_claimed(
-            &unique.iter().map(|v| &v.new).collect::<Vec<_>>(),
-            &ctx.worker_id,
-            ctx.lease,
-            &ctx.windows,
-        )
-        .instrument(span.clone())
-        .await?;
+    // An intent its tool asks a person to approve is recorded awaiting that, never claimed;
+    // the others are claimed by their insert. Two statements only when a batch holds both.
+    let (awaiting, direct): (Vec<usize>, Vec<usize>) =
+        (0..unique.len()).partition(|&u| needs_approval(ctx, &unique[u].new));
+    let mut admitted: Vec<Option<Admitted>> = unique.iter().map(|_| None).collect();
+    if !direct.is_empty() {
+        let rows = ctx
+            .ledger
+            .admit_claimed(
+                &direct.iter().map(|&u| &unique[u].new).collect::<Vec<_>>(),
+                &ctx.worker_id,
+                ctx.lease,
+                &ctx.windows,
+            )
+            .instrument(span.clone())
+            .await?;
+        for (&u, a) in direct.iter().zip(rows) {
+            admitted[u] = Some(a);
+        }
+    }
+    if !awaiting.is_empty() {
+        let rows = ctx
+            .ledger
+            .admit_awaiting(
+                &awaiting.iter().map(|&u| &unique[u].new).collect::<Vec<_>>(),
+                &ctx.worker_id,
+                &approval_terms(ctx),
+            )
+            .instrument(span.clone())
+            .await?;
+        for (&u, a) in awaiting.iter().zip(rows) {
+            if a.inserted {
+                counter!(m::APPROVALS, "tool" => a.operation.tool.clone(), "outcome" => "requested")
+                    .increment(1);
+            }
+            admitted[u] = Some(a);
+        }
+    }
+    // Every intent got its row: both statements answer one row per intent, in order.
+    let admitted: Vec<Admitted> = admitted.into_iter().flatten().collect();
     if let Some(a) = admitted.iter().find(|a| a.inserted) {
         fault::point("after_prepared", &a.operation.action_id);
     }
@@ -401,7 +442,7 @@ pub async fn step(
             .instrument(span)
             .await?
     };
-    out.answered = answered;
+    out.answered += answered;
     // `admitted[u]` is the row of `unique[u]`; a row claimed afterwards finds its delivery
     // by id.
     let parent = |u: usize| batch[unique[u].index].span.clone();
@@ -415,20 +456,138 @@ pub async fn step(
             operation,
         })
         .collect();
-    out.claimed = admitted
-        .into_iter()
-        .enumerate()
-        .filter(|(_, a)| a.inserted)
-        .map(|(u, a)| Claimed {
-            parent: parent(u),
-            operation: a.operation,
-        })
-        .chain(claimed)
-        .collect();
+    out.claimed.extend(
+        admitted
+            .into_iter()
+            .enumerate()
+            .filter(|(_, a)| a.inserted && a.operation.state() == State::Dispatching)
+            .map(|(u, a)| Claimed {
+                parent: parent(u),
+                operation: a.operation,
+            })
+            .chain(claimed),
+    );
     if let Some(c) = out.claimed.first() {
         fault::point("after_dispatching", &c.operation.action_id);
     }
     Ok(out)
+}
+
+/// Admits each compensation (the first of its key in the batch; later ones are answered like
+/// it) against its original's row ([`crate::ledger::Ledger::admit_compensation`]): claimed for
+/// dispatch, recorded awaiting approval when its tool asks for one, answered from the key's
+/// row, or refused with the reason (nothing recorded; a later intent may find the original
+/// settled). Returns the answers and the claimed rows.
+async fn admit_compensations(
+    ctx: &Context,
+    batch: &[Incoming],
+    compensations: &[Valid],
+) -> Result<(Vec<NewEvent>, Vec<Claimed>), LedgerError> {
+    use crate::ledger::compensation::{Admission, CompensationAdmission};
+    let mut events = Vec::new();
+    let mut claimed = Vec::new();
+    let mut first: HashMap<(&str, &str), NewEvent> = HashMap::new();
+    for v in compensations {
+        let key = (v.new.tenant.as_str(), v.new.action_id.as_str());
+        let answer = |e: NewEvent| {
+            e.answering(v.new.reply_to.as_deref())
+                .with_trace(v.answer_trace.clone())
+        };
+        if let Some(e) = first.get(&key) {
+            // A later copy in this batch: the first's answer, to this delivery.
+            duplicate(if v.redelivered {
+                "redelivery"
+            } else {
+                "in_flight"
+            });
+            events.push(answer(e.clone()));
+            continue;
+        }
+        let Some(tool) = ctx.tools.get(&v.new.tool) else {
+            continue;
+        };
+        let terms;
+        let how = if needs_approval(ctx, &v.new) {
+            terms = approval_terms(ctx);
+            Admission::Awaiting {
+                worker_id: &ctx.worker_id,
+                terms: &terms,
+            }
+        } else {
+            Admission::Claimed {
+                worker_id: &ctx.worker_id,
+                lease: ctx.lease,
+                windows: &ctx.windows,
+            }
+        };
+        let event = match ctx
+            .ledger
+            .admit_compensation(&v.new, &tool.config.compensation_for, &how)
+            .await?
+        {
+            CompensationAdmission::Admitted(a) if a.inserted => {
+                let a = *a;
+                if a.operation.state() == State::Dispatching {
+                    let event = answers::pending(&a.operation);
+                    claimed.push(Claimed {
+                        parent: batch[v.index].span.clone(),
+                        operation: a.operation,
+                    });
+                    first.insert(key, event);
+                    continue;
+                }
+                counter!(m::APPROVALS, "tool" => a.operation.tool.clone(), "outcome" => "requested")
+                    .increment(1);
+                answers::stored_result(&a.operation)
+            }
+            CompensationAdmission::Admitted(a) if a.operation.fingerprint != v.new.fingerprint => {
+                duplicate("conflict");
+                conflict_event(&v.new, &a.operation)
+            }
+            CompensationAdmission::Admitted(a) => {
+                duplicate(reason(v.redelivered, &a.operation));
+                answers::stored_result(&a.operation)
+            }
+            CompensationAdmission::Refused(why) => {
+                let event = answers::compensation_refused(&v.new, &why);
+                if let Some(reason) = event.event.reason {
+                    counter!(m::REJECTED, "reason" => reason.as_str()).increment(1);
+                }
+                event
+            }
+        };
+        let event = answer(event);
+        first.insert(key, event.clone());
+        events.push(event);
+    }
+    Ok((events, claimed))
+}
+
+/// Whether the intent's tool asks a person to approve it before it is sent. Arguments the rule
+/// cannot read (never the case for a decoded intent) need approval: a rule never fails open.
+fn needs_approval(ctx: &Context, new: &NewOperation) -> bool {
+    let Some(rule) = ctx
+        .tools
+        .get(&new.tool)
+        .and_then(|t| t.config.approval.as_ref())
+    else {
+        return false;
+    };
+    match &rule.when {
+        crate::config::approval::When::Always => true,
+        crate::config::approval::When::Matching(_) => serde_json::from_str(&new.arguments)
+            .map_or(true, |arguments| rule.needed_for(&arguments)),
+    }
+}
+
+/// Every approval tool's terms (how many people, how long the wait), for the admission.
+fn approval_terms(ctx: &Context) -> ApprovalTerms {
+    ctx.tools
+        .iter()
+        .filter_map(|(name, t)| t.config.approval.as_ref().map(|a| (name, a)))
+        .fold(ApprovalTerms::default(), |terms, (name, a)| {
+            terms.with(name, a.approvals, a.ttl)
+        })
 }
 
 /// Stages 1 and 2 for every delivery: too large (dead-lettered unread), then decoded and the
@@ -542,7 +701,10 @@ impl<'a> Answers<'a> {
         };
         for (u, (v, adm)) in unique.iter().zip(admitted).enumerate() {
             let op = &adm.operation;
-            if adm.inserted {
+            if adm.inserted && op.state() == State::AwaitingApproval {
+                // Recorded to wait for approval: answered `pending` at once, not dispatched.
+                a.answer_from[u] = Some(op);
+            } else if adm.inserted {
                 // Claimed by its own insert: dispatched, not answered.
             } else if op.fingerprint != v.new.fingerprint {
                 a.conflicts
@@ -693,6 +855,7 @@ mod tests {
             poll_deadline: None,
             verified_by: None,
             send_deadline: None,
+            compensates: None,
         }
     }
 
@@ -836,6 +999,7 @@ mod tests {
                 call_id: None,
                 reply_to: reply_to.map(str::to_string),
                 trace: None,
+                compensates: None,
             },
             answer_trace: None,
         }
@@ -892,6 +1056,7 @@ mod tests {
                 call_id: None,
                 reply_to: None,
                 trace: None,
+                compensates: None,
             },
             answer_trace: None,
         };

@@ -520,6 +520,12 @@ async fn the_sweeper_removes_private_data_and_keeps_the_tombstone() {
         .execute(db.pool())
         .await
         .unwrap();
+    // Say the finished one was a compensation: its tombstone keeps the link.
+    sqlx::query("UPDATE operations SET compensates = 'refund-first' WHERE id = $1")
+        .bind(done.id)
+        .execute(db.pool())
+        .await
+        .unwrap();
 
     // Retention 0 s: private data goes at once; tombstones are kept for a day.
     let report = sweep_once(&db.ledger, Duration::ZERO, Duration::from_secs(86_400))
@@ -539,6 +545,11 @@ async fn the_sweeper_removes_private_data_and_keeps_the_tombstone() {
     assert_eq!(swept.fingerprint, done.fingerprint);
     assert_eq!(swept.state(), State::Succeeded);
     assert_eq!(swept.receipt_id.as_deref(), Some("r-auto"));
+    assert_eq!(swept.compensates.as_deref(), Some("refund-first"));
+    assert_eq!(
+        stored_result(&swept).event.compensates.as_deref(),
+        Some("refund-first")
+    );
     // A long-running operation's acceptance may echo its arguments: it goes with them. The
     // operation id stays, like the receipt id.
     let swept = db.ledger.get(polled.id).await.unwrap().unwrap();

@@ -491,7 +491,7 @@ async fn a_claim_by_insert_sets_what_a_claim_of_a_prepared_row_sets() {
 }
 
 /// Every column of an operation, in the order the worker's statements select them.
-const COLUMNS: [&str; 32] = [
+const COLUMNS: [&str; 33] = [
     "id",
     "tenant",
     "action_id",
@@ -524,6 +524,7 @@ const COLUMNS: [&str; 32] = [
     "poll_deadline",
     "verified_by",
     "send_deadline",
+    "compensates",
 ];
 
 async fn read_as(

@@ -193,11 +193,13 @@ WorldFactory = Callable[..., Awaitable[World]]
 @pytest.fixture
 async def make_world(tmp_path: Path) -> AsyncIterator[WorldFactory]:
     """Builds worlds (a database, a downstream and one worker, unique to the test);
-    ``auth`` is appended to the tools file (e.g. an ``[auth]`` table). All are removed after
-    the test, whatever its outcome."""
+    ``auth`` is appended to the tools file (e.g. an ``[auth]`` table); ``tools``, more tool
+    tables, is too after filling in ``{base}`` (the downstream's URL) and ``{common}`` (the
+    settings every tool here shares); ``env`` adds to the worker's environment. All are removed
+    after the test, whatever its outcome."""
     worlds: list[World] = []
 
-    async def build(auth: str = "") -> World:
+    async def build(auth: str = "", tools: str = "", env: dict[str, str] | None = None) -> World:
         wid = uuid.uuid4().hex[:12]
         db_name = f"py_{wid}"
         db_url = _create_database(db_name)
@@ -234,8 +236,9 @@ async def make_world(tmp_path: Path) -> AsyncIterator[WorldFactory]:
         w.children.append(downstream)
         line = downstream.wait_for_line("reference-downstream listening on", 20)
         w.downstream_url = f"http://127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
-        tools = w.dir / "tools.toml"
-        tools.write_text(TOOLS.format(base=w.downstream_url, common=COMMON.format()) + auth)
+        tools_file = w.dir / "tools.toml"
+        filled = {"base": w.downstream_url, "common": COMMON.format()}
+        tools_file.write_text(TOOLS.format(**filled) + tools.format(**filled) + auth)
         worker = Child(
             "worker",
             [str(binary("worker")), "run"],
@@ -244,7 +247,7 @@ async def make_world(tmp_path: Path) -> AsyncIterator[WorldFactory]:
                 "RUST_LOG": "info,lapin=warn,sqlx=warn",
                 "DATABASE_URL": db_url,
                 "AMQP_URL": AMQP_URL,
-                "WORKER_TOOLS": str(tools),
+                "WORKER_TOOLS": str(tools_file),
                 "WORKER_ID": f"py-worker-{wid}",
                 # Above every tool's timeout_ms: the worker refuses a lease it does not exceed.
                 "WORKER_LEASE_SECS": "3",
@@ -260,6 +263,7 @@ async def make_world(tmp_path: Path) -> AsyncIterator[WorldFactory]:
                 "WORKER_TENANT_TOKENS": f"{w.tenant}={w.tenant_token}",
                 "METRICS_ADDR": "off",
                 "WORKER_DB_POOL_SIZE": "3",
+                **(env or {}),
             },
         )
         w.children.append(worker)

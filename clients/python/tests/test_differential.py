@@ -13,7 +13,7 @@ from conftest import REPO
 
 from intent_worker_client import InvalidIntent, decode_intent
 
-NAMES = ["tenant", "action_id", "tool", "arguments", "call_id", "reply_to"]
+NAMES = ["tenant", "action_id", "tool", "arguments", "call_id", "reply_to", "compensates"]
 ODD_NAMES = ["Tenant", "action-id", "x", "", "ténant", "a" * 70]
 STRINGS = [
     '""',
@@ -115,6 +115,7 @@ GOOD = {
     ],
     "call_id": ["null", '"model-9f2"', '"\\u00e9\\ud83d\\ude00 \\u2028"', '"' + "é" * 200 + '"'],
     "reply_to": ["null", '"agent-7"', '"a.b"'],
+    "compensates": ["null", '"refund-204"', '"{\\"id\\":\'x\'}%/?#"', '"' + "c" * 200 + '"'],
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import aio_pika
 import pytest
-from conftest import AMQP_URL, World, pg_connect
+from conftest import AMQP_URL, World, WorldFactory, pg_connect
 from jsonschema import Draft202012Validator, FormatChecker
 
 from intent_worker_client import (
@@ -22,6 +22,7 @@ from intent_worker_client import (
     NoAnswer,
     PublishError,
     RejectReason,
+    ResultEvent,
     Status,
     action_scope,
     create_outbox,
@@ -30,6 +31,7 @@ from intent_worker_client import (
     intent_tool,
     result_routing_key,
 )
+from intent_worker_client.tool import answer_for
 
 RESULT_SCHEMA = Draft202012Validator(
     json.loads(
@@ -334,3 +336,144 @@ async def test_user_id_is_the_connection_user(world: World, unique: str) -> None
         assert decode_intent(message.body) == sent and sent.reply_to == client.reply_to
     finally:
         await connection.close()
+
+
+ALICE = "alice-approver-token-1234"
+APPROVED_REFUND = """
+[tools.approved_refund]
+url = "{base}/replay/refunds"
+recovery = "replay"
+replay_window_secs = 3600
+replay_safety_margin_secs = 60
+approval = "required"
+{common}
+"""
+REFUND_REVERSAL = """
+[tools.refund_reversal]
+url = "{base}/replay/refund-reversals"
+recovery = "replay"
+replay_window_secs = 3600
+replay_safety_margin_secs = 60
+compensation_for = ["refund"]
+{common}
+"""
+
+
+def decide(world: World, action_id: str, verdict: str, fingerprint: str, reason: str) -> int:
+    """``approve`` or ``reject`` as the approver alice; the HTTP status."""
+    request = urllib.request.Request(
+        f"{world.admin_url}/v1/operations/{world.tenant}/{action_id}/{verdict}",
+        data=json.dumps(
+            {"fingerprint": fingerprint, "reason": reason, "request_id": f"{verdict}-{action_id}"}
+        ).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {ALICE}"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return int(response.status)
+
+
+async def test_an_intent_awaiting_approval_is_not_sent_and_a_rejection_fails_it(
+    make_world: WorldFactory, unique: str
+) -> None:
+    world = await make_world(
+        tools=APPROVED_REFUND, env={"WORKER_APPROVER_TOKENS": f"alice={ALICE}"}
+    )
+    action_id = f"big-{unique}"
+    key = f"{world.tenant}:{action_id}"
+    async with await connect(world) as client:
+
+        @intent_tool(client, tenant=world.tenant, name="approved_refund", timeout=10)
+        async def approved_refund(order: str, amount_cents: int, currency: str = "USD") -> None:
+            """Refund part of an order once a person approves it."""
+
+        with action_scope(action_id):
+            waiting = await approved_refund("order-731", 4850)
+            # The model insists: the same row answers, still waiting, still nothing sent.
+            again = await approved_refund("order-731", 4850)
+        assert waiting.status is Status.PENDING and waiting.awaiting_approval, waiting
+        assert str(waiting).startswith("AWAITING APPROVAL.") and "nothing has been sent" in str(
+            waiting
+        )
+        assert waiting.outcome_unknown and again.awaiting_approval
+        assert world.mutations(key) == 0
+        event = waiting.event
+        assert event is not None and event.fingerprint is not None
+
+        assert decide(world, action_id, "reject", event.fingerprint, "not this week") == 200
+        failed = await client.wait_for(world.tenant, action_id, 20, fingerprint=event.fingerprint)
+    assert failed.status is Status.FAILED, failed
+    assert (failed.detail, failed.verified_by, failed.operator) == (
+        "not_approved",
+        "operator",
+        "alice",
+    )
+    text = str(answer_for(failed, "approved_refund", action_id))
+    assert text.startswith("NOT APPROVED (nothing was sent"), text
+    assert world.mutations(key) == 0
+
+
+async def test_a_compensation_undoes_a_succeeded_action_once(
+    make_world: WorldFactory, unique: str
+) -> None:
+    world = await make_world(tools=REFUND_REVERSAL)
+    original, undo = f"refund-{unique}", f"undo-{unique}"
+    async with await connect(
+        world, status_url=world.admin_url, status_token=world.tenant_token
+    ) as client:
+        # Nothing to undo yet.
+        missing = await client.compensate(
+            original,
+            "refund_reversal",
+            {"reverses": original},
+            tenant=world.tenant,
+            action_id=f"early-{unique}",
+            timeout=20,
+        )
+        assert missing.status is Status.REJECTED, missing
+        assert missing.reason is RejectReason.ORIGINAL_NOT_FOUND
+        assert missing.compensates == original
+
+        done = await client.send_and_wait(refund(world, original), timeout=20)
+        assert done.status is Status.SUCCEEDED, done
+        undone = await client.compensate(
+            original,
+            "refund_reversal",
+            {"reverses": original},
+            tenant=world.tenant,
+            action_id=undo,
+            call_id="model-7",
+            timeout=20,
+        )
+        assert undone.status is Status.SUCCEEDED, undone
+        assert undone.compensates == original
+        assert "undid action" in str(answer_for(undone, "refund_reversal", undo))
+        # A second compensation of the same original is refused, naming the first.
+        twice = await client.compensate(
+            original,
+            "refund_reversal",
+            {"reverses": original},
+            tenant=world.tenant,
+            action_id=f"undo-again-{unique}",
+            timeout=20,
+        )
+        assert twice.status is Status.REJECTED, twice
+        assert (twice.reason, twice.detail) == (RejectReason.ALREADY_COMPENSATED, undo)
+        # The original keeps its state and receipt, and says what undid it.
+        status = await client.status(world.tenant, original)
+        assert status is not None and status.status is Status.SUCCEEDED
+        assert status.compensated_by == undo
+        assert status.fingerprint == done.fingerprint
+
+        # The original's agent (this client's reply_to) is told on its queue as well.
+        async def told() -> ResultEvent:
+            while True:
+                for event in client._answers.get((world.tenant, original), []):
+                    if event.compensated_by == undo:
+                        return event
+                await asyncio.sleep(0.1)
+
+        again = await asyncio.wait_for(told(), 20)
+    assert again.status is Status.SUCCEEDED and again.receipt == done.receipt
+    assert world.mutations(f"{world.tenant}:{original}") == 1
+    assert world.mutations(f"{world.tenant}:{undo}") == 1

@@ -6,6 +6,7 @@
 //! What each scenario does is in the crate's documentation ([`crate`]).
 
 use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
@@ -25,8 +26,9 @@ pub enum Scenario {
     #[default]
     Stream,
     /// Refunds, repeats answered from the ledger, one conflicting reuse, one long-running
-    /// deploy (accepted, then succeeded), one lost reply held for a person; ends with a
-    /// `key=value` summary.
+    /// deploy (accepted, then succeeded), one lost reply held for a person, one refund above
+    /// the approval limit (approved, then succeeded), one compensation of a refund; ends with
+    /// a `key=value` summary.
     Full,
 }
 
@@ -40,6 +42,10 @@ pub struct DemoConfig {
     pub held_tool: String,
     /// `full`: the tool (declared `completion = "async"`) of the long-running action.
     pub async_tool: String,
+    /// `full`: the tool (declared `compensation_for = [<tool>]`) of the compensation.
+    pub reversal_tool: String,
+    /// `full`: how the refund above the approval limit is approved.
+    pub approver: Option<Approver>,
     /// `full`: the worker's status API root and a token for it (tenant or admin), asked
     /// whether the pending action is held.
     pub status: Option<(String, String)>,
@@ -57,6 +63,76 @@ pub struct DemoConfig {
     pub database_url: Option<String>,
     /// How long to wait for the last answers.
     pub answer_timeout: Duration,
+}
+
+/// How the `full` scenario approves its refund above the approval limit, standing in for a
+/// person: `worker ops approve` (the `worker` binary, run as a subprocess with a clean
+/// environment) on the worker's ledger and tools file, as an operator would.
+#[derive(Debug, Clone)]
+pub struct Approver {
+    /// The `worker` binary.
+    pub worker_bin: PathBuf,
+    /// The worker's ledger (`DATABASE_URL` of `worker ops approve`).
+    pub ledger_url: String,
+    /// The worker's tools file (`WORKER_TOOLS`).
+    pub tools: PathBuf,
+    /// An extra CA bundle for the ledger's TLS (`WORKER_CA_FILE`).
+    pub ca_file: Option<PathBuf>,
+}
+
+/// Who approves, as `worker ops approve --operator` records it (`operator:<name>` in the
+/// operation's history).
+pub const APPROVER: &str = "demo-approver";
+/// The amount of the refund that needs approval: above the refund tool's limit in
+/// deploy/tools.demo.toml (`approval_when = { "/amount_cents" = { gt = 100000 } }`); every other
+/// refund of the demo is far below it.
+const APPROVAL_AMOUNT_CENTS: u64 = 250_000;
+/// How long `worker ops approve` may take (connect, load the tools file, one transaction).
+const APPROVE_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl Approver {
+    /// Runs `worker ops approve <tenant> <action_id> --fingerprint <fingerprint>`; returns what
+    /// it printed (the arguments approved and the operation's new state). A non-zero exit is an
+    /// error carrying its output.
+    async fn approve(
+        &self,
+        tenant: &str,
+        action_id: &str,
+        fingerprint: &str,
+    ) -> anyhow::Result<String> {
+        let mut cmd = tokio::process::Command::new(&self.worker_bin);
+        cmd.args(["ops", "approve", tenant, action_id, "--operator", APPROVER])
+            .args([
+                "--reason",
+                "demo: a refund above the approval limit, checked",
+            ])
+            .args(["--fingerprint", fingerprint])
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("RUST_LOG", "warn")
+            .env("DATABASE_URL", &self.ledger_url)
+            .env("WORKER_TOOLS", &self.tools)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        if let Some(ca) = &self.ca_file {
+            cmd.env("WORKER_CA_FILE", ca);
+        }
+        let bin = self.worker_bin.display();
+        let out = tokio::time::timeout(APPROVE_TIMEOUT, cmd.output())
+            .await
+            .with_context(|| format!("{bin} ops approve did not end within {APPROVE_TIMEOUT:?}"))?
+            .with_context(|| format!("cannot run {bin} ops approve (pass --worker-bin)"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if !out.status.success() {
+            bail!(
+                "{bin} ops approve {tenant} {action_id} failed ({}): {} {}",
+                out.status,
+                stdout,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(stdout)
+    }
 }
 
 /// Runs the demo agent to completion.
@@ -263,6 +339,25 @@ pub struct Tally {
     pub held: u64,
     /// The action whose reply is lost after commit.
     pub held_action_id: String,
+    /// The refund above the approval limit.
+    pub approval_action_id: String,
+    /// 1 when it was answered `pending` with uncertainty `awaiting_approval` before it was
+    /// approved, else 0.
+    pub approval_awaiting: u64,
+    /// Who approved it with `worker ops approve` (empty when it was not approved).
+    pub approval_operator: String,
+    /// Its final answer's status once approved.
+    pub approval_status: String,
+    /// The compensation (`<reversal tool>-<run id>`).
+    pub compensation_action_id: String,
+    /// The action it undoes (`refund-<run id>-1`).
+    pub compensation_of: String,
+    /// The compensation's final answer's status.
+    pub compensation_status: String,
+    /// The `compensates` of that answer (the original it names).
+    pub compensation_compensates: String,
+    /// The `compensated_by` of the `succeeded` answer about the original that followed.
+    pub compensated_by: String,
     /// Result events received (distinct event ids).
     pub answers: u64,
     /// Whether every answer the scenario waits for arrived in time.
@@ -272,7 +367,7 @@ pub struct Tally {
 impl Tally {
     /// The summary: one `key=value` line each, in a fixed order.
     pub fn render(&self) -> String {
-        let lines: [(&str, String); 21] = [
+        let lines: [(&str, String); 30] = [
             ("run_id", self.run_id.clone()),
             ("intents_sent", self.intents_sent.to_string()),
             ("actions", self.actions.to_string()),
@@ -294,6 +389,21 @@ impl Tally {
             ("pending", self.pending.to_string()),
             ("held", self.held.to_string()),
             ("held_action_id", self.held_action_id.clone()),
+            ("approval_action_id", self.approval_action_id.clone()),
+            ("approval_awaiting", self.approval_awaiting.to_string()),
+            ("approval_operator", self.approval_operator.clone()),
+            ("approval_status", self.approval_status.clone()),
+            (
+                "compensation_action_id",
+                self.compensation_action_id.clone(),
+            ),
+            ("compensation_of", self.compensation_of.clone()),
+            ("compensation_status", self.compensation_status.clone()),
+            (
+                "compensation_compensates",
+                self.compensation_compensates.clone(),
+            ),
+            ("compensated_by", self.compensated_by.clone()),
             ("answers", self.answers.to_string()),
             ("complete", self.complete.to_string()),
             ("summary_end", "1".to_string()),
@@ -423,7 +533,9 @@ impl Tour<'_> {
         self.repeats(&refunds, &first_receipts).await?;
         self.conflicting_reuse(&refunds[0]).await?;
         self.long_running().await?;
-        self.lost_reply().await
+        self.lost_reply().await?;
+        self.approval().await?;
+        self.compensation(&refunds[0], &first_receipts).await
     }
 
     /// Step 1, refunds: each recorded with the agent's own write; waits for every answer and returns
@@ -713,13 +825,165 @@ impl Tour<'_> {
         Ok(())
     }
 
-    /// Enqueues (through the agent's outbox) or publishes one intent body as written.
+    /// Step 6, a refund above the refund tool's approval limit: recorded `awaiting_approval`,
+    /// answered `pending` (uncertainty `awaiting_approval`), never sent until a person approves
+    /// it. The agent stands in for that person: `worker ops approve`, naming the fingerprint of
+    /// the intent it sent (an approval never covers other arguments); the worker's scheduler
+    /// then sends it once and it is answered `succeeded`.
+    async fn approval(&mut self) -> anyhow::Result<()> {
+        let c = self.config;
+        let run = self.run_id.to_string();
+        let reply_to = self.reply_to.to_string();
+        let from = self.log.len();
+        let action = format!("{}-{run}-approval", c.tool);
+        self.tally.approval_action_id = action.clone();
+        let i = c.count + 1;
+        let text = body(
+            &c.tenant,
+            &action,
+            &c.tool,
+            &refund_arguments(i, APPROVAL_AMOUNT_CENTS),
+            &format!("call-{run}-approval"),
+            &reply_to,
+            false,
+        );
+        let fingerprint = self
+            .send(
+                &text,
+                Some((i, APPROVAL_AMOUNT_CENTS)),
+                "a refund above the approval limit: expect pending (awaiting approval)",
+            )
+            .await?;
+        self.tally.actions += 1;
+        let until = Instant::now() + c.answer_timeout;
+        if !self
+            .wait(until, |log| any_for(&log[from..], &action).is_some())
+            .await?
+        {
+            bail!("{action} was not answered within {:?}", c.answer_timeout);
+        }
+        let first = any_for(&self.log[from..], &action).expect("waited for");
+        if first.status == protocol::Status::Pending
+            && first.uncertainty == Some(protocol::Uncertainty::AwaitingApproval)
+        {
+            self.tally.approval_awaiting = 1;
+            let approver = self.config.approver.clone().context(
+                "--scenario full approves with `worker ops approve`: no ledger given (--ledger-url)",
+            )?;
+            let printed = approver.approve(&c.tenant, &action, &fingerprint).await?;
+            info!(action_id = %action, operator = APPROVER, %fingerprint, "approved with `worker ops approve`: {}",
+                printed.lines().map(str::trim).collect::<Vec<_>>().join("; "));
+            self.tally.approval_operator = APPROVER.to_string();
+        } else {
+            warn!(action_id = %action, status = first.status.as_str(), uncertainty = ?first.uncertainty,
+                "not held for approval: does the tool declare approval_when for amount_cents \
+                 {APPROVAL_AMOUNT_CENTS}?");
+        }
+        let until = Instant::now() + c.answer_timeout;
+        if !self
+            .wait(until, |log| final_for(&log[from..], &action).is_some())
+            .await?
+        {
+            bail!(
+                "{action} had no final answer within {:?} of its approval",
+                c.answer_timeout
+            );
+        }
+        let done = final_for(&self.log[from..], &action).expect("waited for");
+        if done.status == protocol::Status::Succeeded {
+            self.tally.succeeded += 1;
+        } else {
+            self.tally.failed_or_rejected += 1;
+        }
+        self.tally.approval_status = done.status.as_str().to_string();
+        Ok(())
+    }
+
+    /// Step 7, undoing the succeeded refund `original` with the reversal tool (declared
+    /// `compensation_for = [<refund tool>]`): an intent with `compensates`, an action of its own
+    /// (its key, its one write), answered `succeeded` naming the original; the original is then
+    /// announced `succeeded` again (same receipt) with `compensated_by` naming the compensation.
+    async fn compensation(
+        &mut self,
+        original: &str,
+        first_receipts: &BTreeMap<String, Option<String>>,
+    ) -> anyhow::Result<()> {
+        let c = self.config;
+        let run = self.run_id.to_string();
+        let reply_to = self.reply_to.to_string();
+        let from = self.log.len();
+        let action = format!("{}-{run}", c.reversal_tool);
+        self.tally.compensation_action_id = action.clone();
+        self.tally.compensation_of = original.to_string();
+        let args = [
+            ("refund", serde_json::Value::from(original)),
+            ("order", serde_json::Value::from("order-1")),
+            ("amount_cents", serde_json::Value::from(101)),
+            ("currency", serde_json::Value::from("USD")),
+        ];
+        let text = compensation_body(
+            &c.tenant,
+            &action,
+            &c.reversal_tool,
+            &args,
+            original,
+            &format!("call-{run}-reversal"),
+            &reply_to,
+        );
+        self.send(
+            &text,
+            None,
+            "a compensation of a succeeded refund: expect succeeded, and the refund compensated_by it",
+        )
+        .await?;
+        self.tally.actions += 1;
+        let until = Instant::now() + c.answer_timeout;
+        let told = |log: &[protocol::ResultEvent]| {
+            log.iter()
+                .find(|e| e.action_id == original && e.compensated_by.is_some())
+                .cloned()
+        };
+        if !self
+            .wait(until, |log| {
+                final_for(&log[from..], &action).is_some_and(|e| {
+                    e.status != protocol::Status::Succeeded || told(&log[from..]).is_some()
+                })
+            })
+            .await?
+        {
+            bail!(
+                "{action} (and the `compensated_by` answer about {original}) not answered within {:?}",
+                c.answer_timeout
+            );
+        }
+        let done = final_for(&self.log[from..], &action).expect("waited for");
+        if done.status == protocol::Status::Succeeded {
+            self.tally.succeeded += 1;
+        } else {
+            self.tally.failed_or_rejected += 1;
+        }
+        self.tally.compensation_status = done.status.as_str().to_string();
+        self.tally.compensation_compensates = done.compensates.clone().unwrap_or_default();
+        if let Some(event) = told(&self.log[from..]) {
+            let first = first_receipts.get(original).cloned().flatten();
+            if event.status != protocol::Status::Succeeded || receipt_id(&event) != first.as_deref()
+            {
+                warn!(action_id = %original, status = event.status.as_str(),
+                    "the compensated original was not announced succeeded with its first receipt");
+            }
+            self.tally.compensated_by = event.compensated_by.unwrap_or_default();
+        }
+        Ok(())
+    }
+
+    /// Enqueues (through the agent's outbox) or publishes one intent body as written; returns
+    /// its fingerprint.
     async fn send(
         &mut self,
         body: &str,
         record: Option<(u64, u64)>,
         what: &str,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<String> {
         let sent = async {
             match self.outbox {
                 Some(pool) => enqueue_raw(pool, body, record).await,
@@ -732,7 +996,7 @@ impl Tour<'_> {
             .map_err(|error| anyhow::anyhow!("demo built an invalid intent: {error}"))?;
         info!(tenant = %intent.tenant, action_id = %intent.action_id, call_id = ?intent.call_id,
             %fingerprint, "sent: {what}");
-        Ok(())
+        Ok(fingerprint)
     }
 
     /// Receives answers until `done(log)` or `until`; false at the deadline.
@@ -934,7 +1198,7 @@ async fn publish_checked(
 ) -> anyhow::Result<String> {
     let intent = protocol::decode_intent(body.as_bytes())
         .map_err(|error| anyhow::anyhow!("demo built an invalid intent: {error}"))?;
-    let fingerprint = protocol::fingerprint(&intent.tool, &intent.arguments);
+    let fingerprint = intent.fingerprint();
     loop {
         match publisher
             .publish_encoded(&intent.tenant, &intent.action_id, body.as_bytes())
@@ -1022,6 +1286,33 @@ fn body(
     }
 }
 
+/// A compensation's intent body: `compensates` names the action (same tenant) it undoes, and is
+/// part of its fingerprint.
+fn compensation_body(
+    tenant: &str,
+    action_id: &str,
+    tool: &str,
+    arguments: &[(&str, serde_json::Value)],
+    original: &str,
+    call_id: &str,
+    reply_to: &str,
+) -> String {
+    let arguments: serde_json::Map<String, serde_json::Value> = arguments
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), v.clone()))
+        .collect();
+    serde_json::json!({
+        "tenant": tenant,
+        "action_id": action_id,
+        "tool": tool,
+        "arguments": arguments,
+        "compensates": original,
+        "call_id": call_id,
+        "reply_to": reply_to,
+    })
+    .to_string()
+}
+
 /// A short id unique to this run: process id and start time.
 fn run_id() -> String {
     let nanos = SystemTime::now()
@@ -1041,6 +1332,8 @@ mod tests {
             run_id: None,
             held_tool: "payout".into(),
             async_tool: "deploy".into(),
+            reversal_tool: "refund_reversal".into(),
+            approver: None,
             status: None,
             amqp_url: String::new(),
             exchange: "intents".into(),
@@ -1120,6 +1413,39 @@ mod tests {
     }
 
     #[test]
+    fn a_compensation_names_its_original_in_the_body_and_the_fingerprint() {
+        let args = [("refund", serde_json::Value::from("refund-r-1"))];
+        let text = compensation_body(
+            "demo-shop",
+            "refund_reversal-r",
+            "refund_reversal",
+            &args,
+            "refund-r-1",
+            "c9",
+            "agent-1",
+        );
+        let intent = protocol::decode_intent(text.as_bytes()).expect("decodes");
+        assert_eq!(intent.compensates.as_deref(), Some("refund-r-1"));
+        assert_eq!(
+            (intent.action_id.as_str(), intent.tool.as_str()),
+            ("refund_reversal-r", "refund_reversal")
+        );
+        assert_eq!(intent.arguments["refund"], "refund-r-1");
+        let plain = body(
+            "demo-shop",
+            "refund_reversal-r",
+            "refund_reversal",
+            &args,
+            "c9",
+            "agent-1",
+            false,
+        );
+        let plain = protocol::decode_intent(plain.as_bytes()).expect("decodes");
+        assert_eq!(plain.compensates, None);
+        assert_ne!(intent.fingerprint(), plain.fingerprint());
+    }
+
+    #[test]
     fn held_is_read_from_the_state_or_the_pending_message() {
         use serde_json::json;
         assert!(is_held(
@@ -1153,6 +1479,8 @@ mod tests {
             remote_id: None,
             uncertainty: None,
             retry_after_ms: None,
+            compensates: None,
+            compensated_by: None,
             event_id: format!("{action_id}-{}", status.as_str()),
             occurred_at: "2026-01-01T00:00:00Z".into(),
         }
@@ -1166,6 +1494,8 @@ mod tests {
             remote_id: Some("op-14".into()),
             next_action: Some("check_status".into()),
             retry_after_ms: Some(500),
+            compensates: None,
+            compensated_by: None,
             ..event("deploy-r1", Status::Pending)
         };
         let done = protocol::ResultEvent {
@@ -1221,6 +1551,15 @@ mod tests {
             async_status: "succeeded".into(),
             async_verified_by: "poll".into(),
             async_receipt_id: "dep-14".into(),
+            approval_action_id: "refund-r1-approval".into(),
+            approval_awaiting: 1,
+            approval_operator: APPROVER.into(),
+            approval_status: "succeeded".into(),
+            compensation_action_id: "refund_reversal-r1".into(),
+            compensation_of: "refund-r1-1".into(),
+            compensation_status: "succeeded".into(),
+            compensation_compensates: "refund-r1-1".into(),
+            compensated_by: "refund_reversal-r1".into(),
             complete: true,
             ..Tally::default()
         };
@@ -1236,6 +1575,15 @@ mod tests {
             "async_status=succeeded",
             "async_verified_by=poll",
             "async_receipt_id=dep-14",
+            "approval_action_id=refund-r1-approval",
+            "approval_awaiting=1",
+            "approval_operator=demo-approver",
+            "approval_status=succeeded",
+            "compensation_action_id=refund_reversal-r1",
+            "compensation_of=refund-r1-1",
+            "compensation_status=succeeded",
+            "compensation_compensates=refund-r1-1",
+            "compensated_by=refund_reversal-r1",
         ] {
             assert!(lines.contains(&line), "{line}: {text}");
         }

@@ -31,7 +31,18 @@
 //! 5. one `<held tool>-<run id>` intent (`payout`, a tool with `recovery = "none"`): when its
 //!    reply is lost after the downstream committed (`scripts/demo.sh` arms the reference
 //!    downstream's `drop_after_commit` fault for that key first), it is answered `pending`, and
-//!    the status API then shows it held for a person.
+//!    the status API then shows it held for a person;
+//! 6. one refund `refund-<run id>-approval` above the refund tool's approval limit
+//!    (`approval_when` in deploy/tools.demo.toml): recorded `awaiting_approval` and answered
+//!    `pending` (uncertainty `awaiting_approval`), never sent until approved; the agent stands
+//!    in for the person and approves it with `worker ops approve` (the `worker` binary run as a
+//!    subprocess on the worker's ledger and tools file, naming the fingerprint of what it sent),
+//!    then sees it `succeeded`, sent once by the worker's scheduler;
+//! 7. one compensation `<reversal tool>-<run id>` (`refund_reversal`, a tool with
+//!    `compensation_for = ["refund"]`) of `refund-<run id>-1`: an intent with `compensates`,
+//!    an action of its own, answered `succeeded` naming what it `compensates`; the original is
+//!    then announced `succeeded` again with `compensated_by` naming the compensation (its state
+//!    and receipt unchanged).
 //!
 //! The agent only reports what it saw; how many writes the downstream really made is in the
 //! downstream's own tables (`scripts/demo.sh` counts them and compares).
@@ -59,6 +70,7 @@
 mod agent;
 
 use std::io::IsTerminal;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
@@ -142,7 +154,9 @@ struct Args {
     /// `stream`: intents at --interval-ms, every k-th again at once, every answer printed
     /// (docker compose). `full`: refunds, repeats answered from the ledger, one conflicting
     /// reuse, one long-running deploy (accepted, then succeeded), one lost reply held for a
-    /// person, then a `key=value` summary (scripts/demo.sh).
+    /// person, one refund above the approval limit (approved with `worker ops approve`, then
+    /// succeeded), one compensation of a refund, then a `key=value` summary (scripts/demo.sh;
+    /// needs --ledger-url and --worker-tools).
     #[arg(long, value_enum, default_value_t = agent::Scenario::Stream)]
     scenario: agent::Scenario,
     /// The id in every action id (default: one unique to this run).
@@ -156,6 +170,20 @@ struct Args {
     /// `<async-tool>-<run id>`.
     #[arg(long, default_value = "deploy")]
     async_tool: String,
+    /// `full`: the tool, declared `compensation_for = ["<--tool>"]`, of the compensation
+    /// `<reversal-tool>-<run id>` that undoes the first refund.
+    #[arg(long, default_value = "refund_reversal")]
+    reversal_tool: String,
+    /// `full`: the `worker` binary whose `worker ops approve` approves the refund above the
+    /// approval limit [default: `worker` beside this executable].
+    #[arg(long, value_name = "PATH")]
+    worker_bin: Option<PathBuf>,
+    /// `full`: the worker's ledger, for `worker ops approve` (its DATABASE_URL).
+    #[arg(long, value_name = "URL")]
+    ledger_url: Option<String>,
+    /// `full`: the worker's tools file, for `worker ops approve` (its WORKER_TOOLS).
+    #[arg(long, value_name = "PATH")]
+    worker_tools: Option<PathBuf>,
     /// `full`: the worker's status API root, asked whether the pending action is held.
     #[arg(long, env = "PUBLISHER_STATUS_URL")]
     status_url: Option<String>,
@@ -241,11 +269,22 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
         _ => None,
     };
+    let approver = match args.scenario {
+        agent::Scenario::Full => Some(approver(
+            args.worker_bin,
+            args.ledger_url,
+            args.worker_tools,
+            args.ca_file,
+        )?),
+        agent::Scenario::Stream => None,
+    };
     agent::run(agent::DemoConfig {
         scenario: args.scenario,
         run_id: args.run_id,
         held_tool: args.held_tool,
         async_tool: args.async_tool,
+        reversal_tool: args.reversal_tool,
+        approver,
         status,
         amqp_url: args.amqp_url,
         exchange: args.exchange,
@@ -260,6 +299,46 @@ async fn run(args: Args) -> anyhow::Result<()> {
         answer_timeout: args.answer_timeout,
     })
     .await
+}
+
+/// How `--scenario full` approves its refund above the approval limit: `worker ops approve` on
+/// the worker's ledger and tools file, both required; the `worker` binary beside this one unless
+/// named. The worker is given this process's extra CA file (as `WORKER_CA_FILE`), if any.
+fn approver(
+    worker_bin: Option<PathBuf>,
+    ledger_url: Option<String>,
+    tools: Option<PathBuf>,
+    ca_file: Option<PathBuf>,
+) -> anyhow::Result<agent::Approver> {
+    let (Some(ledger_url), Some(tools)) = (ledger_url, tools) else {
+        return Err(UsageError(
+            "--scenario full approves one refund with `worker ops approve`: it needs \
+             --ledger-url (the worker's DATABASE_URL) and --worker-tools (its WORKER_TOOLS)"
+                .into(),
+        )
+        .into());
+    };
+    kit::url::check(&ledger_url, &["postgres", "postgresql"]).map_err(|reason| {
+        UsageError(format!(
+            "--ledger-url {:?} is invalid: {reason}",
+            kit::url::redact(&ledger_url)
+        ))
+    })?;
+    let worker_bin = match worker_bin {
+        Some(bin) => bin,
+        None => std::env::current_exe()
+            .ok()
+            .and_then(|exe| exe.parent().map(|dir| dir.join("worker")))
+            .ok_or_else(|| {
+                UsageError("cannot locate the worker binary: pass --worker-bin".into())
+            })?,
+    };
+    Ok(agent::Approver {
+        worker_bin,
+        ledger_url,
+        tools,
+        ca_file,
+    })
 }
 
 /// The exit code for an error returned by [`prepare`] or [`run`]: 2 for bad settings and for an

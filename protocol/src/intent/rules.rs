@@ -61,6 +61,14 @@ pub(crate) const CALL_ID: FieldRule = FieldRule {
     accepts: is_not_control,
 };
 
+/// The action a compensation undoes: an `action_id` of the same tenant.
+pub(crate) const COMPENSATES: FieldRule = FieldRule {
+    name: "compensates",
+    max: MAX_KEY_LEN,
+    allowed: "visible ASCII characters (0x21 to 0x7E), no spaces or control characters",
+    accepts: is_visible_ascii,
+};
+
 /// Where results go; a routing key like the tenant.
 pub(crate) const REPLY_TO: FieldRule = FieldRule {
     name: "reply_to",

@@ -2,12 +2,19 @@
 //! task state.
 //!
 //! `succeeded` is a result whose `structuredContent` is the whole result event (receipt
-//! included); `failed` and `rejected` are `isError: true` with the evidence; `pending`, and no
-//! answer at all after the intent was sent, are a plain text that says the outcome is unknown
-//! (or, for an operation the downstream accepted and named, that it is in progress), that the
-//! model must not retry or call again under another id, and how to check.
+//! included); `failed` and `rejected` are `isError: true` with the evidence (a `failed` never sent
+//! because its approval did not come says so); `pending`, and no answer at all after the intent
+//! was sent, are a plain text that says the outcome is unknown (or, for an operation the
+//! downstream accepted and named, that it is in progress; for an intent waiting for a person's
+//! approval, that nothing was sent), that the model must not retry or call again under another
+//! id, and how to check.
 
 use protocol::{ResultEvent, Status, Uncertainty};
+
+/// `detail` of a `failed` that a person rejected before it was sent.
+pub const NOT_APPROVED: &str = "not_approved";
+/// `detail` of a `failed` whose wait for approval ended before it was approved; never sent.
+pub const APPROVAL_EXPIRED: &str = "approval_expired";
 use rmcp::model::{CallToolResult, ContentBlock, DetailedTask, Task, TaskPayload};
 use serde_json::Value;
 
@@ -27,12 +34,18 @@ pub fn from_event(event: &ResultEvent, check: Check) -> CallToolResult {
         Status::Succeeded => {
             let mut result = CallToolResult::structured(value);
             result.content = vec![ContentBlock::text(format!(
-                "Succeeded: action {:?} ({}) was carried out. {} Receipt: {}",
+                "Succeeded: action {:?} ({}) was carried out. {} Receipt: {}{}",
                 event.action_id,
                 event.tool,
                 event.message,
-                event.receipt.as_ref().unwrap_or(&Value::Null)
+                event.receipt.as_ref().unwrap_or(&Value::Null),
+                compensation_note(event)
             ))];
+            result
+        }
+        Status::Failed if not_approved(event).is_some() => {
+            let mut result = CallToolResult::structured_error(value);
+            result.content = vec![ContentBlock::text(not_approved_text(event))];
             result
         }
         Status::Failed | Status::Rejected => {
@@ -50,9 +63,14 @@ pub fn from_event(event: &ResultEvent, check: Check) -> CallToolResult {
                 .as_deref()
                 .map(|d| format!(" Detail: {d}."))
                 .unwrap_or_default();
+            let compensates = event
+                .compensates
+                .as_deref()
+                .map(|original| format!(" It was to undo action {original:?}."))
+                .unwrap_or_default();
             let mut result = CallToolResult::structured_error(value);
             result.content = vec![ContentBlock::text(format!(
-                "{word} (action {:?}, tool {}). {}{reason}{detail}",
+                "{word} (action {:?}, tool {}). {}{reason}{detail}{compensates}",
                 event.action_id, event.tool, event.message
             ))];
             result
@@ -63,13 +81,73 @@ pub fn from_event(event: &ResultEvent, check: Check) -> CallToolResult {
     }
 }
 
-/// The text of a `pending` answer: in progress for an operation the downstream accepted and
-/// named, else outcome unknown.
+/// What a `succeeded` answer adds about compensation: the action it undid (an event about a
+/// compensation), or the compensation that has since undone it (an event about the original).
+fn compensation_note(event: &ResultEvent) -> String {
+    let mut note = String::new();
+    if let Some(original) = &event.compensates {
+        note.push_str(&format!(" It undid action {original:?}."));
+    }
+    if let Some(by) = &event.compensated_by {
+        note.push_str(&format!(
+            " It has since been undone by action {by:?}; the receipt above is the original's."
+        ));
+    }
+    note
+}
+
+/// Which approval a `failed` answer lacked: `Some(NOT_APPROVED)` when a person rejected it,
+/// `Some(APPROVAL_EXPIRED)` when its wait ended; either way nothing was ever sent.
+fn not_approved(event: &ResultEvent) -> Option<&'static str> {
+    if event.status != Status::Failed {
+        return None;
+    }
+    match event.detail.as_deref() {
+        Some(NOT_APPROVED) => Some(NOT_APPROVED),
+        Some(APPROVAL_EXPIRED) => Some(APPROVAL_EXPIRED),
+        _ => None,
+    }
+}
+
+/// The text of a `failed` answer that was never sent because its approval did not come.
+fn not_approved_text(event: &ResultEvent) -> String {
+    let what = match not_approved(event) {
+        Some(APPROVAL_EXPIRED) => "NOT APPROVED IN TIME: nobody approved the request",
+        _ => "NOT APPROVED: a person rejected the request",
+    };
+    let by = event
+        .operator
+        .as_deref()
+        .map(|name| format!(" (by {name})"))
+        .unwrap_or_default();
+    format!(
+        "{what} for action {:?} (tool {}){by}, so it was not carried out: nothing was sent, and nothing will be under this action id. Worker: {} Tell the user; do not call again under another action id to get around the decision.",
+        event.action_id, event.tool, event.message
+    )
+}
+
+/// The text of a `pending` answer: waiting for approval (nothing sent) for an intent a person
+/// must approve first, in progress for an operation the downstream accepted and named, else
+/// outcome unknown.
 pub fn pending_text(event: &ResultEvent, check: Check) -> String {
+    if event.uncertainty == Some(Uncertainty::AwaitingApproval) {
+        return awaiting_approval_text(event, check);
+    }
     match accepted_operation(event) {
         Some(operation) => in_progress_text(event, operation, check),
         None => unknown_text(&event.action_id, Some(&event.message), check),
     }
+}
+
+/// The text of a `pending` answer about an intent that waits for a person's approval: recorded,
+/// nothing sent.
+pub fn awaiting_approval_text(event: &ResultEvent, check: Check) -> String {
+    format!(
+        "AWAITING APPROVAL: the request for action {:?} was recorded and waits for a person to approve these exact arguments; nothing has been sent. It is carried out once approved, and fails if it is rejected or not approved in time. Worker: {} Do not retry it and do not call again under another action id: tell the user it waits for approval. {}",
+        event.action_id,
+        event.message,
+        how_to_check(&event.action_id, check)
+    )
 }
 
 /// The downstream's operation id of a `pending` answer that says the write was accepted:
@@ -221,6 +299,13 @@ mod tests {
         serde_json::to_value(&result.content).unwrap().to_string()
     }
 
+    /// The result's text blocks as the model reads them (no JSON escaping).
+    fn plain(result: &CallToolResult) -> String {
+        let content = serde_json::to_value(&result.content).unwrap();
+        let blocks = content.as_array().unwrap().iter();
+        blocks.filter_map(|b| b["text"].as_str()).collect()
+    }
+
     #[test]
     fn an_accepted_operation_reads_in_progress_and_an_unknown_one_outcome_unknown() {
         let accepted = from_event(&pending(Some(Uncertainty::InProgress)), Check::StatusTool);
@@ -269,5 +354,120 @@ mod tests {
         assert!(said.contains("tasks/cancel cannot undo"), "{said}");
         let said = task_message(&pending(Some(Uncertainty::UnknownOutcome)));
         assert!(said.contains("OUTCOME UNKNOWN"), "{said}");
+    }
+
+    /// An event of `status` about `deploy-9` with `fields` added (or replaced).
+    fn event(status: &str, fields: serde_json::Value) -> ResultEvent {
+        let mut event = serde_json::json!({
+            "tenant": "north-shop", "action_id": "deploy-9", "tool": "deploy",
+            "status": status, "receipt": null, "next_action": null,
+            "attempts": 0, "message": "The deploy waits for a person.", "fingerprint": null,
+            "event_id": "e-1", "occurred_at": "2026-01-01T00:00:00.000Z"
+        });
+        for (key, value) in fields.as_object().unwrap() {
+            event[key] = value.clone();
+        }
+        serde_json::from_value(event).unwrap()
+    }
+
+    /// A `pending` waiting for approval says nothing was sent, never "outcome unknown", with
+    /// the same warnings against a retry or another action id, and how to check; a task says
+    /// the same.
+    #[test]
+    fn awaiting_approval_reads_nothing_sent_and_not_outcome_unknown() {
+        let waiting = event(
+            "pending",
+            serde_json::json!({"uncertainty": "awaiting_approval", "next_action": "check_status"}),
+        );
+        for check in [Check::StatusTool, Check::SameCall] {
+            let result = from_event(&waiting, check);
+            assert_ne!(result.is_error, Some(true));
+            let said = text(&result);
+            assert!(said.contains("AWAITING APPROVAL"), "{said}");
+            assert!(said.contains("nothing has been sent"), "{said}");
+            assert!(said.contains("deploy-9"), "{said}");
+            assert!(said.contains("Do not retry"), "{said}");
+            assert!(said.contains("another action id"), "{said}");
+            assert!(!said.contains("OUTCOME UNKNOWN"), "{said}");
+            assert!(!said.to_lowercase().contains("accepted"), "{said}");
+        }
+        assert!(text(&from_event(&waiting, Check::StatusTool)).contains("get_action_status"));
+        assert!(text(&from_event(&waiting, Check::SameCall)).contains("same action id"));
+        let said = task_message(&waiting);
+        assert!(
+            said.contains("AWAITING APPROVAL") && said.contains("nothing has been sent"),
+            "{said}"
+        );
+    }
+
+    /// A `failed` never sent for want of approval says so (rejected by a person, or the wait
+    /// ended), as a tool error with the event; an ordinary failure keeps its wording.
+    #[test]
+    fn a_request_not_approved_reads_never_sent() {
+        let rejected = event(
+            "failed",
+            serde_json::json!({
+                "detail": "not_approved", "verified_by": "operator", "operator": "alice",
+                "message": "alice rejected it: not this week."
+            }),
+        );
+        let result = from_event(&rejected, Check::StatusTool);
+        assert_eq!(result.is_error, Some(true));
+        assert_eq!(
+            result.structured_content.as_ref().unwrap()["detail"],
+            "not_approved"
+        );
+        let said = text(&result);
+        assert!(said.contains("NOT APPROVED: a person rejected"), "{said}");
+        assert!(
+            said.contains("(by alice)") && said.contains("not this week"),
+            "{said}"
+        );
+        assert!(said.contains("nothing was sent"), "{said}");
+
+        let expired = event(
+            "failed",
+            serde_json::json!({"detail": "approval_expired", "verified_by": "expiry"}),
+        );
+        let said = text(&from_event(&expired, Check::SameCall));
+        assert!(said.contains("NOT APPROVED IN TIME"), "{said}");
+        assert!(said.contains("nothing was sent"), "{said}");
+
+        let failed = event("failed", serde_json::json!({"verified_by": "dispatch"}));
+        let said = text(&from_event(&failed, Check::SameCall));
+        assert!(
+            said.contains("Failed: the action was not carried out"),
+            "{said}"
+        );
+        assert!(!said.contains("APPROVED"), "{said}");
+    }
+
+    /// Answers about a compensation name the original; the original's later `succeeded` names
+    /// the compensation that undid it.
+    #[test]
+    fn compensation_answers_name_both_actions() {
+        let undo = event(
+            "succeeded",
+            serde_json::json!({"action_id": "undo-9", "compensates": "deploy-9"}),
+        );
+        let said = plain(&from_event(&undo, Check::SameCall));
+        assert!(said.contains("It undid action \"deploy-9\"."), "{said}");
+        let original = event("succeeded", serde_json::json!({"compensated_by": "undo-9"}));
+        let said = plain(&from_event(&original, Check::SameCall));
+        assert!(said.contains("undone by action \"undo-9\""), "{said}");
+        let refused = event(
+            "rejected",
+            serde_json::json!({
+                "action_id": "undo-10", "reason": "already_compensated", "detail": "undo-9",
+                "compensates": "deploy-9"
+            }),
+        );
+        let said = plain(&from_event(&refused, Check::SameCall));
+        assert!(said.contains("already_compensated"), "{said}");
+        assert!(said.contains("Detail: undo-9."), "{said}");
+        assert!(
+            said.contains("It was to undo action \"deploy-9\"."),
+            "{said}"
+        );
     }
 }

@@ -31,7 +31,9 @@ use rmcp::transport::streamable_http_server::session::never::NeverSessionManager
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::ServiceExt;
 
-pub use server::{ActionIdMode, Gateway, GatewayConfig, OutboxDb, Tenant, ACTION_ID_META};
+pub use server::{
+    ActionIdMode, Gateway, GatewayConfig, OutboxDb, Tenant, ACTION_ID_META, COMPENSATES_META,
+};
 pub use tools::{ToolCatalog, ToolsError};
 
 /// Why the gateway cannot start or stopped.

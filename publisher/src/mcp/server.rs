@@ -1,7 +1,8 @@
 //! The MCP server handler: `tools/list`, `tools/call`, and the tasks methods.
 //!
 //! A call is checked completely before anything is sent: known tool, action id present
-//! (request `_meta` key [`ACTION_ID_META`], or the `action_id` argument in the weaker mode),
+//! (request `_meta` key [`ACTION_ID_META`], or the `action_id` argument in the weaker mode), a
+//! compensation's original well-formed when the `_meta` key [`COMPENSATES_META`] names one,
 //! arguments valid against the tool's schema, intent valid for the worker's decoder. Only then
 //! is the intent published (or enqueued in the outbox) under `(tenant, action_id)`, with the
 //! tenant taken from the authenticated caller, never from the arguments.
@@ -34,6 +35,11 @@ use crate::{Outbox, PublishOptions, Publisher};
 
 /// The request `_meta` key that carries the application's action id.
 pub const ACTION_ID_META: &str = "io.intent-worker/action_id";
+
+/// The request `_meta` key that makes a call a compensation: the `action_id` (same tenant) of
+/// the succeeded action it undoes, set as the intent's `compensates`. Like the action id it is
+/// the application's, never an argument the model writes; absent, the call is an ordinary one.
+pub const COMPENSATES_META: &str = "io.intent-worker/compensates";
 
 /// The authenticated tenant of an HTTP request, put into the request's extensions by the
 /// bearer-token layer (see `mod.rs`).
@@ -202,14 +208,16 @@ impl Gateway {
             )));
         };
         let mut arguments = request.arguments.clone().unwrap_or_default();
+        let from_meta = |key: &str| {
+            request
+                .meta
+                .as_ref()
+                .and_then(|meta| meta.get(key))
+                .or_else(|| context.meta.get(key))
+        };
         let action_id = match self.config.action_id_mode {
             ActionIdMode::Meta => {
-                let from_meta = request
-                    .meta
-                    .as_ref()
-                    .and_then(|meta| meta.get(ACTION_ID_META))
-                    .or_else(|| context.meta.get(ACTION_ID_META));
-                match from_meta {
+                match from_meta(ACTION_ID_META) {
                     Some(Value::String(id)) if !id.is_empty() => id.clone(),
                     _ => return Err(answer::refused(format!(
                         "Refused, nothing was sent: this gateway needs the action id in the request's _meta under the key {ACTION_ID_META:?} (a non-empty string chosen by the application, the same on every retry of this action). The host application sets it, e.g. with the OpenAI Agents SDK's tool_meta_resolver; the model cannot supply it."
@@ -225,6 +233,7 @@ impl Gateway {
                 }
             },
         };
+        let compensates = compensates(from_meta(COMPENSATES_META))?;
         let arguments = Value::Object(arguments);
         let problems = tool.problems(&arguments);
         if !problems.is_empty() {
@@ -240,6 +249,7 @@ impl Gateway {
             arguments,
             call_id: None,
             reply_to: Some(self.reply_to.to_string()),
+            compensates,
         };
         // The worker's own decoder: an intent it would reject is refused here instead.
         protocol::decode_intent(&intent.to_json()).map_err(|error| {
@@ -347,6 +357,19 @@ impl Gateway {
     }
 }
 
+/// The `compensates` of a call, from the request `_meta` key [`COMPENSATES_META`]: absent (or
+/// `null`) is an ordinary call; otherwise a non-empty string, checked with the intent's other
+/// fields by the worker's decoder (the rule of an action id). Anything else refuses the call.
+pub fn compensates(from_meta: Option<&Value>) -> Result<Option<String>, CallToolResult> {
+    match from_meta {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(original)) if !original.is_empty() => Ok(Some(original.clone())),
+        Some(_) => Err(answer::refused(format!(
+            "Refused, nothing was sent: the request's _meta key {COMPENSATES_META:?} must be the action id (a non-empty string) of the succeeded action this call undoes, set by the application."
+        ))),
+    }
+}
+
 /// A send whose success is not proven: the model may call again with the same key.
 fn not_sent(action_id: &str, error: &WaitError) -> CallToolResult {
     tracing::warn!(%error, action_id, "an MCP call could not be sent");
@@ -448,7 +471,7 @@ impl ServerHandler for Gateway {
         ServerConfig::new(capabilities)
             .with_server_info(Implementation::new("intent-worker-mcp", env!("CARGO_PKG_VERSION")))
             .with_instructions(format!(
-                "Every tool call is a write performed at most once per action id. The application supplies the action id in the request _meta key {ACTION_ID_META:?}. An answer that says OUTCOME UNKNOWN means exactly that: do not retry and do not call again under another action id."
+                "Every tool call is a write performed at most once per action id. The application supplies the action id in the request _meta key {ACTION_ID_META:?} (and, for a call that undoes an earlier action, that action's id in {COMPENSATES_META:?}). An answer that says OUTCOME UNKNOWN means exactly that, and one that says AWAITING APPROVAL waits for a person with nothing sent: in both cases do not retry and do not call again under another action id."
             ))
     }
 
@@ -533,6 +556,63 @@ impl ServerHandler for Gateway {
                 format!("unknown task {:?}", request.task_id),
                 None,
             )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(result: CallToolResult) -> String {
+        assert_eq!(result.is_error, Some(true));
+        serde_json::to_value(&result.content).unwrap().to_string()
+    }
+
+    #[test]
+    fn compensates_comes_from_meta_as_a_non_empty_string() {
+        assert_eq!(compensates(None).unwrap(), None);
+        assert_eq!(compensates(Some(&Value::Null)).unwrap(), None);
+        let original = Value::String("refund-731".into());
+        assert_eq!(
+            compensates(Some(&original)).unwrap(),
+            Some("refund-731".to_string())
+        );
+        for bad in [
+            serde_json::json!(""),
+            serde_json::json!(7),
+            serde_json::json!(["refund-731"]),
+            serde_json::json!({"action_id": "refund-731"}),
+        ] {
+            let said = refusal(compensates(Some(&bad)).unwrap_err());
+            assert!(said.contains(COMPENSATES_META), "{bad}: {said}");
+            assert!(said.contains("nothing was sent"), "{bad}: {said}");
+        }
+    }
+
+    /// A string the worker's decoder would refuse (the rule of an action id) is refused by the
+    /// same check the gateway runs on every intent before sending it.
+    #[test]
+    fn a_compensated_action_id_follows_the_action_id_rule() {
+        let intent = |original: &str| protocol::Intent {
+            tenant: "north-shop".into(),
+            action_id: "undo-731".into(),
+            tool: "cancel_refund".into(),
+            arguments: serde_json::json!({}),
+            call_id: None,
+            reply_to: Some("mcp-1".into()),
+            compensates: compensates(Some(&Value::String(original.into()))).unwrap(),
+        };
+        let sent = intent("refund-731");
+        let decoded = protocol::decode_intent(&sent.to_json()).unwrap();
+        assert_eq!(decoded.compensates.as_deref(), Some("refund-731"));
+        assert_ne!(
+            decoded.fingerprint(),
+            protocol::fingerprint(&decoded.tool, &decoded.arguments)
+        );
+        for bad in ["refund 731", "r\u{e9}fund", &"r".repeat(201)] {
+            let error = protocol::decode_intent(&intent(bad).to_json()).unwrap_err();
+            assert!(error.to_string().contains("compensates"), "{bad}: {error}");
         }
     }
 }

@@ -60,6 +60,7 @@ pub fn intent(tenant: &str, action_id: &str) -> protocol::Intent {
         arguments: serde_json::json!({"order": "order-731", "amount_cents": 4850}),
         call_id: None,
         reply_to: None,
+        compensates: None,
     }
 }
 

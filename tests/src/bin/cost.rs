@@ -1123,6 +1123,8 @@ fn result_event(key: &str) -> Result<Vec<u8>> {
         remote_id: None,
         uncertainty: None,
         retry_after_ms: None,
+        compensates: None,
+        compensated_by: None,
         event_id: uuid::Uuid::new_v4().to_string(),
         occurred_at: chrono::Utc::now().to_rfc3339(),
     };

@@ -107,6 +107,12 @@ async fn fresh_worker_exports_alert_counters_at_zero() {
             ));
         }
         expected.push(("intent_worker_async_deadlines_total", vec![("tool", tool)]));
+        for outcome in ["requested", "approved", "rejected", "expired"] {
+            expected.push((
+                "intent_worker_approvals_total",
+                vec![("tool", tool), ("outcome", outcome)],
+            ));
+        }
     }
     let missing: Vec<String> = expected
         .iter()
@@ -370,6 +376,7 @@ fn dashboard_has_variables_and_the_alert_panels() {
         "intent_worker_ready",
         "intent_worker_polls_total",
         "intent_worker_async_deadlines_total",
+        "intent_worker_approvals_total",
         "rabbitmq_detailed_queue_messages",
         "rabbitmq_detailed_queue_consumers",
     ] {

@@ -1689,3 +1689,326 @@ async fn a_bulk_recheck_of_accepted_operations_polls_each_of_them() {
     drop(w);
     cleanup(env).await;
 }
+
+const ALICE_TOKEN: &str = "alice-approver-token-1234";
+
+/// Approval in the console: an approver signs in with their token (its name is theirs), sees
+/// the queue and a waiting intent's exact arguments and fingerprint (hostile strings as text),
+/// and approves it through the page's form: it runs once. A forged fingerprint and a form
+/// without the CSRF token change nothing; the admin and a tenant read (the tenant its own) and
+/// cannot decide; an approver's session opens no other page.
+#[tokio::test]
+async fn an_approver_approves_from_the_console_and_nobody_else_can() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let tools = env.standard_tools(ds.port, "approval = \"required\"\n");
+    let options =
+        console_worker(tools).env("WORKER_APPROVER_TOKENS", &format!("alice={ALICE_TOKEN}"));
+    let w = Worker::start(&env, "w", &options).await;
+    let port = w.admin_port.unwrap();
+    let mut agent = Agent::new(&env, &["north", "south"]).await;
+    let hostile = json!({
+        "amount_cents": 25000,
+        "note": "<script>alert(1)</script>\"'{}",
+        "rtl": "\u{202e}lave",
+        "big": 12345678901234567890u64,
+    });
+    agent.request("north", "pay-1", "refund", hostile).await;
+    agent
+        .request("south", "pay-s1", "refund", json!({"amount_cents": 1}))
+        .await;
+    agent.until("north", "pay-1", Status::Pending, T).await;
+    agent.until("south", "pay-s1", Status::Pending, T).await;
+    assert_eq!(env.state("north", "pay-1").await, "awaiting_approval");
+    let fp = env.operation("north", "pay-1").await.unwrap().fingerprint;
+    let id = operation_id(&env, "north", "pay-1").await;
+    let detail = "/ui/approvals/north/pay-1";
+
+    // The approver lands on the queue; its nav is the queue only.
+    let mut alice = Browser::new(port);
+    let form = alice.get("/ui/login").await;
+    let csrf = input(&form.body, "csrf");
+    let r = alice
+        .post("/ui/login", &[("csrf", &csrf), ("token", ALICE_TOKEN)])
+        .await;
+    assert_eq!(r.status, 303, "{}", r.body);
+    assert_eq!(r.headers["location"], "/ui/approvals");
+    let queue = alice.get("/ui/approvals").await;
+    assert_eq!(queue.status, 200, "{}", queue.body);
+    assert_security_headers(&queue);
+    assert!(
+        queue.body.contains("pay-1") && queue.body.contains("pay-s1"),
+        "{}",
+        queue.body
+    );
+    assert!(
+        queue.body.contains("approver <strong>alice</strong>"),
+        "{}",
+        queue.body
+    );
+    assert!(
+        !queue.body.contains("href=\"/ui/operations\""),
+        "{}",
+        queue.body
+    );
+    assert!(!queue.body.contains(ALICE_TOKEN));
+    let overview = alice.get("/ui/overview").await;
+    assert_eq!(overview.status, 200, "{}", overview.body);
+    assert!(
+        overview.body.contains("waiting for approval"),
+        "{}",
+        overview.body
+    );
+    assert!(
+        !overview.body.contains("unresolved"),
+        "an approver reads no operation"
+    );
+
+    // The exact arguments, as text, and the fingerprint the form will name.
+    let page = alice.get(detail).await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert!(page.body.contains(&fp), "{}", page.body);
+    assert_eq!(input(&page.body, "fingerprint"), fp);
+    assert!(
+        page.body.contains("&lt;script&gt;alert(1)&lt;/script&gt;"),
+        "{}",
+        page.body
+    );
+    assert!(!page.body.contains("<script>"), "{}", page.body);
+    assert!(page.body.contains("\\u{202e}lave") && !page.body.contains('\u{202e}'));
+    assert!(page.body.contains("12345678901234567890"), "{}", page.body);
+    let csrf = input(&page.body, "csrf");
+    let request_id = input(&page.body, "request_id");
+
+    // An approver's session opens nothing else, and acts on nothing else.
+    for path in [
+        "/ui/operations".to_string(),
+        format!("/ui/operations/{id}"),
+        "/ui/jobs".to_string(),
+        "/ui/bulk".to_string(),
+        "/ui/dead-letters".to_string(),
+    ] {
+        let r = alice.get(&path).await;
+        assert_eq!(r.status, 403, "{path}: {}", r.body);
+        assert!(!r.body.contains("pay-s1"), "{path}");
+    }
+    for (path, fields) in [
+        (
+            format!("/ui/operations/{id}/fail"),
+            vec![("evidence", "by the approver's session")],
+        ),
+        (
+            format!("/ui/operations/{id}/recheck"),
+            vec![("reason", "x")],
+        ),
+        (
+            "/ui/bulk".to_string(),
+            vec![("action", "fail"), ("reason", "everything at once")],
+        ),
+        ("/ui/dead-letters".to_string(), vec![("action", "discard")]),
+    ] {
+        let mut fields = fields;
+        fields.extend([
+            ("csrf", csrf.as_str()),
+            ("request_id", "approver-elsewhere"),
+        ]);
+        let r = alice.post(&path, &fields).await;
+        assert_eq!(r.status, 403, "{path}: {}", r.body);
+    }
+
+    // A forged fingerprint is refused with its reason, and nothing changes.
+    let forged = "f".repeat(fp.len());
+    let r = alice
+        .post(
+            detail,
+            &[
+                ("csrf", &csrf),
+                ("request_id", "forged-1"),
+                ("fingerprint", &forged),
+                ("reason", "looks right"),
+                ("decision", "approve"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert!(
+        r.body.contains("approve refused") && r.body.contains("fingerprint"),
+        "{}",
+        r.body
+    );
+    // Without the CSRF token: refused.
+    let r = alice
+        .post(
+            detail,
+            &[
+                ("request_id", "no-csrf-1"),
+                ("fingerprint", &fp),
+                ("reason", "looks right"),
+                ("decision", "approve"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 403, "{}", r.body);
+    assert_eq!(env.state("north", "pay-1").await, "awaiting_approval");
+
+    // The admin reads every tenant's queue and cannot decide.
+    let mut admin = Browser::sign_in(port, ADMIN, "root").await;
+    let overview = admin.get("/ui/overview").await;
+    assert!(
+        overview.body.contains("waiting for approval"),
+        "{}",
+        overview.body
+    );
+    assert!(
+        overview.body.contains("href=\"/ui/approvals\""),
+        "{}",
+        overview.body
+    );
+    let queue = admin.get("/ui/approvals").await;
+    assert!(
+        queue.body.contains("pay-1") && queue.body.contains("pay-s1"),
+        "{}",
+        queue.body
+    );
+    let page = admin.get(detail).await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert!(
+        page.body.contains(&fp) && !page.body.contains("name=\"fingerprint\""),
+        "{}",
+        page.body
+    );
+    let admin_csrf = input(&page.body, "csrf");
+    let r = admin
+        .post(
+            detail,
+            &[
+                ("csrf", &admin_csrf),
+                ("request_id", "admin-1"),
+                ("fingerprint", &fp),
+                ("reason", "I am the admin"),
+                ("decision", "approve"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 403, "{}", r.body);
+
+    // A tenant reads its own only and cannot decide.
+    let mut south = Browser::sign_in(port, SOUTH_TOKEN, "").await;
+    let queue = south.get("/ui/approvals").await;
+    assert!(
+        queue.body.contains("pay-s1") && !queue.body.contains("pay-1<"),
+        "{}",
+        queue.body
+    );
+    assert!(
+        !queue.body.contains("/ui/approvals/north/"),
+        "{}",
+        queue.body
+    );
+    assert_eq!(south.get(detail).await.status, 404);
+    let page = south.get("/ui/approvals/south/pay-s1").await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert!(!page.body.contains("name=\"fingerprint\""), "{}", page.body);
+    let south_csrf = input(&page.body, "csrf");
+    let south_fp = env.operation("south", "pay-s1").await.unwrap().fingerprint;
+    for path in [detail, "/ui/approvals/south/pay-s1"] {
+        let r = south
+            .post(
+                path,
+                &[
+                    ("csrf", &south_csrf),
+                    ("request_id", "tenant-1"),
+                    ("fingerprint", &south_fp),
+                    ("reason", "my own"),
+                    ("decision", "approve"),
+                ],
+            )
+            .await;
+        assert_eq!(r.status, 403, "{path}: {}", r.body);
+    }
+    assert_eq!(env.state("north", "pay-1").await, "awaiting_approval");
+    assert_eq!(env.state("south", "pay-s1").await, "awaiting_approval");
+    assert_eq!(
+        env.mutations("north:pay-1").await,
+        0,
+        "sent before approval"
+    );
+
+    // The approver approves through the form: it runs, once.
+    let fields = [
+        ("csrf", csrf.as_str()),
+        ("request_id", request_id.as_str()),
+        ("fingerprint", fp.as_str()),
+        ("reason", "checked the order"),
+        ("decision", "approve"),
+    ];
+    let r = alice.post(detail, &fields).await;
+    assert_eq!(r.status, 303, "{}", r.body);
+    assert_eq!(r.headers["location"], format!("{detail}?done=approve"));
+    agent.succeeded("north", "pay-1").await;
+    assert_eq!(env.mutations("north:pay-1").await, 1);
+    let r = alice.post(detail, &fields).await;
+    assert_eq!(r.headers["location"], format!("{detail}?done=repeated"));
+    let page = alice.get(&format!("{detail}?done=approve")).await;
+    assert!(page.body.contains("Approved"), "{}", page.body);
+    assert!(page.body.contains("state-succeeded"), "{}", page.body);
+    assert!(
+        !page.body.contains("name=\"fingerprint\""),
+        "no form once decided"
+    );
+    let actors: Vec<String> = sqlx::query_scalar(
+        "SELECT coalesce(actor, '') FROM operation_history WHERE operation_id = $1 ORDER BY id",
+    )
+    .bind(id)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert!(actors.iter().any(|a| a == "operator:alice"), "{actors:?}");
+    // Approving again (a new form) is refused with its reason.
+    let r = alice
+        .post(
+            detail,
+            &[
+                ("csrf", &csrf),
+                ("request_id", "again-1"),
+                ("fingerprint", &fp),
+                ("reason", "again"),
+                ("decision", "approve"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert!(r.body.contains("awaiting_approval"), "{}", r.body);
+    assert_eq!(env.mutations("north:pay-1").await, 1);
+
+    // A rejection fails the other one without sending it.
+    let page = alice.get("/ui/approvals/south/pay-s1").await;
+    let r = alice
+        .post(
+            "/ui/approvals/south/pay-s1",
+            &[
+                ("csrf", &csrf),
+                ("request_id", &input(&page.body, "request_id")),
+                ("fingerprint", &south_fp),
+                ("reason", "not this one"),
+                ("decision", "reject"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 303, "{}", r.body);
+    agent.until("south", "pay-s1", Status::Failed, T).await;
+    assert_eq!(env.mutations("south:pay-s1").await, 0);
+    let queue = alice.get("/ui/approvals").await;
+    assert!(
+        queue.body.contains("Nothing waits for approval"),
+        "{}",
+        queue.body
+    );
+
+    // Signing out works from an approver's session.
+    let r = alice.post("/ui/logout", &[("csrf", &csrf)]).await;
+    assert_eq!(r.status, 303, "{}", r.body);
+    assert_eq!(alice.get("/ui/approvals").await.status, 303);
+    drop(w);
+    cleanup(env).await;
+}

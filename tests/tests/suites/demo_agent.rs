@@ -6,8 +6,12 @@
 //! re-spaced repeat answered from the ledger, the conflicting reuse refused, the long-running
 //! `deploy` accepted (pending, in progress, with the downstream's operation id) and then
 //! succeeded, verified by a poll, with the receipt of the downstream's one job, the lost `payout`
-//! reply pending and then held. Without the fault and without an outbox, the same scenario
-//! succeeds throughout. Its binary is found beside the worker's (`e2e::procs::demo_agent_bin`:
+//! reply pending and then held, the refund above the refund tool's approval limit pending
+//! (`awaiting_approval`) and never sent until the agent approves it with `worker ops approve`
+//! (the worker binary beside it), then sent once, and the compensation of the first refund
+//! (`refund_reversal`) succeeded, the refund announced again with `compensated_by` and still
+//! written once. Without the fault and without an outbox, the same scenario succeeds
+//! throughout. Its binary is found beside the worker's (`e2e::procs::demo_agent_bin`:
 //! `cargo build --workspace` builds it).
 //! The scripts themselves parse, answer --help and refuse unknown flags (shellcheck-clean where
 //! shellcheck is installed); scripts/test.sh runs `scripts/demo.sh --once` for the whole thing.
@@ -78,15 +82,18 @@ fn command(bin: PathBuf, env: &Env, args: &[&str], extra: &[(&str, String)]) -> 
     cmd
 }
 
-/// Runs the demo agent to its end (killed after 90 s); returns its exit code, its summary and
-/// its stdout and stderr.
+/// Runs the demo agent to its end (killed after 90 s), approving with the `worker ops approve`
+/// of the worker binary beside it on the test's ledger and `tools`; returns its exit code, its
+/// summary and its stdout and stderr.
 fn run_agent(
     env: &Env,
     run_id: &str,
+    tools: &Path,
     extra: &[(&str, String)],
 ) -> (Option<i32>, BTreeMap<String, String>, String, String) {
     let out = env.dir.join(format!("agent-{run_id}.out"));
     let err = env.dir.join(format!("agent-{run_id}.log"));
+    let worker = e2e::procs::bin_dir().join("worker");
     let mut cmd = demo_agent(
         env,
         &[
@@ -106,10 +113,18 @@ fn run_agent(
             "deploy",
             "--held-tool",
             "payout",
+            "--reversal-tool",
+            "refund_reversal",
             "--run-id",
             run_id,
             "--answer-timeout",
             "20s",
+            "--worker-bin",
+            worker.to_str().expect("a UTF-8 path"),
+            "--ledger-url",
+            &env.db_url,
+            "--worker-tools",
+            tools.to_str().expect("a UTF-8 path"),
         ],
         extra,
     );
@@ -162,7 +177,7 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
             .env("WORKER_TENANT_TOKENS", &format!("{TENANT}={TENANT_TOKEN}")),
     )
     .await;
-    let _w2 = Worker::start(&env, "w2", &WorkerOptions::new(tools)).await;
+    let _w2 = Worker::start(&env, "w2", &WorkerOptions::new(tools.clone())).await;
 
     // The agent's outbox lives in the test's database; the relay publishes it.
     let db = [("PUBLISHER_DATABASE_URL", env.db_url.clone())];
@@ -198,6 +213,7 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
     let (code, summary, stdout, stderr) = run_agent(
         &env,
         &run_id,
+        &tools,
         &[
             db[0].clone(),
             ("PUBLISHER_STATUS_URL", status_url),
@@ -210,14 +226,18 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
     );
     assert_eq!(code, Some(0), "{context}");
 
-    // 6 refunds, 2 repeats (every 3rd), 1 conflicting reuse, 1 deploy, 1 payout; 8 distinct
-    // actions, of which the refunds and the deploy succeed; the deploy (in progress) and the
-    // payout (lost reply) are answered pending.
+    // 6 refunds, 2 repeats (every 3rd), 1 conflicting reuse, 1 deploy, 1 payout, 1 refund
+    // above the approval limit, 1 reversal; 10 distinct actions, of which the refunds, the
+    // deploy, the approved refund and the reversal succeed; the deploy (in progress), the
+    // payout (lost reply) and the refund awaiting approval are answered pending.
+    let approval = format!("refund-{run_id}-approval");
+    let reversal = format!("refund_reversal-{run_id}");
+    let original = format!("refund-{run_id}-1");
     let expect = [
         ("run_id", run_id.as_str()),
-        ("intents_sent", "11"),
-        ("actions", "8"),
-        ("succeeded", "7"),
+        ("intents_sent", "13"),
+        ("actions", "10"),
+        ("succeeded", "9"),
         ("failed_or_rejected", "0"),
         ("repeats_sent", "2"),
         ("repeats_answered_from_ledger", "2"),
@@ -227,9 +247,18 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
         ("async_accepted", "1"),
         ("async_status", "succeeded"),
         ("async_verified_by", "poll"),
-        ("pending", "2"),
+        ("pending", "3"),
         ("held", "1"),
         ("held_action_id", held.as_str()),
+        ("approval_action_id", approval.as_str()),
+        ("approval_awaiting", "1"),
+        ("approval_operator", "demo-approver"),
+        ("approval_status", "succeeded"),
+        ("compensation_action_id", reversal.as_str()),
+        ("compensation_of", original.as_str()),
+        ("compensation_status", "succeeded"),
+        ("compensation_compensates", original.as_str()),
+        ("compensated_by", reversal.as_str()),
         ("complete", "true"),
         ("summary_end", "1"),
     ];
@@ -255,8 +284,49 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
         &format!("SELECT count(*) FROM downstream.requests WHERE kind = 'write' AND {keys}"),
     )
     .await;
-    assert_eq!((mutations, writes), (8, 8), "{context}");
+    assert_eq!((mutations, writes), (10, 10), "{context}");
     assert_eq!(env.mutations(&format!("{TENANT}:{held}")).await, 1);
+    // The approved refund: one mutation, one write, none before its approval (recorded in the
+    // ledger by operator:demo-approver, the move out of awaiting_approval).
+    let approval_key = format!("{TENANT}:{approval}");
+    assert_eq!(env.mutations(&approval_key).await, 1, "{context}");
+    assert_eq!(env.writes(&approval_key).await, 1, "{context}");
+    let early: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM downstream.requests r WHERE r.idem_key = $3 AND r.at < h.at)
+              + (SELECT count(*) FROM downstream.mutations m WHERE m.idem_key = $3 AND m.created_at < h.at)
+         FROM operation_history h JOIN operations o ON o.id = h.operation_id
+         WHERE o.tenant = $1 AND o.action_id = $2 AND h.from_state = 'awaiting_approval'
+           AND h.to_state = 'prepared' AND h.actor = 'operator:demo-approver'",
+    )
+    .bind(TENANT)
+    .bind(&approval)
+    .bind(&approval_key)
+    .fetch_one(&env.pool)
+    .await
+    .expect("the approval in the history");
+    assert_eq!(early, 0, "sent before its approval: {context}");
+    assert_eq!(env.state(TENANT, &approval).await, "succeeded");
+    // The compensation: its own one mutation; the refund it undoes still one, still succeeded.
+    assert_eq!(
+        env.mutations(&format!("{TENANT}:{reversal}")).await,
+        1,
+        "{context}"
+    );
+    assert_eq!(
+        env.mutations(&format!("{TENANT}:{original}")).await,
+        1,
+        "{context}"
+    );
+    let compensates: Option<String> = sqlx::query_scalar(
+        "SELECT compensates FROM operations WHERE tenant = $1 AND action_id = $2",
+    )
+    .bind(TENANT)
+    .bind(&reversal)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(compensates.as_deref(), Some(original.as_str()));
+    assert_eq!(env.state(TENANT, &reversal).await, "succeeded");
     // The deploy: one job at the downstream, the one the agent was told about (its operation id
     // while in progress, its deployment id as the receipt); one write; polls only read.
     let deploy_key = format!("{TENANT}:{deploy}");
@@ -340,7 +410,7 @@ async fn the_full_demo_agrees_with_the_downstreams_tables() {
         &format!("SELECT count(*) FROM operations WHERE tenant = '{TENANT}'"),
     )
     .await;
-    assert_eq!(operations, 8);
+    assert_eq!(operations, 10);
     cleanup(env).await;
 }
 
@@ -349,24 +419,29 @@ async fn without_a_lost_reply_and_without_an_outbox_every_action_succeeds() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let tools = demo_tools(&env, ds.port);
-    let _w1 = Worker::start(&env, "w1", &WorkerOptions::new(tools)).await;
+    let _w1 = Worker::start(&env, "w1", &WorkerOptions::new(tools.clone())).await;
     // Published directly (no PUBLISHER_DATABASE_URL), nothing armed, no status API needed.
     let run_id = format!("t{}", env.id);
-    let (code, summary, _stdout, stderr) = run_agent(&env, &run_id, &[]);
+    let (code, summary, _stdout, stderr) = run_agent(&env, &run_id, &tools, &[]);
     let context = format!("summary {summary:?}\n--- stderr\n{stderr}");
     assert_eq!(code, Some(0), "{context}");
-    // Only the deploy is answered pending: accepted, in progress, before it succeeds.
+    // Only the deploy (accepted, in progress) and the refund above the approval limit (awaiting
+    // approval) are answered pending, before they succeed.
     for (key, value) in [
-        ("intents_sent", "11"),
-        ("actions", "8"),
-        ("succeeded", "8"),
+        ("intents_sent", "13"),
+        ("actions", "10"),
+        ("succeeded", "10"),
         ("repeats_answered_from_ledger", "2"),
         ("conflicts_refused", "1"),
         ("async_accepted", "1"),
         ("async_status", "succeeded"),
         ("async_verified_by", "poll"),
-        ("pending", "1"),
+        ("pending", "2"),
         ("held", "0"),
+        ("approval_awaiting", "1"),
+        ("approval_status", "succeeded"),
+        ("compensation_status", "succeeded"),
+        ("compensated_by", &format!("refund_reversal-{run_id}")),
         ("complete", "true"),
     ] {
         assert_eq!(get(&summary, key), value, "{key}: {context}");
@@ -376,7 +451,7 @@ async fn without_a_lost_reply_and_without_an_outbox_every_action_succeeds() {
         "SELECT count(*) FROM downstream.requests WHERE kind = 'write'",
     )
     .await;
-    assert_eq!(writes, 8, "{context}");
+    assert_eq!(writes, 10, "{context}");
     cleanup(env).await;
 }
 
@@ -389,7 +464,8 @@ async fn with_export_on_each_intents_trace_starts_at_the_agents_turn() {
     let env = Env::new().await;
     let ds = Downstream::start(&env).await;
     let receiver = e2e::OtlpReceiver::start();
-    let _w1 = Worker::start(&env, "w1", &WorkerOptions::new(demo_tools(&env, ds.port))).await;
+    let tools = demo_tools(&env, ds.port);
+    let _w1 = Worker::start(&env, "w1", &WorkerOptions::new(tools.clone())).await;
     let db = ("PUBLISHER_DATABASE_URL", env.db_url.clone());
     let migrate = publisher(&env, &["migrate"], std::slice::from_ref(&db))
         .stdout(Stdio::null())
@@ -418,6 +494,7 @@ async fn with_export_on_each_intents_trace_starts_at_the_agents_turn() {
     let (code, summary, _stdout, stderr) = run_agent(
         &env,
         &run_id,
+        &tools,
         &[
             db,
             ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint()),
@@ -435,7 +512,7 @@ async fn with_export_on_each_intents_trace_starts_at_the_agents_turn() {
     // One turn per intent sent; refund 2, the deploy and the payout are sent once each (the
     // deploy's polls only read: its one write carries the turn's trace).
     let turns = receiver
-        .wait_for_spans("the agent's turns", Duration::from_secs(20), 11, |s| {
+        .wait_for_spans("the agent's turns", Duration::from_secs(20), 13, |s| {
             s.name == "agent turn" && s.service_name == "demo-agent"
         })
         .await;
@@ -471,7 +548,7 @@ fn the_demo_agent_refuses_settings_that_can_never_work() {
     let base = ["--tenant", TENANT, "--tool", "refund", "--count", "1"];
     /// Extra arguments, extra environment, what the error must name.
     type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
-    let cases: [Case; 4] = [
+    let cases: [Case; 6] = [
         (&[], &[("AMQP_URL", "http://nowhere:5672")], "AMQP_URL="),
         (
             &[],
@@ -484,6 +561,21 @@ fn the_demo_agent_refuses_settings_that_can_never_work() {
             "--status-url needs --status-token",
         ),
         (&["--answer-timeout", "soon"], &[], "--answer-timeout"),
+        // The full scenario approves with `worker ops approve`: it needs the worker's ledger
+        // and tools file, and a ledger URL that can work.
+        (&["--scenario", "full"], &[], "--ledger-url"),
+        (
+            &[
+                "--scenario",
+                "full",
+                "--ledger-url",
+                "mysql://u:secret@h/db",
+                "--worker-tools",
+                "tools.toml",
+            ],
+            &[],
+            "--ledger-url",
+        ),
     ];
     for (args, vars, needle) in cases {
         let out = Command::new(e2e::procs::demo_agent_bin())
@@ -515,6 +607,10 @@ fn the_demo_agent_refuses_settings_that_can_never_work() {
         "--scenario",
         "--held-tool",
         "--async-tool",
+        "--reversal-tool",
+        "--ledger-url",
+        "--worker-tools",
+        "--worker-bin",
         "--set-user-id",
         "--ca-file",
         "PUBLISHER_STATUS_TOKEN",

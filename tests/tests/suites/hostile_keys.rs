@@ -60,6 +60,7 @@ fn refund(tenant: &str, action_id: &str) -> protocol::Intent {
         arguments: json!({"order": action_id, "amount_cents": 4850}),
         call_id: None,
         reply_to: None,
+        compensates: None,
     }
 }
 

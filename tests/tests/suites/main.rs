@@ -6,10 +6,12 @@
 mod absence_proof;
 mod agent_side;
 mod alert_metrics;
+mod approvals;
 mod bench_tools;
 mod callbacks;
 mod check_tool;
 mod cluster_failover;
+mod compensation;
 mod config;
 mod console;
 mod crate_boundaries;

@@ -82,6 +82,7 @@ async fn workers_racing_on_prepared_operations_dispatch_each_once() {
                 call_id: None,
                 reply_to: None,
                 trace: None,
+                compensates: None,
             });
         }
     }

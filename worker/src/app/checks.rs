@@ -9,7 +9,7 @@ use crate::config::{Settings, Tools};
 /// connection cap, one downstream connection per dispatch or recovery round in flight, and its
 /// two broker connections.
 pub(super) fn descriptor_budget(settings: &Settings) -> kit::fd::Budget {
-    let api_enabled = settings.admin_token.is_some() || !settings.tenant_tokens.is_empty();
+    let api_enabled = settings.api_enabled();
     let cap = settings.http_limits.max_connections as u64;
     let mut budget = kit::fd::Budget::new().add(
         "database pool (WORKER_DB_POOL_SIZE, + 2 start-up probes)",
@@ -32,7 +32,7 @@ pub(super) fn descriptor_budget(settings: &Settings) -> kit::fd::Budget {
 /// Settings that work but weaken the guarantees: said once at start-up (the unsafe ones were
 /// refused by [`crate::config::check_proof`]).
 pub(super) fn warn_about_risky_settings(settings: &Settings, tools: &Tools) {
-    let api_enabled = settings.admin_token.is_some() || !settings.tenant_tokens.is_empty();
+    let api_enabled = settings.api_enabled();
     if settings.admin_addr.is_none() || !api_enabled {
         for (name, tool) in &tools.tools {
             if tool

@@ -97,7 +97,7 @@ impl Listeners {
     /// Binds `METRICS_ADDR` and, when the API is enabled, `WORKER_ADMIN_ADDR`: an address that
     /// cannot be bound stops start-up (exit 2), never a worker without `/readyz` or its API.
     fn bind(s: &Settings) -> Result<Listeners, kit::http::BindError> {
-        let api_enabled = s.admin_token.is_some() || !s.tenant_tokens.is_empty();
+        let api_enabled = s.api_enabled();
         Ok(Listeners {
             metrics: s
                 .metrics_addr
@@ -307,6 +307,7 @@ impl Application {
                 s.admin_token.clone(),
                 s.tenant_tokens.clone(),
             )
+            .with_approvers(s.approver_tokens.clone())
             .with_limits(s.http_limits);
             if s.console.enabled {
                 let console = self.console(tasks, stop, api.budget());
@@ -348,7 +349,8 @@ impl Application {
         );
         crate::console::Console::new(
             self.ctx.clone(),
-            crate::config::auth::Tokens::new(s.admin_token.clone(), s.tenant_tokens.clone()),
+            crate::config::auth::Tokens::new(s.admin_token.clone(), s.tenant_tokens.clone())
+                .with_approvers(s.approver_tokens.clone()),
             s.console.clone(),
             broker,
             self.tools_file.auth.clone(),

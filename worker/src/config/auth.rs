@@ -55,6 +55,31 @@ pub(super) fn admin_token(raw: Option<String>) -> Result<Option<String>, ConfigE
 pub(super) fn parse_tenant_tokens(
     raw: Option<String>,
 ) -> Result<BTreeMap<String, String>, ConfigError> {
+    parse_named_tokens(raw, "WORKER_TENANT_TOKENS", "tenant")
+}
+
+/// Parses `name=token,name2=token2` (`WORKER_APPROVER_TOKENS`): each approver's token, whose
+/// name is what the history records for their approvals, so it follows the rules of an
+/// operator's name.
+pub(super) fn parse_approver_tokens(
+    raw: Option<String>,
+) -> Result<BTreeMap<String, String>, ConfigError> {
+    let map = parse_named_tokens(raw, "WORKER_APPROVER_TOKENS", "approver")?;
+    for name in map.keys() {
+        crate::ops::actions::check_operator_name(name).map_err(|reason| ConfigError::Invalid {
+            name: "WORKER_APPROVER_TOKENS",
+            value: "<redacted>".into(),
+            reason: format!("approver {name:?}: {reason}"),
+        })?;
+    }
+    Ok(map)
+}
+
+fn parse_named_tokens(
+    raw: Option<String>,
+    var: &'static str,
+    what: &str,
+) -> Result<BTreeMap<String, String>, ConfigError> {
     let mut map = BTreeMap::new();
     for pair in raw.iter().flat_map(|r| r.split(',')).map(str::trim) {
         if pair.is_empty() {
@@ -63,9 +88,9 @@ pub(super) fn parse_tenant_tokens(
         match pair.split_once('=') {
             Some((t, tok)) if !t.trim().is_empty() => {
                 let tenant = t.trim();
-                kit::guard::check_token(&format!("the token of tenant {tenant:?}"), tok.trim())
+                kit::guard::check_token(&format!("the token of {what} {tenant:?}"), tok.trim())
                     .map_err(|reason| ConfigError::Invalid {
-                        name: "WORKER_TENANT_TOKENS",
+                        name: var,
                         value: "<redacted>".into(),
                         reason,
                     })?;
@@ -73,10 +98,10 @@ pub(super) fn parse_tenant_tokens(
             }
             _ => {
                 return Err(ConfigError::Invalid {
-                    name: "WORKER_TENANT_TOKENS",
+                    name: var,
                     value: "<redacted>".into(),
                     reason: format!(
-                        "expected tenant=token pairs separated by commas, tokens of {}+ characters",
+                        "expected {what}=token pairs separated by commas, tokens of {}+ characters",
                         kit::guard::MIN_TOKEN_CHARS
                     ),
                 })
@@ -106,6 +131,9 @@ pub enum Principal {
     Admin,
     /// A `WORKER_TENANT_TOKENS` token: reads of its own tenant only.
     Tenant(String),
+    /// A `WORKER_APPROVER_TOKENS` token: the approval routes only (list what waits, approve,
+    /// reject), every decision recorded under this name.
+    Approver(String),
 }
 
 /// The tokens the admin listener accepts: the admin token and the tenant read tokens.
@@ -113,6 +141,8 @@ pub enum Principal {
 pub struct Tokens {
     pub admin: Option<String>,
     pub tenants: BTreeMap<String, String>,
+    /// Approver name -> token.
+    pub approvers: BTreeMap<String, String>,
 }
 
 impl Tokens {
@@ -121,7 +151,17 @@ impl Tokens {
         Tokens {
             admin: admin.filter(|t| !t.is_empty()),
             tenants: tenants.into_iter().filter(|(_, t)| !t.is_empty()).collect(),
+            approvers: BTreeMap::new(),
         }
+    }
+
+    /// The tokens with these approvers' (name -> token), without blank ones.
+    pub fn with_approvers(mut self, approvers: BTreeMap<String, String>) -> Tokens {
+        self.approvers = approvers
+            .into_iter()
+            .filter(|(_, t)| !t.is_empty())
+            .collect();
+        self
     }
 
     /// Who `presented` is the token of. Every configured token is compared in constant time
@@ -136,10 +176,17 @@ impl Tokens {
                 tenant = Some(name.clone());
             }
         }
-        match (admin, tenant) {
-            (true, _) => Some(Principal::Admin),
-            (false, Some(t)) => Some(Principal::Tenant(t)),
-            (false, None) => None,
+        let mut approver = None;
+        for (name, token) in &self.approvers {
+            if eq(token) && approver.is_none() {
+                approver = Some(name.clone());
+            }
+        }
+        match (admin, tenant, approver) {
+            (true, _, _) => Some(Principal::Admin),
+            (false, Some(t), _) => Some(Principal::Tenant(t)),
+            (false, None, Some(a)) => Some(Principal::Approver(a)),
+            (false, None, None) => None,
         }
     }
 
@@ -148,12 +195,13 @@ impl Tokens {
         match principal {
             Principal::Admin => self.admin.as_deref(),
             Principal::Tenant(t) => self.tenants.get(t).map(String::as_str),
+            Principal::Approver(a) => self.approvers.get(a).map(String::as_str),
         }
     }
 
     /// Whether any token is configured (the admin listener serves only then).
     pub fn any(&self) -> bool {
-        self.admin.is_some() || !self.tenants.is_empty()
+        self.admin.is_some() || !self.tenants.is_empty() || !self.approvers.is_empty()
     }
 }
 

@@ -19,6 +19,7 @@
 
 use std::path::PathBuf;
 
+pub mod approval;
 pub mod auth;
 pub mod completion;
 pub mod interpolate;

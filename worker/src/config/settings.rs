@@ -63,6 +63,8 @@ pub struct Settings {
     pub admin_token: Option<String>,
     /// Tenant-scoped read tokens for the status query: tenant -> token.
     pub tenant_tokens: BTreeMap<String, String>,
+    /// `WORKER_APPROVER_TOKENS`: approver name -> token.
+    pub approver_tokens: BTreeMap<String, String>,
     pub topology: Topology,
     /// How long a claim owns a dispatch before recovery treats it as crashed.
     pub lease: Duration,
@@ -314,7 +316,7 @@ pub struct EnvArgs {
         hide_env_values = true
     )]
     pub admin_token: Option<String>,
-    /// `tenant=token,tenant2=token2` (tokens of 8+ characters): read-only status of that
+    /// `tenant=token,tenant2=token2` (tokens of 16+ characters): read-only status of that
     /// tenant's operations.
     #[arg(
         long,
@@ -323,6 +325,16 @@ pub struct EnvArgs {
         hide_env_values = true
     )]
     pub tenant_tokens: Option<String>,
+    /// `name=token,name2=token2` (tokens of 16+ characters): the people who may approve or
+    /// reject intents that wait for approval (the API's approval routes only); each approval
+    /// is recorded under the token's name.
+    #[arg(
+        long,
+        env = "WORKER_APPROVER_TOKENS",
+        value_name = "WORKER_APPROVER_TOKENS",
+        hide_env_values = true
+    )]
+    pub approver_tokens: Option<String>,
     /// Topic exchange agents publish intents to (the publisher reads the same variable)
     /// [default: intents].
     #[arg(long, env = "INTENTS_EXCHANGE", value_name = "INTENTS_EXCHANGE")]
@@ -526,6 +538,15 @@ struct EnvOnly {
 }
 
 impl Settings {
+    /// Whether the admin API serves: some token can use it.
+    pub fn api_enabled(&self) -> bool {
+        self.admin_token.is_some()
+            || !self.tenant_tokens.is_empty()
+            || !self.approver_tokens.is_empty()
+    }
+}
+
+impl Settings {
     /// Reads the settings from the process environment alone (no flags), as `worker run` does
     /// when it is given none.
     pub fn from_env() -> Result<Settings, ConfigError> {
@@ -562,6 +583,7 @@ impl Settings {
         check_receipt_keep(a.receipt_keep_secs, a.lease_secs)?;
         let worker_id = a.worker_id.take().unwrap_or_else(default_worker_id);
         let tenant_tokens = super::auth::parse_tenant_tokens(a.tenant_tokens.take())?;
+        let approver_tokens = super::auth::parse_approver_tokens(a.approver_tokens.take())?;
         let console = ConsoleSettings {
             enabled: a.console,
             secret: super::auth::console_secret(a.console_secret.take())?,
@@ -586,6 +608,7 @@ impl Settings {
             },
             admin_token,
             tenant_tokens,
+            approver_tokens,
             topology,
             lease: Duration::from_secs(a.lease_secs),
             shards,

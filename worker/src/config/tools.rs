@@ -10,6 +10,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::Deserialize;
 
+use super::approval::{self, Approval, RawApproval};
 use super::auth::{self, RawAuth};
 use super::completion::{self, Completion, PollPolicy, RawCallback, RawCompletion};
 use super::interpolate::interpolate;
@@ -71,6 +72,18 @@ struct RawTool {
     absence_proof: Option<RawAbsenceProof>,
     #[serde(default)]
     deadline_refused_statuses: Option<Vec<u16>>,
+    // The approval keys ([`super::approval`]).
+    #[serde(default)]
+    approval: Option<String>,
+    #[serde(default)]
+    approval_when: Option<BTreeMap<String, BTreeMap<String, serde_json::Value>>>,
+    #[serde(default)]
+    approvals: Option<i64>,
+    #[serde(default)]
+    approval_ttl_secs: Option<i64>,
+    /// The tools whose actions this tool may compensate (`compensates` in an intent).
+    #[serde(default)]
+    compensation_for: Option<Vec<String>>,
 }
 
 /// `absence_proof = { ... }` as written.
@@ -128,6 +141,15 @@ impl RawTool {
             callback: self.callback.clone(),
         }
     }
+
+    fn approval_keys(&self) -> RawApproval {
+        RawApproval {
+            approval: self.approval.clone(),
+            approval_when: self.approval_when.clone(),
+            approvals: self.approvals,
+            approval_ttl_secs: self.approval_ttl_secs,
+        }
+    }
 }
 
 fn default_method() -> String {
@@ -179,6 +201,13 @@ pub struct ToolConfig {
     pub completion: Completion,
     /// The proof-of-absence contract of a `lookup` tool, when it declares one.
     pub absence_proof: Option<AbsenceProof>,
+    /// Whether an intent needs a person's approval before it is dispatched (`approval` or
+    /// `approval_when`, with `approvals` and `approval_ttl_secs`); `None` when the tool
+    /// declares no approval rule.
+    pub approval: Option<Approval>,
+    /// The tools whose succeeded actions an intent of this tool may undo (`compensation_for`;
+    /// each names a tool of the file). Empty: it compensates nothing.
+    pub compensation_for: Vec<String>,
 }
 /// The parsed tools file.
 #[derive(Debug, Clone, Default)]
@@ -241,6 +270,20 @@ impl Tools {
             let tool = validate_tool(path, &name, t)?;
             tools.insert(name, tool);
         }
+        for (name, tool) in &tools {
+            if let Some(unknown) = tool
+                .compensation_for
+                .iter()
+                .find(|t| !tools.contains_key(*t))
+            {
+                return Err(invalid(
+                    path,
+                    format!(
+                        "tools.{name}: compensation_for names {unknown:?}, which is not a tool of this file"
+                    ),
+                ));
+            }
+        }
         let auth = auth::tenant_auth(path, raw.auth)?;
         Ok(Tools { tools, auth })
     }
@@ -257,6 +300,16 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
     check_policies(&t).map_err(bad)?;
     let completion = completion::completion(&t.completion_keys()).map_err(bad)?;
     let absence_proof = absence_proof(&t, &capability).map_err(bad)?;
+    let approval = approval::approval(&t.approval_keys()).map_err(bad)?;
+    let compensation_for = match t.compensation_for {
+        None => Vec::new(),
+        Some(list) if list.is_empty() => {
+            return Err(bad(
+                "compensation_for is empty: list the tools whose actions this tool undoes, or leave it out".into(),
+            ))
+        }
+        Some(list) => list,
+    };
     Ok(ToolConfig {
         name: name.to_string(),
         url: t.url,
@@ -276,6 +329,8 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
         headers: t.headers,
         completion,
         absence_proof,
+        approval,
+        compensation_for,
     })
 }
 
@@ -782,6 +837,7 @@ budget = { ratio = 0.2 }
             http_limits: kit::http::Limits::DEFAULT,
             admin_token: None,
             tenant_tokens: BTreeMap::new(),
+            approver_tokens: BTreeMap::new(),
             topology: Topology {
                 intents_exchange: "i".into(),
                 intents_queue: "i".into(),

@@ -20,8 +20,11 @@ use crate::ledger::jobs::Job;
 use crate::ops::actions::OpsError;
 use crate::ops::bulk::{BulkAction, BulkRequest, DEFAULT_CAP, MAX_CAP};
 
-/// The refusal page for a tenant session (bulk pages are the admin's).
+/// The refusal page for a tenant or an approver session (bulk pages are the admin's).
 fn refuse_tenant(signed: &Signed) -> Option<Response> {
+    if signed.session.approver().is_some() {
+        return Some(super::approvers_elsewhere(signed));
+    }
     (!signed.session.is_admin()).then(|| {
         super::error_page(
             signed,

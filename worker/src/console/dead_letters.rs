@@ -81,6 +81,9 @@ pub async fn list(
     Extension(signed): Extension<Signed>,
     Query(query): Query<BTreeMap<String, String>>,
 ) -> Response {
+    let Ok(tenant) = super::reads(&signed) else {
+        return super::approvers_elsewhere(&signed);
+    };
     let (filter, limit) = match read_filter(&query) {
         Ok(f) => f,
         Err(e) => return super::error_page(&signed, StatusCode::BAD_REQUEST, "Bad filter", &e),
@@ -96,7 +99,7 @@ pub async fn list(
     let audit = state
         .ctx
         .ledger
-        .recent_dead_letter_actions(signed.session.tenant(), 20)
+        .recent_dead_letter_actions(tenant, 20)
         .await
         .unwrap_or_default();
     let listing = match listing {

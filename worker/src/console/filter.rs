@@ -210,7 +210,7 @@ fn states_field(query: &BTreeMap<String, String>) -> Result<Vec<State>, String> 
             continue;
         }
         let state = State::parse(part).ok_or_else(|| {
-            format!("state {part:?}: expected one of prepared, dispatching, retry_wait, unknown, held, accepted, succeeded, failed")
+            format!("state {part:?}: expected one of prepared, dispatching, retry_wait, unknown, held, accepted, awaiting_approval, succeeded, failed")
         })?;
         if !states.contains(&state) {
             states.push(state);
@@ -486,7 +486,14 @@ mod tests {
         let s = f.search(None);
         assert_eq!(
             s.states,
-            ["dispatching", "retry_wait", "unknown", "held", "accepted"]
+            [
+                "dispatching",
+                "retry_wait",
+                "unknown",
+                "held",
+                "accepted",
+                "awaiting_approval"
+            ]
         );
         assert_eq!(s.tenant, None);
     }
@@ -550,7 +557,10 @@ mod tests {
         let f = ConsoleFilter::parse(&q(&[("state", "accepted"), ("scope", "finished")])).unwrap();
         assert!(f.states().is_empty(), "accepted is not finished");
         let err = ConsoleFilter::parse(&q(&[("state", "polling")])).unwrap_err();
-        assert!(err.contains("held, accepted, succeeded"), "{err}");
+        assert!(
+            err.contains("held, accepted, awaiting_approval, succeeded"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! Signing in and out. The sign-in form takes a token (the admin token, or a tenant's read
-//! token) and, for the admin, the operator's name, which every action of the session records
-//! as `operator:<name>`. A good token gets the session cookie ([`super::session`]); a wrong
+//! Signing in and out. The sign-in form takes a token (the admin token, a tenant's read token
+//! or an approver's token) and, for the admin, the operator's name, which every action of the
+//! session records as `operator:<name>` (an approver's name is the token's, recorded with each
+//! decision; an approver lands on the approval queue). A good token gets the session cookie ([`super::session`]); a wrong
 //! one is answered at once and spends the listener's failure budget ([`kit::guard`], shared
 //! with the API's bearer tokens): past it, sign-ins are answered 429 without the token being
 //! compared. Nothing is held while a failure is paid for. The form is small
@@ -71,13 +72,13 @@ fn login_page(
     let body = html! {
         section.signin {
             h1 { "Sign in" }
-            p { "The operator console of the intent worker. Sign in with the admin token to act, or with a tenant's token to read that tenant's operations." }
+            p { "The operator console of the intent worker. Sign in with the admin token to act, with a tenant's token to read that tenant's operations, or with your approver token to approve or reject the intents that wait for a person." }
             @if let Some(e) = error { (views::notice("error", e)) }
             form method="post" action="/ui/login" {
                 input type="hidden" name="csrf" value=(token);
                 label for="token" { "Token" }
                 input id="token" type="password" name="token" autocomplete="current-password" required;
-                label for="operator" { "Your name (admin: recorded with every action, as in " code { "worker ops --operator" } ")" }
+                label for="operator" { "Your name (admin: recorded with every action, as in " code { "worker ops --operator" } "; an approver's is the token's)" }
                 input id="operator" type="text" name="operator" value=(visible(operator)) maxlength=(MAX_OPERATOR_CHARS) autocomplete="username";
                 button type="submit" { "Sign in" }
             }
@@ -186,17 +187,25 @@ pub async fn sign_in(
         },
         // Tenants are read-only: a name would never be recorded.
         Principal::Tenant(_) => None,
+        // An approver's name is the token's: it is recorded with every decision.
+        Principal::Approver(_) => None,
     };
     let lifetime = state.settings.session.as_secs() as i64;
     let (session, cookie) = state.keys.issue(principal, operator, token, now, lifetime);
     tracing::info!(
         admin = session.is_admin(),
         tenant = session.tenant().unwrap_or(""),
+        approver = session.approver().unwrap_or(""),
         operator = session.operator.as_deref().unwrap_or(""),
         "console sign-in"
     );
     let secure = state.secure(&headers);
-    let mut response = redirect("/ui/overview");
+    // An approver's console is the approval queue.
+    let mut response = redirect(if session.approver().is_some() {
+        "/ui/approvals"
+    } else {
+        "/ui/overview"
+    });
     for c in [
         set_cookie(session::COOKIE, &cookie, lifetime, secure),
         set_cookie(session::LOGIN_COOKIE, "", 0, secure),

@@ -7,17 +7,22 @@
 //! - [`session`]: sign-in as a signed cookie, valid on every worker, and CSRF tokens.
 //! - [`filter`]: the operations filter, read from and written to the URL.
 //! - [`views`]: the layout and the helpers that render hostile text as text.
-//! - the pages: [`login`] (sign-in, sign-out), [`overview`], [`operations`] (list, groups by
-//!   cause, one operation and its actions), [`bulk`] (dry run, jobs, progress),
-//!   [`dead_letters`] (list, republish, discard).
+//! - the pages: [`login`] (sign-in, sign-out), [`overview`], [`approvals`] (the intents that
+//!   wait for a person, approve, reject), [`operations`] (list, groups by cause, one operation
+//!   and its actions), [`bulk`] (dry run, jobs, progress), [`dead_letters`] (list, republish,
+//!   discard).
 //!
 //! Who may do what: the admin token signs in as an operator (its name asked on the sign-in
-//! form) who may read and act on everything; a tenant token signs in read-only and sees its
-//! own tenant's operations and dead letters only (another tenant's operation answers 404, like
-//! a missing one). Every state-changing form carries the session's CSRF token. Every answer
-//! carries a Content-Security-Policy without inline scripts or styles, `X-Frame-Options:
-//! DENY`, `nosniff`, `no-referrer` and `no-store`. No token or tool header is ever shown.
+//! form) who may read and act on everything but approvals, which it reads only; a tenant token
+//! signs in read-only and sees its own tenant's operations, dead letters and waiting intents
+//! only (another tenant's operation answers 404, like a missing one); an approver token signs
+//! in as that approver, who sees the approval queue (every tenant's) and approves or rejects,
+//! and nothing else: every other page and form answers it 403 ([`approver_may`]). Every
+//! state-changing form carries the session's CSRF token. Every answer carries a
+//! Content-Security-Policy without inline scripts or styles, `X-Frame-Options: DENY`,
+//! `nosniff`, `no-referrer` and `no-store`. No token or tool header is ever shown.
 
+pub mod approvals;
 pub mod bulk;
 pub mod dead_letters;
 pub mod filter;
@@ -43,7 +48,7 @@ use crate::context::Context;
 use crate::intake::TenantAuth;
 use crate::ops::bulk::Runner;
 use crate::ops::dead_letters::Broker;
-use session::{Keys, Session};
+use session::{Keys, Reads, Session};
 use views::{Frame, Nav};
 
 /// The Content-Security-Policy of every console answer: only this origin's stylesheet, no
@@ -124,6 +129,11 @@ impl Console {
         let signed_in = Router::new()
             .route("/ui/logout", post(login::logout))
             .route("/ui/overview", get(overview::page))
+            .route("/ui/approvals", get(approvals::list))
+            .route(
+                "/ui/approvals/{tenant}/{action_id}",
+                get(approvals::detail).post(approvals::decide),
+            )
             .route("/ui/operations", get(operations::list))
             .route("/ui/operations/{id}", get(operations::detail))
             .route("/ui/operations/{id}/{action}", post(operations::act))
@@ -218,12 +228,19 @@ async fn security_headers(request: Request, next: Next) -> Response {
     response
 }
 
-/// The signed-in routes' gate: a valid session cookie, or the sign-in page (a GET) or 401.
+/// The signed-in routes' gate: a valid session cookie, or the sign-in page (a GET) or 401; an
+/// approver's session only where [`approver_may`] lets it.
 async fn require_session(State(state): Shared, mut request: Request, next: Next) -> Response {
     match state.session(request.headers()).await {
         Some(session) => {
             let csrf = state.keys.csrf(&session);
-            request.extensions_mut().insert(Signed { session, csrf });
+            let signed = Signed { session, csrf };
+            if signed.session.approver().is_some()
+                && !approver_may(request.method(), request.uri().path())
+            {
+                return approvers_elsewhere(&signed);
+            }
+            request.extensions_mut().insert(signed);
             next.run(request).await
         }
         None if request.method() == Method::GET => redirect("/ui/login"),
@@ -240,6 +257,58 @@ async fn require_session(State(state): Shared, mut request: Request, next: Next)
         ),
     }
 }
+
+/// Where an approver's session may go: the approval queue, one waiting intent (to read it and
+/// to post a decision), the overview (its approval queue only) and sign-out. Nothing else: not
+/// the operations, bulk jobs or dead letters, nor any of their forms.
+pub fn approver_may(method: &Method, path: &str) -> bool {
+    let one_intent = path
+        .strip_prefix("/ui/approvals/")
+        .and_then(|rest| rest.split_once('/'))
+        .is_some_and(|(tenant, action)| {
+            !tenant.is_empty() && !action.is_empty() && !action.contains('/')
+        });
+    match *method {
+        Method::GET | Method::HEAD => {
+            matches!(path, "/ui/overview" | "/ui/approvals") || one_intent
+        }
+        Method::POST => path == "/ui/logout" || one_intent,
+        _ => false,
+    }
+}
+
+/// The answer to an approver's session anywhere [`approver_may`] does not let it go.
+pub fn approvers_elsewhere(signed: &Signed) -> Response {
+    let body = maud::html! {
+        h1 { "Approvers only approve" }
+        (views::notice("error", "An approver's session shows the intents that wait for approval, and nothing else; nothing was read or changed."))
+        p { a href="/ui/approvals" { "The approval queue" } }
+    };
+    html(
+        StatusCode::FORBIDDEN,
+        views::page(
+            "Approvers only approve",
+            &signed.frame(Nav::Approvals),
+            body,
+        ),
+    )
+}
+
+/// Whose operations, dead letters and counts `signed` may read: None for every tenant's (the
+/// admin), one tenant's, or [`ApproversOnly`] for an approver (who reads the approval queue
+/// only; answer it [`approvers_elsewhere`]). Every page that reads operations starts here, so
+/// no session falls through to the admin's view.
+pub fn reads(signed: &Signed) -> Result<Option<&str>, ApproversOnly> {
+    match signed.session.reads() {
+        Reads::Everything => Ok(None),
+        Reads::Tenant(t) => Ok(Some(t)),
+        Reads::Nothing => Err(ApproversOnly),
+    }
+}
+
+/// An approver's session where it reads nothing: the approval pages are all it may open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApproversOnly;
 
 /// The frame of a page shown without a session.
 pub fn no_session() -> Frame<'static> {
@@ -289,16 +358,24 @@ pub fn ledger_unavailable(signed: &Signed, e: &dyn std::fmt::Display) -> Respons
     )
 }
 
-/// The checks of every state-changing form: the session's CSRF token, and an admin session
-/// (tenants are read-only). The refusal page when one fails.
+/// The checks of every state-changing form but an approval's: the session's CSRF token, and an
+/// admin session (tenants are read-only, approvers only approve). The refusal page when one
+/// fails.
 pub fn refuse_form(state: &ConsoleState, signed: &Signed, csrf: Option<&str>) -> Option<Response> {
-    if !state.keys.check_csrf(&signed.session, csrf) {
+    refuse_form_with(&state.keys, signed, csrf)
+}
+
+fn refuse_form_with(keys: &Keys, signed: &Signed, csrf: Option<&str>) -> Option<Response> {
+    if !keys.check_csrf(&signed.session, csrf) {
         return Some(error_page(
             signed,
             StatusCode::FORBIDDEN,
             "Refused",
             "The form's CSRF token is missing or wrong; nothing was changed. Reload the page and try again.",
         ));
+    }
+    if signed.session.approver().is_some() {
+        return Some(approvers_elsewhere(signed));
     }
     if !signed.session.is_admin() {
         return Some(error_page(
@@ -342,4 +419,154 @@ async fn not_found(State(state): Shared, headers: HeaderMap) -> Response {
             views::error_body("Not found", "There is no such page."),
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::auth::Principal;
+
+    fn signed(principal: Principal) -> Signed {
+        Signed {
+            session: Session {
+                principal,
+                operator: Some("op".into()),
+                expires: 0,
+                id: "s".into(),
+            },
+            csrf: "c".into(),
+        }
+    }
+
+    /// Every signed-in route of [`Console::router`], with a sample path.
+    const ROUTES: &[(&str, &str)] = &[
+        ("POST", "/ui/logout"),
+        ("GET", "/ui/overview"),
+        ("GET", "/ui/approvals"),
+        ("GET", "/ui/approvals/north/a-1"),
+        ("POST", "/ui/approvals/north/a-1"),
+        ("GET", "/ui/operations"),
+        ("GET", "/ui/operations/7"),
+        ("POST", "/ui/operations/7/fail"),
+        ("POST", "/ui/operations/7/recheck"),
+        ("POST", "/ui/operations/7/resolve"),
+        ("GET", "/ui/bulk"),
+        ("POST", "/ui/bulk"),
+        ("GET", "/ui/jobs"),
+        ("GET", "/ui/jobs/3"),
+        ("POST", "/ui/jobs/3/cancel"),
+        ("GET", "/ui/dead-letters"),
+        ("POST", "/ui/dead-letters"),
+    ];
+
+    #[test]
+    fn an_approver_goes_nowhere_but_the_approval_pages() {
+        let allowed = [
+            ("POST", "/ui/logout"),
+            ("GET", "/ui/overview"),
+            ("GET", "/ui/approvals"),
+            ("GET", "/ui/approvals/north/a-1"),
+            ("POST", "/ui/approvals/north/a-1"),
+        ];
+        for (method, path) in ROUTES {
+            let m = Method::from_bytes(method.as_bytes()).unwrap();
+            assert_eq!(
+                approver_may(&m, path),
+                allowed.contains(&(*method, *path)),
+                "{method} {path}"
+            );
+        }
+        for (method, path) in [
+            ("POST", "/ui/approvals"),
+            ("POST", "/ui/overview"),
+            ("GET", "/ui/logout"),
+            ("PUT", "/ui/approvals/north/a-1"),
+            ("DELETE", "/ui/approvals/north/a-1"),
+            ("GET", "/ui/approvals/north"),
+            ("GET", "/ui/approvals//a-1"),
+            ("GET", "/ui/approvals/north/"),
+            ("GET", "/ui/approvals/north/a-1/approve"),
+            ("GET", "/ui/approvalsx/north/a-1"),
+            ("GET", "/ui/operations?x=/ui/approvals/a/b"),
+            ("GET", "/ui/jobs"),
+        ] {
+            let m = Method::from_bytes(method.as_bytes()).unwrap();
+            assert!(!approver_may(&m, path), "{method} {path}");
+        }
+        // Encoded slashes stay inside one segment, as the router reads them.
+        assert!(approver_may(&Method::GET, "/ui/approvals/n%2Fs/a%2F1"));
+    }
+
+    #[test]
+    fn an_approver_reads_no_operation_and_passes_no_other_form() {
+        let approver = signed(Principal::Approver("alice".into()));
+        assert_eq!(reads(&approver), Err(ApproversOnly));
+        assert_eq!(
+            approvers_elsewhere(&approver).status(),
+            StatusCode::FORBIDDEN
+        );
+        assert!(reads(&signed(Principal::Admin)).unwrap().is_none());
+        let north = signed(Principal::Tenant("north".into()));
+        assert_eq!(reads(&north).unwrap(), Some("north"));
+
+        let keys = Keys::new(Some(&"k".repeat(32)), &Tokens::default());
+        let (session, _) = keys.issue(Principal::Approver("alice".into()), None, "t", 0, 60);
+        let csrf = keys.csrf(&session);
+        let approver = Signed {
+            session,
+            csrf: csrf.clone(),
+        };
+        let state_keys = keys.clone();
+        // With its own, valid CSRF token, an approver's form elsewhere is still refused.
+        assert!(state_keys.check_csrf(&approver.session, Some(&csrf)));
+        let refused = refuse_form_with(&state_keys, &approver, Some(&csrf)).unwrap();
+        assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+        let (admin, _) = keys.issue(Principal::Admin, Some("a".into()), "t", 0, 60);
+        let admin_csrf = keys.csrf(&admin);
+        let admin = Signed {
+            session: admin,
+            csrf: admin_csrf.clone(),
+        };
+        assert!(refuse_form_with(&state_keys, &admin, Some(&admin_csrf)).is_none());
+        assert!(refuse_form_with(&state_keys, &admin, None).is_some());
+    }
+
+    #[test]
+    fn an_approvers_nav_shows_only_approvals() {
+        let frame =
+            |s: &Signed| views::page("t", &s.frame(Nav::Approvals), maud::html! {}).into_string();
+        let approver = frame(&signed(Principal::Approver("<alice>".into())));
+        assert!(approver.contains("href=\"/ui/approvals\""), "{approver}");
+        for other in [
+            "/ui/overview",
+            "/ui/operations",
+            "/ui/jobs",
+            "/ui/dead-letters",
+        ] {
+            assert!(
+                !approver.contains(&format!("href=\"{other}\"")),
+                "{other}: {approver}"
+            );
+        }
+        assert!(
+            approver.contains("approver <strong>&lt;alice&gt;</strong>"),
+            "{approver}"
+        );
+        assert!(approver.contains("action=\"/ui/logout\""), "{approver}");
+        let admin = frame(&signed(Principal::Admin));
+        for entry in [
+            "/ui/overview",
+            "/ui/approvals",
+            "/ui/operations",
+            "/ui/jobs",
+            "/ui/dead-letters",
+        ] {
+            assert!(
+                admin.contains(&format!("href=\"{entry}\"")),
+                "{entry}: {admin}"
+            );
+        }
+        let tenant = frame(&signed(Principal::Tenant("north".into())));
+        assert!(tenant.contains("href=\"/ui/approvals\"") && !tenant.contains("href=\"/ui/jobs\""));
+    }
 }

@@ -31,6 +31,9 @@ pub async fn list(
     Extension(signed): Extension<Signed>,
     Query(query): Query<BTreeMap<String, String>>,
 ) -> Response {
+    let Ok(tenant) = super::reads(&signed) else {
+        return super::approvers_elsewhere(&signed);
+    };
     let filter = match ConsoleFilter::parse(&query) {
         Ok(f) => f,
         Err(e) => {
@@ -45,7 +48,6 @@ pub async fn list(
             );
         }
     };
-    let tenant = signed.session.tenant();
     let search = filter.search(tenant);
     let ledger = &state.ctx.ledger;
     let results = if filter.groups {
@@ -397,9 +399,10 @@ async fn visible_operation(
             "There is no such operation.",
         )
     };
+    let tenant = super::reads(signed).map_err(|_| super::approvers_elsewhere(signed))?;
     let id: i64 = id.parse().map_err(|_| not_found())?;
     match state.ctx.ledger.get(id).await {
-        Ok(Some(op)) if signed.session.tenant().is_none_or(|t| t == op.tenant) => Ok(op),
+        Ok(Some(op)) if tenant.is_none_or(|t| t == op.tenant) => Ok(op),
         // Another tenant's operation is indistinguishable from a missing one.
         Ok(_) => Err(not_found()),
         Err(e) => Err(super::error_page(
@@ -463,6 +466,16 @@ async fn detail_page(
         }
     };
     let view = actions::OperationView::new(&op, Vec::new());
+    // The links both ways: the original this one undoes, the compensations of this one.
+    let ledger = &state.ctx.ledger;
+    let original = match &op.compensates {
+        Some(o) => ledger.find(&op.tenant, o).await.ok().flatten(),
+        None => None,
+    };
+    let compensations = ledger
+        .compensations_of(&op.tenant, &op.action_id)
+        .await
+        .unwrap_or_default();
     let now = Utc::now();
     let poll = last_poll(&op, now);
     let class = cause::classify(op.state().as_str(), op.evidence.as_deref());
@@ -510,6 +523,21 @@ async fn detail_page(
                         tr { th { "last poll" } td { span.poll { (p.headline()) } } }
                     }
                     (fact("verified by", op.verified_by.as_deref().map(visible).unwrap_or_else(|| "—".into())))
+                    @if let Some(o) = &op.compensates {
+                        tr { th { "compensates" } td {
+                            @match &original {
+                                Some(orig) => { a href=(format!("/ui/operations/{}", orig.id)) { (visible(o)) } " " (views::state_badge(orig.state().as_str())) }
+                                None => { (visible(o)) " (no longer in the ledger)" }
+                            }
+                        } }
+                    }
+                    @if !compensations.is_empty() {
+                        tr { th { "compensated by" } td {
+                            @for (id, action_id, st) in &compensations {
+                                a href=(format!("/ui/operations/{id}")) { (visible(action_id)) } " " (views::state_badge(st)) " "
+                            }
+                        } }
+                    }
                     (fact("call id", op.call_id.as_deref().map(visible).unwrap_or_else(|| "—".into())))
                     (fact("reply to", op.reply_to.as_deref().map(visible).unwrap_or_else(|| "—".into())))
                     (fact("fingerprint", op.fingerprint.clone()))
@@ -748,7 +776,7 @@ async fn run_action(
 }
 
 /// The status and the text of a refused action's page.
-fn refusal(e: &OpsError) -> (StatusCode, String) {
+pub(super) fn refusal(e: &OpsError) -> (StatusCode, String) {
     match e {
         OpsError::ReceiptMismatch(_) | OpsError::ToolNotConfigured(_) => {
             (StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
@@ -806,6 +834,7 @@ mod tests {
             poll_deadline: Some(now + Duration::seconds(3600)),
             verified_by: Some("dispatch".into()),
             send_deadline: None,
+            compensates: None,
         }
     }
 

@@ -1,7 +1,9 @@
-//! The overview: operations per state and tool, how many are unresolved and how old the
-//! oldest is, how many are past the alert age, and (admin) the dead-letter queue's depth and
-//! the workers heard from. A tenant's overview counts its own operations only and shows
-//! nothing of other tenants, the queue or the workers.
+//! The overview: the approval queue first when anything waits for a person (how many, the
+//! oldest wait; an approver's overview is only that), then operations per state and tool, how
+//! many are unresolved and how old the oldest is, how many are past the alert age, and (admin)
+//! the dead-letter queue's depth and the workers heard from. A tenant's overview counts its own
+//! operations and waiting intents only and shows nothing of other tenants, the queue or the
+//! workers.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -10,10 +12,12 @@ use axum::Extension;
 use maud::{html, Markup};
 
 use super::filter::{query_string, ConsoleFilter};
+use super::session::Reads;
 use super::views::{self, age, visible, Nav};
 use super::{html, Shared, Signed};
 use crate::ledger::queries::StateCount;
 use crate::ledger::workers::Heartbeat;
+use crate::ops::approvals::{self, MAX_AWAITING_LIMIT};
 
 /// Workers heard from within this long are listed.
 const WORKERS_WITHIN: std::time::Duration = std::time::Duration::from_secs(3_600);
@@ -22,7 +26,31 @@ const SILENT_SECS: f64 = 30.0;
 
 /// `GET /ui/overview`.
 pub async fn page(State(state): Shared, Extension(signed): Extension<Signed>) -> Response {
-    let tenant = signed.session.tenant();
+    // The approval queue first: every tenant's for the admin and approvers, a tenant's own.
+    let waiting = approvals::awaiting(
+        &state.ctx,
+        signed.session.approvals_of(),
+        Some(MAX_AWAITING_LIMIT),
+    )
+    .await;
+    let queue = html! {
+        @match &waiting {
+            Ok(w) => (super::approvals::overview_cards(w, signed.session.approver().is_some())),
+            Err(e) => (views::notice("error", &format!("The approval queue could not be read: {e}"))),
+        }
+    };
+    // An approver's overview is its queue: it reads no operation.
+    let tenant = match signed.session.reads() {
+        Reads::Nothing => {
+            let body = html! { h1 { "Overview" } (queue) };
+            return html(
+                StatusCode::OK,
+                views::page("Overview", &signed.frame(Nav::Overview), body),
+            );
+        }
+        Reads::Everything => None,
+        Reads::Tenant(t) => Some(t),
+    };
     let threshold = state.settings.alert_age.as_secs_f64();
     let counts = match state.ctx.ledger.state_counts(tenant, threshold).await {
         Ok(c) => c,
@@ -39,11 +67,13 @@ pub async fn page(State(state): Shared, Extension(signed): Extension<Signed>) ->
     } else {
         None
     };
-    let queue = state.broker.topology().dead_letter_queue.as_str();
+    let dead_letters = state.broker.topology().dead_letter_queue.as_str();
     let body = html! {
         h1 { "Overview" }
         @if let Some(t) = tenant { p { "Tenant " strong { (visible(t)) } " only." } }
-        (cards(&Totals::of(&counts), threshold, depth.as_ref(), queue, workers.as_deref()))
+        (queue)
+        @if waiting.as_ref().is_ok_and(|w| !w.is_empty()) { h2 { "Operations" } }
+        (cards(&Totals::of(&counts), threshold, depth.as_ref(), dead_letters, workers.as_deref()))
         @if let Some(Err(e)) = &depth {
             (views::notice("error", &format!("The dead-letter queue could not be read: {e}")))
         }

@@ -1,19 +1,20 @@
 //! Console sessions without server-side state: a signed cookie that every worker behind one
 //! address can check, and the CSRF tokens derived from it.
 //!
-//! The cookie is `hex(payload).hex(mac)`, the payload a small JSON object: who (`admin` or a
-//! tenant), the operator's name (admins), the expiry (unix seconds), a random session id and a
-//! fingerprint of the token the session was opened with; the MAC is HMAC-SHA256 under the
-//! console key. A cookie is accepted only when its MAC matches (constant time), it has not
-//! expired, its expiry is no further away than the session lifetime, and the token it was
-//! opened with is still the principal's token: rotating a tenant's token ends that tenant's
-//! sessions even with a fixed `WORKER_CONSOLE_SECRET`.
+//! The cookie is `hex(payload).hex(mac)`, the payload a small JSON object: who (`admin`,
+//! `tenant:<name>` or `approver:<name>`, the approver token's name), the operator's name
+//! (admins), the expiry (unix seconds), a random session id and a fingerprint of the token the
+//! session was opened with; the MAC is HMAC-SHA256 under the console key. A cookie is accepted
+//! only when its MAC matches (constant time), it has not expired, its expiry is no further away
+//! than the session lifetime, and the token it was opened with is still the principal's token:
+//! rotating a tenant's or an approver's token (or removing it) ends that principal's sessions
+//! even with a fixed `WORKER_CONSOLE_SECRET`.
 //!
 //! The key is SHA-256 of `WORKER_CONSOLE_SECRET` when set; otherwise it is derived from the
-//! admin and tenant tokens, so workers with the same tokens agree and rotating any token ends
-//! every session. The CSRF token of a session is HMAC(key, `csrf` + session id); the sign-in
-//! form's is HMAC(key, `login` + a nonce kept in a short-lived cookie), the nonce being the
-//! form's issue time and a random id, so the MAC covers the time: a form older than
+//! admin, tenant and approver tokens, so workers with the same tokens agree and rotating any
+//! token ends every session. The CSRF token of a session is HMAC(key, `csrf` + session id); the
+//! sign-in form's is HMAC(key, `login` + a nonce kept in a short-lived cookie), the nonce being
+//! the form's issue time and a random id, so the MAC covers the time: a form older than
 //! [`LOGIN_FORM_SECS`] is refused whatever its cookie says.
 //!
 //! The little server-side state there is lives in the ledger
@@ -77,24 +78,59 @@ pub struct Session {
     pub id: String,
 }
 
+/// What a session may read: every tenant's operations, dead letters and counts (the admin),
+/// one tenant's (a tenant), or none of them (an approver, who sees the approval queue only).
+/// Every page that reads operations asks this, so an approver never falls through to what the
+/// admin sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reads<'a> {
+    Everything,
+    Tenant(&'a str),
+    Nothing,
+}
+
 impl Session {
     pub fn is_admin(&self) -> bool {
         self.principal == Principal::Admin
     }
 
-    /// The tenant a tenant session is limited to.
+    /// The tenant of a tenant session (None for the admin and for an approver: never a read
+    /// filter on its own, see [`Session::reads`]).
     pub fn tenant(&self) -> Option<&str> {
         match &self.principal {
             Principal::Tenant(t) => Some(t),
-            Principal::Admin => None,
+            Principal::Admin | Principal::Approver(_) => None,
         }
+    }
+
+    /// The name of an approver session: recorded with each of its decisions.
+    pub fn approver(&self) -> Option<&str> {
+        match &self.principal {
+            Principal::Approver(a) => Some(a),
+            Principal::Admin | Principal::Tenant(_) => None,
+        }
+    }
+
+    /// Whose operations, dead letters and counts this session may read.
+    pub fn reads(&self) -> Reads<'_> {
+        match &self.principal {
+            Principal::Admin => Reads::Everything,
+            Principal::Tenant(t) => Reads::Tenant(t),
+            Principal::Approver(_) => Reads::Nothing,
+        }
+    }
+
+    /// The tenant whose intents waiting for approval this session sees: its own for a tenant,
+    /// None (every tenant's) for the admin and an approver.
+    pub fn approvals_of(&self) -> Option<&str> {
+        self.tenant()
     }
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Payload {
     v: u8,
-    /// `admin` or the tenant's name after `tenant:`.
+    /// `admin`, the tenant's name after `tenant:` or the approver's after `approver:`.
     p: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     o: Option<String>,
@@ -131,6 +167,14 @@ impl Keys {
                     h.update([0]);
                     h.update(token.as_bytes());
                 }
+                // Approvers after a marker of their own (none: the key of a worker without
+                // approvers is what it was before they existed).
+                for (name, token) in &tokens.approvers {
+                    h.update([1]);
+                    h.update(name.as_bytes());
+                    h.update([1]);
+                    h.update(token.as_bytes());
+                }
             }
         }
         Keys {
@@ -165,6 +209,7 @@ impl Keys {
             p: match &principal {
                 Principal::Admin => "admin".into(),
                 Principal::Tenant(t) => format!("tenant:{t}"),
+                Principal::Approver(a) => format!("approver:{a}"),
             },
             o: operator.clone(),
             e: now + lifetime_secs,
@@ -204,15 +249,7 @@ impl Keys {
         if p.e <= now || p.e > now + lifetime_secs {
             return Err(Refused::Expired);
         }
-        let principal = match p.p.as_str() {
-            "admin" => Principal::Admin,
-            other => Principal::Tenant(
-                other
-                    .strip_prefix("tenant:")
-                    .ok_or(Refused::Malformed)?
-                    .to_string(),
-            ),
-        };
+        let principal = parse_principal(&p.p).ok_or(Refused::Malformed)?;
         let token = tokens.token_of(&principal).ok_or(Refused::TokenChanged)?;
         if !same(&self.token_print(token), &p.k) {
             return Err(Refused::TokenChanged);
@@ -256,6 +293,22 @@ impl Keys {
             && issued <= now + 60
             && now - issued <= LOGIN_FORM_SECS
     }
+}
+
+/// The principal a payload names: `admin`, `tenant:<name>` or `approver:<name>` (a name never
+/// empty).
+fn parse_principal(p: &str) -> Option<Principal> {
+    if p == "admin" {
+        return Some(Principal::Admin);
+    }
+    let named = |prefix: &str| {
+        p.strip_prefix(prefix)
+            .filter(|n| !n.is_empty())
+            .map(str::to_string)
+    };
+    named("tenant:")
+        .map(Principal::Tenant)
+        .or_else(|| named("approver:").map(Principal::Approver))
 }
 
 /// The value of cookie `name` in a `Cookie` header.
@@ -420,6 +473,160 @@ mod tests {
             keys.verify(&north, 1, 60, &gone),
             Err(Refused::TokenChanged)
         );
+    }
+
+    fn with_alice() -> Tokens {
+        tokens().with_approvers(BTreeMap::from([(
+            "alice".to_string(),
+            "alice-approver-token-1234".to_string(),
+        )]))
+    }
+
+    #[test]
+    fn an_approver_session_round_trips_and_reads_nothing_but_the_approval_queue() {
+        let t = with_alice();
+        for secret in [None, Some("a-console-secret-of-32-characters!")] {
+            let keys = Keys::new(secret, &t);
+            let principal = t.identify("alice-approver-token-1234").unwrap();
+            assert_eq!(principal, Principal::Approver("alice".into()));
+            let (session, cookie) =
+                keys.issue(principal, None, "alice-approver-token-1234", 1_000, 3_600);
+            let back = keys.verify(&cookie, 1_001, 3_600, &t).unwrap();
+            assert_eq!(back, session);
+            assert_eq!(back.approver(), Some("alice"));
+            assert!(!back.is_admin());
+            assert_eq!(back.tenant(), None);
+            assert_eq!(back.reads(), Reads::Nothing);
+            assert_eq!(back.approvals_of(), None);
+            assert_ne!(keys.csrf(&back), "");
+        }
+        // The other principals' models.
+        let keys = Keys::new(None, &t);
+        let (admin, _) = keys.issue(
+            Principal::Admin,
+            Some("a".into()),
+            "admin-token-0123456789",
+            0,
+            60,
+        );
+        assert_eq!(
+            (admin.reads(), admin.approver(), admin.tenant()),
+            (Reads::Everything, None, None)
+        );
+        let (north, _) = keys.issue(
+            Principal::Tenant("north".into()),
+            None,
+            "north-token",
+            0,
+            60,
+        );
+        assert_eq!(
+            (north.reads(), north.approver(), north.approvals_of()),
+            (Reads::Tenant("north"), None, Some("north"))
+        );
+    }
+
+    #[test]
+    fn a_payload_names_one_principal_or_is_malformed() {
+        assert_eq!(parse_principal("admin"), Some(Principal::Admin));
+        assert_eq!(
+            parse_principal("tenant:north"),
+            Some(Principal::Tenant("north".into()))
+        );
+        assert_eq!(
+            parse_principal("approver:alice"),
+            Some(Principal::Approver("alice".into()))
+        );
+        // A tenant named like an approver stays a tenant.
+        assert_eq!(
+            parse_principal("tenant:approver:alice"),
+            Some(Principal::Tenant("approver:alice".into()))
+        );
+        for bad in [
+            "",
+            "approver:",
+            "tenant:",
+            "approver",
+            "Admin",
+            "operator:alice",
+        ] {
+            assert_eq!(parse_principal(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn rotating_or_removing_an_approver_token_ends_its_sessions() {
+        let t = with_alice();
+        let secret = "a-console-secret-of-32-characters!";
+        let keys = Keys::new(Some(secret), &t);
+        let (_, alice) = keys.issue(
+            Principal::Approver("alice".into()),
+            None,
+            "alice-approver-token-1234",
+            0,
+            60,
+        );
+        let (_, admin) = keys.issue(
+            Principal::Admin,
+            Some("a".into()),
+            "admin-token-0123456789",
+            0,
+            60,
+        );
+        let rotated = tokens().with_approvers(BTreeMap::from([(
+            "alice".to_string(),
+            "alice-approver-token-5678".to_string(),
+        )]));
+        let keys = Keys::new(Some(secret), &rotated);
+        assert_eq!(
+            keys.verify(&alice, 1, 60, &rotated),
+            Err(Refused::TokenChanged)
+        );
+        assert!(keys.verify(&admin, 1, 60, &rotated).is_ok());
+        let removed = tokens();
+        let keys = Keys::new(Some(secret), &removed);
+        assert_eq!(
+            keys.verify(&alice, 1, 60, &removed),
+            Err(Refused::TokenChanged)
+        );
+        // Alice's token given to bob: the session names alice, who has no token any more.
+        let renamed = tokens().with_approvers(BTreeMap::from([(
+            "bob".to_string(),
+            "alice-approver-token-1234".to_string(),
+        )]));
+        let keys = Keys::new(Some(secret), &renamed);
+        assert_eq!(
+            keys.verify(&alice, 1, 60, &renamed),
+            Err(Refused::TokenChanged)
+        );
+        // Without a secret, the key itself changes with the approvers' tokens.
+        let derived = Keys::new(None, &t)
+            .issue(
+                Principal::Approver("alice".into()),
+                None,
+                "alice-approver-token-1234",
+                0,
+                60,
+            )
+            .1;
+        assert_eq!(
+            Keys::new(None, &rotated).verify(&derived, 1, 60, &rotated),
+            Err(Refused::BadSignature)
+        );
+        // An approver name forged into a tenant's cookie breaks the MAC.
+        let keys = Keys::new(Some(secret), &t);
+        let (_, north) = keys.issue(
+            Principal::Tenant("north".into()),
+            None,
+            "north-token",
+            0,
+            60,
+        );
+        let (payload, mac) = north.split_once('.').unwrap();
+        let json = String::from_utf8(unhex(payload).unwrap()).unwrap();
+        let forged = json.replace("tenant:north", "approver:alice");
+        let forged = format!("{}.{mac}", hex(forged.as_bytes()));
+        assert_eq!(keys.verify(&forged, 1, 60, &t), Err(Refused::BadSignature));
     }
 
     #[test]

@@ -9,7 +9,7 @@
 use chrono::{DateTime, Utc};
 use maud::{html, Markup, DOCTYPE};
 
-use super::session::Session;
+use super::session::{Reads, Session};
 
 /// `s` with every control, bidirectional, zero-width or other default-ignorable character
 /// (other than newline and tab) written as `\xNN` or `\u{NNNN}`, so it shows as text
@@ -33,6 +33,76 @@ pub fn excerpt(s: &str, max: usize) -> String {
 /// characters that are not seen are written out as by [`visible`].
 pub fn json(value: &serde_json::Value) -> String {
     visible(&serde_json::to_string_pretty(value).unwrap_or_default())
+}
+
+/// A JSON text as stored, re-indented and otherwise untouched: numbers, string escapes, member
+/// order and any duplicate member stay exactly as they are (parsing it into a value and
+/// printing that again could round a huge number or merge duplicate members, and an approver
+/// must see what would be sent), then written as by [`visible`]. A text that is not JSON (or
+/// that serde cannot read) is shown as it is.
+pub fn json_exact(text: &str) -> String {
+    if serde_json::from_str::<serde::de::IgnoredAny>(text).is_err() {
+        return visible(text);
+    }
+    fn newline(out: &mut String, depth: usize) {
+        out.push('\n');
+        for _ in 0..depth {
+            out.push_str("  ");
+        }
+    }
+    let mut out = String::with_capacity(text.len() + text.len() / 2);
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if in_string {
+            out.push(c);
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match c {
+            '"' => {
+                in_string = true;
+                out.push(c);
+            }
+            '{' | '[' => {
+                // JSON's whitespace only: valid JSON has no other outside strings.
+                while chars
+                    .peek()
+                    .is_some_and(|c| matches!(c, ' ' | '\t' | '\n' | '\r'))
+                {
+                    chars.next();
+                }
+                let close = if c == '{' { '}' } else { ']' };
+                out.push(c);
+                if chars.peek() == Some(&close) {
+                    chars.next();
+                    out.push(close);
+                } else {
+                    depth += 1;
+                    newline(&mut out, depth);
+                }
+            }
+            '}' | ']' => {
+                depth = depth.saturating_sub(1);
+                newline(&mut out, depth);
+                out.push(c);
+            }
+            ',' => {
+                out.push(',');
+                newline(&mut out, depth);
+            }
+            ':' => out.push_str(": "),
+            ' ' | '\t' | '\n' | '\r' => {}
+            c => out.push(c),
+        }
+    }
+    visible(&out)
 }
 
 /// A time in UTC, to the second.
@@ -67,6 +137,7 @@ pub fn age_of(t: DateTime<Utc>) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Nav {
     Overview,
+    Approvals,
     Operations,
     Jobs,
     DeadLetters,
@@ -107,17 +178,27 @@ pub fn page(title: &str, frame: &Frame<'_>, body: Markup) -> Markup {
                     span.brand { "intent worker" }
                     @if let Some(session) = frame.session {
                         nav {
-                            (entry(Nav::Overview, "/ui/overview", "Overview"))
-                            (entry(Nav::Operations, "/ui/operations", "Operations"))
-                            @if session.is_admin() {
-                                (entry(Nav::Jobs, "/ui/jobs", "Bulk jobs"))
+                            @match session.reads() {
+                                // An approver's console is the approval queue, nothing else.
+                                Reads::Nothing => {
+                                    (entry(Nav::Approvals, "/ui/approvals", "Approvals"))
+                                }
+                                reads => {
+                                    (entry(Nav::Overview, "/ui/overview", "Overview"))
+                                    (entry(Nav::Approvals, "/ui/approvals", "Approvals"))
+                                    (entry(Nav::Operations, "/ui/operations", "Operations"))
+                                    @if reads == Reads::Everything {
+                                        (entry(Nav::Jobs, "/ui/jobs", "Bulk jobs"))
+                                    }
+                                    (entry(Nav::DeadLetters, "/ui/dead-letters", "Dead letters"))
+                                }
                             }
-                            (entry(Nav::DeadLetters, "/ui/dead-letters", "Dead letters"))
                         }
                         span.who {
-                            @match session.tenant() {
-                                Some(t) => { "tenant " strong { (visible(t)) } " (read-only)" }
-                                None => { "admin " strong { (visible(session.operator.as_deref().unwrap_or("?"))) } }
+                            @match (session.reads(), session.approver()) {
+                                (Reads::Tenant(t), _) => { "tenant " strong { (visible(t)) } " (read-only)" }
+                                (_, Some(a)) => { "approver " strong { (visible(a)) } }
+                                _ => { "admin " strong { (visible(session.operator.as_deref().unwrap_or("?"))) } }
                             }
                         }
                         form.signout method="post" action="/ui/logout" {
@@ -189,6 +270,46 @@ mod tests {
         }
         let markup = html! { (visible(hostile[0])) }.into_string();
         assert_eq!(markup, "&lt;script&gt;alert(1)&lt;/script&gt;");
+    }
+
+    #[test]
+    fn stored_json_is_shown_exactly_and_as_text() {
+        // A number no f64 holds keeps its spelling.
+        assert_eq!(
+            json_exact("{\"amount\":1e400}"),
+            "{\n  \"amount\": 1e400\n}"
+        );
+        let stored = concat!(
+            r#"{"amount":123456789012345678901234567890,"a":{},"b":[ ],"#,
+            r#""s":"<script>\"x\",{y}:</script>\u0000","n":[1,{"k":-0.0}],"s":1,"#,
+            "\"rtl\":\"\u{202e}evil\"}"
+        );
+        let want = concat!(
+            "{\n",
+            "  \"amount\": 123456789012345678901234567890,\n",
+            "  \"a\": {},\n",
+            "  \"b\": [],\n",
+            "  \"s\": \"<script>\\\"x\\\",{y}:</script>\\u0000\",\n",
+            "  \"n\": [\n",
+            "    1,\n",
+            "    {\n",
+            "      \"k\": -0.0\n",
+            "    }\n",
+            "  ],\n",
+            "  \"s\": 1,\n",
+            "  \"rtl\": \"\\u{202e}evil\"\n",
+            "}"
+        );
+        assert_eq!(json_exact(stored), want);
+        // Rendered, it is text.
+        let markup = html! { pre { (json_exact(stored)) } }.into_string();
+        assert!(
+            markup.contains("&lt;script&gt;") && !markup.contains("<script>"),
+            "{markup}"
+        );
+        assert!(!markup.contains('\u{202e}'), "{markup}");
+        assert_eq!(json_exact("not json <b>"), "not json <b>");
+        assert_eq!(json_exact("\"a\u{1b}\""), "\"a\\x1b\"");
     }
 
     #[test]

@@ -382,6 +382,8 @@ mod tests {
             headers: BTreeMap::new(),
             completion: Default::default(),
             absence_proof: None,
+            approval: None,
+            compensation_for: Vec::new(),
         }
     }
 
@@ -428,6 +430,7 @@ mod tests {
             poll_deadline: None,
             verified_by: None,
             send_deadline: None,
+            compensates: None,
         }
     }
 

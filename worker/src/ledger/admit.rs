@@ -20,6 +20,9 @@ pub struct NewOperation {
     pub reply_to: Option<String>,
     /// The intent's trace context (stored with the row; later spans link to it).
     pub trace: Option<protocol::trace::TraceContext>,
+    /// On a compensation: the action_id of the original it undoes (admitted by
+    /// [`Ledger::admit_compensation`], never by the batch statements here).
+    pub compensates: Option<String>,
 }
 
 /// The row an intent landed on.
@@ -92,7 +95,7 @@ impl Ledger {
     /// join) before it looks any key up: a batch of new intents makes no index lookups there,
     /// instead of one per intent that could only find nothing (about 2.5 µs of Postgres CPU
     /// per intent).
-    async fn admit_with<'q>(
+    pub(super) async fn admit_with<'q>(
         &self,
         intents: &[&'q NewOperation],
         columns: &str,

@@ -16,8 +16,10 @@
 //! [`primary`] keeps the pool on the primary among the URL's hosts through failovers.
 
 mod admit;
+pub mod approval;
 pub mod cause;
 mod claim;
+pub mod compensation;
 mod complete;
 pub mod console;
 pub mod dead_letters;
@@ -119,6 +121,8 @@ pub struct Operation {
     /// The deadline the last write request carried (a tool with `absence_proof`), on the
     /// database clock; the downstream refuses a request that reaches its commit point later.
     pub send_deadline: Option<DateTime<Utc>>,
+    /// On a compensation: the action_id (same tenant) of the original it undoes.
+    pub compensates: Option<String>,
 }
 
 /// A state read from the database.
@@ -157,12 +161,12 @@ pub(crate) const OPERATION_COLUMNS: &str = "id, tenant, action_id, tool, fingerp
      reply_to, state, fence, lease_owner, lease_until, attempts, recovery_attempts, next_attempt_at, \
      first_dispatch_at, replay_deadline, receipt, receipt_id, evidence, last_reported, created_at, \
      updated_at, state_since, swept_at, traceparent, tracestate, remote_id, acceptance, poll_deadline, \
-     verified_by, send_deadline";
+     verified_by, send_deadline, compensates";
 
 /// How many columns `OPERATION_COLUMNS` names: one per field of [`Operation`].
-const OPERATION_FIELDS: usize = 32;
+const OPERATION_FIELDS: usize = 33;
 // [`OperationDecoder`] keeps a bit per field.
-const _: () = assert!(OPERATION_FIELDS <= u32::BITS as usize);
+const _: () = assert!(OPERATION_FIELDS <= u64::BITS as usize);
 
 /// The names in `OPERATION_COLUMNS`, in order.
 static OPERATION_COLUMN_NAMES: std::sync::LazyLock<Vec<&'static str>> =
@@ -184,12 +188,21 @@ impl<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> for Operation {
 /// the positions once, and checks each column's type against its field once, at the first
 /// value that is not NULL, as `Row::try_get` does on every call (about a fifth of the
 /// decoding). A row with another column list starts over.
-#[derive(Default)]
 pub struct OperationDecoder<'r> {
     columns: Option<&'r [sqlx::postgres::PgColumn]>,
     at: [usize; OPERATION_FIELDS],
     /// Bit `i`: column `at[i]`'s type was checked against field `i`.
-    checked: u32,
+    checked: u64,
+}
+
+impl Default for OperationDecoder<'_> {
+    fn default() -> Self {
+        OperationDecoder {
+            columns: None,
+            at: [0; OPERATION_FIELDS],
+            checked: 0,
+        }
+    }
 }
 
 impl<'r> OperationDecoder<'r> {
@@ -233,7 +246,7 @@ fn column<'r, T>(
     row: &'r sqlx::postgres::PgRow,
     at: usize,
     field: usize,
-    checked: &mut u32,
+    checked: &mut u64,
 ) -> Result<T, sqlx::Error>
 where
     T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
@@ -259,7 +272,7 @@ where
 fn decode_operation(
     row: &sqlx::postgres::PgRow,
     at: &[usize; OPERATION_FIELDS],
-    checked: &mut u32,
+    checked: &mut u64,
 ) -> Result<Operation, sqlx::Error> {
     let names = &*OPERATION_COLUMN_NAMES;
     // `col!(i)`: column `i` of OPERATION_COLUMNS, which must be the field being set.
@@ -307,6 +320,7 @@ fn decode_operation(
         poll_deadline: col!(29),
         verified_by: col!(30),
         send_deadline: col!(31),
+        compensates: col!(32),
     })
 }
 
@@ -358,6 +372,8 @@ static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> = std::sync::LazyL
         "0017_accepted_operations.sql",
         "0018_documents_as_sent.sql",
         "0019_request_deadlines.sql",
+        "0020_approvals.sql",
+        "0021_compensations.sql",
     )
 });
 
@@ -485,16 +501,13 @@ mod tests {
             kit::schema::unlisted(&dir, &MIGRATOR).unwrap(),
             Vec::<String>::new()
         );
-        assert_eq!(MIGRATOR.iter().count(), 19);
+        assert_eq!(MIGRATOR.iter().count(), 21);
     }
 
     #[test]
     fn every_operation_column_has_its_field() {
         assert_eq!(OPERATION_COLUMN_NAMES.len(), OPERATION_FIELDS);
         assert_eq!(OPERATION_COLUMN_NAMES[8], "state");
-        assert_eq!(
-            OPERATION_COLUMN_NAMES[OPERATION_FIELDS - 1],
-            "send_deadline"
-        );
+        assert_eq!(OPERATION_COLUMN_NAMES[OPERATION_FIELDS - 1], "compensates");
     }
 }

@@ -50,6 +50,13 @@ pub enum OperatorChange {
         held_recovery_attempts: i32,
         poll_deadline_secs: Option<f64>,
     },
+    /// One more distinct approver of an `awaiting_approval` row whose fingerprint is
+    /// `fingerprint` (the arguments the approver saw), before its wait ended; the last approval
+    /// needed makes it `prepared`, due now: the recovery scheduler claims it under a fence and
+    /// dispatches it as any first dispatch.
+    Approve { fingerprint: String },
+    /// An `awaiting_approval` row whose fingerprint is `fingerprint` -> `failed`, never sent.
+    Reject { fingerprint: String },
 }
 
 impl OperatorChange {
@@ -58,6 +65,8 @@ impl OperatorChange {
             OperatorChange::Resolve { .. } => "resolve",
             OperatorChange::Fail { .. } => "fail",
             OperatorChange::Recheck { .. } => "recheck",
+            OperatorChange::Approve { .. } => "approve",
+            OperatorChange::Reject { .. } => "reject",
         }
     }
 }
@@ -137,7 +146,8 @@ impl Ledger {
             .replace("acceptance,", "NULL::json AS acceptance,");
         let sql = format!(
             "SELECT {columns} FROM operations
-             WHERE state IN ('dispatching', 'retry_wait', 'unknown', 'held', 'accepted')
+             WHERE state IN ('dispatching', 'retry_wait', 'unknown', 'held', 'accepted',
+                            'awaiting_approval')
                AND state = ANY($1)
                AND ($2::text IS NULL OR tool = $2)
                AND ($3::float8 IS NULL OR created_at <= now() - make_interval(secs => $3))
@@ -235,7 +245,10 @@ impl Ledger {
                 Some(answers::succeeded_by_operator(&op, receipt_id))
             }
             OperatorChange::Fail { .. } => Some(answers::failed(&op)),
-            OperatorChange::Recheck { .. } => None,
+            OperatorChange::Recheck { .. } | OperatorChange::Approve { .. } => None,
+            OperatorChange::Reject { .. } => {
+                Some(answers::not_approved(&op, answers::NotApproved::Rejected))
+            }
         };
         if let Some(event) = event {
             // The operator's span (current here) decided it, when spans are recorded.
@@ -403,6 +416,53 @@ async fn transition(
                 .bind(&evidence)
                 .bind(*held_recovery_attempts)
                 .bind(*poll_deadline_secs)
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+        OperatorChange::Approve { fingerprint } => {
+            // The approver is counted on the row itself, so two approvals at once serialize on
+            // its lock and the second sees the first (a count read from another table would
+            // see the snapshot taken before the wait). The state predicate, the fingerprint, the
+            // wait and "not this person again" are all checked on the row this statement
+            // changes.
+            let sql = format!(
+                "UPDATE operations SET
+                        approved_by = coalesce(approved_by, '{{}}') || $4::text,
+                        state = CASE WHEN cardinality(coalesce(approved_by, '{{}}')) + 1
+                                          >= approvals_needed
+                                     THEN 'prepared' ELSE 'awaiting_approval' END,
+                        next_attempt_at = CASE WHEN cardinality(coalesce(approved_by, '{{}}')) + 1
+                                                    >= approvals_needed
+                                               THEN now() ELSE next_attempt_at END,
+                        evidence = $3 || ' (' || cardinality(coalesce(approved_by, '{{}}')) + 1
+                                   || ' of ' || approvals_needed || ')',
+                        changed_by = $2
+                 WHERE id = $1 AND state = 'awaiting_approval' AND fingerprint = $5
+                   AND next_attempt_at > now()
+                   AND NOT ($4 = ANY(coalesce(approved_by, '{{}}')))
+                 RETURNING {returning}"
+            );
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(operation_id)
+                .bind(&actor)
+                .bind(&evidence)
+                .bind(&request.operator)
+                .bind(fingerprint)
+                .fetch_optional(&mut *conn)
+                .await?
+        }
+        OperatorChange::Reject { fingerprint } => {
+            let sql = format!(
+                "UPDATE operations SET state = 'failed', evidence = $3, changed_by = $2,
+                        next_attempt_at = NULL, last_reported = 'failed', verified_by = $2
+                 WHERE id = $1 AND state = 'awaiting_approval' AND fingerprint = $4
+                 RETURNING {returning}"
+            );
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(operation_id)
+                .bind(&actor)
+                .bind(&evidence)
+                .bind(fingerprint)
                 .fetch_optional(&mut *conn)
                 .await?
         }

@@ -123,7 +123,7 @@ impl Ledger {
             "SELECT tool, state, count(*) AS count,
                     extract(epoch FROM now() - min(created_at))::float8 AS oldest_age_secs
              FROM operations
-             WHERE state IN ('retry_wait', 'unknown', 'held', 'accepted')
+             WHERE state IN ('retry_wait', 'unknown', 'held', 'accepted', 'awaiting_approval')
                 OR (state = 'dispatching' AND lease_until < now())
              GROUP BY tool, state",
         )
@@ -200,7 +200,8 @@ pub const MAX_GROUPED_ROWS: i64 = 100_000;
 fn search_predicate(unresolved_only: bool) -> String {
     // The literal list lets the planner use the partial index of unresolved rows.
     let unresolved = if unresolved_only {
-        "state IN ('dispatching', 'retry_wait', 'unknown', 'held', 'accepted') AND "
+        "state IN ('dispatching', 'retry_wait', 'unknown', 'held', 'accepted', \
+         'awaiting_approval') AND "
     } else {
         ""
     };
@@ -366,7 +367,7 @@ impl Ledger {
         Ok(sqlx::query_as(
             "WITH rows AS (
                  SELECT state, tool, created_at,
-                        state IN ('retry_wait', 'unknown', 'held', 'accepted')
+                        state IN ('retry_wait', 'unknown', 'held', 'accepted', 'awaiting_approval')
                         OR (state = 'dispatching' AND lease_until < now()) AS open
                  FROM operations WHERE $1::text IS NULL OR tenant = $1)
              SELECT state, tool, count(*) AS count,

@@ -18,6 +18,10 @@ pub enum State {
     /// The downstream acknowledged the write with an operation id (a long-running operation):
     /// its status URL is polled, read only, until it is done, failed, or past its deadline.
     Accepted,
+    /// The tool asks a person to approve this exact intent (its fingerprint) first: recorded,
+    /// never sent from here. The last approval needed makes it `prepared` and due; a rejection,
+    /// or the end of the wait (`next_attempt_at`), makes it `failed`.
+    AwaitingApproval,
     /// Receipt stored; final.
     Succeeded,
     /// The downstream proved it did not and will not apply; final.
@@ -25,24 +29,26 @@ pub enum State {
 }
 
 impl State {
-    pub const ALL: [State; 8] = [
+    pub const ALL: [State; 9] = [
         State::Prepared,
         State::Dispatching,
         State::RetryWait,
         State::Unknown,
         State::Held,
         State::Accepted,
+        State::AwaitingApproval,
         State::Succeeded,
         State::Failed,
     ];
 
     /// States whose age the hold-age gauge reports.
-    pub const UNRESOLVED: [State; 5] = [
+    pub const UNRESOLVED: [State; 6] = [
         State::Dispatching,
         State::RetryWait,
         State::Unknown,
         State::Held,
         State::Accepted,
+        State::AwaitingApproval,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -53,6 +59,7 @@ impl State {
             State::Unknown => "unknown",
             State::Held => "held",
             State::Accepted => "accepted",
+            State::AwaitingApproval => "awaiting_approval",
             State::Succeeded => "succeeded",
             State::Failed => "failed",
         }

@@ -28,10 +28,10 @@ pub const MAX_LIMIT: i64 = 500;
 pub const MAX_OLDER_THAN_SECS: u64 = 3_153_600_000;
 /// Shortest evidence accepted for marking an operation failed.
 pub const MIN_EVIDENCE_CHARS: usize = 10;
-const MAX_NAME_CHARS: usize = 100;
+pub(super) const MAX_NAME_CHARS: usize = 100;
 /// Longest operator name (the console's sign-in form allows the same).
 pub const MAX_OPERATOR_CHARS: usize = MAX_NAME_CHARS;
-const MAX_REQUEST_ID_CHARS: usize = 200;
+pub(super) const MAX_REQUEST_ID_CHARS: usize = 200;
 const MAX_TEXT_CHARS: usize = 4000;
 
 /// Why an operator action or query did not happen.
@@ -106,7 +106,18 @@ pub struct OperationView {
     /// How the final answer (or the acceptance) is known: `dispatch`, `replay`, `lookup`,
     /// `poll`, `late_receipt` or `operator:<name>`.
     pub verified_by: Option<String>,
+    /// On a compensation: the action_id of the original it undoes.
+    pub compensates: Option<String>,
+    /// The compensations of this action, oldest first (a failed one does not count as live).
+    pub compensations: Vec<CompensationLink>,
     pub history: Vec<HistoryView>,
+}
+
+/// A compensation of an operation, as its detail view links it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CompensationLink {
+    pub action_id: String,
+    pub state: String,
 }
 
 /// `WORKER_TRACE_URL`: the trace viewer's address for one trace, with `{trace_id}`.
@@ -159,6 +170,8 @@ impl OperationView {
             acceptance: op.acceptance.clone(),
             poll_deadline: op.poll_deadline,
             send_deadline: op.send_deadline,
+            compensates: op.compensates.clone(),
+            compensations: Vec::new(),
             verified_by: op.verified_by.clone(),
             history,
         }
@@ -302,7 +315,7 @@ pub struct ActionResponse {
     pub repeated: bool,
 }
 
-fn bad(msg: impl Into<String>) -> OpsError {
+pub(super) fn bad(msg: impl Into<String>) -> OpsError {
     OpsError::BadRequest(msg.into())
 }
 
@@ -323,7 +336,7 @@ fn required_text(field: &str, value: Option<String>, max: usize) -> Result<Strin
     Ok(value.to_string())
 }
 
-fn name(field: &str, value: Option<String>, max: usize) -> Result<String, OpsError> {
+pub(super) fn name(field: &str, value: Option<String>, max: usize) -> Result<String, OpsError> {
     let value = required_text(field, value, max)?;
     unseen_characters(field, &value).map_err(bad)?;
     Ok(value)
@@ -388,7 +401,7 @@ fn parse_states(raw: Option<&str>) -> Result<Vec<State>, OpsError> {
             Some(_) => {}
             None => {
                 return Err(bad(format!(
-                    "state {part:?} is not an unresolved state: expected dispatching, retry_wait, unknown, held or accepted"
+                    "state {part:?} is not an unresolved state: expected dispatching, retry_wait, unknown, held, accepted or awaiting_approval"
                 )))
             }
         }
@@ -396,7 +409,8 @@ fn parse_states(raw: Option<&str>) -> Result<Vec<State>, OpsError> {
     Ok(states)
 }
 
-/// Unresolved operations (dispatching, retry_wait, unknown, held), oldest id first, one page.
+/// Unresolved operations (dispatching, retry_wait, unknown, held, accepted, awaiting_approval),
+/// oldest id first, one page.
 pub async fn list(ledger: &Ledger, params: ListParams) -> Result<ListPage, OpsError> {
     let states = parse_states(params.state.as_deref())?;
     let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
@@ -436,7 +450,11 @@ pub async fn list(ledger: &Ledger, params: ListParams) -> Result<ListPage, OpsEr
     })
 }
 
-async fn find(ledger: &Ledger, tenant: &str, action_id: &str) -> Result<Operation, OpsError> {
+pub(super) async fn find(
+    ledger: &Ledger,
+    tenant: &str,
+    action_id: &str,
+) -> Result<Operation, OpsError> {
     // Postgres text cannot hold NUL, so no such operation exists (and asking would fail).
     if tenant.contains('\0') || action_id.contains('\0') {
         return Err(OpsError::NotFound {
@@ -461,7 +479,21 @@ pub async fn show(
 ) -> Result<OperationView, OpsError> {
     let op = find(ledger, tenant, action_id).await?;
     let history = ledger.history(op.id).await?;
-    Ok(OperationView::new(&op, history))
+    with_links(ledger, OperationView::new(&op, history)).await
+}
+
+/// The view with its compensations linked (read beside the row: most actions have none).
+pub async fn with_links(
+    ledger: &Ledger,
+    mut view: OperationView,
+) -> Result<OperationView, OpsError> {
+    view.compensations = ledger
+        .compensations_of(&view.tenant, &view.action_id)
+        .await?
+        .into_iter()
+        .map(|(_, action_id, state)| CompensationLink { action_id, state })
+        .collect();
+    Ok(view)
 }
 
 /// The status query's answer: the result event the operation answers with now (the same shape
@@ -486,7 +518,16 @@ pub async fn status(
     with_operation: bool,
 ) -> Result<StatusAnswer, OpsError> {
     let op = find(ledger, tenant, action_id).await?;
-    let event = stored_result(&op).event;
+    let mut event = stored_result(&op).event;
+    // An original whose compensation succeeded says so, as its agent was told.
+    if event.status == protocol::Status::Succeeded {
+        event.compensated_by = ledger
+            .compensations_of(tenant, action_id)
+            .await?
+            .into_iter()
+            .find(|(_, _, state)| state == "succeeded")
+            .map(|(_, by, _)| by);
+    }
     let serde_json::Value::Object(mut fields) =
         serde_json::to_value(&event).expect("result events serialize")
     else {
@@ -504,7 +545,13 @@ pub async fn status(
     }
     fields.insert("trace_id".into(), trace_id.into());
     let operation = match with_operation {
-        true => Some(OperationView::new(&op, ledger.history(op.id).await?)),
+        true => Some(
+            with_links(
+                ledger,
+                OperationView::new(&op, ledger.history(op.id).await?),
+            )
+            .await?,
+        ),
         false => None,
     };
     Ok(StatusAnswer {
@@ -527,12 +574,12 @@ fn receipt_request(op: &Operation) -> Request {
     }
 }
 
-fn respond(op: &Operation, history: Vec<HistoryEntry>) -> serde_json::Value {
+pub(super) fn respond(op: &Operation, history: Vec<HistoryEntry>) -> serde_json::Value {
     OperationView::new(op, history).to_json()
 }
 
 /// Maps what the ledger did to the caller's answer.
-fn answer(
+pub(super) fn answer(
     outcome: OperatorOutcome,
     action: &str,
     allowed: &str,
@@ -576,7 +623,7 @@ fn answer(
     }
 }
 
-fn log_applied(op: &Operation, action: &str, request: &OperatorRequest) {
+pub(super) fn log_applied(op: &Operation, action: &str, request: &OperatorRequest) {
     crate::telemetry::metrics::transitions(op.state()).increment(1);
     tracing::info!(
         tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool, state = %op.state(),

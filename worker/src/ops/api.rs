@@ -44,6 +44,7 @@ use axum::{Extension, Json, Router};
 use serde::de::DeserializeOwned;
 
 use super::actions::{self, ActionResponse, ListParams, OpsError};
+use super::approvals;
 use super::callback;
 use crate::config::auth::{Principal, Tokens};
 use crate::context::Context;
@@ -93,6 +94,16 @@ impl AdminApi {
         }
     }
 
+    /// Accepts these approvers' tokens (name -> token) on the approval routes. Call before the
+    /// API is served.
+    pub fn with_approvers(mut self, approvers: BTreeMap<String, String>) -> AdminApi {
+        match Arc::get_mut(&mut self.state) {
+            Some(state) => state.tokens = state.tokens.clone().with_approvers(approvers),
+            None => unreachable!("approvers are set before the API is shared"),
+        }
+        self
+    }
+
     /// The failure budget of wrong tokens on this listener, for the console's sign-in to share.
     pub fn budget(&self) -> Arc<FailureBudget> {
         self.state.budget.clone()
@@ -129,6 +140,10 @@ impl AdminApi {
                 "/v1/operations/{tenant}/{action_id}/recheck",
                 post(recheck).route_layer(admin()),
             )
+            // Approver tokens here only; every token may list what waits (a tenant its own).
+            .route("/v1/approvals", get(awaiting))
+            .route("/v1/operations/{tenant}/{action_id}/approve", post(approve))
+            .route("/v1/operations/{tenant}/{action_id}/reject", post(reject))
             // Every route (not the 404 fallback): who is calling is settled before any
             // extractor, so the body of an unauthenticated request is never read.
             .route_layer(middleware::from_fn_with_state(
@@ -293,6 +308,14 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 /// (not a guess), a spent budget 429 before the token is compared, a wrong token 401 and
 /// logged, its failure kept spent (a good one gives it back).
 fn authenticate(state: &ApiState, request: &Request) -> Result<Principal, Box<Response>> {
+    authenticate_with(state, request, |presented| state.tokens.identify(presented))
+}
+
+fn authenticate_with<T>(
+    state: &ApiState,
+    request: &Request,
+    identify: impl Fn(&str) -> Option<T>,
+) -> Result<T, Box<Response>> {
     let Some(presented) = bearer(request.headers()) else {
         return Err(Box::new(
             ApiError::unauthorized("missing bearer token (Authorization: Bearer …)")
@@ -308,7 +331,7 @@ fn authenticate(state: &ApiState, request: &Request) -> Result<Principal, Box<Re
         .budget
         .admit(client)
         .map_err(|r| Box::new(ApiError::too_many(r)))?;
-    match state.tokens.identify(presented) {
+    match identify(presented) {
         Some(principal) => {
             state.budget.forgive(client);
             Ok(principal)
@@ -379,10 +402,20 @@ async fn admin_only(request: Request, next: Next) -> Response {
             "a tenant token may only read its own operations' status",
         )
         .into_response(),
+        Some(Principal::Approver(_)) => approver_elsewhere().into_response(),
         None => {
             ApiError::unauthorized("missing bearer token (Authorization: Bearer …)").into_response()
         }
     }
+}
+
+/// An approver token on a route that is not an approval route.
+fn approver_elsewhere() -> ApiError {
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        "forbidden",
+        "an approver token may only list, approve and reject intents that wait for approval",
+    )
 }
 
 /// The request body, or its rejection in the JSON error shape (413 over the size cap).
@@ -449,6 +482,7 @@ async fn status(
         // Another tenant's operation is indistinguishable from a missing one.
         Principal::Tenant(own) if own == tenant => false,
         Principal::Tenant(_) => return Err(ApiError::not_found()),
+        Principal::Approver(_) => return Err(approver_elsewhere()),
     };
     let body = actions::status(&state.ctx.ledger, &tenant, &action_id, with_operation).await?;
     Ok(Json(body).into_response())
@@ -481,6 +515,96 @@ async fn recheck(
 ) -> Result<Response, ApiError> {
     let input = parse_body(body)?;
     let r = actions::recheck(&state.ctx, &tenant, &action_id, input).await?;
+    Ok(action_reply(r))
+}
+
+/// Query of `GET /v1/approvals`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AwaitingParams {
+    tenant: Option<String>,
+    limit: Option<i64>,
+}
+
+/// The intents waiting for approval: every tenant's for an approver or the admin token, its
+/// own for a tenant token (another tenant asked for is an empty list, as if none waited).
+async fn awaiting(
+    AxumState(state): Shared,
+    Extension(caller): Extension<Principal>,
+    query: Result<Query<AwaitingParams>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(params) = query.map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("invalid query: {}", e.body_text()),
+        )
+    })?;
+    let tenant = match &caller {
+        Principal::Tenant(own) => {
+            if params.tenant.as_ref().is_some_and(|t| t != own) {
+                return Ok(Json(serde_json::json!({ "items": [] })).into_response());
+            }
+            Some(own.clone())
+        }
+        _ => params.tenant,
+    };
+    let items = approvals::awaiting(&state.ctx, tenant.as_deref(), params.limit).await?;
+    Ok(Json(serde_json::json!({ "items": items })).into_response())
+}
+
+async fn approve(
+    state: Shared,
+    caller: Extension<Principal>,
+    path: Path<(String, String)>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    decide(state, caller, path, body, approvals::Decision::Approve).await
+}
+
+async fn reject(
+    state: Shared,
+    caller: Extension<Principal>,
+    path: Path<(String, String)>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    decide(state, caller, path, body, approvals::Decision::Reject).await
+}
+
+/// Approve or reject: an approver token only, whose name is the decider's (a name in the body
+/// is refused); the body names the fingerprint the approver was shown.
+async fn decide(
+    AxumState(state): Shared,
+    Extension(caller): Extension<Principal>,
+    Path((tenant, action_id)): Path<(String, String)>,
+    body: Result<Bytes, BytesRejection>,
+    decision: approvals::Decision,
+) -> Result<Response, ApiError> {
+    let Principal::Approver(name) = caller else {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "approving or rejecting takes an approver token (WORKER_APPROVER_TOKENS): the decision is recorded under the token's name",
+        ));
+    };
+    let mut input: approvals::DecisionInput = parse_body(body)?;
+    if input.operator.is_some() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            "operator is the approver token's name; leave it out of the body",
+        ));
+    }
+    input.operator = Some(name);
+    let r = approvals::decide(
+        &state.ctx,
+        &tenant,
+        &action_id,
+        decision,
+        input,
+        approvals::Fingerprint::Required,
+    )
+    .await?;
     Ok(action_reply(r))
 }
 

@@ -13,6 +13,7 @@ use super::actions::{
     self, ActionResponse, FailInput, ListParams, OperationSummary, OperationView, RecheckInput,
     ResolveInput,
 };
+use super::approvals::{Decision, DecisionInput, Fingerprint};
 use super::dead_letters::{
     self as dl, Action, DeadLetterFilter, StepOutcome, StepReport, StepRequest,
 };
@@ -23,7 +24,8 @@ use crate::ledger::Ledger;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum OpsCommand {
-    /// List unresolved operations (dispatching, retry_wait, unknown, held), oldest id first.
+    /// List unresolved operations (dispatching, retry_wait, unknown, held, accepted,
+    /// awaiting_approval), oldest id first.
     List(ListArgs),
     /// Show one operation with its history (JSON).
     Show { tenant: String, action_id: String },
@@ -33,6 +35,11 @@ pub enum OpsCommand {
     Fail(FailArgs),
     /// Run one recovery round now (a held operation gets exactly one more round).
     Recheck(RecheckArgs),
+    /// Approve an intent that waits for approval (awaiting_approval): the last approval its
+    /// tool needs sends it. Prints the arguments approved.
+    Approve(DecisionArgs),
+    /// Reject an intent that waits for approval: it fails, never sent.
+    Reject(DecisionArgs),
     /// The dead-letter queue: list its messages, republish them after a fix, or discard them
     /// (needs AMQP_URL; every republish and discard is audited in the ledger).
     #[command(subcommand)]
@@ -98,7 +105,8 @@ pub struct DeadLetterStepArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct ListArgs {
-    /// Only this state (dispatching, retry_wait, unknown, held); repeat or comma-separate.
+    /// Only this state (dispatching, retry_wait, unknown, held, accepted, awaiting_approval);
+    /// repeat or comma-separate.
     #[arg(long, value_delimiter = ',')]
     pub state: Vec<String>,
     /// Only this tool.
@@ -179,6 +187,27 @@ pub struct RecheckArgs {
     pub json: bool,
 }
 
+#[derive(Debug, clap::Args)]
+pub struct DecisionArgs {
+    pub tenant: String,
+    pub action_id: String,
+    /// Who decides (recorded in the history; the same name cannot approve one intent twice).
+    #[arg(long)]
+    pub operator: String,
+    /// Why (recorded in the history).
+    #[arg(long)]
+    pub reason: String,
+    /// The fingerprint of the arguments you checked (`worker ops show`); default the stored one.
+    #[arg(long)]
+    pub fingerprint: Option<String>,
+    /// Idempotency key of this request; default a fresh one (printed, reuse it to retry).
+    #[arg(long)]
+    pub request_id: Option<String>,
+    /// Print the resulting operation as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// Runs one `worker ops` command.
 pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
     let trust = crate::tls::load(settings.ca_file.as_deref())?;
@@ -211,6 +240,12 @@ pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
             report(r, args.json)?;
         }
         OpsCommand::DeadLetters(cmd) => dead_letters(settings, &trust, &ledger, cmd).await?,
+        OpsCommand::Approve(args) => {
+            decide(settings, &trust, ledger, Decision::Approve, args).await?
+        }
+        OpsCommand::Reject(args) => {
+            decide(settings, &trust, ledger, Decision::Reject, args).await?
+        }
         OpsCommand::Recheck(args) => {
             let request_id = request_id(args.request_id);
             let ctx = context(settings, &trust, ledger, true)?;
@@ -229,6 +264,38 @@ pub async fn run(settings: &Settings, cmd: OpsCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `worker ops approve` and `worker ops reject`.
+async fn decide(
+    settings: &Settings,
+    trust: &crate::tls::Trust,
+    ledger: Ledger,
+    decision: Decision,
+    args: DecisionArgs,
+) -> anyhow::Result<()> {
+    let request_id = request_id(args.request_id);
+    let ctx = context(settings, trust, ledger, false)?;
+    let r = super::approvals::decide(
+        &ctx,
+        &args.tenant,
+        &args.action_id,
+        decision,
+        DecisionInput {
+            fingerprint: args.fingerprint,
+            operator: Some(args.operator),
+            reason: Some(args.reason),
+            request_id: Some(request_id),
+        },
+        Fingerprint::StoredWhenAbsent,
+    )
+    .await?;
+    if !args.json {
+        if let Some(arguments) = r.body.get("arguments") {
+            println!("arguments: {arguments}");
+        }
+    }
+    report(r, args.json)
 }
 
 /// `worker ops list`.

@@ -89,6 +89,7 @@ pub fn visible_to(letter: &DeadLetter, viewer: &Principal, auth: &TenantAuth) ->
             letter.tenant.as_deref() == Some(own.as_str())
                 && auth.allows(letter.original_user.as_deref(), own)
         }
+        Principal::Approver(_) => false,
     }
 }
 
@@ -225,7 +226,7 @@ pub async fn list(
     limit: usize,
 ) -> Result<Listing, DeadLetterError> {
     check_limit(limit)?;
-    if let Principal::Tenant(_) = viewer {
+    if let Principal::Tenant(_) | Principal::Approver(_) = viewer {
         return Ok(from_snapshot(
             broker.snapshot(),
             viewer,

@@ -53,7 +53,28 @@ pub async fn step(ctx: &Arc<Context>, tick: Duration) -> Result<usize, crate::le
             );
         }
     }
-    if !expired.is_empty() {
+    // Intents whose wait for approval ended fail, never sent (their events in the same commit).
+    let unapproved = ctx
+        .ledger
+        .expire_approvals(&ctx.worker_id, LEASE_BATCH)
+        .await?;
+    for op in &unapproved {
+        m::transitions(op.state()).increment(1);
+        counter!(m::APPROVALS, "tool" => op.tool.clone(), "outcome" => "expired").increment(1);
+        tracing::warn!(
+            tenant = %op.tenant, action_id = %op.action_id, tool = %op.tool,
+            "approval wait ended before enough approvals came; failed, nothing was sent"
+        );
+    }
+    // Originals whose compensation succeeded: their agents are told (`compensated_by`).
+    let told = ctx.ledger.tell_compensations(LEASE_BATCH).await?;
+    for c in &told {
+        tracing::info!(
+            tenant = %c.original.tenant, action_id = %c.original.action_id,
+            compensated_by = %c.by, "compensation succeeded; the original's agent is told"
+        );
+    }
+    if !expired.is_empty() || !unapproved.is_empty() || !told.is_empty() {
         ctx.relay_wake.notify_one();
     }
     spread_late_polls(ctx, late_after(tick)).await?;

@@ -45,6 +45,11 @@ pub const POLLS: &str = "intent_worker_polls_total";
 pub const ASYNC_DEADLINES: &str = "intent_worker_async_deadlines_total";
 /// Lookup misses after the last request's deadline that proved a write absent (`absence_proof`).
 pub const ABSENCE_PROOFS: &str = "intent_worker_absence_proofs_total";
+/// Intents that wait for a person's approval, by tool and outcome: `requested` (recorded
+/// awaiting), `approved` (the last approval needed came; dispatched next), `rejected`, `expired`.
+pub const APPROVALS: &str = "intent_worker_approvals_total";
+/// The outcomes of [`APPROVALS`].
+pub const APPROVAL_OUTCOMES: [&str; 4] = ["requested", "approved", "rejected", "expired"];
 /// Overdue polls rescheduled within their gaps rather than run at once, by tool.
 pub const POLLS_SPREAD: &str = "intent_worker_polls_spread_total";
 /// Signed completion callbacks, by tool and what each did.
@@ -199,6 +204,10 @@ fn describe_work() {
         "Status reads of accepted long-running operations, by tool and outcome (done, failed, running, unproven, local_exhaustion)."
     );
     describe_counter!(
+        APPROVALS,
+        "Intents that wait for a person's approval, by tool and outcome: requested (recorded awaiting_approval), approved (the last approval needed came: dispatched next), rejected, expired (the wait ended first)."
+    );
+    describe_counter!(
         ABSENCE_PROOFS,
         "Lookup misses after the last request's deadline plus clock skew and settle time that proved a write absent (absence_proof): sent again under the same key, or failed when its attempts were spent; by tool."
     );
@@ -321,6 +330,9 @@ pub fn install(tools: &[String]) -> Result<PrometheusHandle, String> {
         }
         counter!(ASYNC_DEADLINES, "tool" => tool.clone()).absolute(0);
         counter!(ABSENCE_PROOFS, "tool" => tool.clone()).absolute(0);
+        for outcome in APPROVAL_OUTCOMES {
+            counter!(APPROVALS, "tool" => tool.clone(), "outcome" => outcome).absolute(0);
+        }
         for kind in ["write", "lookup"] {
             counter!(LOCAL_RESOURCE_ERRORS, "tool" => tool.clone(), "kind" => kind).absolute(0);
         }

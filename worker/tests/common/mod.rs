@@ -150,6 +150,7 @@ pub fn new_operation(tenant: &str, action_id: &str, tool: &str) -> NewOperation 
         call_id: Some("model-call-1".into()),
         reply_to: Some(tenant.to_string()),
         trace: None,
+        compensates: None,
     }
 }
 

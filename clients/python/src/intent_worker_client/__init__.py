@@ -4,8 +4,9 @@
   that mirrors the worker's strict decoder (rules, order, error codes).
 - :func:`fingerprint`, :func:`canonical_json`: the worker's intent fingerprint.
 - :class:`ResultEvent`, :class:`Status`, :class:`RejectReason`: the answer.
-- :class:`IntentClient`: ``publish``, ``wait_for``, ``send_and_wait`` over RabbitMQ, with the
-  status API (``GET /v1/operations/{tenant}/{action_id}``) as fallback.
+- :class:`IntentClient`: ``publish``, ``wait_for``, ``send_and_wait``, ``compensate`` (an
+  intent that undoes a succeeded action) over RabbitMQ, with the status API
+  (``GET /v1/operations/{tenant}/{action_id}``) as fallback.
 - :func:`enqueue`, :func:`create_outbox`: the agent-side transactional outbox (psycopg 3).
 - :mod:`~intent_worker_client.trace_context`: the W3C trace context every publish and outbox
   row carries (explicit ``traceparent=``/``tracestate=``, else the current OpenTelemetry

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -377,6 +377,46 @@ class IntentClient:
         sent = await self.publish(intent, traceparent=traceparent, tracestate=tracestate)
         return await self.wait_for(
             sent.tenant, sent.action_id, timeout, fingerprint=sent.fingerprint()
+        )
+
+    async def compensate(
+        self,
+        original_action_id: str,
+        tool: str,
+        arguments: Mapping[str, Any],
+        *,
+        tenant: str,
+        action_id: str,
+        call_id: str | None = None,
+        timeout: float = 30.0,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> ResultEvent:
+        """Undoes the ``succeeded`` action ``original_action_id`` of ``tenant``: sends the
+        intent ``(tenant, action_id, tool, arguments)`` with ``compensates`` set to it, as
+        :meth:`send_and_wait` does, and returns its answer.
+
+        ``action_id`` is the compensation's own key, chosen by the application like any other
+        (the same on every retry of this compensation, never the original's); ``tool`` must list
+        the original's tool in its ``compensation_for``. The worker admits it only while the
+        original is ``succeeded``; otherwise the answer is ``rejected`` with
+        ``original_unresolved`` (``detail``: the original's state; reconcile it first),
+        ``original_not_applied``, ``original_not_found``, ``already_compensated`` (``detail``:
+        the live compensation's action id) or ``compensation_not_allowed``. Once the
+        compensation succeeds, the original's ``reply_to`` also gets a ``succeeded`` event about
+        the original with ``compensated_by``. Every answer about the compensation carries
+        ``compensates``. To publish without waiting, :meth:`publish` an
+        ``Intent(..., compensates=original_action_id)``."""
+        intent = Intent(
+            tenant=tenant,
+            action_id=action_id,
+            tool=tool,
+            arguments=arguments,
+            call_id=call_id,
+            compensates=original_action_id,
+        )
+        return await self.send_and_wait(
+            intent, timeout, traceparent=traceparent, tracestate=tracestate
         )
 
     # ---- results ------------------------------------------------------------------------------

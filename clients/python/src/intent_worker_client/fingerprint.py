@@ -1,9 +1,10 @@
 """The worker's intent fingerprint: lowercase hex SHA-256 of the RFC 8785 (JCS) canonical JSON
-of ``{"arguments": ..., "tool": ...}``, with the worker's one departure (integers that fit
-i64/u64 are written exactly). The client needs it to tell the answer to *its* intent from the
-answer to another intent under the same action id (an ``intent_conflict`` carries the new
-intent's fingerprint; the status API answers with the stored one). Shared test vectors:
-docs/schema/fixtures/fingerprint/cases.json.
+of ``{"arguments": ..., "tool": ...}`` (``{"arguments": ..., "compensates": ..., "tool": ...}``
+for a compensation, so the same key naming another original is another intent), with the
+worker's one departure (integers that fit i64/u64 are written exactly). The client needs it to
+tell the answer to *its* intent from the answer to another intent under the same action id (an
+``intent_conflict`` carries the new intent's fingerprint; the status API answers with the stored
+one). Shared test vectors: docs/schema/fixtures/fingerprint/cases.json.
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ def canonical_json(value: Any) -> str:
     return "".join(out)
 
 
-def fingerprint(tool: str, arguments: Any) -> str:
-    """The fingerprint the worker computes for ``tool`` and ``arguments``."""
-    text = canonical_json({"arguments": arguments, "tool": tool})
+def fingerprint(tool: str, arguments: Any, compensates: str | None = None) -> str:
+    """The fingerprint the worker computes for ``tool`` and ``arguments``, and for a compensation
+    the ``action_id`` it undoes (Rust ``protocol::fingerprint_canonical_compensating``); without
+    ``compensates`` the key is left out, so an ordinary intent's fingerprint is unchanged."""
+    wrapper: dict[str, Any] = {"arguments": arguments, "tool": tool}
+    if compensates is not None:
+        wrapper["compensates"] = compensates
+    text = canonical_json(wrapper)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 

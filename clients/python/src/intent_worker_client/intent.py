@@ -19,7 +19,8 @@ from .fingerprint import fingerprint
 MAX_INTENT_BYTES = 256 * 1024
 """Largest accepted intent body, in bytes of UTF-8."""
 MAX_KEY_LEN = 200
-"""Longest ``tenant``, ``action_id``, ``call_id`` and ``reply_to``, in characters."""
+"""Longest ``tenant``, ``action_id``, ``call_id``, ``reply_to`` and ``compensates``, in
+characters."""
 MAX_TOOL_LEN = 64
 """Longest ``tool``, in characters."""
 MAX_ACTION_KEY_BYTES = 255
@@ -29,7 +30,17 @@ string. Each field may be :data:`MAX_KEY_LEN` characters, but the pair must fit 
 _I64_MIN = -(2**63)
 _U64_MAX = 2**64 - 1
 
-KNOWN_FIELDS = ("tenant", "action_id", "tool", "arguments", "call_id", "reply_to")
+KNOWN_FIELDS = (
+    "tenant",
+    "action_id",
+    "tool",
+    "arguments",
+    "call_id",
+    "reply_to",
+    "compensates",
+)
+# The optional string fields, in the order the worker checks them.
+_OPTIONAL = ("call_id", "reply_to", "compensates")
 _REQUIRED = ("tenant", "action_id", "tool", "arguments")
 
 # serde_json refuses documents nested deeper than this (its recursion limit).
@@ -53,16 +64,16 @@ def _has_no_control(value: str) -> bool:
     return not any(c <= "\x1f" or "\x7f" <= c <= "\x9f" for c in value)
 
 
+_VISIBLE_ASCII = "visible ASCII characters (0x21 to 0x7E), no spaces or control characters"
+
 _RULES = {
     "tenant": (MAX_KEY_LEN, _is_name, _NAME_CHARS),
-    "action_id": (
-        MAX_KEY_LEN,
-        _is_visible_ascii,
-        "visible ASCII characters (0x21 to 0x7E), no spaces or control characters",
-    ),
+    "action_id": (MAX_KEY_LEN, _is_visible_ascii, _VISIBLE_ASCII),
     "tool": (MAX_TOOL_LEN, _is_name, _NAME_CHARS),
     "call_id": (MAX_KEY_LEN, _has_no_control, "characters other than control characters"),
     "reply_to": (MAX_KEY_LEN, _is_name, _NAME_CHARS),
+    # The action a compensation undoes: an action_id of the same tenant, by the same rule.
+    "compensates": (MAX_KEY_LEN, _is_visible_ascii, _VISIBLE_ASCII),
 }
 
 
@@ -123,7 +134,14 @@ class InvalidIntent(ValueError):
 class Intent:
     """A request for one side effect. ``(tenant, action_id)`` is the logical action key, chosen
     by the application (never by the model); ``tool`` and ``arguments`` are what the worker's
-    fingerprint covers. ``reply_to`` routes the results to one agent's queue."""
+    fingerprint covers. ``reply_to`` routes the results to one agent's queue.
+
+    ``compensates`` makes the intent a compensation: the ``action_id`` (same tenant) of a
+    ``succeeded`` action that this one undoes. The worker admits it only while that original is
+    ``succeeded`` and the tool lists the original's tool in its ``compensation_for``; otherwise
+    it is ``rejected`` (``original_unresolved``, ``original_not_applied``,
+    ``original_not_found``, ``already_compensated``, ``compensation_not_allowed``). It is part
+    of the fingerprint."""
 
     tenant: str
     action_id: str
@@ -131,6 +149,7 @@ class Intent:
     arguments: Mapping[str, Any] = field(default_factory=dict)
     call_id: str | None = None
     reply_to: str | None = None
+    compensates: str | None = None
 
     def to_json(self) -> bytes:
         """The body to publish, validated by decoding it exactly as the worker will.
@@ -149,6 +168,8 @@ class Intent:
             body["call_id"] = self.call_id
         if self.reply_to is not None:
             body["reply_to"] = self.reply_to
+        if self.compensates is not None:
+            body["compensates"] = self.compensates
         try:
             text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -161,9 +182,10 @@ class Intent:
         return data
 
     def fingerprint(self) -> str:
-        """The worker's fingerprint of ``tool`` and ``arguments`` (call_id and reply_to never
-        change it); result events carry it."""
-        return fingerprint(self.tool, decode_intent(self.to_json()).arguments)
+        """The worker's fingerprint of ``tool`` and ``arguments``, and ``compensates`` when set
+        (call_id and reply_to never change it); result events carry it."""
+        decoded = decode_intent(self.to_json())
+        return fingerprint(decoded.tool, decoded.arguments, decoded.compensates)
 
     @property
     def message_id(self) -> str:
@@ -334,7 +356,7 @@ def decode_intent(body: bytes) -> Intent:
             raise InvalidIntent(
                 "unknown_field",
                 f"unknown field {_echo(name)!r}; allowed fields are tenant, action_id, tool, "
-                "arguments, call_id and reply_to",
+                "arguments, call_id, reply_to and compensates",
                 _echo(name),
             )
     for name in _REQUIRED:
@@ -345,12 +367,12 @@ def decode_intent(body: bytes) -> Intent:
             raise InvalidIntent("wrong_type", f"field {name!r} must be a string", name)
     if not isinstance(value["arguments"], dict):
         raise InvalidIntent("wrong_type", "field 'arguments' must be a JSON object", "arguments")
-    for name in ("call_id", "reply_to"):
+    for name in _OPTIONAL:
         if value.get(name) is not None and not isinstance(value[name], str):
             raise InvalidIntent("wrong_type", f"field {name!r} must be a string or null", name)
 
     checked = [(name, value[name]) for name in ("tenant", "action_id", "tool")]
-    checked += [(n, value[n]) for n in ("call_id", "reply_to") if value.get(n) is not None]
+    checked += [(n, value[n]) for n in _OPTIONAL if value.get(n) is not None]
     _check_rules(checked)
     check_action_key(value["tenant"], value["action_id"])
     at = _nul_path(value["arguments"], "arguments")
@@ -367,6 +389,7 @@ def decode_intent(body: bytes) -> Intent:
         arguments=dict(value["arguments"]),
         call_id=value.get("call_id"),
         reply_to=value.get("reply_to"),
+        compensates=value.get("compensates"),
     )
 
 

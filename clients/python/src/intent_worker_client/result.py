@@ -19,9 +19,12 @@ class Status(str, Enum):
     SUCCEEDED = "succeeded"
     """Done; ``receipt`` is the downstream's original proof."""
     PENDING = "pending"
-    """Outcome unknown: do not submit the action again; check its status later."""
+    """Not final: the outcome is unknown or still coming, or (``uncertainty``
+    ``awaiting_approval``) nothing was sent and a person must approve it first. Either way, do
+    not submit the action again; check its status later."""
     FAILED = "failed"
-    """The downstream proved it did not and will not apply it; evidence in ``message``."""
+    """The downstream proved it did not and will not apply it, or it was never sent because its
+    approval did not come (``detail``); evidence in ``message``."""
     REJECTED = "rejected"
     """Refused before any dispatch; see ``reason`` and ``detail``."""
 
@@ -38,6 +41,18 @@ class RejectReason(str, Enum):
     UNKNOWN_TOOL = "unknown_tool"
     TENANT_MISMATCH = "tenant_mismatch"
     EXPIRED = "expired"
+    ORIGINAL_UNRESOLVED = "original_unresolved"
+    """A compensation whose original is not settled yet (its state in ``detail``): undoing it
+    now could make a second unintended effect. It must be reconciled first."""
+    ORIGINAL_NOT_APPLIED = "original_not_applied"
+    """A compensation whose original ``failed``: nothing was applied, nothing to undo."""
+    ORIGINAL_NOT_FOUND = "original_not_found"
+    """A compensation naming an action this tenant does not have."""
+    ALREADY_COMPENSATED = "already_compensated"
+    """The original already has a live compensation (its ``action_id`` in ``detail``)."""
+    COMPENSATION_NOT_ALLOWED = "compensation_not_allowed"
+    """The tool may not compensate that action (its ``compensation_for`` does not list the
+    original's tool), or the intent names itself."""
 
 
 class InvalidResultEvent(ValueError):
@@ -62,20 +77,36 @@ class ResultEvent:
     occurred_at: str
     reason: RejectReason | None = None
     detail: str | None = None
+    """On ``rejected``: the decode error code for ``invalid_message``, the final state for
+    ``expired`` and ``original_unresolved``, the live compensation's action id for
+    ``already_compensated``. On a ``failed`` that was never sent because its approval did not come:
+    ``not_approved`` (a person rejected it) or ``approval_expired`` (its wait ended)."""
     verified_by: str | None = None
     """On ``succeeded`` and ``failed``: how the answer is known (``dispatch``, ``replay``,
-    ``lookup``, ``poll``, ``callback``, ``late_receipt``, ``operator``); a newer worker may add
-    values."""
+    ``lookup``, ``poll``, ``callback``, ``late_receipt``, ``operator``, ``expiry``: an intent
+    whose wait for approval ended, never sent); a newer worker may add values."""
     operator: str | None = None
     """The operator who settled the action, when ``verified_by`` is ``operator``."""
     remote_id: str | None = None
     """The downstream's identifier: the receipt id on ``succeeded``, its operation id once it
     accepted a long-running write."""
     uncertainty: str | None = None
-    """On ``pending``: ``unknown_outcome``, ``in_progress`` or ``held``; a newer worker may add
+    """On ``pending``: ``unknown_outcome``, ``in_progress``, ``held`` or ``awaiting_approval``
+    (nothing sent: a person must approve these exact arguments first); a newer worker may add
     values."""
     retry_after_ms: int | None = None
     """On ``pending``: when the worker looks again, in milliseconds from ``occurred_at``."""
+    compensates: str | None = None
+    """On every event about a compensation: the ``action_id`` of the original it undoes."""
+    compensated_by: str | None = None
+    """On the ``succeeded`` event about an original, sent again when its compensation
+    succeeded: the compensation's ``action_id``. The original keeps its state and receipt."""
+
+    @property
+    def awaiting_approval(self) -> bool:
+        """``pending`` because a person must approve this exact intent first: nothing was sent,
+        and nothing will be unless it is approved before its wait ends."""
+        return self.status is Status.PENDING and self.uncertainty == "awaiting_approval"
 
     @property
     def is_final(self) -> bool:
@@ -129,6 +160,8 @@ class ResultEvent:
             remote_id=_optional(value, "remote_id", str),
             uncertainty=_optional(value, "uncertainty", str),
             retry_after_ms=retry_after_ms,
+            compensates=_optional(value, "compensates", str),
+            compensated_by=_optional(value, "compensated_by", str),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 framework. The model supplies the arguments; the application supplies the action id (from a
 context set around the model's turn, or a callable), so a model that "tries again" reaches
 the same ledger row instead of a new action. The return value is the worker's answer, worded
-for the model: ``pending`` (and silence) reads as "outcome unknown, do not retry".
+for the model: ``pending`` (and silence) reads as "outcome unknown, do not retry"; a ``pending``
+that waits for a person's approval as "awaiting approval, nothing sent, do not retry".
 """
 
 from __future__ import annotations
@@ -65,6 +66,28 @@ UNKNOWN_OUTCOME = (
     "user it failed. Its status can be checked later."
 )
 
+AWAITING_APPROVAL = (
+    "AWAITING APPROVAL. The request for {tool} (action {action_id}) was recorded and waits for a "
+    "person to approve these exact arguments; nothing has been sent. Do NOT retry or resubmit "
+    "it, and do not call again under another action id. Tell the user it waits for approval; "
+    "it runs once approved, or fails if it is rejected or not approved in time. Its status can "
+    "be checked later."
+)
+
+NOT_APPROVED = (
+    "NOT APPROVED (nothing was sent, and it will not be). A person rejected the request for "
+    "{tool} (action {action_id})."
+)
+
+APPROVAL_EXPIRED = (
+    "APPROVAL EXPIRED (nothing was sent, and it will not be). Nobody approved the request for "
+    "{tool} (action {action_id}) before its wait ended."
+)
+
+NOT_APPROVED_ADVICE = (
+    " Tell the user; do not call again under another action id to get around the decision."
+)
+
 IN_PROGRESS = (
     "ACCEPTED, IN PROGRESS. The downstream accepted the request for {tool} (action {action_id})"
     "{operation} and is still working on it; the worker checks its status until it is done. Do "
@@ -84,7 +107,28 @@ class ToolAnswer:
 
     @property
     def outcome_unknown(self) -> bool:
+        """Not final: ``pending``, or nothing heard before the timeout. Whatever the reason
+        (the write may or may not have happened, it is in progress, or it awaits a person's
+        approval), the action must not be submitted again, and never under a new action id.
+        :attr:`awaiting_approval` tells apart the one case in which nothing was sent."""
         return self.status is None or self.status is Status.PENDING
+
+    @property
+    def awaiting_approval(self) -> bool:
+        """``pending`` with ``uncertainty`` ``awaiting_approval``: recorded, nothing sent, and
+        nothing will be unless a person approves these exact arguments before the wait ends.
+        :attr:`outcome_unknown` is true as well (the answer is not final)."""
+        return self.event is not None and self.event.awaiting_approval
+
+    @property
+    def not_approved(self) -> bool:
+        """``failed`` without being sent because its approval did not come: a person rejected it
+        (``detail`` ``not_approved``) or its wait ended (``approval_expired``)."""
+        return (
+            self.event is not None
+            and self.event.status is Status.FAILED
+            and self.event.detail in ("not_approved", "approval_expired")
+        )
 
     def __str__(self) -> str:
         return self.text
@@ -92,6 +136,9 @@ class ToolAnswer:
 
 def answer_for(event: ResultEvent | None, tool: str, action_id: str) -> ToolAnswer:
     """Words an answer for the model."""
+    if event is not None and event.awaiting_approval:
+        text = AWAITING_APPROVAL.format(tool=tool, action_id=action_id)
+        return ToolAnswer(event.status, text + f" Worker says: {event.message}", event)
     if (
         event is not None
         and event.status is Status.PENDING
@@ -109,11 +156,23 @@ def answer_for(event: ResultEvent | None, tool: str, action_id: str) -> ToolAnsw
     if event.status is Status.SUCCEEDED:
         receipt = json.dumps(event.receipt, ensure_ascii=False, sort_keys=True)
         text = f"SUCCEEDED. {event.message} Receipt: {receipt}"
+        if event.compensates:
+            text += f" This undid action {event.compensates}."
+        if event.compensated_by:
+            text += f" It has since been undone by action {event.compensated_by}."
+    elif event.status is Status.FAILED and event.detail == "not_approved":
+        text = NOT_APPROVED.format(tool=tool, action_id=action_id)
+        text += f" {event.message}{NOT_APPROVED_ADVICE}"
+    elif event.status is Status.FAILED and event.detail == "approval_expired":
+        text = APPROVAL_EXPIRED.format(tool=tool, action_id=action_id)
+        text += f" {event.message}{NOT_APPROVED_ADVICE}"
     elif event.status is Status.FAILED:
         text = f"FAILED (it was not applied and will not be). {event.message}"
     else:
         reason = event.reason.value if event.reason else "rejected"
         text = f"REJECTED ({reason}; nothing was done). {event.message}"
+        if event.detail:
+            text += f" Detail: {event.detail}."
     return ToolAnswer(event.status, text, event)
 
 
