@@ -48,6 +48,41 @@ fn intent(tenant: &str, action_id: &str) -> protocol::Intent {
     protocol::decode_intent(&serde_json::to_vec(&body).unwrap()).expect("valid intent")
 }
 
+/// An exclusive queue bound to `exchange` for `tenant`, as the worker's would be (the
+/// connection is returned to keep the queue alive).
+async fn bound_queue(
+    exchange: &str,
+    tenant: &str,
+) -> (Connection, lapin::Channel, lapin::Queue) {
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    let queue = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue");
+    channel
+        .queue_bind(
+            queue.name().clone(),
+            exchange.into(),
+            tenant.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+    (connection, channel, queue)
+}
+
 fn result_json(tenant: &str, action_id: &str) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({
         "tenant": tenant, "action_id": action_id, "tool": "refund", "status": "pending",
@@ -109,32 +144,7 @@ async fn publish_sets_key_properties_and_body() {
     assert!(publisher.exchange_exists().await.expect("probe"));
 
     // A queue bound for the tenant, as the worker would have.
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    let queue = channel
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("queue");
-    channel
-        .queue_bind(
-            queue.name().clone(),
-            exchange.as_str().into(),
-            "north-shop".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind");
+    let (connection, channel, queue) = bound_queue(&exchange, "north-shop").await;
 
     let intent = intent("north-shop", "refund-204");
     publisher
@@ -185,32 +195,7 @@ async fn compensate_publishes_the_intent_with_compensates() {
         .await
         .expect("connect");
     publisher.declare_exchange().await.expect("declare");
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    let queue = channel
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("queue");
-    channel
-        .queue_bind(
-            queue.name().clone(),
-            exchange.as_str().into(),
-            "north-shop".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind");
+    let (connection, channel, queue) = bound_queue(&exchange, "north-shop").await;
 
     let undo = intent("north-shop", "cancel-refund-204");
     let error = publisher
