@@ -249,6 +249,32 @@ python_client_tests() {
     return "$rc"
 }
 
+# ---- (g1) TypeScript client ---------------------------------------------------------------------
+# clients/typescript: npm ci (its committed package-lock.json), lint (tsc --noEmit, biome), build,
+# then node's test runner: unit tests (the shared fixtures, the decoder example as the oracle) and
+# integration tests against the built worker, downstream and publisher (INTENT_BIN_DIR). Runs as a
+# chain of its own beside the test build (section i).
+typescript_client() {
+    local t0=$SECONDS
+    if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+        apt_install nodejs npm || true
+    fi
+    local major
+    major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)
+    if [ "$major" -lt 20 ] || ! command -v npm >/dev/null 2>&1; then
+        echo "ERROR: the TypeScript client's tests need Node.js >= 20 and npm (found node major '$major'; apt-get install nodejs npm, or install Node 20+)" >&2
+        return 2
+    fi
+    say "--- TypeScript client (npm ci, lint, build, node --test)"
+    say "node $(node --version), npm $(npm --version)"
+    (cd clients/typescript && npm ci --no-audit --no-fund --loglevel=error &&
+        npm run --silent lint && npm test) || {
+        say "FAILED: TypeScript client ($((SECONDS - t0))s)"
+        return 1
+    }
+    say "ok: TypeScript client ($((SECONDS - t0))s)"
+}
+
 # ---- (g2) MCP examples ---------------------------------------------------------------------------
 # The Python MCP examples (examples/mcp/: the `mcp` package and the OpenAI Agents SDK, pinned in
 # examples/mcp/requirements.txt) get a virtualenv of their own, $VENV_ROOT/mcp-venv (filled in the
@@ -373,12 +399,12 @@ api_schema_and_browser() {
 
 start_binary_steps() {
     local chain
-    for chain in demo_and_python_client api_schema_and_browser; do
+    for chain in demo_and_python_client api_schema_and_browser typescript_client; do
         (export INTENT_BIN_DIR=$STAGED_BIN && "$chain") >"$STAGED_BIN/$chain.log" 2>&1 </dev/null &
         CHAIN_NAMES+=("$chain")
         CHAIN_PIDS+=("$!")
     done
-    say "demo, Python client, API schema and browser steps running beside the test build (logs $STAGED_BIN/*.log)"
+    say "demo, Python client, API schema, browser and TypeScript client steps running beside the test build (logs $STAGED_BIN/*.log)"
 }
 
 # Prints each chain's log when it ends; fails when either failed.
