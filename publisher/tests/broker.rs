@@ -50,10 +50,7 @@ fn intent(tenant: &str, action_id: &str) -> protocol::Intent {
 
 /// An exclusive queue bound to `exchange` for `tenant`, as the worker's would be (the
 /// connection is returned to keep the queue alive).
-async fn bound_queue(
-    exchange: &str,
-    tenant: &str,
-) -> (Connection, lapin::Channel, lapin::Queue) {
+async fn bound_queue(exchange: &str, tenant: &str) -> (Connection, lapin::Channel, lapin::Queue) {
     let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
         .expect("connect");
