@@ -451,6 +451,25 @@ export class IntentClient {
     });
   }
 
+  /** Undoes the `succeeded` action `originalActionId` of `intent.tenant`: sends `intent` with
+   * `compensates` set to it, as {@link sendAndWait} does, and returns its answer.
+   *
+   * `intent.action_id` is the compensation's own key, chosen by the application like any other
+   * (the same on every retry of this compensation, never the original's); its tool must list the
+   * original's tool in its `compensation_for`. The worker admits it only while the original is
+   * `succeeded`; otherwise the answer is `rejected` with `original_unresolved`,
+   * `original_not_applied`, `original_not_found`, `already_compensated` (`detail`: the live
+   * compensation's action id) or `compensation_not_allowed`. Every answer about the
+   * compensation carries `compensates`. To publish without waiting, {@link publish} an intent
+   * with `compensates` set. */
+  async compensate(
+    originalActionId: string,
+    intent: Omit<Intent, "compensates">,
+    options: SendAndWaitOptions = {},
+  ): Promise<ResultEvent> {
+    return this.sendAndWait({ ...intent, compensates: originalActionId }, options);
+  }
+
   // ---- results ------------------------------------------------------------------------------
 
   /** Binds this agent's results key for `tenant` (done by publish and waitFor). */

@@ -48,4 +48,18 @@ export {
   type Uncertainty,
 } from "./result.js";
 export { MAX_ROUTING_KEY_BYTES, REPLY_WORD, resultRoutingKey } from "./routing.js";
+export {
+  actionFromScope,
+  actionScope,
+  answerFor,
+  currentActionId,
+  type ExecuteOptions,
+  type IntentTool,
+  type IntentToolOptions,
+  intentTool,
+  MissingActionIdError,
+  type ParametersSchema,
+  RESERVED_PARAMETERS,
+  type ToolAnswer,
+} from "./tool.js";
 export { TRACEPARENT, TRACESTATE, type TraceContext, traceHeaders } from "./trace.js";
