@@ -22,6 +22,8 @@ pub struct Context {
     pub ledger: Ledger,
     pub tools: ToolSet,
     pub windows: ReplayWindows,
+    /// Each approval tool's terms (how many people, how long the wait), for admissions.
+    pub approvals: crate::ledger::approval::ApprovalTerms,
     /// Written into leases and history.
     pub worker_id: String,
     /// How long a claim owns a dispatch.
@@ -63,6 +65,15 @@ impl Context {
         batch_pace: Duration,
     ) -> Arc<Context> {
         let windows = ReplayWindows::new(tools.replay_windows());
+        let approvals = tools
+            .iter()
+            .filter_map(|(name, t)| t.config.approval.as_ref().map(|a| (name, a)))
+            .fold(
+                Default::default(),
+                |terms: crate::ledger::approval::ApprovalTerms, (name, a)| {
+                    terms.with(name, a.approvals, a.ttl)
+                },
+            );
         let relay_wake = Arc::new(Notify::new());
         let relay_hold = crate::ledger::outbox::relay_hold();
         let batchers = crate::batch::Tasks::default();
@@ -85,6 +96,7 @@ impl Context {
             ledger,
             tools,
             windows,
+            approvals,
             worker_id,
             lease,
             receipts: crate::dispatch::kept::KeptReceipts::new(receipt_keep),

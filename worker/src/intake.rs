@@ -24,7 +24,6 @@ use tracing::{Instrument as _, Span};
 use crate::answers::{self, DeadLetterReason};
 use crate::context::Context;
 use crate::fault;
-use crate::ledger::approval::ApprovalTerms;
 use crate::ledger::outbox::NewEvent;
 use crate::ledger::{Admitted, LedgerError, NewOperation, Operation, State};
 use crate::telemetry::metrics as m;
@@ -389,7 +388,7 @@ pub async fn step(
             .admit_awaiting(
                 &awaiting.iter().map(|&u| &unique[u].new).collect::<Vec<_>>(),
                 &ctx.worker_id,
-                &approval_terms(ctx),
+                &ctx.approvals,
             )
             .instrument(span.clone())
             .await?;
@@ -506,12 +505,10 @@ async fn admit_compensations(
         let Some(tool) = ctx.tools.get(&v.new.tool) else {
             continue;
         };
-        let terms;
         let how = if needs_approval(ctx, &v.new) {
-            terms = approval_terms(ctx);
             Admission::Awaiting {
                 worker_id: &ctx.worker_id,
-                terms: &terms,
+                terms: &ctx.approvals,
             }
         } else {
             Admission::Claimed {
@@ -578,16 +575,6 @@ fn needs_approval(ctx: &Context, new: &NewOperation) -> bool {
         crate::config::approval::When::Matching(_) => serde_json::from_str(&new.arguments)
             .map_or(true, |arguments| rule.needed_for(&arguments)),
     }
-}
-
-/// Every approval tool's terms (how many people, how long the wait), for the admission.
-fn approval_terms(ctx: &Context) -> ApprovalTerms {
-    ctx.tools
-        .iter()
-        .filter_map(|(name, t)| t.config.approval.as_ref().map(|a| (name, a)))
-        .fold(ApprovalTerms::default(), |terms, (name, a)| {
-            terms.with(name, a.approvals, a.ttl)
-        })
 }
 
 /// Stages 1 and 2 for every delivery: too large (dead-lettered unread), then decoded and the

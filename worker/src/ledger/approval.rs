@@ -11,7 +11,8 @@ use super::claim::WithPrev;
 use super::{outbox, Ledger, LedgerError, Operation};
 use crate::answers::{self, NotApproved};
 
-/// Each tool's approval terms, bound once per admission: how many people, how long the wait.
+/// Each tool's approval terms (how many people, how long the wait), built once with the
+/// worker's context and bound to each admission that records intents awaiting approval.
 #[derive(Debug, Clone, Default)]
 pub struct ApprovalTerms {
     pub(super) tools: Vec<String>,

@@ -308,14 +308,6 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 /// (not a guess), a spent budget 429 before the token is compared, a wrong token 401 and
 /// logged, its failure kept spent (a good one gives it back).
 fn authenticate(state: &ApiState, request: &Request) -> Result<Principal, Box<Response>> {
-    authenticate_with(state, request, |presented| state.tokens.identify(presented))
-}
-
-fn authenticate_with<T>(
-    state: &ApiState,
-    request: &Request,
-    identify: impl Fn(&str) -> Option<T>,
-) -> Result<T, Box<Response>> {
     let Some(presented) = bearer(request.headers()) else {
         return Err(Box::new(
             ApiError::unauthorized("missing bearer token (Authorization: Bearer …)")
@@ -331,7 +323,7 @@ fn authenticate_with<T>(
         .budget
         .admit(client)
         .map_err(|r| Box::new(ApiError::too_many(r)))?;
-    match identify(presented) {
+    match state.tokens.identify(presented) {
         Some(principal) => {
             state.budget.forgive(client);
             Ok(principal)
