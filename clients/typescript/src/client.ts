@@ -24,7 +24,7 @@ import {
   type ResultEvent,
 } from "./result.js";
 import { resultRoutingKey } from "./routing.js";
-import { type TraceContext, traceHeaders } from "./trace.js";
+import { inPublishSpan, type TraceContext, traceHeaders } from "./trace.js";
 
 const ANSWERS_KEPT = 10_000;
 const EVENT_IDS_KEPT = 50_000;
@@ -343,7 +343,7 @@ export class IntentClient {
    * confirms. An intent without reply_to gets this client's. Returns the intent as sent.
    * Throws InvalidIntentError (nothing sent), PublishError or PublishInDoubtError. */
   async publish(intent: Intent, options: PublishOptions = {}): Promise<Intent> {
-    const headers = traceHeaders(options);
+    traceHeaders(options); // a tracestate alone is refused before anything is bound or sent
     const withReply: Intent =
       intent.reply_to === undefined || intent.reply_to === null
         ? { ...intent, reply_to: this.replyTo }
@@ -360,17 +360,36 @@ export class IntentClient {
         );
       }
     }
-    await this.#send(decoded, body, headers, timeoutMs);
+    await this.#traced(decoded, options, (headers) =>
+      this.#send(decoded, body, headers, timeoutMs),
+    );
     return decoded;
   }
 
   /** Publishes an already serialized intent (an outbox row's body) byte for byte, after
    * validating it. For relays; agents use {@link publish}. */
   async publishBody(body: Uint8Array, options: PublishOptions = {}): Promise<Intent> {
-    const headers = traceHeaders(options);
+    traceHeaders(options);
     const intent = decodeIntent(body);
-    await this.#send(intent, body, headers, options.timeoutMs ?? 30_000);
+    await this.#traced(intent, options, (headers) =>
+      this.#send(intent, body, headers, options.timeoutMs ?? 30_000),
+    );
     return intent;
+  }
+
+  /** Runs a send in its producer span (see trace.ts). */
+  #traced(
+    intent: Intent,
+    trace: TraceContext,
+    send: (headers: Record<string, string>) => Promise<void>,
+  ): Promise<void> {
+    const target = {
+      exchange: this.#intentsExchange,
+      tenant: intent.tenant,
+      actionId: intent.action_id,
+      tool: intent.tool,
+    };
+    return inPublishSpan(target, trace, send);
   }
 
   async #send(

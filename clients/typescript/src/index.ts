@@ -62,4 +62,4 @@ export {
   RESERVED_PARAMETERS,
   type ToolAnswer,
 } from "./tool.js";
-export { TRACEPARENT, TRACESTATE, type TraceContext, traceHeaders } from "./trace.js";
+export { SPAN_NAME, TRACEPARENT, TRACESTATE, type TraceContext, traceHeaders } from "./trace.js";

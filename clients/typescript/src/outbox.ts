@@ -5,7 +5,7 @@
  * the one `publisher migrate` creates.
  */
 import { type Intent, validateIntent } from "./intent.js";
-import { type TraceContext, traceHeaders } from "./trace.js";
+import { currentTraceHeaders, type TraceContext, traceHeaders } from "./trace.js";
 
 /** What {@link enqueue} needs of a Postgres client: `pg`'s `PoolClient` and `Client` fit. */
 export interface Queryable {
@@ -52,8 +52,9 @@ export async function enqueue(
   intent: Intent,
   trace: TraceContext = {},
 ): Promise<string> {
-  const headers = traceHeaders(trace);
+  traceHeaders(trace); // a tracestate alone is refused before anything else
   const { intent: decoded, body } = validateIntent(intent);
+  const headers = await currentTraceHeaders(trace);
   const result = await client.query(INSERT, [
     decoded.tenant,
     decoded.action_id,

@@ -279,3 +279,63 @@ test("what is published: user_id, message_id, persistent, JSON, trace headers", 
     await connection.close();
   }
 });
+
+test("a succeeded refund is compensated once, linked both ways", async () => {
+  const original = `refund-${unique()}`;
+  const undo = `rev-${unique()}`;
+  const reversal = (actionId: string): Omit<Intent, "compensates"> => ({
+    tenant: world.tenant,
+    action_id: actionId,
+    tool: "reversal",
+    arguments: { order: "order-731", amount_cents: 4850, refund: original },
+  });
+  const client = await connect({ statusUrl: world.adminUrl, statusToken: world.tenantToken });
+  try {
+    // Not yet applied: nothing is recorded for the compensation.
+    const early = await client.compensate(`never-${unique()}`, reversal(`rev-${unique()}`), {
+      timeoutMs: 20_000,
+    });
+    assert.equal(early.status, "rejected", JSON.stringify(early));
+    if (early.status === "rejected") assert.equal(early.reason, "original_not_found");
+
+    const done = await client.sendAndWait(refund(original), { timeoutMs: 20_000 });
+    assert.equal(done.status, "succeeded", JSON.stringify(done));
+    const answer = await client.compensate(original, reversal(undo), { timeoutMs: 20_000 });
+    assert.equal(answer.status, "succeeded", JSON.stringify(answer));
+    assert.equal(answer.compensates, original);
+    assert.equal(
+      answer.fingerprint,
+      fingerprint("reversal", reversal(undo).arguments, original),
+      "the fingerprint covers the original",
+    );
+    // The original's agent is told, with the original's receipt.
+    const deadline = Date.now() + 15_000;
+    let told = client.heard(world.tenant, original).find((e) => e.compensated_by === undo);
+    while (told === undefined && Date.now() < deadline) {
+      await new Promise((r) => setTimeout(r, 100));
+      told = client.heard(world.tenant, original).find((e) => e.compensated_by === undo);
+    }
+    assert.ok(told, "an event about the original names its compensation");
+    assert.equal(told.status, "succeeded");
+    if (told.status === "succeeded" && done.status === "succeeded") {
+      assert.deepEqual(told.receipt, done.receipt);
+    }
+    assert.equal((await client.status(world.tenant, original))?.compensated_by, undo);
+    // A second compensation under another key is refused, naming the first.
+    const again = await client.compensate(original, reversal(`rev-${unique()}`), {
+      timeoutMs: 20_000,
+    });
+    assert.equal(again.status, "rejected", JSON.stringify(again));
+    if (again.status === "rejected") {
+      assert.equal(again.reason, "already_compensated");
+      assert.equal(again.detail, undo);
+    }
+    // The same compensation again is a duplicate, answered from the ledger.
+    const repeat = await client.compensate(original, reversal(undo), { timeoutMs: 20_000 });
+    assert.equal(repeat.status, "succeeded");
+  } finally {
+    await client.close();
+  }
+  assert.equal(await world.mutations(`${world.tenant}:${original}`), 1);
+  assert.equal(await world.mutations(`${world.tenant}:${undo}`), 1);
+});

@@ -73,6 +73,13 @@ recovery = "replay"
 replay_window_secs = 3600
 replay_safety_margin_secs = 60
 {common}
+[tools.reversal]
+url = "{base}/replay/reversals"
+recovery = "replay"
+replay_window_secs = 3600
+replay_safety_margin_secs = 60
+compensation_for = ["refund"]
+{common}
 [tools.deploy]
 url = "{base}/none/deploys"
 recovery = "none"

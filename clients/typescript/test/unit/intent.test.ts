@@ -1,5 +1,8 @@
 import assert from "node:assert/strict";
+import { execFile } from "node:child_process";
 import { test } from "node:test";
+import { fileURLToPath } from "node:url";
+import { promisify } from "node:util";
 import {
   CODES,
   decodeIntent,
@@ -171,6 +174,32 @@ test("trace context headers: as given, tracestate only with a traceparent", () =
     tracestate: "k=v",
   });
   assert.throws(() => traceHeaders({ tracestate: "k=v" }), TypeError);
+});
+
+test("without @opentelemetry/api: no import error, explicit headers only", async () => {
+  const guard = fileURLToPath(new URL("../support/framework-guard.js", import.meta.url));
+  const trace = fileURLToPath(new URL("../../src/trace.js", import.meta.url));
+  const script = `
+    const t = await import(${JSON.stringify(trace)});
+    const target = { exchange: "x", tenant: "t", actionId: "a" };
+    const given = { traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01" };
+    console.log(JSON.stringify({
+      api: await import("@opentelemetry/api").then(() => "present", () => "absent"),
+      explicit: await t.inPublishSpan(target, given, async (h) => h),
+      none: await t.inPublishSpan(target, {}, async (h) => h),
+      outbox: await t.currentTraceHeaders({}),
+    }));`;
+  const { stdout } = await promisify(execFile)(
+    process.execPath,
+    ["--import", guard, "--input-type=module", "-e", script],
+    { env: { ...process.env, HIDE_PACKAGES: "@opentelemetry/api" } },
+  );
+  assert.deepEqual(JSON.parse(stdout), {
+    api: "absent",
+    explicit: { traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01" },
+    none: {},
+    outbox: {},
+  });
 });
 
 test("result events: strict where the worker's reader is", () => {
