@@ -285,8 +285,12 @@ pub struct AsyncFigures {
     pub verified_by: BTreeMap<String, usize>,
     /// Rows held at the poll deadline for a job that never ends (expected, checked).
     pub held_at_deadline: usize,
-    /// Async rows held at the poll deadline for a job that ended, or before the deadline
-    /// (violations).
+    /// Rows held at the poll deadline for a job that ended, where the worker kept reading its
+    /// status after the end and no read got a true answer before the hold (every one refused or
+    /// dropped by a fault): nobody could know the end, so the hold is honest (checked).
+    pub held_end_unanswered: usize,
+    /// Async rows held at the poll deadline for a job that ended and whose end a status read
+    /// answered before the hold, or held before the deadline (violations).
     pub held_not_planned: usize,
     /// Async rows still `accepted` after the settle (violations).
     pub still_accepted: usize,
@@ -484,9 +488,10 @@ impl fmt::Display for SoakReport {
             )?;
             writeln!(
                 f,
-                "  held at the poll deadline: {} (jobs that never end: {}); held otherwise at a deadline: {}; still accepted after the settle: {}; agent told another operation id: {}",
+                "  held at the poll deadline: {} (jobs that never end: {}); of a job that ended, every status read after its end refused: {}; held otherwise at a deadline: {}; still accepted after the settle: {}; agent told another operation id: {}",
                 a.held_at_deadline,
                 a.jobs.get("stuck").copied().unwrap_or(0),
+                a.held_end_unanswered,
                 a.held_not_planned,
                 a.still_accepted,
                 a.misdirected
@@ -2090,8 +2095,9 @@ kit::pg_row! {
         delivered: Vec<DateTime<Utc>>,
         /// Async jobs created under the key (`async_jobs`; at most one).
         jobs: i64,
-        /// Status reads (polls) of the key's job.
+        /// Status reads (polls) of the key's job, and when each arrived.
         status_reads: i64,
+        status_times: Vec<DateTime<Utc>>,
         job_operation_id: Option<String>,
         /// `succeeded`, `failed` or `stuck`.
         job_outcome: Option<String>,
@@ -2176,6 +2182,7 @@ async fn check(
                         AS write_deadlines,
                     count(*) FILTER (WHERE kind = 'lookup') AS lookups,
                     count(*) FILTER (WHERE kind = 'status') AS status_reads,
+                    array_agg(at ORDER BY id) FILTER (WHERE kind = 'status') AS status_times,
                     array_agg(replied_at ORDER BY id) FILTER (
                         WHERE kind IN ('write', 'lookup')
                           AND replied_at IS NOT NULL AND status BETWEEN 200 AND 299
@@ -2202,6 +2209,7 @@ async fn check(
                 coalesce(r.write_deadlines, '{}') AS write_deadlines,
                 coalesce(r.delivered, '{}') AS delivered,
                 coalesce(j.jobs, 0) AS jobs, coalesce(r.status_reads, 0) AS status_reads,
+                coalesce(r.status_times, '{}') AS status_times,
                 j.job_operation_id, j.job_outcome, j.job_ends_at, j.job_deployment_id,
                 j.job_arguments, coalesce(j.job_hidden, false) AS job_hidden, e.end_reply
          FROM m FULL JOIN r ON m.idem_key = r.idem_key
@@ -2777,8 +2785,11 @@ fn async_failure_untrue(ds: Option<&DownstreamKey>, at: Option<DateTime<Utc>>) -
 }
 
 /// An async action left unresolved. Held at the poll deadline: expected for a job that never
-/// ends, once the deadline passed; a violation for a job that ended (the worker did not see
-/// its end in 12 s). Still `accepted` after the settle: a violation. Other holds (recovery
+/// ends, once the deadline passed; for a job that ended, honest only when the worker kept
+/// reading its status after the end and no read got a true answer before the hold (a lost
+/// lease, a cut ledger link and a run of status faults together can outlast the 12 s: the
+/// downstream never said the job was done); otherwise a violation (the worker did not see an
+/// end it was told). Still `accepted` after the settle: a violation. Other holds (recovery
 /// spent before any acceptance) are unresolved as for the sync tools.
 fn async_unsettled(
     key: &str,
@@ -2813,8 +2824,19 @@ fn async_unsettled(
             (Some(held), Some(deadline)) => held + CLOCK_TOLERANCE >= deadline,
             _ => false,
         };
+        // Read after the job's end, before the hold, and never truly answered by then.
+        let end_unanswered = ds.is_some_and(|d| match (d.job_ends_at, row.state_at) {
+            (Some(end), Some(held)) => {
+                d.end_reply.is_none_or(|reply| reply > held)
+                    && d.status_times.iter().any(|&t| t >= end && t <= held)
+            }
+            _ => false,
+        });
         if stuck && on_time {
             report.async_figures.held_at_deadline += 1;
+            None
+        } else if on_time && end_unanswered {
+            report.async_figures.held_end_unanswered += 1;
             None
         } else {
             report.async_figures.held_not_planned += 1;
@@ -2983,4 +3005,93 @@ fn strip_ansi(text: &str) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(hms: &str) -> DateTime<Utc> {
+        format!("2026-12-06T{hms}Z").parse().unwrap()
+    }
+
+    /// A row held at its poll deadline (accepted 36.119, deadline 48.119, held 49.191) for a job
+    /// that ended succeeded at 37.471: a lost lease and a run of status faults, as a cluster soak
+    /// once met them.
+    fn held() -> LedgerRow {
+        LedgerRow {
+            tenant: "t".into(),
+            action_id: "a".into(),
+            state: "held".into(),
+            receipt: None,
+            evidence: Some("async_deadline".into()),
+            remote_id: Some("op-78".into()),
+            poll_deadline: Some(at("17:46:48.119")),
+            accepted_at: Some(at("17:46:36.119")),
+            state_at: Some(at("17:46:49.191")),
+        }
+    }
+
+    fn job(status_times: &[&str], end_reply: Option<&str>) -> DownstreamKey {
+        DownstreamKey {
+            idem_key: "t:a".into(),
+            mutations: 1,
+            first_receipt: None,
+            writes: 1,
+            lookups: 0,
+            write_statuses: vec![Some(202)],
+            write_times: vec![at("17:46:36.117")],
+            write_deadlines: vec![None],
+            delivered: vec![at("17:46:36.118")],
+            jobs: 1,
+            status_reads: status_times.len() as i64,
+            status_times: status_times.iter().map(|t| at(t)).collect(),
+            job_operation_id: Some("op-78".into()),
+            job_outcome: Some("succeeded".into()),
+            job_ends_at: Some(at("17:46:37.471")),
+            job_deployment_id: None,
+            job_arguments: None,
+            job_hidden: false,
+            end_reply: end_reply.map(at),
+        }
+    }
+
+    fn judge(ds: &DownstreamKey) -> (Option<String>, SoakReport) {
+        let mut report = SoakReport::default();
+        let found = async_unsettled(
+            "t:a",
+            Capability::AsyncLookup,
+            &held(),
+            Some(ds),
+            true,
+            &mut report,
+        );
+        (found, report)
+    }
+
+    #[test]
+    fn a_deadline_hold_is_honest_only_when_no_read_after_the_end_was_answered_truly() {
+        // Read after the end, every read refused by a fault: nobody could know the end.
+        let refused = job(
+            &[
+                "17:46:36.447",
+                "17:46:37.447",
+                "17:46:43.850",
+                "17:46:49.189",
+            ],
+            None,
+        );
+        let (found, report) = judge(&refused);
+        assert_eq!(found, None);
+        assert_eq!(report.async_figures.held_end_unanswered, 1);
+        assert_eq!(report.async_figures.held_not_planned, 0);
+        // A true answer after the end, before the hold: the worker was told and held anyway.
+        let told = job(&["17:46:37.447", "17:46:40.000"], Some("17:46:40.002"));
+        let (found, report) = judge(&told);
+        assert!(found.is_some_and(|v| v.starts_with("async hold")));
+        assert_eq!(report.async_figures.held_not_planned, 1);
+        // No read at all after the end: the worker stopped polling.
+        let silent = job(&["17:46:36.447", "17:46:37.447"], None);
+        assert!(judge(&silent).0.is_some());
+    }
 }
