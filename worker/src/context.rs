@@ -48,8 +48,8 @@ pub struct Context {
     pub completions: CompletionBatcher,
     /// The batchers' tasks.
     pub batchers: crate::batch::Tasks,
-    /// The least time between two batches of one saturated stage (`WORKER_BATCH_PACE_MS`):
-    /// the batchers', the intake's and the relay's.
+    /// The least time between two batches of the intake while it is saturated
+    /// (`WORKER_BATCH_PACE_MS`; see [`crate::batch`]).
     pub batch_pace: Duration,
 }
 
@@ -82,16 +82,9 @@ impl Context {
             worker_id.clone(),
             relay_wake.clone(),
             relay_hold,
-            batch_pace,
             &batchers,
         );
-        let fences = FenceBatcher::spawn(
-            ledger.clone(),
-            worker_id.clone(),
-            lease,
-            batch_pace,
-            &batchers,
-        );
+        let fences = FenceBatcher::spawn(ledger.clone(), worker_id.clone(), lease, &batchers);
         Arc::new(Context {
             ledger,
             tools,

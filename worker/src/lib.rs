@@ -21,8 +21,7 @@
 //! - [`dispatch`]: sending a claimed operation and recording what happened; `next_state`, the
 //!   pure rule tables from an outcome to the next state.
 //! - [`batch`]: the two group-commit batchers (send fences, completions and their hand-off to
-//!   the relay), tasks with handles, and the [`batch::Pace`] every stage keeps under load (the
-//!   intake and the relay too).
+//!   the relay), tasks with handles, and the [`batch::Pace`] the intake keeps under load.
 //! - [`context`]: what the consumer, dispatcher and scheduler share (ledger, tools, batchers,
 //!   the in-flight bound and its tasks, wake-ups).
 //! - [`recovery`]: the tool's recovery capability, the pure recovery decision and the scheduler

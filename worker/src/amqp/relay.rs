@@ -322,15 +322,12 @@ impl Relay {
     /// Runs until `stop`, then does a last round so committed results leave before exit: what
     /// was handed first, then the outbox backlog.
     pub async fn run(self, stop: CancellationToken) -> Result<(), AmqpError> {
-        let mut pace = crate::batch::Pace::new(self.ctx.batch_pace);
         loop {
-            pace.wait(&stop).await;
-            pace.started();
             let n = self.step().await?;
-            // Saturated: a full batch, or events handed over while it ran. Then the pace holds;
-            // a relay woken from idle goes at once.
+            // More to do (a full batch, or events handed over while it ran): the next round at
+            // once. The relay keeps no pace of its own: the intake's batches arrive here as
+            // batches already (see crate::batch).
             let saturated = n as i64 == BATCH || self.ctx.completions.handed_waiting();
-            pace.ended(saturated);
             if saturated {
                 continue;
             }

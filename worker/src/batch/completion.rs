@@ -22,7 +22,7 @@ use tokio::sync::mpsc::error::{TryRecvError, TrySendError};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::Instrument as _;
 
-use super::{run_batches, Pace, Tasks};
+use super::{run_batches, Tasks};
 use crate::ledger::outbox::OutboxRow;
 use crate::ledger::{Applied, Completed, Completion, Ledger, LedgerError};
 use crate::lock;
@@ -96,7 +96,6 @@ impl CompletionBatcher {
         worker_id: String,
         wake: Arc<Notify>,
         hold: Duration,
-        pace: Duration,
         tasks: &Tasks,
     ) -> Self {
         let (tx, rx) = mpsc::channel(COMPLETION_BATCH * 4);
@@ -114,7 +113,6 @@ impl CompletionBatcher {
         tasks.tracker.spawn(run_batches(
             rx,
             COMPLETION_BATCH,
-            Pace::new(pace),
             tasks.stop.clone(),
             move |batch| complete_batch(l.clone(), w.clone(), h.clone(), batch),
         ));

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument as _;
 
-use super::{run_batches, Pace, Tasks};
+use super::{run_batches, Tasks};
 use crate::ledger::{Ledger, Passed, SendFence};
 
 /// Largest number of sends fenced by one statement.
@@ -36,19 +36,12 @@ pub struct FenceBatcher {
 
 impl FenceBatcher {
     /// Starts the batcher on `tasks`.
-    pub fn spawn(
-        ledger: Ledger,
-        worker_id: String,
-        lease: Duration,
-        pace: Duration,
-        tasks: &Tasks,
-    ) -> Self {
+    pub fn spawn(ledger: Ledger, worker_id: String, lease: Duration, tasks: &Tasks) -> Self {
         let (tx, rx) = mpsc::channel(FENCE_BATCH * 4);
         let (l, w) = (ledger.clone(), worker_id.clone());
         tasks.tracker.spawn(run_batches(
             rx,
             FENCE_BATCH,
-            Pace::new(pace),
             tasks.stop.clone(),
             move |batch| fence_batch(l.clone(), w.clone(), lease, batch),
         ));

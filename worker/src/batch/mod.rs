@@ -1,18 +1,19 @@
 //! The two group-commit batchers of the dispatch path, each a task with a handle:
 //! [`fence`] (send fences, one statement per batch) and [`completion`] (outcomes, one commit
-//! per batch, and the hand-off of the committed result events to this process's relay).
+//! per batch, and the hand-off of the committed result events to this process's relay); and the
+//! [`Pace`] the intake keeps under load.
 //!
-//! Both follow one rule, and it lives here: a batcher never waits for a batch to fill. A
-//! request that finds it idle runs at once, alone; requests that arrive while a statement is
-//! running wait for it and then go together. So a lone intent never waits, and a busy worker
-//! pays one statement per batch. While a stage is saturated (its last batch was full, or work
-//! queued while it ran) the [`Pace`] keeps its batches from starting closer together than
-//! `WORKER_BATCH_PACE_MS`: each statement, commit and wake-up costs about the same for a few
-//! requests as for many, so a worker at a steady, heavy rate would otherwise spend its cores
-//! (and Postgres's and the broker's) on many small batches, and the latency of everything would
-//! grow with the queueing for those cores. A stage that keeps up never waits on the timer, so
-//! an intent at light load crosses every stage at once. The intake and the result relay keep
-//! the same pace.
+//! A batcher never waits for a batch to fill. A request that finds it idle runs at once, alone;
+//! requests that arrive while a statement is running wait for it and then go together. So a
+//! lone intent never waits, and a busy worker pays one statement per batch.
+//!
+//! Only the intake is paced: while it is saturated (its last batch was full, or deliveries were
+//! already waiting when it ended) its batches start at least `WORKER_BATCH_PACE_MS` apart, so a
+//! batch carries more intents: each statement, commit, wake-up and broker frame costs about the
+//! same for a few as for many. The claims of one intake batch reach the send fence together, and
+//! their outcomes the completion and the relay together, so the later stages batch as the intake
+//! did without a timer of their own: pacing them as well held each intent up to a pace at every
+//! stage (the latency at half the drain rate) for a little less Postgres time per intent.
 //!
 //! Each batcher runs on a [`TaskTracker`] until its [`CancellationToken`] is cancelled: then it
 //! stops taking requests (callers fall back to a statement of their own), records what is
@@ -46,7 +47,7 @@ impl Tasks {
     }
 }
 
-/// The least time between the starts of two batches of one saturated stage
+/// The least time between the starts of two batches of the saturated intake
 /// (`WORKER_BATCH_PACE_MS`). A stage is saturated when its last batch was full or work queued
 /// while it ran ([`Pace::ended`]); then work that arrives sooner than the interval after the
 /// last batch started waits out the rest of it, and whatever arrived meanwhile goes with it.
@@ -103,14 +104,12 @@ impl Pace {
     }
 }
 
-/// The batching loop both batchers share: takes whatever requests are waiting (up to `max`),
-/// keeps `pace` while saturated (a batch already full goes at once), and hands them to `run` together; once
-/// `stop` is cancelled, closes the queue (new requests are refused, so their callers go
-/// alone), runs what was queued and returns.
+/// The batching loop both batchers share: takes whatever requests are waiting (up to `max`) and
+/// hands them to `run` together; once `stop` is cancelled, closes the queue (new requests are
+/// refused, so their callers go alone), runs what was queued and returns.
 pub(crate) async fn run_batches<T, F, Fut>(
     mut rx: mpsc::Receiver<T>,
     max: usize,
-    mut pace: Pace,
     stop: CancellationToken,
     mut run: F,
 ) where
@@ -130,16 +129,7 @@ pub(crate) async fn run_batches<T, F, Fut>(
         if n == 0 {
             return;
         }
-        if batch.len() < max && pace.wait(&stop).await {
-            while batch.len() < max {
-                let Ok(request) = rx.try_recv() else { break };
-                batch.push(request);
-            }
-        }
-        pace.started();
-        let full = batch.len() == max;
         run(std::mem::replace(&mut batch, Vec::with_capacity(max))).await;
-        pace.ended(full || !rx.is_empty());
     }
 }
 
@@ -153,30 +143,22 @@ mod tests {
     type Seen = Arc<Mutex<Vec<(Instant, Vec<u32>)>>>;
 
     /// Runs the loop over a channel of numbers, recording each batch it hands over.
-    fn start(max: usize, pace: Duration) -> (mpsc::Sender<u32>, Tasks, Seen) {
-        start_taking(max, pace, Duration::ZERO)
+    fn start(max: usize) -> (mpsc::Sender<u32>, Tasks, Seen) {
+        start_taking(max, Duration::ZERO)
     }
 
     /// [`start`], each batch taking `takes` to run (a statement's time).
-    fn start_taking(
-        max: usize,
-        pace: Duration,
-        takes: Duration,
-    ) -> (mpsc::Sender<u32>, Tasks, Seen) {
+    fn start_taking(max: usize, takes: Duration) -> (mpsc::Sender<u32>, Tasks, Seen) {
         let (tx, rx) = mpsc::channel(16);
         let tasks = Tasks::default();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let record = seen.clone();
-        tasks.tracker.spawn(run_batches(
-            rx,
-            max,
-            Pace::new(pace),
-            tasks.stop.clone(),
-            move |batch| {
+        tasks
+            .tracker
+            .spawn(run_batches(rx, max, tasks.stop.clone(), move |batch| {
                 record.lock().unwrap().push((Instant::now(), batch));
                 tokio::time::sleep(takes)
-            },
-        ));
+            }));
         (tx, tasks, seen)
     }
 
@@ -190,7 +172,7 @@ mod tests {
 
     #[tokio::test]
     async fn requests_waiting_together_go_together_up_to_the_batch_size() {
-        let (tx, tasks, seen) = start(2, Duration::ZERO);
+        let (tx, tasks, seen) = start(2);
         for n in 1..=5 {
             tx.send(n).await.unwrap();
         }
@@ -200,7 +182,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stopped_batcher_records_what_was_queued_and_refuses_the_rest() {
-        let (tx, tasks, seen) = start(8, Duration::ZERO);
+        let (tx, tasks, seen) = start(8);
         tx.send(1).await.unwrap();
         tx.send(2).await.unwrap();
         tasks.stop().await;
@@ -210,7 +192,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_batcher_whose_callers_are_gone_ends_by_itself() {
-        let (tx, tasks, seen) = start(8, Duration::ZERO);
+        let (tx, tasks, seen) = start(8);
         tx.send(1).await.unwrap();
         drop(tx);
         tasks.tracker.close();
@@ -219,32 +201,9 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_stage_that_keeps_up_never_waits_on_the_pace() {
-        let (tx, tasks, seen) = start(8, Duration::from_millis(300));
-        let mut sent = Vec::new();
-        for n in 1..=3 {
-            sent.push(Instant::now());
-            tx.send(n).await.unwrap();
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        tasks.stop().await;
-        let seen = seen.lock().unwrap().clone();
-        let got: Vec<_> = seen.iter().map(|(_, b)| b.clone()).collect();
-        assert_eq!(got, vec![vec![1], vec![2], vec![3]], "each goes alone");
-        for ((at, _), sent) in seen.iter().zip(sent) {
-            let waited = *at - sent;
-            assert!(
-                waited < Duration::from_millis(150),
-                "a request that finds its stage keeping up goes at once: {waited:?}"
-            );
-        }
-    }
-
-    #[tokio::test]
-    async fn a_saturated_stage_starts_its_batches_a_pace_apart_and_goes_at_once_when_idle() {
-        // Each batch takes 100 ms: requests that arrive meanwhile find the stage saturated.
-        let (tx, tasks, seen) =
-            start_taking(8, Duration::from_millis(300), Duration::from_millis(100));
+    async fn a_lone_request_goes_at_once_and_what_queued_meanwhile_goes_right_after() {
+        // Each batch takes 100 ms: requests that arrive meanwhile wait for it, no longer.
+        let (tx, tasks, seen) = start_taking(8, Duration::from_millis(100));
         let ms = |n| tokio::time::sleep(Duration::from_millis(n));
         let first = Instant::now();
         tx.send(1).await.unwrap();
@@ -252,48 +211,72 @@ mod tests {
         tx.send(2).await.unwrap();
         ms(20).await;
         tx.send(3).await.unwrap();
-        // Idle for longer than the pace once the second batch ran: the next goes at once.
-        ms(900).await;
-        let sent = Instant::now();
-        tx.send(4).await.unwrap();
-        ms(50).await;
+        ms(300).await;
         tasks.stop().await;
         let seen = seen.lock().unwrap().clone();
         let got: Vec<_> = seen.iter().map(|(_, b)| b.clone()).collect();
-        assert_eq!(got, vec![vec![1], vec![2, 3], vec![4]]);
-        let (lone, apart, idle) = (seen[0].0 - first, seen[1].0 - seen[0].0, seen[2].0 - sent);
+        assert_eq!(got, vec![vec![1], vec![2, 3]]);
+        let (lone, apart) = (seen[0].0 - first, seen[1].0 - seen[0].0);
         assert!(
-            lone < Duration::from_millis(150),
+            lone < Duration::from_millis(50),
             "a lone request goes at once: {lone:?}"
         );
         assert!(
-            apart >= Duration::from_millis(290),
-            "work queued while a batch ran waits out the pace: {apart:?} apart"
-        );
-        assert!(
-            idle < Duration::from_millis(150),
-            "an idle batcher does not wait: {idle:?}"
+            apart < Duration::from_millis(200),
+            "the queued requests go when the batch before them ends: {apart:?} apart"
         );
     }
 
+    /// A pace whose last batch started now and ended `saturated`.
+    fn after_a_batch(every: Duration, saturated: bool) -> Pace {
+        let mut pace = Pace::new(every);
+        pace.started();
+        pace.ended(saturated);
+        pace
+    }
+
     #[tokio::test]
-    async fn a_full_batch_and_a_stop_do_not_wait_for_the_pace() {
+    async fn a_stage_that_keeps_up_never_waits_on_the_pace() {
+        let pace = after_a_batch(Duration::from_millis(300), false);
         let started = Instant::now();
-        let (tx, tasks, seen) = start(2, Duration::from_secs(120));
-        for n in 1..=5 {
-            tx.send(n).await.unwrap();
-        }
-        while seen.lock().unwrap().len() < 2 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(
-            batches(&seen),
-            vec![vec![1, 2], vec![3, 4]],
-            "the rest waits"
+        assert!(!pace.wait(&CancellationToken::new()).await);
+        assert!(started.elapsed() < Duration::from_millis(50));
+        // No pace at all, saturated or not.
+        let none = after_a_batch(Duration::ZERO, true);
+        assert!(!none.wait(&CancellationToken::new()).await);
+    }
+
+    #[tokio::test]
+    async fn a_saturated_stage_waits_out_the_pace_from_the_start_of_its_last_batch() {
+        let started = Instant::now();
+        let pace = after_a_batch(Duration::from_millis(300), true);
+        assert!(pace.wait(&CancellationToken::new()).await);
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(290) && waited < Duration::from_millis(1000),
+            "work queued while a batch ran waits out the pace: {waited:?}"
         );
-        tasks.stop().await;
-        assert_eq!(batches(&seen), vec![vec![1, 2], vec![3, 4], vec![5]]);
+        // A batch that took longer than the pace (a backlog's) is followed at once.
+        let mut long = Pace::new(Duration::from_millis(100));
+        long.started();
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        long.ended(true);
+        let after = Instant::now();
+        assert!(!long.wait(&CancellationToken::new()).await);
+        assert!(after.elapsed() < Duration::from_millis(50));
+    }
+
+    #[tokio::test]
+    async fn a_stop_ends_the_wait_for_the_pace() {
+        let started = Instant::now();
+        let pace = after_a_batch(Duration::from_secs(120), true);
+        let stop = CancellationToken::new();
+        let cancel = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            cancel.cancel();
+        });
+        assert!(pace.wait(&stop).await);
         assert!(started.elapsed() < Duration::from_secs(60));
     }
 }
