@@ -343,7 +343,8 @@ export class IntentClient {
    * confirms. An intent without reply_to gets this client's. Returns the intent as sent.
    * Throws InvalidIntentError (nothing sent), PublishError or PublishInDoubtError. */
   async publish(intent: Intent, options: PublishOptions = {}): Promise<Intent> {
-    traceHeaders(options); // a tracestate alone is refused before anything is bound or sent
+    // A tracestate alone is refused before anything is bound or sent.
+    const explicit = traceHeaders(options);
     const withReply: Intent =
       intent.reply_to === undefined || intent.reply_to === null
         ? { ...intent, reply_to: this.replyTo }
@@ -360,7 +361,7 @@ export class IntentClient {
         );
       }
     }
-    await this.#traced(decoded, options, (headers) =>
+    await this.#traced(decoded, explicit, (headers) =>
       this.#send(decoded, body, headers, timeoutMs),
     );
     return decoded;
@@ -369,9 +370,9 @@ export class IntentClient {
   /** Publishes an already serialized intent (an outbox row's body) byte for byte, after
    * validating it. For relays; agents use {@link publish}. */
   async publishBody(body: Uint8Array, options: PublishOptions = {}): Promise<Intent> {
-    traceHeaders(options);
+    const explicit = traceHeaders(options);
     const intent = decodeIntent(body);
-    await this.#traced(intent, options, (headers) =>
+    await this.#traced(intent, explicit, (headers) =>
       this.#send(intent, body, headers, options.timeoutMs ?? 30_000),
     );
     return intent;
@@ -380,7 +381,7 @@ export class IntentClient {
   /** Runs a send in its producer span (see trace.ts). */
   #traced(
     intent: Intent,
-    trace: TraceContext,
+    explicit: Record<string, string>,
     send: (headers: Record<string, string>) => Promise<void>,
   ): Promise<void> {
     const target = {
@@ -389,7 +390,7 @@ export class IntentClient {
       actionId: intent.action_id,
       tool: intent.tool,
     };
-    return inPublishSpan(target, trace, send);
+    return inPublishSpan(target, explicit, send);
   }
 
   async #send(

@@ -52,9 +52,9 @@ export async function enqueue(
   intent: Intent,
   trace: TraceContext = {},
 ): Promise<string> {
-  traceHeaders(trace); // a tracestate alone is refused before anything else
+  const explicit = traceHeaders(trace); // a tracestate alone is refused before anything else
   const { intent: decoded, body } = validateIntent(intent);
-  const headers = await currentTraceHeaders(trace);
+  const headers = await currentTraceHeaders(explicit);
   const result = await client.query(INSERT, [
     decoded.tenant,
     decoded.action_id,

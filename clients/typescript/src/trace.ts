@@ -92,14 +92,14 @@ export interface PublishTarget {
 }
 
 /** Runs `send` in the publish's producer span (when `@opentelemetry/api` is installed) with the
- * headers that carry the context: the span's own when it records, else the explicit or active
- * one unchanged, else none. A rejection marks the span failed. */
+ * headers that carry the context: the span's own when it records, else the explicit ones (from
+ * {@link traceHeaders}) or the active context unchanged, else none. A rejection marks the span
+ * failed. */
 export async function inPublishSpan<T>(
   target: PublishTarget,
-  trace: TraceContext,
+  explicit: Record<string, string>,
   send: (headers: Record<string, string>) => Promise<T>,
 ): Promise<T> {
-  const explicit = traceHeaders(trace);
   const o = await otel();
   if (o === undefined) return send(explicit);
   const given = Object.keys(explicit).length > 0;
@@ -141,11 +141,12 @@ export async function inPublishSpan<T>(
   }
 }
 
-/** The context to keep with an outbox row: the explicit one as given, else the active one
- * (when `@opentelemetry/api` is installed), else none. The relay's publish span, later, is its
- * child. */
-export async function currentTraceHeaders(trace: TraceContext): Promise<Record<string, string>> {
-  const explicit = traceHeaders(trace);
+/** The context to keep with an outbox row: the explicit headers (from {@link traceHeaders}) as
+ * given, else the active context (when `@opentelemetry/api` is installed), else none. The relay's
+ * publish span, later, is its child. */
+export async function currentTraceHeaders(
+  explicit: Record<string, string>,
+): Promise<Record<string, string>> {
   if (Object.keys(explicit).length > 0) return explicit;
   const o = await otel();
   return o === undefined ? {} : format(o, o.trace.getSpanContext(o.context.active()));

@@ -201,7 +201,13 @@ class StallProxy {
   }
 }
 
-test("over a stalled link: the publish is in doubt and close is still bounded", async () => {
+/** A client connected through a new proxy, and a queue bound for the tenant: somewhere to route
+ * to, so that only the link can fail. */
+async function throughProxy(): Promise<{
+  proxy: StallProxy;
+  client: IntentClient;
+  q: { queue: string };
+}> {
   const url = new URL(AMQP_URL);
   const proxy = new StallProxy();
   await proxy.start(url.hostname, Number(url.port || 5672));
@@ -212,9 +218,13 @@ test("over a stalled link: the publish is in doubt and close is still bounded", 
     intentsExchange: intents,
     resultsExchange: results,
   });
-  // Somewhere to route to, so that only the link can fail.
   const q = await channel.assertQueue("", { exclusive: true });
   await channel.bindQueue(q.queue, intents, tenant);
+  return { proxy, client, q };
+}
+
+test("over a stalled link: the publish is in doubt and close is still bounded", async () => {
+  const { proxy, client, q } = await throughProxy();
   try {
     await client.bind(tenant);
     proxy.stalled = true;
@@ -237,18 +247,7 @@ test("over a stalled link: the publish is in doubt and close is still bounded", 
 });
 
 test("after a lost link the client connects again, rebinds, and publishes", async () => {
-  const url = new URL(AMQP_URL);
-  const proxy = new StallProxy();
-  await proxy.start(url.hostname, Number(url.port || 5672));
-  const via = new URL(AMQP_URL);
-  via.hostname = "127.0.0.1";
-  via.port = String(proxy.port);
-  const client = await IntentClient.connect(via.toString(), {
-    intentsExchange: intents,
-    resultsExchange: results,
-  });
-  const q = await channel.assertQueue("", { exclusive: true });
-  await channel.bindQueue(q.queue, intents, tenant);
+  const { proxy, client, q } = await throughProxy();
   try {
     await client.bind(tenant);
     proxy.cut();

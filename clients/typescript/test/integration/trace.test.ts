@@ -22,7 +22,7 @@ import {
   PublishError,
   SPAN_NAME,
 } from "../../src/index.js";
-import { AMQP_URL, PG_ADMIN } from "../support/world.js";
+import { AMQP_URL, admin, PG_ADMIN } from "../support/world.js";
 
 const exporter = new InMemorySpanExporter();
 new NodeTracerProvider({ spanProcessors: [new SimpleSpanProcessor(exporter)] }).register();
@@ -39,16 +39,6 @@ let channel: amqp.Channel;
 let probe: string;
 let client: IntentClient;
 
-async function admin(sql: string): Promise<void> {
-  const c = new pg.Client({ connectionString: PG_ADMIN });
-  await c.connect();
-  try {
-    await c.query(sql);
-  } finally {
-    await c.end();
-  }
-}
-
 before(async () => {
   connection = await amqp.connect(AMQP_URL);
   channel = await connection.createChannel();
@@ -61,14 +51,14 @@ before(async () => {
     resultsExchange: results,
     replyTo: `agent-${id}`,
   });
-  await admin(`CREATE DATABASE "${dbName}"`);
+  await admin((c) => c.query(`CREATE DATABASE "${dbName}"`));
 });
 after(async () => {
   await client.close();
   await channel.deleteExchange(intents);
   await channel.deleteExchange(results);
   await connection.close();
-  await admin(`DROP DATABASE IF EXISTS "${dbName}" WITH (FORCE)`);
+  await admin((c) => c.query(`DROP DATABASE IF EXISTS "${dbName}" WITH (FORCE)`));
 });
 beforeEach(() => exporter.reset());
 

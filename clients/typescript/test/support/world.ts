@@ -92,7 +92,8 @@ recovery_attempts = 3
 retry = { initial_delay_ms = 100, max_delay_ms = 1000 }
 `;
 
-async function admin<T>(work: (c: pg.Client) => Promise<T>, url = PG_ADMIN): Promise<T> {
+/** Runs `work` on a connection of its own to `url` (the admin database by default). */
+export async function admin<T>(work: (c: pg.Client) => Promise<T>, url = PG_ADMIN): Promise<T> {
   const client = new pg.Client({ connectionString: url });
   await client.connect();
   try {
