@@ -1,27 +1,17 @@
 //! Publisher and follower against the real RabbitMQ at 127.0.0.1:5672 (guest/guest),
-//! or `AMQP_URL`. Every test uses its own exchange names and deletes them at the end.
+//! or `TEST_AMQP_URL` / `AMQP_URL`. Every test uses its own exchange names and deletes them at
+//! the end.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+mod support;
+
+use std::time::Duration;
 
 use lapin::{
-    options::{BasicGetOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions},
-    types::FieldTable,
+    options::{BasicGetOptions, ExchangeDeleteOptions},
     Connection, ConnectionProperties,
 };
 use publisher::{Follower, PublishError, Publisher};
-
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-/// A name no other test run uses: process id plus a nanosecond timestamp.
-fn unique(what: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_nanos();
-    format!("publisher-test-{what}-{}-{nanos}", std::process::id())
-}
+use support::{amqp_url, bound_queue, unique};
 
 async fn delete_exchanges(names: &[&str]) {
     let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
@@ -46,38 +36,6 @@ fn intent(tenant: &str, action_id: &str) -> protocol::Intent {
         "call_id": "model-call-1",
     });
     protocol::decode_intent(&serde_json::to_vec(&body).unwrap()).expect("valid intent")
-}
-
-/// An exclusive queue bound to `exchange` for `tenant`, as the worker's would be (the
-/// connection is returned to keep the queue alive).
-async fn bound_queue(exchange: &str, tenant: &str) -> (Connection, lapin::Channel, lapin::Queue) {
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    let queue = channel
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("queue");
-    channel
-        .queue_bind(
-            queue.name().clone(),
-            exchange.into(),
-            tenant.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind");
-    (connection, channel, queue)
 }
 
 fn result_json(tenant: &str, action_id: &str) -> Vec<u8> {

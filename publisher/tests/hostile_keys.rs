@@ -2,30 +2,21 @@
 //! may be 200 characters), and any other name or value too long for one (routing key, exchange,
 //! queue, content type), is refused by every publishing call with a typed error, never a panic
 //! (lapin's `From<String> for ShortString` panics above 255 bytes); the other intents of a
-//! batch are still sent. Against the real RabbitMQ at 127.0.0.1:5672, or `AMQP_URL`.
+//! batch are still sent. Against the real RabbitMQ at 127.0.0.1:5672, or `TEST_AMQP_URL` /
+//! `AMQP_URL`.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+mod support;
+
+use std::time::Duration;
 
 use lapin::{
-    options::{BasicGetOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions},
-    types::FieldTable,
+    options::{BasicGetOptions, ExchangeDeleteOptions},
     Connection, ConnectionProperties,
 };
 use protocol::DecodeError;
 use publisher::publish::Encoded;
 use publisher::{Follower, PublishError, Publisher, WaitError};
-
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-fn unique(what: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_nanos();
-    format!("publisher-test-{what}-{}-{nanos}", std::process::id())
-}
+use support::{amqp_url, bound_queue, unique};
 
 /// An intent built by hand, as an agent would, never through the decoder.
 fn intent(tenant: &str, action_id: &str) -> protocol::Intent {
@@ -50,40 +41,6 @@ fn key_too_long(error: &PublishError, len: usize) -> bool {
         error,
         PublishError::InvalidIntent(DecodeError::KeyTooLong { len: l, max: 255 }) if *l == len
     )
-}
-
-/// A queue bound to `exchange` for every routing key; returns (connection, queue).
-async fn catch_all(exchange: &str) -> (Connection, String) {
-    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .expect("connect");
-    let channel = connection.create_channel().await.expect("channel");
-    let queue = channel
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("queue")
-        .name()
-        .as_str()
-        .to_owned();
-    channel
-        .queue_bind(
-            queue.as_str().into(),
-            exchange.into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind");
-    (connection, queue)
 }
 
 async fn message_ids(connection: &Connection, queue: &str) -> Vec<String> {
@@ -114,7 +71,8 @@ async fn every_publish_call_refuses_a_key_over_255_bytes() {
         .await
         .expect("connect");
     publisher.declare_exchange().await.expect("declare");
-    let (connection, queue) = catch_all(&exchange).await;
+    let (connection, _channel, queue) = bound_queue(&exchange, "#").await;
+    let queue = queue.name().as_str().to_owned();
 
     let fits = intent(&tenant, &"b".repeat(54));
     let over = intent(&tenant, &"b".repeat(55));

@@ -64,6 +64,38 @@ pub fn intent(tenant: &str, action_id: &str) -> protocol::Intent {
     }
 }
 
+/// An exclusive queue bound to `exchange` with `key` (a tenant, as the worker's queue would be,
+/// or `#` for everything); the connection is returned to keep the queue alive.
+pub async fn bound_queue(exchange: &str, key: &str) -> (Connection, Channel, lapin::Queue) {
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    let queue = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue");
+    channel
+        .queue_bind(
+            queue.name().clone(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+    (connection, channel, queue)
+}
+
 /// One message as the catcher got it.
 #[derive(Debug)]
 pub struct Caught {
