@@ -654,6 +654,7 @@ async fn accepted_then_polled_to_success(
                 by,
                 transition,
                 trace: None,
+                dispatched: None,
             })
             .await;
         op = match applied.0.expect("complete") {

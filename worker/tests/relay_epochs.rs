@@ -5,7 +5,9 @@
 //! again; retention deletes what a watermark published, never what it did not; deleting a
 //! tombstone unlinks its events and keeps them; a batch of receipts into a live epoch stores
 //! the events its rows owe as recorded (late receipts answered as if alone); and a batch meeting
-//! a retirement under way waits for it and goes into a new epoch.
+//! a retirement under way waits for it and goes into a new epoch. A lone receipt of a row its
+//! dispatch still holds is stored with its event in one statement, exactly as the general path
+//! stores it, and only while the row and the epoch read as the event was built from.
 
 mod common;
 
@@ -14,7 +16,7 @@ use std::time::Duration;
 use common::*;
 use worker::document::Document;
 use worker::ledger::outbox::{self, NewEvent, OutboxRow};
-use worker::ledger::{Completed, Completion, Phase, Source, Transition};
+use worker::ledger::{Applied, Completed, Completion, Phase, Source, Transition};
 
 /// The hold of a claim by another relay in these tests.
 const HOLD: Duration = Duration::from_millis(1);
@@ -33,6 +35,7 @@ async fn receipt(ctx: &worker::context::Context, action_id: &str) -> Completion 
             evidence: "receipt r-1 from write attempt 1".into(),
         },
         trace: None,
+        dispatched: Some(Box::new(op)),
     }
 }
 
@@ -387,6 +390,7 @@ fn receipt_of(op: &worker::ledger::Operation, receipt: serde_json::Value) -> Com
             receipt_id,
         },
         trace: None,
+        dispatched: Some(Box::new(op.clone())),
     }
 }
 
@@ -542,7 +546,6 @@ async fn a_receipt_whose_row_moved_since_it_was_built_gets_the_event_of_the_row_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn late_receipts_in_a_batch_into_a_live_epoch_are_answered_as_if_alone() {
-    use worker::ledger::Applied;
     let db = TestDb::new().await;
     let ctx = context(&db);
     let (_, epoch) = batch(&ctx, "late-0", None).await;
@@ -629,5 +632,269 @@ async fn receipts_wait_for_an_epoch_being_retired_and_then_go_into_a_new_one() {
         "only the event written before the retirement ({})",
         first.id
     );
+    db.drop_db().await;
+}
+
+/// What a completion wrote on a row: state, verified_by, last_reported, lease released, nothing
+/// scheduled, finished when its state began, touched then, history rows.
+type Recorded = (
+    String,
+    Option<String>,
+    Option<String>,
+    bool,
+    bool,
+    bool,
+    bool,
+    i64,
+);
+
+/// The row's columns a completion writes, for comparing two rows recorded by different paths.
+async fn recorded(db: &TestDb, id: i64) -> Recorded {
+    sqlx::query_as(
+        "SELECT state, verified_by, last_reported, lease_owner IS NULL AND lease_until IS NULL,
+                next_attempt_at IS NULL, finished_at IS NOT NULL AND finished_at = state_since,
+                updated_at = state_since,
+                (SELECT count(*) FROM operation_history h WHERE h.operation_id = o.id)
+         FROM operations o WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_one(db.pool())
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_receipt_is_stored_in_one_statement_as_the_general_path_stores_it() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let (first, epoch) = batch(&ctx, "lone-0", None).await;
+    let mut twins = Vec::new();
+    for name in ["lone-{\"fast\"}", "lone-{\"general\"}"] {
+        let op = dispatching(&ctx, "north", name, "refund").await;
+        let mut receipt = receipt_for("north", &op.action_id, "r-{\"1\"}");
+        receipt["note"] = serde_json::json!("brace { quote \" backslash \\ 💸");
+        receipt["huge"] = serde_json::json!(123456789012345678u64);
+        twins.push((op.clone(), receipt_of(&op, receipt)));
+    }
+    let (fast, c) = &twins[0];
+    let (Applied::Done(op), events) = ctx
+        .ledger
+        .succeed_dispatched(WORKER_ID, c, epoch)
+        .await
+        .unwrap()
+        .expect("recorded in one statement")
+    else {
+        panic!("not recorded")
+    };
+    assert_eq!(op.id, fast.id);
+    assert_eq!(op.state(), worker::ledger::State::Succeeded);
+    assert_eq!(events.len(), 1);
+    let handed = &events[0];
+    assert!(handed.id > first.id);
+    let (payload, relay_epoch, owner, held) = stored(&db, handed.id).await;
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&handed.payload).unwrap(),
+        payload,
+        "handed as stored"
+    );
+    assert_eq!(
+        (relay_epoch, owner.as_deref(), held),
+        (Some(epoch), Some(WORKER_ID), true)
+    );
+    assert_eq!(handed.relay_epoch, Some(epoch));
+    assert_eq!(handed.event_id, payload["event_id"].as_str().unwrap());
+    let row = ctx.ledger.get(op.id).await.unwrap().unwrap();
+    let owed = serde_json::to_value(worker::answers::succeeded(&row).event).unwrap();
+    assert_eq!(
+        said(&payload),
+        said(&owed),
+        "the event the row as stored owes"
+    );
+
+    // The twin, recorded by the general path (no row held by a dispatch): the same row and the
+    // same event, but for its own key.
+    let (general, mut c) = twins[1].clone();
+    c.dispatched = None;
+    let done = ctx
+        .ledger
+        .complete_held(WORKER_ID, std::slice::from_ref(&c), Some(epoch))
+        .await;
+    assert_all_done(&done);
+    assert_eq!(
+        recorded(&db, fast.id).await,
+        recorded(&db, general.id).await
+    );
+    assert_eq!(
+        recorded(&db, fast.id).await.0,
+        "succeeded",
+        "{:?}",
+        recorded(&db, fast.id).await
+    );
+    let twin = stored(&db, done.events[0].id).await.0;
+    let without_key = |e: &serde_json::Value| {
+        let mut e = said(e);
+        let map = e.as_object_mut().unwrap();
+        map.remove("action_id");
+        map.remove("fingerprint"); // the fixture's names the key
+        map["receipt"]
+            .as_object_mut()
+            .unwrap()
+            .remove("idempotency_key");
+        e
+    };
+    assert_eq!(without_key(&payload), without_key(&twin));
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_receipt_whose_row_or_epoch_moved_is_left_to_the_general_path() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let (_, epoch) = batch(&ctx, "drift-0", None).await;
+    let nothing_written = |id: i64| {
+        let pool = db.pool().clone();
+        async move {
+            let (state, events): (String, i64) = sqlx::query_as(
+                "SELECT state, (SELECT count(*) FROM result_outbox WHERE operation_id = $1)
+                 FROM operations WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            (state, events)
+        }
+    };
+    // A replay counted a write meanwhile: the event the dispatch built says one attempt.
+    let op = dispatching(&ctx, "north", "drift-attempts", "refund").await;
+    let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
+    sqlx::query("UPDATE operations SET attempts = attempts + 1 WHERE id = $1")
+        .bind(op.id)
+        .execute(db.pool())
+        .await
+        .unwrap();
+    assert!(ctx
+        .ledger
+        .succeed_dispatched(WORKER_ID, &c, epoch)
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(nothing_written(op.id).await, ("dispatching".into(), 0));
+    let done = ctx
+        .ledger
+        .complete_held(WORKER_ID, std::slice::from_ref(&c), Some(epoch))
+        .await;
+    assert_all_done(&done);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&done.events[0].payload).unwrap()["attempts"],
+        2
+    );
+
+    // The lease ran out and recovery took the row: the receipt is a late one.
+    let op = dispatching(&ctx, "north", "drift-lease", "refund").await;
+    let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
+    sqlx::query(
+        "UPDATE operations SET state = 'unknown', lease_owner = NULL, lease_until = NULL
+         WHERE id = $1",
+    )
+    .bind(op.id)
+    .execute(db.pool())
+    .await
+    .unwrap();
+    assert!(ctx
+        .ledger
+        .succeed_dispatched(WORKER_ID, &c, epoch)
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(nothing_written(op.id).await, ("unknown".into(), 0));
+    let done = ctx
+        .ledger
+        .complete_held(WORKER_ID, std::slice::from_ref(&c), Some(epoch))
+        .await;
+    let Ok(Applied::Done(row)) = &done.results[0] else {
+        panic!("{:?}", done.results)
+    };
+    assert_eq!(row.verified_by.as_deref(), Some("late_receipt"));
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&done.events[0].payload).unwrap()["verified_by"],
+        "late_receipt"
+    );
+
+    // Another worker's fence: the row is no longer this dispatch's.
+    let op = dispatching(&ctx, "north", "drift-fence", "refund").await;
+    let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
+    sqlx::query("UPDATE operations SET fence = fence + 1 WHERE id = $1")
+        .bind(op.id)
+        .execute(db.pool())
+        .await
+        .unwrap();
+    assert!(ctx
+        .ledger
+        .succeed_dispatched(WORKER_ID, &c, epoch)
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(nothing_written(op.id).await, ("dispatching".into(), 0));
+
+    // The epoch was retired: nothing is written into it, and the general path begins a new one.
+    let op = dispatching(&ctx, "north", "drift-epoch", "refund").await;
+    let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
+    sqlx::query("DELETE FROM relay_epochs WHERE id = $1")
+        .bind(epoch)
+        .execute(db.pool())
+        .await
+        .unwrap();
+    assert!(ctx
+        .ledger
+        .succeed_dispatched(WORKER_ID, &c, epoch)
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(nothing_written(op.id).await, ("dispatching".into(), 0));
+    let done = ctx
+        .ledger
+        .complete_held(WORKER_ID, std::slice::from_ref(&c), Some(epoch))
+        .await;
+    assert_all_done(&done);
+    let new = done.epoch.expect("a new epoch");
+    assert_ne!(new, epoch);
+    assert_eq!(done.events[0].relay_epoch, Some(new));
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_receipt_waits_for_an_epoch_being_retired_and_then_goes_into_a_new_one() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let (_, epoch) = batch(&ctx, "lone-retiring-0", None).await;
+    let op = dispatching(&ctx, "north", "lone-retiring", "refund").await;
+    let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
+    let mut retiring = db.pool().begin().await.unwrap();
+    sqlx::query("DELETE FROM relay_epochs WHERE id = $1")
+        .bind(epoch)
+        .execute(&mut *retiring)
+        .await
+        .unwrap();
+    let ledger = ctx.ledger.clone();
+    let recording = tokio::spawn(async move {
+        ledger
+            .complete_held(WORKER_ID, std::slice::from_ref(&c), Some(epoch))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !recording.is_finished(),
+        "the receipt waits for the retirement"
+    );
+    retiring.commit().await.unwrap();
+    let done = recording.await.unwrap();
+    assert_all_done(&done);
+    let new = done.epoch.expect("a new epoch");
+    assert_ne!(new, epoch);
+    assert_eq!(done.events.len(), 1);
+    assert_eq!(done.events[0].relay_epoch, Some(new));
+    assert_eq!(stored(&db, done.events[0].id).await.1, Some(new));
+    assert_eq!(outbox_events(db.pool(), op.id).await.len(), 1);
     db.drop_db().await;
 }

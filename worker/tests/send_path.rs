@@ -376,6 +376,7 @@ async fn a_completion_batch_records_each_row_as_if_alone() {
             evidence: format!("receipt {id}"),
         },
         trace: None,
+        dispatched: None,
     };
     let batch = vec![
         receipt(&a, "r-a"),
@@ -390,6 +391,7 @@ async fn a_completion_batch_records_each_row_as_if_alone() {
                 evidence: "timeout".into(),
             },
             trace: None,
+            dispatched: None,
         },
         receipt(&late, "r-other"),
         receipt(&b, "r-b"),
@@ -713,6 +715,7 @@ async fn fence_and_complete(
                 evidence: "receipt".into(),
             },
             trace: None,
+            dispatched: None,
         })
         .collect();
     let results = match held {

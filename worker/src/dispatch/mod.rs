@@ -401,6 +401,11 @@ pub async fn settle(
         Transition::RetryWait { .. } | Transition::Resend { .. }
     );
     let deferred = matches!(transition, Transition::Defer { .. });
+    // A receipt for the request this dispatch sent may be recorded in one statement with its
+    // event, built from the row as held here.
+    let dispatched = (phase == Phase::Dispatch
+        && matches!(transition, Transition::Succeeded { .. }))
+    .then(|| Box::new(op.clone()));
     let applied = record(
         ctx,
         &op.idempotency_key(),
@@ -411,6 +416,7 @@ pub async fn settle(
             transition,
             by,
             trace: kit::otel::context_of(&Span::current()),
+            dispatched,
         },
     )
     .await;

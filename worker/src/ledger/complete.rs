@@ -127,6 +127,11 @@ pub struct Completion {
     /// The context of the span that decided it, when recorded: the result event carries it
     /// (else the intent's own), and the commit's span links to it.
     pub trace: Option<protocol::trace::TraceContext>,
+    /// The row as the dispatch that sent this request holds it (its claim), when there is
+    /// one: a receipt arriving alone for it is then recorded with its result event in one
+    /// statement ([`Ledger::succeed_dispatched`]), the event built from this row beforehand and the
+    /// statement changing nothing unless the row still reads so.
+    pub dispatched: Option<Box<Operation>>,
 }
 
 /// What recording a completion did.
@@ -198,6 +203,28 @@ impl Ledger {
         if completions.is_empty() {
             return Completed::default();
         }
+        if let ([c], true, Some(current)) = (completions, held, *epoch) {
+            match self.succeed_dispatched(worker_id, c, current).await {
+                Ok(Some((applied, events))) => {
+                    return Completed {
+                        results: vec![Ok(applied)],
+                        events,
+                        epoch: *epoch,
+                    }
+                }
+                // Not the awaited receipt, or the row reads otherwise: the general path.
+                Ok(None) => {}
+                Err(e) => {
+                    // Its commit may have happened with the event never returned.
+                    *epoch = None;
+                    return Completed {
+                        results: vec![Err(e)],
+                        events: Vec::new(),
+                        epoch: None,
+                    };
+                }
+            }
+        }
         let batch: Result<(Vec<Applied>, Vec<OutboxRow>), LedgerError> = async {
             let mut tx = self.pool.begin().await?;
             let out = apply_batch(&mut tx, worker_id, completions, held, epoch).await?;
@@ -239,6 +266,110 @@ impl Ledger {
         };
         done.epoch = *epoch;
         done
+    }
+
+    /// A lone receipt for a row its dispatch still holds, with its result event, in one autocommit
+    /// statement (one round trip, where the general path takes four: `BEGIN`, the update,
+    /// the event's insert, `COMMIT`). The event is built before the statement from the row as the
+    /// dispatch holds it ([`Completion::dispatched`]) moved to `succeeded` as the statement moves
+    /// it, and the statement changes nothing unless every column the event reads is still what it
+    /// was built from (state `dispatching` at this fence, the attempts, the key, tool, fingerprint,
+    /// address, trace and compensated action) and relay epoch `epoch` is live (held `FOR KEY
+    /// SHARE`, as [`outbox::insert_held_events`] does). None: not such a completion, or the row or
+    /// the epoch read otherwise; nothing was written and the general path records it.
+    pub async fn succeed_dispatched(
+        &self,
+        worker_id: &str,
+        c: &Completion,
+        epoch: i64,
+    ) -> Result<Option<(Applied, Vec<OutboxRow>)>, LedgerError> {
+        let (
+            Some(op),
+            Phase::Dispatch,
+            Transition::Succeeded {
+                receipt,
+                receipt_id,
+                evidence,
+            },
+        ) = (c.dispatched.as_deref(), c.phase, &c.transition)
+        else {
+            return Ok(None);
+        };
+        if op.id != c.operation_id || op.fence != c.fence || op.state() != State::Dispatching {
+            return Ok(None);
+        }
+        let mut expected = op.clone();
+        expected.state = super::StateColumn(State::Succeeded);
+        expected.receipt = Some(receipt.clone());
+        expected.receipt_id = Some(receipt_id.clone());
+        expected.evidence = Some(evidence.clone());
+        expected.verified_by = Some(c.by.as_str().to_string());
+        expected.last_reported = Some(State::Succeeded.as_str().to_string());
+        let Some(event) = event_for(&expected, None, c) else {
+            return Ok(None);
+        };
+        let events = [event];
+        let e = outbox::columns(&events);
+        let cols = o_columns();
+        let sql = format!(
+            "WITH epoch AS (SELECT id FROM relay_epochs WHERE id = $17 FOR KEY SHARE),
+             moved AS (
+                UPDATE operations o SET state = 'succeeded', receipt = $4::json, receipt_id = $5,
+                       evidence = $3, changed_by = $2, lease_owner = NULL, lease_until = NULL,
+                       next_attempt_at = NULL, last_reported = 'succeeded', verified_by = $6
+                FROM epoch
+                WHERE o.id = $1 AND o.fence = $7 AND o.state = 'dispatching' AND o.attempts = $8
+                  AND o.tenant = $9 AND o.action_id = $10 AND o.tool = $11 AND o.fingerprint = $12
+                  AND o.reply_to IS NOT DISTINCT FROM $13 AND o.compensates IS NOT DISTINCT FROM $14
+                  AND o.traceparent IS NOT DISTINCT FROM $15 AND o.tracestate IS NOT DISTINCT FROM $16
+                RETURNING {cols}, epoch.id AS held_in
+             ), event AS (
+                INSERT INTO result_outbox
+                       (event_id, operation_id, routing_key, status, payload, traceparent, tracestate,
+                        relay_owner, relay_until, relay_epoch)
+                SELECT $18, moved.id, $19, $20, $21::json, $22, $23, $2, 'infinity', moved.held_in
+                FROM moved
+                RETURNING id
+             )
+             SELECT moved.*, event.id AS event_row FROM moved, event"
+        );
+        let row = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(c.operation_id)
+            .bind(worker_id)
+            .bind(evidence)
+            .bind(receipt.text())
+            .bind(receipt_id)
+            .bind(c.by.as_str())
+            .bind(c.fence)
+            .bind(op.attempts)
+            .bind(&op.tenant)
+            .bind(&op.action_id)
+            .bind(&op.tool)
+            .bind(&op.fingerprint)
+            .bind(&op.reply_to)
+            .bind(&op.compensates)
+            .bind(&op.traceparent)
+            .bind(&op.tracestate)
+            .bind(epoch)
+            .bind(e.ids[0])
+            .bind(&e.keys[0])
+            .bind(&e.statuses[0])
+            .bind(&e.payloads[0])
+            .bind(&e.traceparents[0])
+            .bind(&e.tracestates[0])
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let mut moved =
+            super::OperationDecoder::decode_all(std::slice::from_ref(&row), |op, row| {
+                Ok((op, sqlx::Row::try_get::<i64, _>(row, "event_row")?))
+            })?;
+        let (now, event_row) = moved.pop().expect("one row decoded from one");
+        let event_id = e.ids[0];
+        let held = outbox::held_rows(&events, e, vec![(event_row, Some(epoch), event_id)])?;
+        Ok(Some((Applied::Done(now), held)))
     }
 
     async fn complete_one(

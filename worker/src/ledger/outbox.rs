@@ -141,18 +141,18 @@ impl From<ClaimedRow> for OutboxRow {
 }
 
 /// The columns of one insert, in `unnest` order.
-struct EventColumns {
-    ids: Vec<uuid::Uuid>,
+pub(super) struct EventColumns {
+    pub(super) ids: Vec<uuid::Uuid>,
     op_ids: Vec<Option<i64>>,
-    keys: Vec<String>,
-    statuses: Vec<String>,
+    pub(super) keys: Vec<String>,
+    pub(super) statuses: Vec<String>,
     /// JSON text, cast to `json` (kept as written) by the statement.
-    payloads: Vec<String>,
-    traceparents: Vec<Option<String>>,
-    tracestates: Vec<Option<String>>,
+    pub(super) payloads: Vec<String>,
+    pub(super) traceparents: Vec<Option<String>>,
+    pub(super) tracestates: Vec<Option<String>>,
 }
 
-fn columns(events: &[NewEvent]) -> EventColumns {
+pub(super) fn columns(events: &[NewEvent]) -> EventColumns {
     let mut c = EventColumns {
         ids: Vec::with_capacity(events.len()),
         op_ids: Vec::with_capacity(events.len()),
@@ -272,7 +272,7 @@ pub async fn insert_held_events(
 /// The rows [`insert_held_events`] inserted, built from what it sent and the ids the database
 /// gave them (matched by event id), in id order. An event id the database did not answer for
 /// fails the caller's transaction rather than hand over a row without its id.
-fn held_rows(
+pub(super) fn held_rows(
     events: &[NewEvent],
     c: EventColumns,
     inserted: Vec<(i64, Option<i64>, uuid::Uuid)>,

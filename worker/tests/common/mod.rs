@@ -164,6 +164,7 @@ async fn complete(ctx: &Context, op: &Operation, transition: Transition) -> Oper
             by: Source::Dispatch,
             transition,
             trace: None,
+            dispatched: Some(Box::new(op.clone())),
         })
         .await
         .0
