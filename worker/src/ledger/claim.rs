@@ -223,9 +223,10 @@ impl Ledger {
             .collect())
     }
 
-    /// [`Ledger::fence_sends`] for a lone send (a light load's every send), as a prepared
-    /// statement: it finds its row by primary key, a plan that holds whatever the table's size,
-    /// so it is planned once per connection instead of at each run as the batch's join is.
+    /// [`Ledger::fence_sends`] for a lone send (a light load's every send): the row found by
+    /// primary key, without the batch's arrays and join, so planning it costs less. Planned at
+    /// each run all the same: a generic plan made while the table fitted a page or two is a
+    /// sequential scan, kept until the next analysis however much the table has grown since.
     async fn fence_one(
         &self,
         send: &SendFence,
@@ -251,6 +252,7 @@ impl Ledger {
         .bind(worker_id)
         .bind(lease.as_secs_f64())
         .bind(send.deadline.map(|d| d.as_secs_f64()))
+        .persistent(false)
         .fetch_optional(&self.pool)
         .await?;
         Ok(passed.map(|(deadline,)| Passed { deadline }))
