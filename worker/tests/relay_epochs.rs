@@ -438,6 +438,33 @@ fn handed<'a>(done: &'a Completed, action_id: &str) -> &'a OutboxRow {
         .unwrap_or_else(|| panic!("no event of {action_id} handed: {:?}", done.events))
 }
 
+/// Checks that `handed` is the row stored under its id, held for this worker's relay in `epoch`,
+/// and says what operation `op_id`, as recorded, owes the agent; answers the stored payload.
+async fn held_as_owed(
+    ctx: &worker::context::Context,
+    db: &TestDb,
+    handed: &OutboxRow,
+    op_id: i64,
+    epoch: i64,
+) -> serde_json::Value {
+    let (payload, relay_epoch, owner, held) = stored(db, handed.id).await;
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&handed.payload).unwrap(),
+        payload,
+        "handed as stored"
+    );
+    assert_eq!(
+        (relay_epoch, owner.as_deref(), held),
+        (Some(epoch), Some(WORKER_ID), true)
+    );
+    assert_eq!(handed.relay_epoch, Some(epoch));
+    assert_eq!(handed.event_id, payload["event_id"].as_str().unwrap());
+    let row = ctx.ledger.get(op_id).await.unwrap().unwrap();
+    let owed = serde_json::to_value(worker::answers::succeeded(&row).event).unwrap();
+    assert_eq!(said(&payload), said(&owed), "what the row as recorded owes");
+    payload
+}
+
 /// What an event says apart from its own id and time.
 fn said(event: &serde_json::Value) -> serde_json::Value {
     let mut said = event.clone();
@@ -484,25 +511,9 @@ async fn receipts_into_a_live_epoch_are_stored_with_the_events_their_rows_owe() 
             (op.lease_owner.as_deref(), op.last_reported.as_deref()),
             (None, Some("succeeded"))
         );
-        let row = ctx.ledger.get(op.id).await.unwrap().unwrap();
         let events = outbox_events(db.pool(), op.id).await;
         assert_eq!(events.len(), 1, "one event for {}", op.action_id);
-        let handed = handed(&done, &op.action_id);
-        let (payload, relay_epoch, owner, held) = stored(&db, handed.id).await;
-        assert_eq!(
-            serde_json::from_str::<serde_json::Value>(&handed.payload).unwrap(),
-            payload,
-            "handed as stored"
-        );
-        assert_eq!(
-            (relay_epoch, owner.as_deref(), held),
-            (Some(epoch), Some(WORKER_ID), true)
-        );
-        assert_eq!(handed.relay_epoch, Some(epoch));
-        assert_eq!(handed.event_id, payload["event_id"].as_str().unwrap());
-        // What the row, as recorded, owes the agent.
-        let owed = serde_json::to_value(worker::answers::succeeded(&row).event).unwrap();
-        assert_eq!(said(&payload), said(&owed));
+        held_as_owed(&ctx, &db, handed(&done, &op.action_id), op.id, epoch).await;
     }
     db.drop_db().await;
 }
@@ -583,13 +594,15 @@ async fn late_receipts_in_a_batch_into_a_live_epoch_are_answered_as_if_alone() {
     db.drop_db().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn receipts_wait_for_an_epoch_being_retired_and_then_go_into_a_new_one() {
-    let db = TestDb::new().await;
-    let ctx = context(&db);
-    let (first, epoch) = batch(&ctx, "retiring-0", None).await;
-    let (_, completions) = two_receipts(&ctx, "retiring").await;
-    // A retirement under way: it holds the epoch's row and deletes it (`Ledger::retire_epochs`).
+/// `completions` recorded into `epoch` while a retirement of it is under way (it holds the
+/// epoch's row and deletes it, as `Ledger::retire_epochs` does): they wait for it, then all go
+/// into a new epoch, which is returned with what was recorded.
+async fn recorded_during_a_retirement(
+    ctx: &worker::context::Context,
+    db: &TestDb,
+    completions: Vec<Completion>,
+    epoch: i64,
+) -> (Completed, i64) {
     let mut retiring = db.pool().begin().await.unwrap();
     sqlx::query("DELETE FROM relay_epochs WHERE id = $1")
         .bind(epoch)
@@ -605,13 +618,23 @@ async fn receipts_wait_for_an_epoch_being_retired_and_then_go_into_a_new_one() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         !recording.is_finished(),
-        "the batch waits for the retirement"
+        "the receipts wait for the retirement"
     );
     retiring.commit().await.unwrap();
     let done = recording.await.unwrap();
     assert_all_done(&done);
     let new = done.epoch.expect("a new epoch");
     assert_ne!(new, epoch);
+    (done, new)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receipts_wait_for_an_epoch_being_retired_and_then_go_into_a_new_one() {
+    let db = TestDb::new().await;
+    let ctx = context(&db);
+    let (first, epoch) = batch(&ctx, "retiring-0", None).await;
+    let (_, completions) = two_receipts(&ctx, "retiring").await;
+    let (done, new) = recorded_during_a_retirement(&ctx, &db, completions, epoch).await;
     assert!(
         !epoch_exists(&db, epoch).await,
         "a retired epoch is never begun again"
@@ -691,25 +714,7 @@ async fn a_lone_receipt_is_stored_in_one_statement_as_the_general_path_stores_it
     assert_eq!(events.len(), 1);
     let handed = &events[0];
     assert!(handed.id > first.id);
-    let (payload, relay_epoch, owner, held) = stored(&db, handed.id).await;
-    assert_eq!(
-        serde_json::from_str::<serde_json::Value>(&handed.payload).unwrap(),
-        payload,
-        "handed as stored"
-    );
-    assert_eq!(
-        (relay_epoch, owner.as_deref(), held),
-        (Some(epoch), Some(WORKER_ID), true)
-    );
-    assert_eq!(handed.relay_epoch, Some(epoch));
-    assert_eq!(handed.event_id, payload["event_id"].as_str().unwrap());
-    let row = ctx.ledger.get(op.id).await.unwrap().unwrap();
-    let owed = serde_json::to_value(worker::answers::succeeded(&row).event).unwrap();
-    assert_eq!(
-        said(&payload),
-        said(&owed),
-        "the event the row as stored owes"
-    );
+    let payload = held_as_owed(&ctx, &db, handed, op.id, epoch).await;
 
     // The twin, recorded by the general path (no row held by a dispatch): the same row and the
     // same event, but for its own key.
@@ -746,117 +751,72 @@ async fn a_lone_receipt_is_stored_in_one_statement_as_the_general_path_stores_it
     db.drop_db().await;
 }
 
+/// A lone receipt of a freshly claimed `action_id`, after `change` (its `$1` the row's id) moved
+/// the row or the epoch: the one-statement path writes nothing, and the row stays `state`.
+async fn drifted(
+    ctx: &worker::context::Context,
+    db: &TestDb,
+    epoch: i64,
+    action_id: &str,
+    change: &str,
+    state: &str,
+) -> Completion {
+    let op = dispatching(ctx, "north", action_id, "refund").await;
+    let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
+    sqlx::query(sqlx::AssertSqlSafe(change.to_string()))
+        .bind(op.id)
+        .execute(db.pool())
+        .await
+        .unwrap();
+    let fast = ctx.ledger.succeed_dispatched(WORKER_ID, &c, epoch).await;
+    assert!(matches!(fast, Ok(None)), "{action_id}: {fast:?}");
+    let written: (String, i64) = sqlx::query_as(
+        "SELECT state, (SELECT count(*) FROM result_outbox WHERE operation_id = $1)
+         FROM operations WHERE id = $1",
+    )
+    .bind(op.id)
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(written, (state.to_string(), 0), "{action_id}");
+    c
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_receipt_whose_row_or_epoch_moved_is_left_to_the_general_path() {
     let db = TestDb::new().await;
     let ctx = context(&db);
     let (_, epoch) = batch(&ctx, "drift-0", None).await;
-    let nothing_written = |id: i64| {
-        let pool = db.pool().clone();
+    let general = |c: Completion, epoch: Option<i64>| {
+        let ledger = ctx.ledger.clone();
         async move {
-            let (state, events): (String, i64) = sqlx::query_as(
-                "SELECT state, (SELECT count(*) FROM result_outbox WHERE operation_id = $1)
-                 FROM operations WHERE id = $1",
-            )
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-            (state, events)
+            let done = ledger
+                .complete_held(WORKER_ID, std::slice::from_ref(&c), epoch)
+                .await;
+            assert_all_done(&done);
+            let event: serde_json::Value = serde_json::from_str(&done.events[0].payload).unwrap();
+            (done, event)
         }
     };
     // A replay counted a write meanwhile: the event the dispatch built says one attempt.
-    let op = dispatching(&ctx, "north", "drift-attempts", "refund").await;
-    let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
-    sqlx::query("UPDATE operations SET attempts = attempts + 1 WHERE id = $1")
-        .bind(op.id)
-        .execute(db.pool())
-        .await
-        .unwrap();
-    assert!(ctx
-        .ledger
-        .succeed_dispatched(WORKER_ID, &c, epoch)
-        .await
-        .unwrap()
-        .is_none());
-    assert_eq!(nothing_written(op.id).await, ("dispatching".into(), 0));
-    let done = ctx
-        .ledger
-        .complete_held(WORKER_ID, std::slice::from_ref(&c), Some(epoch))
-        .await;
-    assert_all_done(&done);
-    assert_eq!(
-        serde_json::from_str::<serde_json::Value>(&done.events[0].payload).unwrap()["attempts"],
-        2
-    );
-
+    let attempts = "UPDATE operations SET attempts = attempts + 1 WHERE id = $1";
+    let c = drifted(&ctx, &db, epoch, "drift-attempts", attempts, "dispatching").await;
+    assert_eq!(general(c, Some(epoch)).await.1["attempts"], 2);
     // The lease ran out and recovery took the row: the receipt is a late one.
-    let op = dispatching(&ctx, "north", "drift-lease", "refund").await;
-    let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
-    sqlx::query(
-        "UPDATE operations SET state = 'unknown', lease_owner = NULL, lease_until = NULL
-         WHERE id = $1",
-    )
-    .bind(op.id)
-    .execute(db.pool())
-    .await
-    .unwrap();
-    assert!(ctx
-        .ledger
-        .succeed_dispatched(WORKER_ID, &c, epoch)
-        .await
-        .unwrap()
-        .is_none());
-    assert_eq!(nothing_written(op.id).await, ("unknown".into(), 0));
-    let done = ctx
-        .ledger
-        .complete_held(WORKER_ID, std::slice::from_ref(&c), Some(epoch))
-        .await;
-    let Ok(Applied::Done(row)) = &done.results[0] else {
-        panic!("{:?}", done.results)
-    };
-    assert_eq!(row.verified_by.as_deref(), Some("late_receipt"));
+    let expired = "UPDATE operations SET state = 'unknown', lease_owner = NULL, lease_until = NULL
+                   WHERE id = $1";
+    let c = drifted(&ctx, &db, epoch, "drift-lease", expired, "unknown").await;
     assert_eq!(
-        serde_json::from_str::<serde_json::Value>(&done.events[0].payload).unwrap()["verified_by"],
+        general(c, Some(epoch)).await.1["verified_by"],
         "late_receipt"
     );
-
     // Another worker's fence: the row is no longer this dispatch's.
-    let op = dispatching(&ctx, "north", "drift-fence", "refund").await;
-    let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
-    sqlx::query("UPDATE operations SET fence = fence + 1 WHERE id = $1")
-        .bind(op.id)
-        .execute(db.pool())
-        .await
-        .unwrap();
-    assert!(ctx
-        .ledger
-        .succeed_dispatched(WORKER_ID, &c, epoch)
-        .await
-        .unwrap()
-        .is_none());
-    assert_eq!(nothing_written(op.id).await, ("dispatching".into(), 0));
-
+    let fenced = "UPDATE operations SET fence = fence + 1 WHERE id = $1";
+    drifted(&ctx, &db, epoch, "drift-fence", fenced, "dispatching").await;
     // The epoch was retired: nothing is written into it, and the general path begins a new one.
-    let op = dispatching(&ctx, "north", "drift-epoch", "refund").await;
-    let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
-    sqlx::query("DELETE FROM relay_epochs WHERE id = $1")
-        .bind(epoch)
-        .execute(db.pool())
-        .await
-        .unwrap();
-    assert!(ctx
-        .ledger
-        .succeed_dispatched(WORKER_ID, &c, epoch)
-        .await
-        .unwrap()
-        .is_none());
-    assert_eq!(nothing_written(op.id).await, ("dispatching".into(), 0));
-    let done = ctx
-        .ledger
-        .complete_held(WORKER_ID, std::slice::from_ref(&c), Some(epoch))
-        .await;
-    assert_all_done(&done);
+    let retired = format!("DELETE FROM relay_epochs WHERE id = {epoch} AND $1::int8 IS NOT NULL");
+    let c = drifted(&ctx, &db, epoch, "drift-epoch", &retired, "dispatching").await;
+    let (done, _) = general(c, Some(epoch)).await;
     let new = done.epoch.expect("a new epoch");
     assert_ne!(new, epoch);
     assert_eq!(done.events[0].relay_epoch, Some(new));
@@ -870,28 +830,7 @@ async fn a_lone_receipt_waits_for_an_epoch_being_retired_and_then_goes_into_a_ne
     let (_, epoch) = batch(&ctx, "lone-retiring-0", None).await;
     let op = dispatching(&ctx, "north", "lone-retiring", "refund").await;
     let c = receipt_of(&op, receipt_for("north", &op.action_id, "r-1"));
-    let mut retiring = db.pool().begin().await.unwrap();
-    sqlx::query("DELETE FROM relay_epochs WHERE id = $1")
-        .bind(epoch)
-        .execute(&mut *retiring)
-        .await
-        .unwrap();
-    let ledger = ctx.ledger.clone();
-    let recording = tokio::spawn(async move {
-        ledger
-            .complete_held(WORKER_ID, std::slice::from_ref(&c), Some(epoch))
-            .await
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !recording.is_finished(),
-        "the receipt waits for the retirement"
-    );
-    retiring.commit().await.unwrap();
-    let done = recording.await.unwrap();
-    assert_all_done(&done);
-    let new = done.epoch.expect("a new epoch");
-    assert_ne!(new, epoch);
+    let (done, new) = recorded_during_a_retirement(&ctx, &db, vec![c], epoch).await;
     assert_eq!(done.events.len(), 1);
     assert_eq!(done.events[0].relay_epoch, Some(new));
     assert_eq!(stored(&db, done.events[0].id).await.1, Some(new));
