@@ -1,5 +1,6 @@
 //! Completion: recording what a dispatch or a recovery round found, with the result event
-//! for the agent (built by [`crate::answers`]), many operations per commit.
+//! for the agent (built by [`crate::answers`]), many operations per commit; a lone receipt for
+//! the row its dispatch holds in one statement with its event ([`Ledger::succeed_dispatched`]).
 //!
 //! A receipt goes through the receipt path: it may settle any unresolved row, whoever owns it,
 //! because it is the downstream's proof (checked against the operation before it gets here).
