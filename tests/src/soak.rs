@@ -1917,10 +1917,25 @@ async fn chaos(
     }
 }
 
+/// When the result events a worker SIGKILLed at `killed_at` had committed but not published
+/// have surely gone to another relay: its relay epoch was last advanced before the kill, is
+/// retired once silent for the relay hold, by a live relay that looks at most every quarter
+/// hold, and the events are then published at its next round (a second of slack). Before this
+/// an event of a worker killed just after its commit may still, by design, be waiting.
+fn held_events_released_by(killed_at: DateTime<Utc>) -> Instant {
+    let hold = worker::ledger::outbox::RELAY_HOLD;
+    let released = killed_at
+        + chrono::Duration::from_std(hold + hold / 4).expect("a short hold")
+        + chrono::Duration::seconds(1);
+    let wait = (released - Utc::now()).to_std().unwrap_or_default();
+    Instant::now() + wait
+}
+
 /// Waits until every key has a row, none is still moving (`prepared`, `dispatching`,
 /// `retry_wait`, `unknown`, `accepted`), the outbox is published and the agent holds an event
-/// for every key; or until `settle_secs` passed. Returns `None` once settled, else what was
-/// still outstanding at the cap.
+/// for every key; or until `settle_secs` passed, and at least until the events a SIGKILLed
+/// worker held may have gone to another relay ([`held_events_released_by`]). Returns `None`
+/// once settled, else what was still outstanding at the cap.
 async fn settle(
     ledger: &PgPool,
     actions: &[Action],
@@ -1928,7 +1943,12 @@ async fn settle(
     kills: &Mutex<Vec<(String, DateTime<Utc>)>>,
     settle_secs: u64,
 ) -> Option<String> {
-    let deadline = Instant::now() + Duration::from_secs(settle_secs);
+    let cap = Instant::now() + Duration::from_secs(settle_secs);
+    let last_kill = kills.lock().unwrap().iter().map(|(_, at)| *at).max();
+    let deadline = match last_kill {
+        Some(at) => cap.max(held_events_released_by(at)),
+        None => cap,
+    };
     loop {
         let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM operations")
             .fetch_one(ledger)
@@ -3010,6 +3030,24 @@ fn strip_ansi(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A short soak's settle once ended 0.9 s before a worker SIGKILLed just after a commit had
+    /// its held event retired to another relay (a "lost answer"): the settle now lasts until the
+    /// hold and the retiring relay's look have passed since the last kill.
+    #[test]
+    fn the_settle_outlasts_the_relay_hold_after_the_last_kill() {
+        let hold = worker::ledger::outbox::RELAY_HOLD;
+        let now = Instant::now();
+        let recent = held_events_released_by(Utc::now() - chrono::Duration::seconds(5));
+        let waits = recent.duration_since(now);
+        assert!(
+            waits >= hold + hold / 4 + Duration::from_millis(500) - Duration::from_secs(5)
+                && waits <= hold + hold / 4 + Duration::from_secs(1),
+            "{waits:?}"
+        );
+        let long_ago = held_events_released_by(Utc::now() - chrono::Duration::seconds(120));
+        assert!(long_ago.duration_since(now) < Duration::from_millis(100));
+    }
 
     fn at(hms: &str) -> DateTime<Utc> {
         format!("2026-12-06T{hms}Z").parse().unwrap()
