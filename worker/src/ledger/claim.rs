@@ -171,9 +171,6 @@ impl Ledger {
         if sends.is_empty() {
             return Ok(Vec::new());
         }
-        if let [send] = sends {
-            return Ok(vec![self.fence_one(send, worker_id, lease).await?]);
-        }
         let ids: Vec<i64> = sends.iter().map(|s| s.id).collect();
         let fences: Vec<i64> = sends.iter().map(|s| s.fence).collect();
         let timeouts: Vec<f64> = sends.iter().map(|s| s.timeout.as_secs_f64()).collect();
@@ -221,41 +218,6 @@ impl Ledger {
                     .map(|&(_, _, deadline)| Passed { deadline })
             })
             .collect())
-    }
-
-    /// [`Ledger::fence_sends`] for a lone send (a light load's every send): the row found by
-    /// primary key, without the batch's arrays and join, so planning it costs less. Planned at
-    /// each run all the same: a generic plan made while the table fitted a page or two is a
-    /// sequential scan, kept until the next analysis however much the table has grown since.
-    async fn fence_one(
-        &self,
-        send: &SendFence,
-        worker_id: &str,
-        lease: Duration,
-    ) -> Result<Option<Passed>, LedgerError> {
-        let passed: Option<(Option<DateTime<Utc>>,)> = sqlx::query_as(
-            "UPDATE operations o
-             SET lease_until = now() + make_interval(secs => $3 + $5),
-                 unsent_fence = NULL,
-                 send_deadline = CASE
-                     WHEN $6::float8 IS NULL OR (o.send_deadline IS NULL AND o.attempts > 1)
-                         THEN NULL
-                     ELSE greatest(o.send_deadline, now() + make_interval(secs => $6::float8)) END
-             WHERE o.id = $1 AND o.fence = $2 AND (o.state = 'dispatching') IS TRUE
-               AND o.lease_owner = $4 AND o.lease_until > now()
-             RETURNING CASE WHEN $6::float8 IS NOT NULL
-                 THEN coalesce(o.send_deadline, now() + make_interval(secs => $6::float8)) END",
-        )
-        .bind(send.id)
-        .bind(send.fence)
-        .bind(send.timeout.as_secs_f64())
-        .bind(worker_id)
-        .bind(lease.as_secs_f64())
-        .bind(send.deadline.map(|d| d.as_secs_f64()))
-        .persistent(false)
-        .fetch_optional(&self.pool)
-        .await?;
-        Ok(passed.map(|(deadline,)| Passed { deadline }))
     }
 
     /// The send fence of a replay of an `unknown` row leased by `fence`, run just before the

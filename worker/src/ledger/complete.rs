@@ -204,29 +204,16 @@ impl Ledger {
         if completions.is_empty() {
             return Completed::default();
         }
-        if let ([c], true, Some(current)) = (completions, held, *epoch) {
-            match self.succeed_dispatched(worker_id, c, current).await {
-                Ok(Some((applied, events))) => {
-                    return Completed {
-                        results: vec![Ok(applied)],
-                        events,
-                        epoch: *epoch,
-                    }
-                }
-                // Not the awaited receipt, or the row reads otherwise: the general path.
-                Ok(None) => {}
-                Err(e) => {
-                    // Its commit may have happened with the event never returned.
-                    *epoch = None;
-                    return Completed {
-                        results: vec![Err(e)],
-                        events: Vec::new(),
-                        epoch: None,
-                    };
+        let batch: Result<(Vec<Applied>, Vec<OutboxRow>), LedgerError> = async {
+            // A lone receipt its dispatch holds goes in one statement when the row and the
+            // epoch still read as its event was built from; anything else, the general path.
+            if let ([c], true, Some(current)) = (completions, held, *epoch) {
+                if let Some((applied, events)) =
+                    self.succeed_dispatched(worker_id, c, current).await?
+                {
+                    return Ok((vec![applied], events));
                 }
             }
-        }
-        let batch: Result<(Vec<Applied>, Vec<OutboxRow>), LedgerError> = async {
             let mut tx = self.pool.begin().await?;
             let out = apply_batch(&mut tx, worker_id, completions, held, epoch).await?;
             tx.commit().await?;
