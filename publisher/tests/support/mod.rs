@@ -71,6 +71,12 @@ pub async fn bound_queue(exchange: &str, key: &str) -> (Connection, Channel, lap
         .await
         .expect("connect");
     let channel = connection.create_channel().await.expect("channel");
+    let queue = bind_exclusive(&channel, exchange, key).await;
+    (connection, channel, queue)
+}
+
+/// An exclusive, auto-deleted queue declared on `channel` and bound to `exchange` with `key`.
+async fn bind_exclusive(channel: &Channel, exchange: &str, key: &str) -> lapin::Queue {
     let queue = channel
         .queue_declare(
             "".into(),
@@ -93,7 +99,7 @@ pub async fn bound_queue(exchange: &str, key: &str) -> (Connection, Channel, lap
         )
         .await
         .expect("bind");
-    (connection, channel, queue)
+    queue
 }
 
 /// One message as the catcher got it.
@@ -142,31 +148,11 @@ impl Catcher {
             )
             .await
             .expect("declare exchange");
-        let queue = channel
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
+        let queue = bind_exclusive(&channel, &exchange, "#")
             .await
-            .expect("queue")
             .name()
             .as_str()
             .to_owned();
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("bind");
         Catcher {
             exchange,
             connection,
