@@ -787,6 +787,52 @@ async fn the_hot_batches_find_their_rows_by_id_not_through_the_unresolved_index(
     db.drop_db().await;
 }
 
+/// A lone send's fence (every send at light load) keeps finding its row by primary key after
+/// the table grew past the one its plan was made on. Postgres plans a prepared statement for
+/// its parameters five times, then keeps a generic plan until the table's next analysis: made
+/// on a young table that autovacuum had analysed while it held a page or two, that plan is a
+/// sequential scan, and it would read the whole grown table for every send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_send_fence_finds_its_row_by_id_after_the_table_grew() {
+    let db = TestDb::new().await;
+    let (pool, ledger) = one_connection(&db).await;
+    let early = fill(&pool, "early-", 10).await;
+    sqlx::query("ANALYZE operations")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for &id in &early {
+        fence_lone(&ledger, id).await;
+    }
+    fill(&pool, "old-", 5000).await;
+    finish(&pool, "old-").await;
+    let late = fill(&pool, "late-", 10).await;
+    // Each early row was written twice (inserted, fenced), each old one twice.
+    let before = seq_scans_reported(&db, &pool, 5020, 5010).await;
+    for &id in &late {
+        fence_lone(&ledger, id).await;
+    }
+    assert_eq!(
+        seq_scans_reported(&db, &pool, 5020, 5020).await,
+        before,
+        "a lone send fence read the whole table"
+    );
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// The send fence of row `id` alone, as the worker runs it for a lone send; it passes.
+async fn fence_lone(ledger: &worker::ledger::Ledger, id: i64) {
+    let send = worker::ledger::SendFence {
+        id,
+        fence: 1,
+        timeout: TIMEOUT,
+        deadline: None,
+    };
+    let passed = ledger.fence_sends(&[send], WORKER_ID, LEASE).await.unwrap();
+    assert!(passed[0].is_some(), "the fence passes");
+}
+
 /// Sequential scans of `operations` that the statistics have counted, once they count the
 /// `inserted` and `updated` rows that the backend behind `pool` (one connection) wrote.
 async fn seq_scans_reported(db: &TestDb, pool: &sqlx::PgPool, inserted: i64, updated: i64) -> i64 {

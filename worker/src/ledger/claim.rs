@@ -171,6 +171,9 @@ impl Ledger {
         if sends.is_empty() {
             return Ok(Vec::new());
         }
+        if let [send] = sends {
+            return Ok(vec![self.fence_lone_send(send, worker_id, lease).await?]);
+        }
         let ids: Vec<i64> = sends.iter().map(|s| s.id).collect();
         let fences: Vec<i64> = sends.iter().map(|s| s.fence).collect();
         let timeouts: Vec<f64> = sends.iter().map(|s| s.timeout.as_secs_f64()).collect();
@@ -218,6 +221,29 @@ impl Ledger {
                     .map(|&(_, _, deadline)| Passed { deadline })
             })
             .collect())
+    }
+
+    /// [`Ledger::fence_sends`] for a lone send (every send at light load): the same rule in a
+    /// function (migration 0022) whose plan is kept per connection and finds the row by
+    /// primary key whatever the table's size when it was made, where the batch's statement is
+    /// parsed, described and planned at each run (most of a lone fence's cost).
+    async fn fence_lone_send(
+        &self,
+        send: &SendFence,
+        worker_id: &str,
+        lease: Duration,
+    ) -> Result<Option<Passed>, LedgerError> {
+        let passed: Option<(Option<DateTime<Utc>>,)> =
+            sqlx::query_as("SELECT d FROM fence_lone_send($1, $2, $3, $4, $5, $6) AS f(d)")
+                .bind(send.id)
+                .bind(send.fence)
+                .bind(send.timeout.as_secs_f64())
+                .bind(worker_id)
+                .bind(lease.as_secs_f64())
+                .bind(send.deadline.map(|d| d.as_secs_f64()))
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(passed.map(|(deadline,)| Passed { deadline }))
     }
 
     /// The send fence of a replay of an `unknown` row leased by `fence`, run just before the
