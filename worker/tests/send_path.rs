@@ -787,50 +787,71 @@ async fn the_hot_batches_find_their_rows_by_id_not_through_the_unresolved_index(
     db.drop_db().await;
 }
 
-/// A lone send's fence (every send at light load) keeps finding its row by primary key after
-/// the table grew past the one its plan was made on. Postgres plans a prepared statement for
-/// its parameters five times, then keeps a generic plan until the table's next analysis: made
-/// on a young table that autovacuum had analysed while it held a page or two, that plan is a
-/// sequential scan, and it would read the whole grown table for every send.
+/// The send fence, alone (every send at light load) and in batches, keeps finding its rows by
+/// primary key after the table grew past the one its plan was made on. Postgres plans a prepared
+/// statement for its parameters five times, then keeps a generic plan until the table's next
+/// analysis: made on a young table that autovacuum had analysed while it held a page or two,
+/// that plan is a sequential scan (or a join reading all of the primary key), and it would read
+/// the whole grown table for every batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lone_send_fence_finds_its_row_by_id_after_the_table_grew() {
+async fn the_send_fence_finds_its_rows_by_id_after_the_table_grew() {
     let db = TestDb::new().await;
     let (pool, ledger) = one_connection(&db).await;
-    let early = fill(&pool, "early-", 10).await;
+    let early = fill(&pool, "early-", 30).await;
     sqlx::query("ANALYZE operations")
         .execute(&pool)
         .await
         .unwrap();
-    for &id in &early {
-        fence_lone(&ledger, id).await;
+    for &id in &early[..10] {
+        fence(&ledger, &[id]).await;
+    }
+    for pair in early[10..].chunks(2) {
+        fence(&ledger, pair).await;
     }
     fill(&pool, "old-", 5000).await;
     finish(&pool, "old-").await;
-    let late = fill(&pool, "late-", 10).await;
+    let late = fill(&pool, "late-", 20).await;
     // Each early row was written twice (inserted, fenced), each old one twice.
-    let before = seq_scans_reported(&db, &pool, 5020, 5010).await;
-    for &id in &late {
-        fence_lone(&ledger, id).await;
+    let before = seq_scans_reported(&db, &pool, 5050, 5030).await;
+    let keys_read = pkey_tuples_read(db.pool()).await;
+    for &id in &late[..10] {
+        fence(&ledger, &[id]).await;
     }
+    fence(&ledger, &late[10..]).await;
     assert_eq!(
-        seq_scans_reported(&db, &pool, 5020, 5020).await,
+        seq_scans_reported(&db, &pool, 5050, 5050).await,
         before,
-        "a lone send fence read the whole table"
+        "a send fence read the whole table"
     );
+    let read = pkey_tuples_read(db.pool()).await - keys_read;
+    assert!(read <= 100, "the fences read {read} primary key entries for 20 rows");
     pool.close().await;
     db.drop_db().await;
 }
 
-/// The send fence of row `id` alone, as the worker runs it for a lone send; it passes.
-async fn fence_lone(ledger: &worker::ledger::Ledger, id: i64) {
-    let send = worker::ledger::SendFence {
-        id,
-        fence: 1,
-        timeout: TIMEOUT,
-        deadline: None,
-    };
-    let passed = ledger.fence_sends(&[send], WORKER_ID, LEASE).await.unwrap();
-    assert!(passed[0].is_some(), "the fence passes");
+/// Entries of the primary key of `operations` that index scans have read, as counted so far.
+async fn pkey_tuples_read(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'operations_pkey'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// The send fence of `ids` in one batch, as the worker runs it; every row passes.
+async fn fence(ledger: &worker::ledger::Ledger, ids: &[i64]) {
+    let sends: Vec<worker::ledger::SendFence> = ids
+        .iter()
+        .map(|&id| worker::ledger::SendFence {
+            id,
+            fence: 1,
+            timeout: TIMEOUT,
+            deadline: None,
+        })
+        .collect();
+    let passed = ledger.fence_sends(&sends, WORKER_ID, LEASE).await.unwrap();
+    assert!(passed.iter().all(Option::is_some), "every fence passes");
 }
 
 /// Sequential scans of `operations` that the statistics have counted, once they count the

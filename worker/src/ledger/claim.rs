@@ -171,9 +171,6 @@ impl Ledger {
         if sends.is_empty() {
             return Ok(Vec::new());
         }
-        if let [send] = sends {
-            return Ok(vec![self.fence_lone_send(send, worker_id, lease).await?]);
-        }
         let ids: Vec<i64> = sends.iter().map(|s| s.id).collect();
         let fences: Vec<i64> = sends.iter().map(|s| s.fence).collect();
         let timeouts: Vec<f64> = sends.iter().map(|s| s.timeout.as_secs_f64()).collect();
@@ -181,24 +178,11 @@ impl Ledger {
             .iter()
             .map(|s| s.deadline.map(|d| d.as_secs_f64()))
             .collect();
-        // Each row is found by its id. The state predicate is written so that no index can
-        // serve it: the unresolved index still holds an entry for every row that was
-        // `dispatching` since the last vacuum, and a bitmap scan through it (what the planner
-        // picks when it believes few rows are `dispatching`) visits all of their pages.
+        // The rule is the function `fence_sends` (migration 0022): called through a prepared
+        // statement, its plan is kept per connection and finds each row by primary key, where
+        // the statement itself would be parsed, described and planned for every batch.
         let passed: Vec<(i64, i64, Option<DateTime<Utc>>)> = sqlx::query_as(
-            "UPDATE operations o
-             SET lease_until = now() + make_interval(secs => i.timeout + $5),
-                 unsent_fence = NULL,
-                 send_deadline = CASE
-                     WHEN i.deadline IS NULL OR (o.send_deadline IS NULL AND o.attempts > 1)
-                         THEN NULL
-                     ELSE greatest(o.send_deadline, now() + make_interval(secs => i.deadline)) END
-             FROM unnest($1::int8[], $2::int8[], $3::float8[], $6::float8[])
-                  AS i(id, fence, timeout, deadline)
-             WHERE o.id = i.id AND o.fence = i.fence AND (o.state = 'dispatching') IS TRUE
-               AND o.lease_owner = $4 AND o.lease_until > now()
-             RETURNING o.id, o.fence, CASE WHEN i.deadline IS NOT NULL
-                 THEN coalesce(o.send_deadline, now() + make_interval(secs => i.deadline)) END",
+            "SELECT sent_id, sent_fence, sent_deadline FROM fence_sends($1, $2, $3, $4, $5, $6)",
         )
         .bind(&ids)
         .bind(&fences)
@@ -206,10 +190,6 @@ impl Ledger {
         .bind(worker_id)
         .bind(lease.as_secs_f64())
         .bind(&deadlines)
-        // Planned at each run, for the batch and the table it meets: a prepared statement's
-        // generic plan, made while the table was small (a sequential scan), would be kept until
-        // the next ANALYZE and read the whole table for every batch once it has grown.
-        .persistent(false)
         .fetch_all(&self.pool)
         .await?;
         Ok(sends
@@ -221,29 +201,6 @@ impl Ledger {
                     .map(|&(_, _, deadline)| Passed { deadline })
             })
             .collect())
-    }
-
-    /// [`Ledger::fence_sends`] for a lone send (every send at light load): the same rule in a
-    /// function (migration 0022) whose plan is kept per connection and finds the row by
-    /// primary key whatever the table's size when it was made, where the batch's statement is
-    /// parsed, described and planned at each run (most of a lone fence's cost).
-    async fn fence_lone_send(
-        &self,
-        send: &SendFence,
-        worker_id: &str,
-        lease: Duration,
-    ) -> Result<Option<Passed>, LedgerError> {
-        let passed: Option<(Option<DateTime<Utc>>,)> =
-            sqlx::query_as("SELECT d FROM fence_lone_send($1, $2, $3, $4, $5, $6) AS f(d)")
-                .bind(send.id)
-                .bind(send.fence)
-                .bind(send.timeout.as_secs_f64())
-                .bind(worker_id)
-                .bind(lease.as_secs_f64())
-                .bind(send.deadline.map(|d| d.as_secs_f64()))
-                .fetch_optional(&self.pool)
-                .await?;
-        Ok(passed.map(|(deadline,)| Passed { deadline }))
     }
 
     /// The send fence of a replay of an `unknown` row leased by `fence`, run just before the

@@ -509,7 +509,8 @@ async fn succeed_many(
         .bind(&receipts)
         .bind(&receipt_ids)
         .bind(&sources)
-        // Planned at each run, like the send fence (`Ledger::fence_sends`).
+        // Planned at each run, for the batch and the table it meets: a generic plan kept from
+        // when the table was small would read the whole table for every batch.
         .persistent(false)
         .fetch_all(&mut *conn)
         .await?;

@@ -374,7 +374,7 @@ static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> = std::sync::LazyL
         "0019_request_deadlines.sql",
         "0020_approvals.sql",
         "0021_compensations.sql",
-        "0022_lone_send_fence.sql",
+        "0022_send_fence_function.sql",
     )
 });
 
