@@ -824,7 +824,10 @@ async fn the_send_fence_finds_its_rows_by_id_after_the_table_grew() {
         "a send fence read the whole table"
     );
     let read = pkey_tuples_read(db.pool()).await - keys_read;
-    assert!(read <= 100, "the fences read {read} primary key entries for 20 rows");
+    assert!(
+        read <= 100,
+        "the fences read {read} primary key entries for 20 rows"
+    );
     pool.close().await;
     db.drop_db().await;
 }
