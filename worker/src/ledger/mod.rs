@@ -502,7 +502,7 @@ mod tests {
             kit::schema::unlisted(&dir, &MIGRATOR).unwrap(),
             Vec::<String>::new()
         );
-        assert_eq!(MIGRATOR.iter().count(), 21);
+        assert_eq!(MIGRATOR.iter().count(), 22);
     }
 
     #[test]
