@@ -688,18 +688,8 @@ async fn fence_and_complete(
     ids: &[i64],
     held: Option<&mut Option<i64>>,
 ) {
-    use worker::ledger::{Applied, Completion, Phase, SendFence, Source, Transition};
-    let sends: Vec<SendFence> = ids
-        .iter()
-        .map(|&id| SendFence {
-            id,
-            fence: 1,
-            timeout: TIMEOUT,
-            deadline: None,
-        })
-        .collect();
-    let passed = ledger.fence_sends(&sends, WORKER_ID, LEASE).await.unwrap();
-    assert!(passed.iter().all(Option::is_some), "every fence passes");
+    use worker::ledger::{Applied, Completion, Phase, Source, Transition};
+    fence(ledger, ids).await;
     let completions: Vec<Completion> = ids
         .iter()
         .map(|&id| Completion {
