@@ -10,9 +10,9 @@
 -- would read the whole grown table for every batch. The settings below hold for the planning
 -- done inside the function: one generic plan, made at the first call on each connection and
 -- kept (left to choose, Postgres would plan for each call's arrays, whose length it can see),
--- that walks the batch's ids and finds each row through the primary key. The state predicate is written so that no index can serve it (a bitmap scan
--- through the unresolved index would visit every page of every row unresolved since the last
--- vacuum).
+-- that walks the batch's ids and finds each row through the primary key. The state predicate
+-- is written so that no index can serve it (a bitmap scan through the unresolved index would
+-- visit every page of every row unresolved since the last vacuum).
 --
 -- Each row passes only if it is still `dispatching` at the batch's fence for it, leased by
 -- `p_owner`, the lease live on the database clock; it is then marked sent (`unsent_fence`
