@@ -1,8 +1,9 @@
 //! TLS fixtures for tests/tls.rs, all made per test: a CA and server certificates (rcgen), a
 //! TLS-terminating TCP forwarder in front of a plain service (AMQPS is TLS around AMQP; HTTPS
-//! is TLS around HTTP), and a throwaway Postgres cluster with `ssl = on` of the test's own
-//! (initdb into a temp dir, its own port and socket directory; the shared cluster is never
-//! touched). Real handshakes with real certificates: nothing here disables verification.
+//! is TLS around HTTP), and a throwaway Postgres cluster of the test's own, with `ssl = on` or
+//! with server settings the shared cluster must not have (initdb into a temp dir, its own port
+//! and socket directory; the shared cluster is never touched). Real handshakes with real
+//! certificates: nothing here disables verification.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -162,7 +163,8 @@ pub fn amqps_url(url: &str, host: &str, port: u16) -> String {
     format!("amqps://{userinfo}{host}:{port}{path}")
 }
 
-/// A Postgres cluster of one test, with TLS on, listening on 127.0.0.1 only. Stopped and
+/// A Postgres cluster of one test, listening on 127.0.0.1 only, with TLS on
+/// ([`PgCluster::start`]) or with settings of its own ([`PgCluster::start_with`]). Stopped and
 /// deleted when dropped.
 pub struct PgCluster {
     dir: PathBuf,
@@ -204,9 +206,26 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
+/// Options of [`PgCluster::start_with`].
+#[derive(Clone, Copy, Default)]
+pub struct PgClusterOptions<'a> {
+    /// `ssl = on` with this certificate; `None`: plain connections only.
+    pub cert: Option<&'a ServerCert>,
+    /// Lines added to `postgresql.conf` after the fixture's own, e.g. `autovacuum_naptime = 1s`.
+    pub settings: &'a [&'a str],
+}
+
 impl PgCluster {
     /// initdb + `ssl = on` with `cert` + start; blocks a few seconds.
     pub fn start(cert: &ServerCert) -> PgCluster {
+        PgCluster::start_with(PgClusterOptions {
+            cert: Some(cert),
+            ..PgClusterOptions::default()
+        })
+    }
+
+    /// initdb + `opts` + start; blocks a few seconds.
+    pub fn start_with(opts: PgClusterOptions<'_>) -> PgCluster {
         let dir =
             std::env::temp_dir().join(format!("intent-e2e-pg-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -219,9 +238,9 @@ impl PgCluster {
             as_postgres: is_root(),
         };
         let data = dir.join("data");
-        std::fs::write(dir.join("server.crt"), &cert.cert_pem).unwrap();
-        std::fs::write(dir.join("server.key"), &cert.key_pem).unwrap();
-        {
+        if let Some(cert) = opts.cert {
+            std::fs::write(dir.join("server.crt"), &cert.cert_pem).unwrap();
+            std::fs::write(dir.join("server.key"), &cert.key_pem).unwrap();
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(
                 dir.join("server.key"),
@@ -251,12 +270,21 @@ impl PgCluster {
                 "UTF8",
             ],
         );
-        let conf = format!(
+        let mut conf = format!(
             "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{dir}'\n\
-             ssl = on\nssl_cert_file = '{dir}/server.crt'\nssl_key_file = '{dir}/server.key'\n\
              fsync = off\nmax_connections = 50\n",
             dir = dir.display()
         );
+        if opts.cert.is_some() {
+            conf.push_str(&format!(
+                "ssl = on\nssl_cert_file = '{dir}/server.crt'\nssl_key_file = '{dir}/server.key'\n",
+                dir = dir.display()
+            ));
+        }
+        for line in opts.settings {
+            conf.push_str(line);
+            conf.push('\n');
+        }
         let conf_path = data.join("postgresql.conf");
         let mut text = std::fs::read_to_string(&conf_path).expect("postgresql.conf");
         text.push_str(&conf);

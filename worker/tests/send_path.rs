@@ -822,6 +822,70 @@ async fn the_send_fence_finds_its_rows_by_id_after_the_table_grew() {
     db.drop_db().await;
 }
 
+/// The batch's receipts, `succeed_receipts` (the statement a completion batch with more than one
+/// receipt runs), keep finding their rows by primary key after the table grew past the one its
+/// plan was made on, as the send fence does. Called here as the ledger calls it, directly: the
+/// ledger's batch also inserts result events, whose foreign-key checks keep plans of their own
+/// (made on the young table after this test's `ANALYZE`, they are sequential scans too, which
+/// the ledger's migrations keep autovacuum from making).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_receipts_find_their_rows_by_id_after_the_table_grew() {
+    let db = TestDb::new().await;
+    let (pool, _) = one_connection(&db).await;
+    let early = fill(&pool, "early-", 30).await;
+    sqlx::query("ANALYZE operations")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for &id in &early[..10] {
+        succeed(&pool, &[id]).await;
+    }
+    for pair in early[10..].chunks(2) {
+        succeed(&pool, pair).await;
+    }
+    fill(&pool, "old-", 5000).await;
+    finish(&pool, "old-").await;
+    let late = fill(&pool, "late-", 20).await;
+    // Each early row was written twice (inserted, succeeded), each old one twice.
+    let before = seq_scans_reported(&db, &pool, 5050, 5030).await;
+    let keys_read = pkey_tuples_read(db.pool()).await;
+    for &id in &late[..10] {
+        succeed(&pool, &[id]).await;
+    }
+    succeed(&pool, &late[10..]).await;
+    assert_eq!(
+        seq_scans_reported(&db, &pool, 5050, 5050).await,
+        before,
+        "a batch of receipts read the whole table"
+    );
+    // Each row is read through the key twice (locked, updated) and once by its history row's
+    // foreign-key check.
+    let read = pkey_tuples_read(db.pool()).await - keys_read;
+    assert!(
+        read <= 100,
+        "the receipts read {read} primary key entries for 20 rows"
+    );
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// `succeed_receipts` for `ids`, each a dispatch's receipt; every row succeeds.
+async fn succeed(pool: &sqlx::PgPool, ids: &[i64]) {
+    let texts = |f: &dyn Fn(i64) -> String| ids.iter().map(|&id| f(id)).collect::<Vec<_>>();
+    let succeeded: Vec<i64> =
+        sqlx::query_scalar("SELECT (r.op).id FROM succeed_receipts($1, $2, $3, $4, $5, $6) r")
+            .bind(ids)
+            .bind(WORKER_ID)
+            .bind(texts(&|_| "receipt".into()))
+            .bind(texts(&|id| format!(r#"{{"receipt_id": "r-{id}"}}"#)))
+            .bind(texts(&|id| format!("r-{id}")))
+            .bind(texts(&|_| "dispatch".into()))
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    assert_eq!(succeeded.len(), ids.len(), "every receipt is recorded");
+}
+
 /// Entries of the primary key of `operations` that index scans have read, as counted so far.
 async fn pkey_tuples_read(pool: &sqlx::PgPool) -> i64 {
     sqlx::query_scalar(

@@ -53,3 +53,4 @@ mod tls;
 mod tool_secrets;
 mod trace_agent_side;
 mod trace_worker_side;
+mod young_ledger;

@@ -446,8 +446,20 @@ async fn apply_batch(
 
 /// The `verified_by` a receipt is stored with: its source (`prev.by`), except a dispatch's
 /// answer arriving for a row that is no longer `dispatching` (its lease ran out meanwhile).
+/// `succeed_receipts` (migration 0023), the batch's receipts, writes the same rule.
 const VERIFIED_BY: &str = "CASE WHEN prev.by = 'dispatch' AND o.state <> 'dispatching' \
      THEN 'late_receipt' ELSE prev.by END";
+
+/// The call to `succeed_receipts`: the row's columns by the names of `OPERATION_COLUMNS`, in
+/// its order, then what the agent was told before.
+static SUCCEED_RECEIPTS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let columns = super::OPERATION_COLUMNS
+        .split(',')
+        .map(|c| format!("(r.op).{0} AS {0}", c.trim()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!("SELECT {columns}, r.prev_reported FROM succeed_receipts($1, $2, $3, $4, $5, $6) r")
+});
 
 /// Every receipt at `indices` (distinct rows) in one statement: the receipt path, as in
 /// [`apply`]. Rows it did not move (already final, or gone) are absent from the answer and
@@ -458,7 +470,6 @@ async fn succeed_many(
     completions: &[Completion],
     indices: &[usize],
 ) -> Result<Vec<WithPrev>, LedgerError> {
-    let cols = o_columns();
     let mut ids = Vec::with_capacity(indices.len());
     let mut evidences = Vec::with_capacity(indices.len());
     let mut receipts = Vec::with_capacity(indices.len());
@@ -478,40 +489,15 @@ async fn succeed_many(
             sources.push(completions[i].by.as_str());
         }
     }
-    // `prev` locks the rows in id order (no deadlock between batches of two workers), keeps
-    // what the agent was told before, which decides the event, and carries each row's input:
-    // the arrays are unnested once, each element finding its row by id. (Joined to the update
-    // apart, the unnest was re-run for every row, the whole batch of receipts each time.) The
-    // state predicate is written so that no index can serve it: the rows are found by id, and
-    // the unresolved index still holds an entry for every row that was unresolved since the
-    // last vacuum, whose pages a bitmap scan would all visit.
-    let sql = format!(
-        "WITH prev AS (
-            SELECT o.id, o.last_reported, i.evidence, i.receipt, i.receipt_id, i.by
-            FROM unnest($1::int8[], $3::text[], $4::text[], $5::text[], $6::text[])
-                AS i(id, evidence, receipt, receipt_id, by)
-            JOIN operations o ON o.id = i.id
-            ORDER BY o.id FOR UPDATE OF o
-         )
-         UPDATE operations o SET state = 'succeeded', receipt = prev.receipt::json,
-                receipt_id = prev.receipt_id, evidence = prev.evidence, changed_by = $2,
-                lease_owner = NULL, lease_until = NULL, next_attempt_at = NULL,
-                last_reported = 'succeeded', updated_at = now(), state_since = now(),
-                finished_at = now(), verified_by = {VERIFIED_BY}
-         FROM prev WHERE o.id = prev.id
-           AND (o.state IN ('dispatching', 'unknown', 'held', 'retry_wait', 'accepted')) IS TRUE
-         RETURNING {cols}, prev.last_reported AS prev_reported"
-    );
-    let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+    // The statement is the function `succeed_receipts` (migration 0023), whose one plan per
+    // connection walks the batch's ids through the primary key; this call to it is prepared.
+    let rows = sqlx::query(sqlx::AssertSqlSafe(SUCCEED_RECEIPTS.as_str()))
         .bind(&ids)
         .bind(worker_id)
         .bind(&evidences)
         .bind(&receipts)
         .bind(&receipt_ids)
         .bind(&sources)
-        // Planned at each run, for the batch and the table it meets: a generic plan kept from
-        // when the table was small would read the whole table for every batch.
-        .persistent(false)
         .fetch_all(&mut *conn)
         .await?;
     Ok(super::OperationDecoder::decode_all(&rows, |op, row| {

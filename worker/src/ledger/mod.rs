@@ -375,6 +375,8 @@ static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> = std::sync::LazyL
         "0020_approvals.sql",
         "0021_compensations.sql",
         "0022_send_fence_function.sql",
+        "0023_receipts_function.sql",
+        "0024_no_young_statistics.sql",
     )
 });
 
@@ -502,7 +504,7 @@ mod tests {
             kit::schema::unlisted(&dir, &MIGRATOR).unwrap(),
             Vec::<String>::new()
         );
-        assert_eq!(MIGRATOR.iter().count(), 22);
+        assert_eq!(MIGRATOR.iter().count(), 24);
     }
 
     #[test]

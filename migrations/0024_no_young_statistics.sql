@@ -1,0 +1,25 @@
+-- Autovacuum leaves `operations` and `result_outbox` alone until each has seen a few thousand
+-- changes, so that neither is vacuumed or analysed while it is only a few pages.
+--
+-- Postgres keeps some plans per connection until the table's next vacuum or analysis: the
+-- foreign-key check that looks up the operation of every row the history triggers write to
+-- `operation_history_log` (and of every operator request), and the generic plan that a statement
+-- the worker or the relay prepares gets after five runs. Each is planned for the table's size at
+-- the time. A table never vacuumed or analysed is taken to have at least ten pages, and a lookup
+-- by key is an index scan; vacuumed or analysed at a few pages (under about six pages of
+-- `operations`, forty-odd rows), the same lookup is a sequential scan, and every connection that
+-- plans it before the next vacuum or analysis keeps that scan while the table grows. With the
+-- default thresholds (50 changes) the first dozen intents of a fresh install got both tables
+-- analysed; load that came next read the whole of `operations` for every history row and the
+-- whole of `result_outbox` for every batch the relay marked published, until autovacuum came
+-- back (up to a naptime, a minute by default).
+--
+-- 5,000 changes is some 1,700 intents (inserted, fenced, completed), hundreds of pages of
+-- `operations` at fillfactor 30 (migration 0013): far past the size where a sequential scan wins.
+-- The insert threshold is left at its default: 1,000 inserts already fill dozens of pages of
+-- either table. On a large table the difference is small (5,000 + 5 % of its rows against
+-- 50 + 5 %, migration 0012). A young busy table waits for 5,000 dead versions instead of 50
+-- before its first vacuum: pruning on the page still reclaims their room for the next versions
+-- there (what keeps the send fence a HOT update); only their index entries wait for the vacuum.
+ALTER TABLE operations SET (autovacuum_vacuum_threshold = 5000, autovacuum_analyze_threshold = 5000);
+ALTER TABLE result_outbox SET (autovacuum_vacuum_threshold = 5000, autovacuum_analyze_threshold = 5000);
