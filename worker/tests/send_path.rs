@@ -793,10 +793,10 @@ async fn the_send_fence_finds_its_rows_by_id_after_the_table_grew() {
 
 /// The batch's receipts, `succeed_receipts` (the statement a completion batch with more than one
 /// receipt runs), keep finding their rows by primary key after the table grew past the one its
-/// plan was made on, as the send fence does. Called here as the ledger calls it, directly: the
-/// ledger's batch also inserts result events, whose foreign-key checks keep plans of their own
-/// (made on the young table after this test's `ANALYZE`, they are sequential scans too, which
-/// the ledger's migrations keep autovacuum from making).
+/// plan was made on, as the send fence does. Called here directly, as the ledger calls it, so
+/// that only its own plan is counted: the ledger's batch also writes result events, whose
+/// statements keep plans of their own, made on the young table after this test's `ANALYZE`
+/// (migration 0024 keeps autovacuum from analysing a young ledger).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_receipts_find_their_rows_by_id_after_the_table_grew() {
     keeps_finding_rows_by_id_after_growth("batch of receipts", async |ledger, ids| {
