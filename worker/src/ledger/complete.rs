@@ -453,9 +453,9 @@ const VERIFIED_BY: &str = "CASE WHEN prev.by = 'dispatch' AND o.state <> 'dispat
 /// The call to `succeed_receipts`: the row's columns by the names of `OPERATION_COLUMNS`, in
 /// its order, then what the agent was told before.
 static SUCCEED_RECEIPTS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    let columns = super::OPERATION_COLUMNS
-        .split(',')
-        .map(|c| format!("(r.op).{0} AS {0}", c.trim()))
+    let columns = super::OPERATION_COLUMN_NAMES
+        .iter()
+        .map(|c| format!("(r.op).{c} AS {c}"))
         .collect::<Vec<_>>()
         .join(", ");
     format!("SELECT {columns}, r.prev_reported FROM succeed_receipts($1, $2, $3, $4, $5, $6) r")
