@@ -189,6 +189,94 @@ async fn a_stuck_job_is_held_at_its_deadline_and_a_recheck_polls_again() {
     cleanup(env).await;
 }
 
+/// A recheck answers with the row after the round it asked for, even when another worker's
+/// scheduler leased the row first: the response waits for that round instead of showing the row
+/// mid-poll. Worker `a` serves the recheck with one in-flight slot, held by a slow write, so its
+/// own round cannot start before worker `b`'s scheduler (consuming nothing) leases the row and
+/// polls it slowly; the job was done, so the round's outcome is `succeeded`.
+#[tokio::test]
+async fn a_recheck_whose_round_another_worker_runs_answers_after_that_round() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    // Polls a minute apart: only the recheck makes the row due.
+    let tools = async_tools(&env, ds.port, 60_000, 60_000, 3_600);
+    let a = Worker::start(
+        &env,
+        "a",
+        &WorkerOptions::new(tools.clone())
+            .with_admin(ADMIN)
+            .env("WORKER_MAX_IN_FLIGHT", "1"),
+    )
+    .await;
+    let agent = Agent::new(&env, &[TENANT]).await;
+    ds.fault(json!({"kind": "async_delay", "key": key("deploy-9"), "ms": 100}))
+        .await;
+    agent
+        .request(TENANT, "deploy-9", "deploy", json!({"service": "api"}))
+        .await;
+    e2e::wait_for("deploy-9 accepted", T, || async {
+        (env.state(TENANT, "deploy-9").await == "accepted").then_some(())
+    })
+    .await;
+    // Worker b runs a scheduler on the same ledger but consumes from an exchange no one uses.
+    let mut b_opts = WorkerOptions::new(tools)
+        .env(
+            "INTENTS_EXCHANGE",
+            &format!("{}.idle", env.topology.intents_exchange),
+        )
+        .env(
+            "WORKER_INTENTS_QUEUE",
+            &format!("{}.idle", env.topology.intents_queue),
+        );
+    b_opts.recovery_interval_ms = 50;
+    let b = Worker::start(&env, "b", &b_opts).await;
+
+    // A write slow enough to hold a's only slot across the recheck.
+    ds.fault(json!({"kind": "slow", "key": key("deploy-10"), "ms": 1_000}))
+        .await;
+    agent
+        .request(TENANT, "deploy-10", "deploy", json!({"service": "web"}))
+        .await;
+    e2e::wait_for("deploy-10's write in flight", T, || async {
+        (env.writes(&key("deploy-10")).await >= 1).then_some(())
+    })
+    .await;
+    // b's poll outlasts the rest of that write.
+    ds.fault(json!({"kind": "status_slow", "key": key("deploy-9"), "ms": 1_800}))
+        .await;
+    let r = e2e::http()
+        .post(format!(
+            "http://127.0.0.1:{}/v1/operations/{TENANT}/deploy-9/recheck",
+            a.admin_port.unwrap()
+        ))
+        .bearer_auth(ADMIN)
+        .json(&json!({"operator": "alice", "reason": "done yet?", "request_id": "rc-9"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let row: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(row["state"], "succeeded", "{row}");
+    assert!(row["lease_owner"].is_null(), "{row}");
+    assert_eq!(env.status_reads(&key("deploy-9")).await, 1);
+    assert_eq!(env.writes(&key("deploy-9")).await, 1);
+    drop((a, b));
+    let conn = lapin::Connection::connect(&env.amqp_url, Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let idle = format!("{}.idle", env.topology.intents_queue);
+    ch.queue_delete(idle.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let idle = format!("{}.idle", env.topology.intents_exchange);
+    ch.exchange_delete(idle.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    let _ = conn.close(200, "".into()).await;
+    cleanup(env).await;
+}
+
 #[tokio::test]
 async fn status_reads_that_prove_nothing_are_polled_through() {
     let env = Env::new().await;

@@ -316,11 +316,13 @@ async fn poll_round(ctx: Arc<Context>, op: crate::ledger::Operation) {
     }
 }
 
-/// Runs one recovery round now on one `unknown` operation that is due (an operator recheck):
-/// leases it exactly as the scheduler would (fence + 1, lease, one recovery round counted) and
-/// runs the same round ([`choose`], then lookup / replay / hold), so the same rules and fences
-/// apply. Returns the row as it is afterwards; when the row was not due or another worker
-/// leased it first, nothing runs here and the current row is returned.
+/// Runs one recovery round now on one `unknown` or `accepted` operation that is due (an
+/// operator recheck): leases it exactly as the scheduler would (fence + 1, lease, one recovery
+/// round counted) and runs the same round ([`choose`], then lookup / replay / hold, or a poll),
+/// so the same rules and fences apply. Returns the row as it is afterwards. When another
+/// worker's scheduler leased the row first (the recheck made it due for every worker), that
+/// round is the one asked for: the answer waits until it has released the row, or until its
+/// lease has run out.
 pub async fn recover_now(
     ctx: &Arc<Context>,
     operation_id: i64,
@@ -333,10 +335,38 @@ pub async fn recover_now(
     match leased {
         Some(op) if op.state() == State::Accepted => poll(ctx.clone(), op).await,
         Some(op) => recover(ctx.clone(), op).await,
-        None => {}
+        None => {
+            drop(permit);
+            return after_round_elsewhere(ctx, operation_id).await;
+        }
     }
     drop(permit);
     ctx.ledger.get(operation_id).await
+}
+
+/// How often [`after_round_elsewhere`] reads the row again: an operator's request, not a hot
+/// path.
+const ROUND_ELSEWHERE_CHECK: Duration = Duration::from_millis(50);
+
+/// The row once no round holds it: read until its lease is released (the round ended) or has
+/// run out (its worker stopped; the scheduler expires it), and at most one lease plus a second
+/// by this worker's clock, so a clock skewed against the database cannot keep the request.
+async fn after_round_elsewhere(
+    ctx: &Arc<Context>,
+    operation_id: i64,
+) -> Result<Option<crate::ledger::Operation>, crate::ledger::LedgerError> {
+    let give_up = tokio::time::Instant::now() + ctx.lease + Duration::from_secs(1);
+    loop {
+        let row = ctx.ledger.get(operation_id).await?;
+        let leased = row
+            .as_ref()
+            .and_then(|op| op.lease_until)
+            .is_some_and(|until| until > Utc::now());
+        if !leased || tokio::time::Instant::now() >= give_up {
+            return Ok(row);
+        }
+        tokio::time::sleep(ROUND_ELSEWHERE_CHECK).await;
+    }
 }
 
 /// One recovery round on a leased `unknown` row, in a `recover <tool>` span (a root in the
