@@ -169,7 +169,10 @@ impl Application {
         signal: impl Future<Output = ()>,
     ) -> anyhow::Result<()> {
         let running = self.start();
-        let consumer = supervise(
+        // A task of the runtime, not a future of this one: awaited here, `block_on`'s thread
+        // would run the consumer apart from Tokio's threads, and every wake-up between it and
+        // them (each delivery, statement and ack) would cross threads.
+        let mut consumer = tokio::spawn(supervise(
             ConsumerSession {
                 ctx: self.ctx.clone(),
                 config: ConsumerConfig {
@@ -192,13 +195,12 @@ impl Application {
             self.broker(),
             self.links.clone(),
             running.stop.clone(),
-        );
+        ));
         tracing::info!(
             worker_id = %self.settings.worker_id,
             tools = ?tool_names(&self.ctx.tools),
             "worker started"
         );
-        tokio::pin!(consumer);
         // On a signal the consumer is told to stop and then awaited, so a batch it is in the
         // middle of is recorded, acked and dispatched rather than abandoned half-way (which
         // would turn its claims into false unknowns). It also stops while the broker is
@@ -206,15 +208,16 @@ impl Application {
         // deadline: its deliveries are unacked and return, its claims are covered by leases.
         let grace = self.settings.shutdown_grace;
         let (consumed, deadline) = tokio::select! {
-            r = &mut consumer => (r, Instant::now() + grace),
+            r = &mut consumer => (joined(r), Instant::now() + grace),
             _ = signal => {
                 let deadline = Instant::now() + grace;
                 tracing::info!(grace_secs = grace.as_secs(), "shutdown requested");
                 running.stop.cancel();
                 match tokio::time::timeout_at(deadline, &mut consumer).await {
-                    Ok(r) => (r, deadline),
+                    Ok(r) => (joined(r), deadline),
                     Err(_) => {
                         tracing::warn!("the consumer did not stop within the grace period; its unacked deliveries return to the queue");
+                        consumer.abort();
                         (Ok(()), deadline)
                     }
                 }
@@ -412,6 +415,18 @@ impl Application {
         {
             tracing::warn!("a listener did not stop in time; it ends with the process");
         }
+    }
+}
+
+/// The consumer task's result; its panic goes on as this thread's, as it did when the consumer
+/// was a future of `main` (a cancellation is only ever this module's abort after the grace).
+fn joined(
+    r: Result<Result<(), crate::amqp::AmqpError>, tokio::task::JoinError>,
+) -> Result<(), crate::amqp::AmqpError> {
+    match r {
+        Ok(r) => r,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Ok(()),
     }
 }
 
