@@ -254,12 +254,11 @@ async fn a_recheck_whose_round_another_worker_runs_answers_after_that_round() {
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 200);
+    let status = r.status();
     let row: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(row["state"], "succeeded", "{row}");
-    assert!(row["lease_owner"].is_null(), "{row}");
-    assert_eq!(env.status_reads(&key("deploy-9")).await, 1);
-    assert_eq!(env.writes(&key("deploy-9")).await, 1);
+    let reads = env.status_reads(&key("deploy-9")).await;
+    let writes = env.writes(&key("deploy-9")).await;
+    // The idle exchange and queue are the test's own: removed before any assertion can fail.
     drop((a, b));
     let conn = lapin::Connection::connect(&env.amqp_url, Default::default())
         .await
@@ -275,6 +274,14 @@ async fn a_recheck_whose_round_another_worker_runs_answers_after_that_round() {
         .unwrap();
     let _ = conn.close(200, "".into()).await;
     cleanup(env).await;
+    assert_eq!(status, 200, "{row}");
+    assert_eq!(row["state"], "succeeded", "{row}");
+    assert!(row["lease_owner"].is_null(), "{row}");
+    assert_eq!(
+        (reads, writes),
+        (1, 1),
+        "status reads and writes of deploy-9"
+    );
 }
 
 #[tokio::test]
