@@ -1,7 +1,7 @@
 //! A long-running operation's documents, read against its tool's async contract
 //! ([`crate::config::AsyncContract`]): the operation id an acceptance names, whether a document
 //! is about another operation ([`Contract::another_operation`]), and what a status document
-//! says ([`judge`]: done, failed, or neither). Pure: documents in, verdicts out; the
+//! says ([`Contract::judge`]: done, failed, or neither). Pure: documents in, verdicts out; the
 //! HTTP adapter reads the documents ([`super::http`]) and the receipt check decides whether a
 //! done one is this operation's receipt.
 

@@ -4,7 +4,7 @@
 //! idempotent functions as the API and `worker ops`, with the signed-in operator's name.
 //!
 //! An `accepted` operation (a long-running write the downstream acknowledged) shows its
-//! operation id and its last poll, read from the row itself ([`last_poll`]): a poll writes no
+//! operation id and its last poll, read from the row itself (`last_poll`): a poll writes no
 //! row of its own, its lease moves the fence and its answer replaces the evidence, so the row
 //! says what the last poll said and when. Its recheck polls now.
 
