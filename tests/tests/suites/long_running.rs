@@ -219,15 +219,11 @@ async fn a_recheck_whose_round_another_worker_runs_answers_after_that_round() {
     })
     .await;
     // Worker b runs a scheduler on the same ledger but consumes from an exchange no one uses.
+    let idle_exchange = format!("{}.idle", env.topology.intents_exchange);
+    let idle_queue = format!("{}.idle", env.topology.intents_queue);
     let mut b_opts = WorkerOptions::new(tools)
-        .env(
-            "INTENTS_EXCHANGE",
-            &format!("{}.idle", env.topology.intents_exchange),
-        )
-        .env(
-            "WORKER_INTENTS_QUEUE",
-            &format!("{}.idle", env.topology.intents_queue),
-        );
+        .env("INTENTS_EXCHANGE", &idle_exchange)
+        .env("WORKER_INTENTS_QUEUE", &idle_queue);
     b_opts.recovery_interval_ms = 50;
     let b = Worker::start(&env, "b", &b_opts).await;
 
@@ -264,12 +260,10 @@ async fn a_recheck_whose_round_another_worker_runs_answers_after_that_round() {
         .await
         .unwrap();
     let ch = conn.create_channel().await.unwrap();
-    let idle = format!("{}.idle", env.topology.intents_queue);
-    ch.queue_delete(idle.as_str().into(), Default::default())
+    ch.queue_delete(idle_queue.as_str().into(), Default::default())
         .await
         .unwrap();
-    let idle = format!("{}.idle", env.topology.intents_exchange);
-    ch.exchange_delete(idle.as_str().into(), Default::default())
+    ch.exchange_delete(idle_exchange.as_str().into(), Default::default())
         .await
         .unwrap();
     let _ = conn.close(200, "".into()).await;
