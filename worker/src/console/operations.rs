@@ -254,7 +254,7 @@ fn last_poll(op: &Operation, now: DateTime<Utc>) -> Option<LastPoll<'_>> {
         return None;
     }
     let said = op.evidence.as_deref().unwrap_or("");
-    if op.lease_owner.is_some() && op.lease_until.is_some_and(|u| u > now) {
+    if op.leased(now) {
         return Some(LastPoll::Running {
             since: op.updated_at,
             said,

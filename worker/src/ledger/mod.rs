@@ -134,6 +134,12 @@ impl Operation {
         self.state.0
     }
 
+    /// Whether a live lease holds the row at `now` (a dispatch, recovery round or poll is
+    /// running on it somewhere), as the row last read says.
+    pub fn leased(&self, now: DateTime<Utc>) -> bool {
+        self.lease_owner.is_some() && self.lease_until.is_some_and(|until| until > now)
+    }
+
     /// The trace context of the intent that created the row. A stored value that no longer
     /// parses (written by hand) counts as none.
     pub fn trace(&self) -> Option<protocol::trace::TraceContext> {

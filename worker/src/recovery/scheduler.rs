@@ -358,10 +358,7 @@ async fn after_round_elsewhere(
     let give_up = tokio::time::Instant::now() + ctx.lease + Duration::from_secs(1);
     loop {
         let row = ctx.ledger.get(operation_id).await?;
-        let leased = row
-            .as_ref()
-            .and_then(|op| op.lease_until)
-            .is_some_and(|until| until > Utc::now());
+        let leased = row.as_ref().is_some_and(|op| op.leased(Utc::now()));
         if !leased || tokio::time::Instant::now() >= give_up {
             return Ok(row);
         }
