@@ -344,7 +344,8 @@ async fn a_batched_fence_checks_each_row_on_its_own() {
                 timeout: TIMEOUT,
                 deadline: None,
             },
-            None
+            None,
+            Some(ctx.fences.expect()),
         )
         .await
         .unwrap()

@@ -342,8 +342,7 @@ async fn process(
                 // (they need no broker) and leave the deliveries unacked: they come back
                 // redelivered and the inbox answers them from their rows.
                 for c in claimed {
-                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, c.operation, Some(c.parent)))
-                        .await;
+                    ctx.spawn_bounded(|ctx| dispatch_claim(ctx, c)).await;
                 }
                 return Err(e);
             }
@@ -359,8 +358,7 @@ async fn process(
                 // broker (if the link has just gone, the ack is lost and the redelivery is
                 // answered from the inbox).
                 for c in claimed {
-                    ctx.spawn_bounded(|ctx| dispatch::run(ctx, c.operation, Some(c.parent)))
-                        .await;
+                    ctx.spawn_bounded(|ctx| dispatch_claim(ctx, c)).await;
                 }
                 let mut settled = Ok(());
                 let mut rejected = Vec::new();
@@ -615,6 +613,14 @@ impl<'c> DeadLetters<'c> {
             }),
         }
     }
+}
+
+/// A committed claim's dispatch, registered with the send fence's batcher as it starts: it
+/// holds its slot and asks for its fence at once, so a fence batch that begins meanwhile waits
+/// for it and the claims of one intake batch are fenced together.
+fn dispatch_claim(ctx: Arc<Context>, c: intake::Claimed) -> impl std::future::Future<Output = ()> {
+    let expected = ctx.fences.expect();
+    dispatch::run(ctx, c.operation, Some(c.parent), Some(expected))
 }
 
 async fn confirmed_channel(connection: &Connection) -> Result<Channel, AmqpError> {

@@ -113,6 +113,7 @@ impl CompletionBatcher {
         tasks.tracker.spawn(run_batches(
             rx,
             COMPLETION_BATCH,
+            None,
             tasks.stop.clone(),
             move |batch| complete_batch(l.clone(), w.clone(), h.clone(), batch),
         ));

@@ -1,14 +1,18 @@
 //! The send-fence batcher: the fence of a first dispatch or retry ([`Ledger::fence_send`]) is
 //! checked together with the fences requested at the same time, in one statement, each row
 //! against its own predicate. The request leaves right after the answer, so the time between
-//! the check and the send stays that of one statement, well inside the lease.
+//! the check and the send stays that of one statement, well inside the lease. The intake's
+//! claims are registered as they are handed to their dispatch tasks
+//! ([`FenceBatcher::expect`]), so one intake batch's sends are fenced together
+//! ([`super::Expected`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument as _;
 
-use super::{run_batches, Tasks};
+use super::{run_batches, Expected, OnItsWay, Tasks};
 use crate::ledger::{Ledger, Passed, SendFence};
 
 /// Largest number of sends fenced by one statement.
@@ -32,6 +36,7 @@ pub struct FenceBatcher {
     worker_id: String,
     lease: Duration,
     tx: mpsc::Sender<Request>,
+    expected: Arc<Expected>,
 }
 
 impl FenceBatcher {
@@ -39,9 +44,11 @@ impl FenceBatcher {
     pub fn spawn(ledger: Ledger, worker_id: String, lease: Duration, tasks: &Tasks) -> Self {
         let (tx, rx) = mpsc::channel(FENCE_BATCH * 4);
         let (l, w) = (ledger.clone(), worker_id.clone());
+        let expected = Arc::new(Expected::default());
         tasks.tracker.spawn(run_batches(
             rx,
             FENCE_BATCH,
+            Some(expected.clone()),
             tasks.stop.clone(),
             move |batch| fence_batch(l.clone(), w.clone(), lease, batch),
         ));
@@ -50,19 +57,31 @@ impl FenceBatcher {
             worker_id,
             lease,
             tx,
+            expected,
         }
+    }
+
+    /// Registers a send on its way to [`FenceBatcher::fence_send`]: a batch that begins before
+    /// it asks waits for it (briefly). Taken by a dispatch task that holds its slot and will
+    /// ask at once; dropped when it asks or gives up.
+    pub fn expect(&self) -> OnItsWay {
+        self.expected.one()
     }
 
     /// Whether `send` may leave (and the deadline it carries): batched with the fences
     /// requested meanwhile, or alone once the batcher has stopped (shutdown). `trace` is the
-    /// context of the send's span, linked from the batch's span.
+    /// context of the send's span, linked from the batch's span; `expected` its registration
+    /// ([`FenceBatcher::expect`]), if it has one, given up once the request is queued.
     pub async fn fence_send(
         &self,
         send: SendFence,
         trace: Option<protocol::trace::TraceContext>,
+        expected: Option<OnItsWay>,
     ) -> Result<Option<Passed>, FenceError> {
         let (tx, rx) = oneshot::channel();
-        if self.tx.send((send, trace, tx)).await.is_err() {
+        let queued = self.tx.send((send, trace, tx)).await;
+        drop(expected);
+        if queued.is_err() {
             // Boxed for the same reason as the completion batcher's own statement.
             return Box::pin(self.ledger.fence_send(send, &self.worker_id, self.lease))
                 .await

@@ -15,6 +15,12 @@
 //! did without a timer of their own: pacing them as well held each intent up to a pace at every
 //! stage (the latency at half the drain rate) for a little less Postgres time per intent.
 //!
+//! The send fence also gathers by [`Expected`]: the intake registers each claim it hands to a
+//! dispatch task, and a fence batch that begins while registered sends have not yet asked waits
+//! for them (a claim's task reaches the fence within microseconds: it already holds its slot),
+//! so the claims of one intake batch are fenced by one statement, not by one for whichever task
+//! ran first and another for the rest. A lone intent is the only one expected and goes at once.
+//!
 //! Each batcher runs on a [`TaskTracker`] until its [`CancellationToken`] is cancelled: then it
 //! stops taking requests (callers fall back to a statement of their own), records what is
 //! already queued and ends, so shutdown can await it.
@@ -22,9 +28,11 @@
 pub mod completion;
 pub mod fence;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -104,12 +112,48 @@ impl Pace {
     }
 }
 
-/// The batching loop both batchers share: takes whatever requests are waiting (up to `max`) and
-/// hands them to `run` together; once `stop` is cancelled, closes the queue (new requests are
-/// refused, so their callers go alone), runs what was queued and returns.
+/// The longest a batch waits for requests [`Expected`] to come: they are on their way within
+/// microseconds unless the process is starved of CPU or paused, and then the batch goes without
+/// them.
+const GATHER_AT_MOST: Duration = Duration::from_millis(2);
+
+/// Requests known to be on their way to a batcher: each registered with [`Expected::one`], the
+/// count going down when its [`OnItsWay`] is dropped (once its request is queued, or when its
+/// caller gave up before asking). A batch that begins while the count is above zero waits for
+/// them, up to the batch's size and [`GATHER_AT_MOST`].
+#[derive(Debug, Default)]
+pub struct Expected {
+    count: AtomicUsize,
+    arrived: Notify,
+}
+
+impl Expected {
+    /// Registers one request on its way.
+    pub fn one(self: &Arc<Self>) -> OnItsWay {
+        self.count.fetch_add(1, Ordering::SeqCst);
+        OnItsWay(self.clone())
+    }
+}
+
+/// A request registered with [`Expected::one`]: dropped once it is queued (or will never be).
+#[derive(Debug)]
+pub struct OnItsWay(Arc<Expected>);
+
+impl Drop for OnItsWay {
+    fn drop(&mut self) {
+        self.0.count.fetch_sub(1, Ordering::SeqCst);
+        self.0.arrived.notify_one();
+    }
+}
+
+/// The batching loop both batchers share: takes whatever requests are waiting (up to `max`),
+/// and those `expected` to come, and hands them to `run` together; once `stop` is cancelled,
+/// closes the queue (new requests are refused, so their callers go alone), runs what was queued
+/// and returns.
 pub(crate) async fn run_batches<T, F, Fut>(
     mut rx: mpsc::Receiver<T>,
     max: usize,
+    expected: Option<Arc<Expected>>,
     stop: CancellationToken,
     mut run: F,
 ) where
@@ -129,7 +173,45 @@ pub(crate) async fn run_batches<T, F, Fut>(
         if n == 0 {
             return;
         }
+        if let Some(expected) = &expected {
+            gather(&mut rx, &mut batch, max, expected, &stop).await;
+        }
         run(std::mem::replace(&mut batch, Vec::with_capacity(max))).await;
+    }
+}
+
+/// Adds to `batch` the requests `expected` to come, as they are queued, until none is on its
+/// way, the batch is full, [`GATHER_AT_MOST`] has passed or `stop` is cancelled.
+async fn gather<T>(
+    rx: &mut mpsc::Receiver<T>,
+    batch: &mut Vec<T>,
+    max: usize,
+    expected: &Expected,
+    stop: &CancellationToken,
+) {
+    let until = Instant::now() + GATHER_AT_MOST;
+    while batch.len() < max {
+        let arrived = expected.arrived.notified();
+        tokio::pin!(arrived);
+        arrived.as_mut().enable();
+        // Read before taking what is queued: a request is queued before its count goes down,
+        // so at zero every one of them is in the channel by now.
+        let coming = expected.count.load(Ordering::SeqCst);
+        while batch.len() < max {
+            match rx.try_recv() {
+                Ok(request) => batch.push(request),
+                Err(_) => break,
+            }
+        }
+        if coming == 0 || batch.len() >= max {
+            return;
+        }
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            _ = &mut arrived => {}
+            _ = tokio::time::sleep_until(until) => return,
+        }
     }
 }
 
@@ -153,13 +235,85 @@ mod tests {
         let tasks = Tasks::default();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let record = seen.clone();
-        tasks
-            .tracker
-            .spawn(run_batches(rx, max, tasks.stop.clone(), move |batch| {
+        tasks.tracker.spawn(run_batches(
+            rx,
+            max,
+            None,
+            tasks.stop.clone(),
+            move |batch| {
                 record.lock().unwrap().push((Instant::now(), batch));
                 tokio::time::sleep(takes)
-            }));
+            },
+        ));
         (tx, tasks, seen)
+    }
+
+    /// [`start`] with requests registered as expected.
+    fn start_expecting(max: usize) -> (mpsc::Sender<u32>, Tasks, Seen, Arc<Expected>) {
+        let (tx, rx) = mpsc::channel(16);
+        let tasks = Tasks::default();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let record = seen.clone();
+        let expected = Arc::new(Expected::default());
+        tasks.tracker.spawn(run_batches(
+            rx,
+            max,
+            Some(expected.clone()),
+            tasks.stop.clone(),
+            move |batch| {
+                record.lock().unwrap().push((Instant::now(), batch));
+                std::future::ready(())
+            },
+        ));
+        (tx, tasks, seen, expected)
+    }
+
+    /// Lets the batcher's task run until it waits (the tests run on one thread).
+    async fn let_run() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_batch_waits_for_the_requests_expected_and_goes_when_none_is_left() {
+        let (tx, tasks, seen, expected) = start_expecting(8);
+        let (first, second, third) = (expected.one(), expected.one(), expected.one());
+        tx.send(1).await.unwrap();
+        drop(first);
+        let_run().await;
+        assert!(batches(&seen).is_empty(), "two more are on their way");
+        tx.send(2).await.unwrap();
+        drop(second);
+        let_run().await;
+        // The third gave up without asking: nothing is left to wait for.
+        drop(third);
+        let_run().await;
+        assert_eq!(batches(&seen), vec![vec![1, 2]]);
+        // A lone request, nothing expected: at once.
+        let lone = expected.one();
+        tx.send(3).await.unwrap();
+        drop(lone);
+        let_run().await;
+        assert_eq!(batches(&seen), vec![vec![1, 2], vec![3]]);
+        tasks.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_batch_goes_without_an_expected_request_that_does_not_come() {
+        let (tx, tasks, seen, expected) = start_expecting(8);
+        let _stuck = expected.one();
+        let started = Instant::now();
+        tx.send(1).await.unwrap();
+        while batches(&seen).is_empty() {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the batch never went"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(batches(&seen), vec![vec![1]]);
+        tasks.stop().await;
     }
 
     fn batches(seen: &Seen) -> Vec<Vec<u32>> {

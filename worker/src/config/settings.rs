@@ -75,8 +75,8 @@ pub struct Settings {
     pub receipt_keep: Duration,
     /// How often the recovery scheduler looks for due work.
     pub recovery_interval: Duration,
-    /// The least time between the starts of two batches of one stage (intake, send fence,
-    /// completion, result relay) while that stage is saturated (`WORKER_BATCH_PACE_MS`).
+    /// The least time between the starts of two intake batches while the intake is saturated
+    /// (`WORKER_BATCH_PACE_MS`); the later stages are not paced.
     pub batch_pace: Duration,
     /// Dispatches running at once in this process.
     pub max_in_flight: usize,
@@ -222,10 +222,10 @@ pub struct EnvArgs {
     #[arg(long, env = "WORKER_RECOVERY_INTERVAL_MS", value_name = "WORKER_RECOVERY_INTERVAL_MS",
           default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
     pub recovery_interval_ms: u64,
-    /// Milliseconds (0 to 100) between the starts of two batches of one stage (intake, send
-    /// fence, completion, result relay) while it is saturated (its last batch was full, or work
-    /// queued while it ran); 0 starts each batch as soon as the last one ended. A stage that
-    /// keeps up goes at once.
+    /// Milliseconds (0 to 100) between the starts of two intake batches while the intake is
+    /// saturated (its last batch was full, or deliveries waited while it ran); 0 starts each
+    /// batch as soon as the last one ended. An intake that keeps up goes at once; the send
+    /// fence, the completion and the result relay are not paced.
     #[arg(long, env = "WORKER_BATCH_PACE_MS", value_name = "WORKER_BATCH_PACE_MS",
           default_value_t = 5, value_parser = clap::value_parser!(u64).range(0..=100))]
     pub batch_pace_ms: u64,

@@ -22,6 +22,7 @@ use tracing::{Instrument as _, Span};
 
 use crate::adapter::meters::timed;
 use crate::adapter::Request;
+use crate::batch::OnItsWay;
 use crate::config::ToolConfig;
 use crate::context::Context;
 use crate::fault;
@@ -77,16 +78,22 @@ async fn unsendable(ctx: &Context, op: &Operation, evidence: String) {
 /// Sends an operation this worker holds in `dispatching` (at `op.fence`) and records the
 /// outcome, in its dispatch span ([`spans::send`]): the child of `parent` (the span of the
 /// delivery that brought it), or without one (the scheduler's sends) a root in the action's
-/// trace.
-pub async fn run(ctx: Arc<Context>, op: Operation, parent: Option<Span>) {
+/// trace. `expected`: the send's registration with the fence batcher, when the intake made one
+/// ([`crate::batch::fence::FenceBatcher::expect`]).
+pub async fn run(
+    ctx: Arc<Context>,
+    op: Operation,
+    parent: Option<Span>,
+    expected: Option<OnItsWay>,
+) {
     let span = match ctx.tools.get(&op.tool) {
         Some(tool) => spans::send(&op, &tool.config, parent.as_ref()),
         None => Span::none(),
     };
-    send(ctx, op).instrument(span).await
+    send(ctx, op, expected).instrument(span).await
 }
 
-async fn send(ctx: Arc<Context>, op: Operation) {
+async fn send(ctx: Arc<Context>, op: Operation, expected: Option<OnItsWay>) {
     let _in_flight = InFlight::enter();
     let Some(tool) = ctx.tools.get(&op.tool) else {
         // Committed `dispatching` counts as possibly sent (docs/design.md section 4).
@@ -106,7 +113,7 @@ async fn send(ctx: Arc<Context>, op: Operation) {
     } else {
         WriteKind::Retry
     };
-    let Some(passed) = send_fence(&ctx, &op, &tool.config, kind).await else {
+    let Some(passed) = send_fence(&ctx, &op, &tool.config, kind, expected).await else {
         return;
     };
     fault::point("after_send_fence", &op.action_id);
@@ -146,6 +153,7 @@ async fn send_fence(
     op: &Operation,
     tool: &ToolConfig,
     kind: WriteKind,
+    expected: Option<OnItsWay>,
 ) -> Option<Passed> {
     let send = SendFence {
         id: op.id,
@@ -155,7 +163,7 @@ async fn send_fence(
     };
     match ctx
         .fences
-        .fence_send(send, kit::otel::context_of(&Span::current()))
+        .fence_send(send, kit::otel::context_of(&Span::current()), expected)
         .await
     {
         Ok(Some(passed)) => Some(passed),

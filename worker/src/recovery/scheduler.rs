@@ -199,7 +199,7 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
             {
                 Ok(Some(op)) => {
                     fault::point("after_dispatching", &op.action_id);
-                    dispatch::run(ctx, op, None).await;
+                    dispatch::run(ctx, op, None, None).await;
                 }
                 Ok(None) => {
                     tracing::debug!(action_id = %op.action_id, "prepared row taken by another worker")
@@ -238,7 +238,7 @@ async fn run_claim(ctx: Arc<Context>, claim: Claimed) {
                 )
                 .await
             {
-                Ok(Some(op)) => dispatch::run(ctx, op, None).await,
+                Ok(Some(op)) => dispatch::run(ctx, op, None, None).await,
                 Ok(None) => {
                     ctx.budget.add(&op.tool, 1.0);
                     tracing::debug!(action_id = %op.action_id, "retry taken by another worker")
