@@ -12,7 +12,9 @@
 //! ```
 //!
 //! Needs Postgres and RabbitMQ as the e2e suites do (`TEST_DATABASE_URL`, `TEST_AMQP_URL`),
-//! on this machine (CPU is read from `/proc`).
+//! on this machine (CPU is read from `/proc`). Each phase waits for the broker and the worker
+//! up to `--timeout-secs` (300), and ends a minute after that whatever it was waiting on, with an
+//! error naming it.
 //!
 //! Per run:
 //! 1. **relay ceiling**: N intent-sized persistent messages in a quorum queue A; a relay here
@@ -250,9 +252,7 @@ async fn run(mut args: Args) -> Result<()> {
     let mut relays = Vec::new();
     for r in 1..=args.runs {
         let wal = before_phase(&args).await?;
-        let relay = relay_ceiling(&messages, &args)
-            .await
-            .context("relay ceiling")?;
+        let relay = bounded("relay ceiling", &args, relay_ceiling(&messages, &args)).await?;
         println!(
             "run {r}: relay ceiling {:.0}/s, RabbitMQ {:.0} µs per message{}",
             relay.rate,
@@ -260,9 +260,7 @@ async fn run(mut args: Args) -> Result<()> {
             rolled_note(rolled_over_since(&wal))
         );
         let wal = before_phase(&args).await?;
-        let drain = drain(&messages, &downstream, &args)
-            .await
-            .context("drain")?;
+        let drain = bounded("drain", &args, drain(&messages, &downstream, &args)).await?;
         println!(
             "run {r}: drain {:.0}/s ({:.3} of the relay ceiling), first result after {} ms; per \
              intent: worker {:.0} µs, Postgres {:.0} µs, RabbitMQ {:.0} µs{}",
@@ -317,9 +315,12 @@ async fn latency_pair(
 ) -> Result<(LatencyRun, LatencyRun)> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let wal = before_phase(args).await?;
-    let mut floor = broker_floor(rate, args)
-        .await
-        .with_context(|| format!("broker floor {label}"))?;
+    let mut floor = bounded(
+        &format!("broker floor {label}"),
+        args,
+        broker_floor(rate, args),
+    )
+    .await?;
     floor.rolled = rolled_over_since(&wal);
     println!(
         "broker floor {label}: {} at {rate:.0}/s: p50 {:.1} ms, p99 {:.1} ms{}; per message: \
@@ -334,9 +335,12 @@ async fn latency_pair(
         rolled_note(floor.rolled)
     );
     let wal = before_phase(args).await?;
-    let mut run = latency(rate, downstream, args)
-        .await
-        .with_context(|| format!("latency run {label}"))?;
+    let mut run = bounded(
+        &format!("latency run {label}"),
+        args,
+        latency(rate, downstream, args),
+    )
+    .await?;
     run.rolled = rolled_over_since(&wal);
     let (steady, cold, n) = (run.steady, run.cold, run.intents);
     println!(
@@ -359,6 +363,21 @@ async fn latency_pair(
         rolled_note(run.rolled),
     );
     Ok((floor, run))
+}
+
+/// Each phase's own waits end at `--timeout-secs`; this also ends one stuck anywhere else (a
+/// publish or an ack the broker never answers, a clean-up), a minute after that, with an error
+/// naming the phase, rather than leaving the benchmark hung.
+async fn bounded<T>(
+    phase: &str,
+    args: &Args,
+    run: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let limit = args.timeout + Duration::from_secs(60);
+    tokio::time::timeout(limit, run)
+        .await
+        .map_err(|_| anyhow::anyhow!("{phase}: not over after {} s", limit.as_secs()))?
+        .with_context(|| phase.to_string())
 }
 
 fn ms(d: Duration) -> f64 {
