@@ -231,41 +231,42 @@ mod tests {
 
     /// [`start`], each batch taking `takes` to run (a statement's time).
     fn start_taking(max: usize, takes: Duration) -> (mpsc::Sender<u32>, Tasks, Seen) {
-        let (tx, rx) = mpsc::channel(16);
-        let tasks = Tasks::default();
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let record = seen.clone();
-        tasks.tracker.spawn(run_batches(
-            rx,
-            max,
-            None,
-            tasks.stop.clone(),
-            move |batch| {
-                record.lock().unwrap().push((Instant::now(), batch));
-                tokio::time::sleep(takes)
-            },
-        ));
-        (tx, tasks, seen)
+        start_with(max, takes, None)
     }
 
     /// [`start`] with requests registered as expected.
     fn start_expecting(max: usize) -> (mpsc::Sender<u32>, Tasks, Seen, Arc<Expected>) {
+        let expected = Arc::new(Expected::default());
+        let (tx, tasks, seen) = start_with(max, Duration::ZERO, Some(expected.clone()));
+        (tx, tasks, seen, expected)
+    }
+
+    /// The loop over a channel of numbers, recording each batch it hands over; each batch takes
+    /// `takes` (none: it ends at once, without a timer).
+    fn start_with(
+        max: usize,
+        takes: Duration,
+        expected: Option<Arc<Expected>>,
+    ) -> (mpsc::Sender<u32>, Tasks, Seen) {
         let (tx, rx) = mpsc::channel(16);
         let tasks = Tasks::default();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let record = seen.clone();
-        let expected = Arc::new(Expected::default());
         tasks.tracker.spawn(run_batches(
             rx,
             max,
-            Some(expected.clone()),
+            expected,
             tasks.stop.clone(),
             move |batch| {
                 record.lock().unwrap().push((Instant::now(), batch));
-                std::future::ready(())
+                async move {
+                    if !takes.is_zero() {
+                        tokio::time::sleep(takes).await;
+                    }
+                }
             },
         ));
-        (tx, tasks, seen, expected)
+        (tx, tasks, seen)
     }
 
     /// Lets the batcher's task run until it waits (the tests run on one thread).
