@@ -441,12 +441,18 @@ async fn serve(stream: TcpStream, requests: &AtomicU64, missing_key: &AtomicU64)
     }
 }
 
-/// CPU ticks per process group at one moment.
+/// CPU ticks per process group at one moment, and how long their threads have waited for a
+/// core.
 pub struct CpuSample {
     /// Per live process of a group: its group, its own ticks, and the ticks of its children
     /// that exited and were reaped.
     pub per_pid: HashMap<u32, (Group, u64, u64)>,
+    /// Per live process of a group: the time its live threads have spent runnable but waiting
+    /// for a core (ns, the second field of `/proc/<pid>/task/<tid>/schedstat`).
+    pub waited: HashMap<u32, u64>,
     pub bench: u64,
+    /// This process's threads' time waiting for a core (ns).
+    pub bench_waited: u64,
     pub machine_busy: u64,
 }
 
@@ -458,7 +464,8 @@ pub enum Group {
     Rabbit,
 }
 
-/// CPU ticks used between two samples.
+/// CPU ticks used between two samples, and the time each component's threads waited for a
+/// core meanwhile.
 #[derive(Default, Debug, Clone, Copy)]
 pub struct CpuSplit {
     pub worker: u64,
@@ -466,6 +473,32 @@ pub struct CpuSplit {
     pub rabbit: u64,
     pub bench: u64,
     pub machine: u64,
+    pub waited: Waited,
+}
+
+/// Time runnable threads spent waiting for a core between two samples, per component (ns):
+/// on a busy machine, what a latency is made of beside the work itself. Threads that exited
+/// between the samples are not counted (their time is gone with them), so these are at least.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct Waited {
+    pub worker: u64,
+    pub postgres: u64,
+    pub rabbit: u64,
+    pub bench: u64,
+}
+
+impl Waited {
+    /// "worker A µs, Postgres B µs, RabbitMQ C µs, bench D µs" per one of `n` intents.
+    pub fn per(&self, n: usize) -> String {
+        let us = |ns: u64| ns as f64 / 1e3 / n.max(1) as f64;
+        format!(
+            "worker {:.0} µs, Postgres {:.0} µs, RabbitMQ {:.0} µs, bench {:.0} µs",
+            us(self.worker),
+            us(self.postgres),
+            us(self.rabbit),
+            us(self.bench)
+        )
+    }
 }
 
 /// CPU `ticks` spread over `n` intents (or messages), in µs each.
@@ -530,9 +563,15 @@ impl CpuSample {
                 per_pid.insert(pid, (group, own, children));
             }
         }
+        let waited = per_pid
+            .keys()
+            .map(|&pid| (pid, run_queue_wait(pid)))
+            .collect();
         CpuSample {
             per_pid,
+            waited,
             bench: proc_times("/proc/self/stat").map_or(0, |(own, _)| own),
+            bench_waited: run_queue_wait(std::process::id()),
             machine_busy: machine_busy(),
         }
     }
@@ -557,6 +596,16 @@ impl CpuSample {
             machine: self.machine_busy.saturating_sub(before.machine_busy),
             ..CpuSplit::default()
         };
+        split.waited.bench = self.bench_waited.saturating_sub(before.bench_waited);
+        for (pid, now) in &self.waited {
+            let slot = match self.per_pid[pid].0 {
+                Group::Worker => &mut split.waited.worker,
+                Group::Postgres => &mut split.waited.postgres,
+                Group::Rabbit => &mut split.waited.rabbit,
+            };
+            // A thread that exited meanwhile takes its time with it: never below zero.
+            *slot += now.saturating_sub(before.waited.get(pid).copied().unwrap_or(0));
+        }
         let mut add = |group: Group, ticks: i64| {
             let slot = match group {
                 Group::Worker => &mut split.worker,
@@ -579,6 +628,19 @@ impl CpuSample {
         }
         split
     }
+}
+
+/// The time the live threads of process `pid` have spent runnable but waiting for a core, in
+/// ns (0 if it is gone).
+fn run_queue_wait(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum()
 }
 
 /// (utime + stime, cutime + cstime) of a process (all threads) in clock ticks.

@@ -40,9 +40,11 @@
 //! target), and apart over those of the first second, while the worker's pooled connections
 //! still prepare their statements (the cold start, printed and not a target). Each latency run
 //! also prints the CPU per intent of every component and of this process (it publishes,
-//! follows and is the downstream) from the first publish to the last result, and the machine's
-//! busy cores: at half the drain rate batches are small, each intent costs more, and the
-//! latency is largely waiting for a core. Before each latency run, the **broker floor** at the
+//! follows and is the downstream) from the first publish to the last result, the machine's
+//! busy cores, and per intent the time each component's threads spent runnable but waiting for
+//! a core (`/proc/<pid>/task/<tid>/schedstat`; threads that exited meanwhile not counted): at
+//! half the drain rate batches are small, each intent costs more, and the latency is largely
+//! that waiting. Before each latency run, the **broker floor** at the
 //! same rate: the same publisher and intents into a quorum queue of their own; a relay here
 //! consumes it with prefetch P and, for each delivery, publishes the `succeeded` result event the
 //! worker would send to a topic exchange with a confirm, acking the intents in batches; the same
@@ -324,7 +326,8 @@ async fn latency_pair(
     floor.rolled = rolled_over_since(&wal);
     println!(
         "broker floor {label}: {} at {rate:.0}/s: p50 {:.1} ms, p99 {:.1} ms{}; per message: \
-         RabbitMQ {:.0} µs, bench {:.0} µs; machine busy {:.2} of {cores} cores{}",
+         RabbitMQ {:.0} µs, bench {:.0} µs; machine busy {:.2} of {cores} cores; waiting for \
+         a core: {}{}",
         floor.steady.count,
         ms(floor.steady.p50),
         ms(floor.steady.p99),
@@ -332,6 +335,7 @@ async fn latency_pair(
         us_per(floor.cpu.rabbit, floor.intents),
         us_per(floor.cpu.bench, floor.intents),
         floor.busy(),
+        floor.cpu.waited.per(floor.intents),
         rolled_note(floor.rolled)
     );
     let wal = before_phase(args).await?;
@@ -347,7 +351,7 @@ async fn latency_pair(
         "latency run {label}: {} intents at {rate:.0}/s: p50 {:.1} ms, p99 {:.1} ms{} \
          (first second: {} intents, p50 {:.1} ms, p99 {:.1} ms); per intent: worker {:.0} µs, \
          Postgres {:.0} µs, RabbitMQ {:.0} µs, bench {:.0} µs; machine busy {:.2} of {cores} \
-         cores{}",
+         cores; waiting for a core: {}{}",
         steady.count,
         ms(steady.p50),
         ms(steady.p99),
@@ -360,6 +364,7 @@ async fn latency_pair(
         us_per(run.cpu.rabbit, n),
         us_per(run.cpu.bench, n),
         run.busy(),
+        run.cpu.waited.per(n),
         rolled_note(run.rolled),
     );
     Ok((floor, run))
