@@ -444,12 +444,10 @@ async fn serve(stream: TcpStream, requests: &AtomicU64, missing_key: &AtomicU64)
 /// CPU ticks per process group at one moment, and how long their threads have waited for a
 /// core.
 pub struct CpuSample {
-    /// Per live process of a group: its group, its own ticks, and the ticks of its children
-    /// that exited and were reaped.
-    pub per_pid: HashMap<u32, (Group, u64, u64)>,
-    /// Per live process of a group: the time its live threads have spent runnable but waiting
-    /// for a core (ns, the second field of `/proc/<pid>/task/<tid>/schedstat`).
-    pub waited: HashMap<u32, u64>,
+    /// Per live process of a group: its group, its own ticks, the ticks of its children that
+    /// exited and were reaped, and the time its live threads have spent runnable but waiting
+    /// for a core (ns, [`run_queue_wait`]).
+    pub per_pid: HashMap<u32, (Group, u64, u64, u64)>,
     pub bench: u64,
     /// This process's threads' time waiting for a core (ns).
     pub bench_waited: u64,
@@ -488,6 +486,15 @@ pub struct Waited {
 }
 
 impl Waited {
+    /// The wait of `group`'s processes.
+    fn of(&mut self, group: Group) -> &mut u64 {
+        match group {
+            Group::Worker => &mut self.worker,
+            Group::Postgres => &mut self.postgres,
+            Group::Rabbit => &mut self.rabbit,
+        }
+    }
+
     /// "worker A µs, Postgres B µs, RabbitMQ C µs, bench D µs" per one of `n` intents.
     pub fn per(&self, n: usize) -> String {
         let us = |ns: u64| ns as f64 / 1e3 / n.max(1) as f64;
@@ -560,16 +567,11 @@ impl CpuSample {
                 }
             };
             if let Some((own, children)) = proc_times(&format!("/proc/{pid}/stat")) {
-                per_pid.insert(pid, (group, own, children));
+                per_pid.insert(pid, (group, own, children, run_queue_wait(pid)));
             }
         }
-        let waited = per_pid
-            .keys()
-            .map(|&pid| (pid, run_queue_wait(pid)))
-            .collect();
         CpuSample {
             per_pid,
-            waited,
             bench: proc_times("/proc/self/stat").map_or(0, |(own, _)| own),
             bench_waited: run_queue_wait(std::process::id()),
             machine_busy: machine_busy(),
@@ -581,7 +583,7 @@ impl CpuSample {
         pids.iter()
             .filter_map(|pid| {
                 let now = self.per_pid.get(pid)?.1;
-                let start = before.per_pid.get(pid).map_or(0, |(_, t, _)| *t);
+                let start = before.per_pid.get(pid).map_or(0, |(_, t, _, _)| *t);
                 Some(now.saturating_sub(start))
             })
             .sum()
@@ -597,15 +599,6 @@ impl CpuSample {
             ..CpuSplit::default()
         };
         split.waited.bench = self.bench_waited.saturating_sub(before.bench_waited);
-        for (pid, now) in &self.waited {
-            let slot = match self.per_pid[pid].0 {
-                Group::Worker => &mut split.waited.worker,
-                Group::Postgres => &mut split.waited.postgres,
-                Group::Rabbit => &mut split.waited.rabbit,
-            };
-            // A thread that exited meanwhile takes its time with it: never below zero.
-            *slot += now.saturating_sub(before.waited.get(pid).copied().unwrap_or(0));
-        }
         let mut add = |group: Group, ticks: i64| {
             let slot = match group {
                 Group::Worker => &mut split.worker,
@@ -614,14 +607,19 @@ impl CpuSample {
             };
             *slot = (*slot as i64 + ticks).max(0) as u64;
         };
-        for (pid, (group, own, children)) in &self.per_pid {
-            let (own0, children0) = before.per_pid.get(pid).map_or((0, 0), |(_, o, c)| (*o, *c));
-            add(*group, own.saturating_sub(own0) as i64);
-            if *group != Group::Worker {
-                add(*group, children.saturating_sub(children0) as i64);
+        for (pid, &(group, own, children, waited)) in &self.per_pid {
+            let (own0, children0, waited0) = before
+                .per_pid
+                .get(pid)
+                .map_or((0, 0, 0), |&(_, o, c, w)| (o, c, w));
+            add(group, own.saturating_sub(own0) as i64);
+            if group != Group::Worker {
+                add(group, children.saturating_sub(children0) as i64);
             }
+            // A thread that exited meanwhile takes its time with it: never below zero.
+            *split.waited.of(group) += waited.saturating_sub(waited0);
         }
-        for (pid, (group, own, _)) in &before.per_pid {
+        for (pid, (group, own, _, _)) in &before.per_pid {
             if *group != Group::Worker && !self.per_pid.contains_key(pid) {
                 add(*group, -(*own as i64));
             }
