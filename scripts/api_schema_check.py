@@ -23,6 +23,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aio_pika
 import psycopg
@@ -120,7 +121,7 @@ def main() -> int:
             env = {
                 "PATH": os.environ.get("PATH", ""),
                 "RUST_LOG": "info,lapin=warn,sqlx=warn",
-                "DATABASE_URL": f"{PG_ADMIN.rsplit('/', 1)[0]}/{db_name}",
+                "DATABASE_URL": urlsplit(PG_ADMIN)._replace(path=f"/{db_name}").geturl(),
                 "AMQP_URL": AMQP_URL,
                 "WORKER_TOOLS": str(tools),
                 "WORKER_ID": f"schemathesis-{wid}",

@@ -168,9 +168,45 @@ pub fn without_param(url: &str, key: &str) -> String {
     }
 }
 
+/// The Postgres URL `url` naming database `name` instead of its own (or of none): the user,
+/// password, hosts and query parameters (`sslmode`, `sslrootcert`, ...) are kept. Test suites and
+/// benchmarks derive the URL of each database they create from one server URL this way.
+pub fn with_database(url: &str, name: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return format!("{url}/{name}");
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let suffix = tail.find(['?', '#']).map_or("", |at| &tail[at..]);
+    format!("{scheme}://{authority}/{name}{suffix}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn another_database_keeps_hosts_and_parameters() {
+        for (url, want) in [
+            ("postgres://u@h:5432/postgres", "postgres://u@h:5432/t1"),
+            ("postgres://u@h:5432", "postgres://u@h:5432/t1"),
+            ("postgres://u@h:5432/", "postgres://u@h:5432/t1"),
+            (
+                "postgres://u:p%2Fq@h:5432/postgres?sslmode=verify-full&sslrootcert=/etc/ca.pem",
+                "postgres://u:p%2Fq@h:5432/t1?sslmode=verify-full&sslrootcert=/etc/ca.pem",
+            ),
+            (
+                "postgres://u@h:5432?sslmode=require",
+                "postgres://u@h:5432/t1?sslmode=require",
+            ),
+            (
+                "postgres://u@h1:5432,[::1]:5433/db?target_session_attrs=read-write",
+                "postgres://u@h1:5432,[::1]:5433/t1?target_session_attrs=read-write",
+            ),
+        ] {
+            assert_eq!(with_database(url, "t1"), want, "{url}");
+        }
+    }
 
     #[test]
     fn lists_of_urls_and_of_hosts() {

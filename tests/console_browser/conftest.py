@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -298,7 +299,8 @@ class World:
 def _create_database(name: str) -> str:
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return f"{PG_ADMIN.rsplit('/', 1)[0]}/{name}"
+    # The server URL's parameters (sslmode, sslrootcert, ...) apply to the new database too.
+    return urlsplit(PG_ADMIN)._replace(path=f"/{name}").geturl()
 
 
 def _drop_database(name: str) -> None:

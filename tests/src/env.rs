@@ -60,8 +60,13 @@ impl Drop for Env {
 
 impl Env {
     pub async fn new() -> Env {
+        Env::on(pg_admin_url()).await
+    }
+
+    /// [`Env::new`] on the Postgres server `admin` names: the test's database is reached with
+    /// the same user, hosts and parameters (`sslmode`, `application_name`, ...).
+    pub async fn on(admin: String) -> Env {
         let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
-        let admin = pg_admin_url();
         let admin_pool = PgPoolOptions::new()
             .max_connections(1)
             .connect(&admin)
@@ -75,11 +80,7 @@ impl Env {
             .await
             .expect("create test database");
         admin_pool.close().await;
-        let base = admin
-            .rsplit_once('/')
-            .map(|(b, _)| b.to_string())
-            .unwrap_or(admin.clone());
-        let db_url = format!("{base}/{db_name}");
+        let db_url = kit::url::with_database(&admin, &db_name);
         let pool = PgPoolOptions::new()
             .max_connections(4)
             .connect(&db_url)

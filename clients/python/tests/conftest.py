@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aio_pika
 import psycopg
@@ -132,8 +133,8 @@ def pg_connect(url: str, autocommit: bool = False) -> psycopg.Connection[tuple[o
 def _create_database(name: str) -> str:
     with pg_connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    base = PG_ADMIN.rsplit("/", 1)[0]
-    return f"{base}/{name}"
+    # The server URL's parameters (sslmode, sslrootcert, ...) apply to the new database too.
+    return urlsplit(PG_ADMIN)._replace(path=f"/{name}").geturl()
 
 
 def _drop_database(name: str) -> None:

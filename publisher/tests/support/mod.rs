@@ -261,8 +261,7 @@ impl TestDb {
             .await
             .expect("create test database");
         admin_pool.close().await;
-        let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(&admin);
-        let url = format!("{base}/{name}");
+        let url = kit::url::with_database(&admin, &name);
         let pool = sqlx::PgPool::connect(&url).await.expect("connect test db");
         TestDb { url, pool, name }
     }

@@ -82,3 +82,19 @@ async fn the_brokers_wal_rolls_over_when_asked_and_the_new_file_is_seen() {
          after {after:?}"
     );
 }
+
+/// A benchmark or suite run against `TEST_DATABASE_URL=…?sslmode=disable` (or `verify-full`,
+/// a client certificate, an `application_name`) reaches each database it creates with those
+/// parameters, not only the server's admin database.
+#[tokio::test]
+async fn a_test_database_is_reached_with_the_server_urls_parameters() {
+    let admin = e2e::env::pg_admin_url();
+    let sep = if admin.contains('?') { '&' } else { '?' };
+    let env = e2e::Env::on(format!("{admin}{sep}application_name=e2e-url-parameters")).await;
+    let name: String = sqlx::query_scalar("SELECT current_setting('application_name')")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert_eq!(name, "e2e-url-parameters", "database URL {}", env.db_url);
+    e2e::cleanup(env).await;
+}

@@ -98,9 +98,11 @@ async fn every_connection_of_the_worker_and_the_relay_sends_small_writes_at_once
 }
 
 /// The pool the worker and the publisher build (`kit::pg::pool`), over TLS (`sslmode=require`):
-/// each new connection is opened and checked in a few milliseconds. Nagle's stalls put a floor
-/// of 80 ms under each (two delayed ACKs in the handshake); the median of eight is compared with
-/// half that floor, so a busy machine does not fail it.
+/// a new connection opens and is checked in a few milliseconds. Nagle's stalls put a floor of
+/// 80 ms under every one (two delayed ACKs of at least 40 ms in each handshake), while a busy
+/// machine only slows some: of seven new connections, at least two must open under that floor.
+/// (The median against half of it failed on a slow host running four tests beside the client
+/// suites: new connections took 46 ms to 580 ms there, spread, not stacked at 90 ms.)
 #[tokio::test]
 async fn new_ledger_connections_over_tls_open_without_waiting_for_delayed_acks() {
     let env = Env::new().await;
@@ -120,10 +122,14 @@ async fn new_ledger_connections_over_tls_open_without_waiting_for_delayed_acks()
     .expect("pool");
     let mut held = Vec::new();
     let mut took = Vec::new();
-    for _ in 0..8 {
+    while took.len() < 7 {
+        // Only acquisitions that opened a connection count (the pool may hold one already).
+        let before = pool.size();
         let t0 = Instant::now();
         let mut conn = pool.acquire().await.expect("a new connection over TLS");
-        took.push(t0.elapsed());
+        if pool.size() > before {
+            took.push(t0.elapsed());
+        }
         let tls: bool =
             sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
                 .fetch_one(&mut *conn)
@@ -136,11 +142,10 @@ async fn new_ledger_connections_over_tls_open_without_waiting_for_delayed_acks()
         held.push(conn);
     }
     took.sort();
-    let median = took[took.len() / 2];
     assert!(
-        median < Duration::from_millis(40),
-        "new TLS connections took {took:?} (median {median:?}): Nagle's algorithm holds the \
-         handshake behind the server's delayed ACKs"
+        took[1] < Duration::from_millis(80),
+        "new TLS connections took {took:?}: Nagle's algorithm holds each handshake behind the \
+         server's delayed ACKs"
     );
     drop(held);
     pool.close().await;

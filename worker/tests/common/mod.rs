@@ -61,7 +61,7 @@ impl TestDb {
             .await
             .expect("create test database");
         admin.close().await;
-        let url = format!("{}/{name}", server_url());
+        let url = kit::url::with_database(&server_url(), &name);
         let pool = PgPoolOptions::new()
             .max_connections(8)
             .connect(&url)
@@ -93,7 +93,7 @@ impl TestDb {
 async fn admin_pool() -> PgPool {
     PgPoolOptions::new()
         .max_connections(1)
-        .connect(&format!("{}/postgres", server_url()))
+        .connect(&kit::url::with_database(&server_url(), "postgres"))
         .await
         .expect("connect to the postgres database (set WORKER_TEST_PG)")
 }

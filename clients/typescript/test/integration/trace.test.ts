@@ -22,7 +22,7 @@ import {
   PublishError,
   SPAN_NAME,
 } from "../../src/index.js";
-import { AMQP_URL, admin, PG_ADMIN } from "../support/world.js";
+import { AMQP_URL, admin, databaseUrl } from "../support/world.js";
 
 const exporter = new InMemorySpanExporter();
 new NodeTracerProvider({ spanProcessors: [new SimpleSpanProcessor(exporter)] }).register();
@@ -33,7 +33,7 @@ const intents = `tstrace-${id}.intents`;
 const results = `tstrace-${id}.results`;
 const tenant = "north-shop";
 const dbName = `tstrace_${id}`;
-const dbUrl = `${PG_ADMIN.slice(0, PG_ADMIN.lastIndexOf("/"))}/${dbName}`;
+const dbUrl = databaseUrl(dbName);
 let connection: amqp.ChannelModel;
 let channel: amqp.Channel;
 let probe: string;

@@ -15,6 +15,17 @@ export const PG_ADMIN =
   process.env.TEST_DATABASE_URL ?? "postgres://postgres@127.0.0.1:5432/postgres";
 export const AMQP_URL = process.env.TEST_AMQP_URL ?? "amqp://guest:guest@127.0.0.1:5672/%2f";
 
+/** `PG_ADMIN` naming database `name`: its user, hosts and parameters (`sslmode`, ...) kept. */
+export function databaseUrl(name: string): string {
+  const scheme = PG_ADMIN.indexOf("://") + 3;
+  const rest = PG_ADMIN.slice(scheme);
+  const end = rest.search(/[/?#]/);
+  const authority = end < 0 ? rest : rest.slice(0, end);
+  const tail = end < 0 ? "" : rest.slice(end);
+  const suffix = tail.search(/[?#]/) < 0 ? "" : tail.slice(tail.search(/[?#]/));
+  return `${PG_ADMIN.slice(0, scheme)}${authority}/${name}${suffix}`;
+}
+
 export class Child {
   readonly lines: string[] = [];
   readonly proc: ChildProcess;
@@ -106,7 +117,7 @@ export async function admin<T>(work: (c: pg.Client) => Promise<T>, url = PG_ADMI
 export class World {
   readonly id = randomUUID().replaceAll("-", "").slice(0, 12);
   readonly dbName = `ts_${this.id}`;
-  readonly dbUrl = `${PG_ADMIN.slice(0, PG_ADMIN.lastIndexOf("/"))}/${this.dbName}`;
+  readonly dbUrl = databaseUrl(this.dbName);
   readonly prefix = `ts${this.id}`;
   readonly intentsExchange = `${this.prefix}.intents`;
   readonly resultsExchange = `${this.prefix}.results`;
