@@ -114,11 +114,9 @@ pub fn redact_list(value: &str) -> String {
 /// `postgres://u@h1:5432/db?x=1` and `postgres://u@h2:5433/db?x=1`). A single-host URL gives
 /// itself; a URL without `://` is returned as is, for the parser to refuse.
 pub fn split_hosts(url: &str) -> Vec<String> {
-    let Some((scheme, rest)) = url.split_once("://") else {
+    let Some((scheme, authority, tail)) = parts(url) else {
         return vec![url.to_owned()];
     };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
     let (userinfo, hosts) = match authority.rsplit_once('@') {
         Some((u, h)) => (Some(u), h),
         None => (None, authority),
@@ -172,13 +170,19 @@ pub fn without_param(url: &str, key: &str) -> String {
 /// password, hosts and query parameters (`sslmode`, `sslrootcert`, ...) are kept. Test suites and
 /// benchmarks derive the URL of each database they create from one server URL this way.
 pub fn with_database(url: &str, name: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
+    let Some((scheme, authority, tail)) = parts(url) else {
         return format!("{url}/{name}");
     };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
     let suffix = tail.find(['?', '#']).map_or("", |at| &tail[at..]);
     format!("{scheme}://{authority}/{name}{suffix}")
+}
+
+/// A URL's scheme, its authority (user, password, hosts) and the rest from the path on
+/// (possibly empty); None without `://`.
+fn parts(url: &str) -> Option<(&str, &str, &str)> {
+    let (scheme, rest) = url.split_once("://")?;
+    let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
+    Some((scheme, authority, tail))
 }
 
 #[cfg(test)]

@@ -22,7 +22,8 @@ export function databaseUrl(name: string): string {
   const end = rest.search(/[/?#]/);
   const authority = end < 0 ? rest : rest.slice(0, end);
   const tail = end < 0 ? "" : rest.slice(end);
-  const suffix = tail.search(/[?#]/) < 0 ? "" : tail.slice(tail.search(/[?#]/));
+  const query = tail.search(/[?#]/);
+  const suffix = query < 0 ? "" : tail.slice(query);
   return `${PG_ADMIN.slice(0, scheme)}${authority}/${name}${suffix}`;
 }
 
