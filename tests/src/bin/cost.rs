@@ -21,14 +21,17 @@
 //!    consumes A with prefetch P, publishes each to quorum queue B with a confirm, and acks it
 //!    on A once confirmed (batches of what has arrived, up to P/2: their confirms awaited
 //!    together, one `multiple` ack): the broker work one intent needs (one delivery in and
-//!    acked, one confirmed publish out) with nothing else. Rate and RabbitMQ CPU per message.
+//!    acked, one confirmed publish out) with nothing else. Rate and RabbitMQ CPU per message,
+//!    and the machine's busy cores (the relay waits on confirms, so this ceiling is not the
+//!    machine's: cores stay idle, and its rate moves with the broker's latency).
 //! 2. **drain**: a fresh database and broker names; the migrations applied (`worker migrate`);
 //!    N distinct intents published to the intents exchange (the backlog); then one worker is
 //!    started and the clock runs from its start to the N-th `succeeded` result (printed too:
 //!    from its start to the first result, the start-up the drain includes). CPU of every
 //!    process of each component from `/proc/<pid>/stat` before and after (`e2e::bench`),
-//!    row versions (`pg_stat_user_tables`, read once the worker has been stopped and its
-//!    backends have exited: a live backend reports its counters seconds late), WAL bytes
+//!    the machine's busy cores, row versions (`pg_stat_user_tables`, read once the worker has
+//!    been stopped and its backends have exited: a live backend reports its counters seconds
+//!    late), WAL bytes
 //!    (`pg_current_wal_lsn`). Verified: every operation `succeeded`, one downstream write per
 //!    intent.
 //!
@@ -252,26 +255,34 @@ async fn run(mut args: Args) -> Result<()> {
     let downstream = NullDownstream::start().await?;
     let mut drains = Vec::new();
     let mut relays = Vec::new();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The machine's busy cores over a phase of `n` at `rate`: the relay ceiling leaves cores idle
+    // (its relay waits on confirms) where a drain does not, so the ratio moves with the ceiling.
+    let busy = |cpu: &CpuSplit, rate: f64| cpu.busy_cores(Duration::from_secs_f64(n as f64 / rate));
     for r in 1..=args.runs {
         let wal = before_phase(&args).await?;
         let relay = bounded("relay ceiling", &args, relay_ceiling(&messages, &args)).await?;
         println!(
-            "run {r}: relay ceiling {:.0}/s, RabbitMQ {:.0} µs per message{}",
+            "run {r}: relay ceiling {:.0}/s, RabbitMQ {:.0} µs per message; machine busy {:.2} \
+             of {cores} cores{}",
             relay.rate,
             us_per(relay.cpu.rabbit, n),
+            busy(&relay.cpu, relay.rate),
             rolled_note(rolled_over_since(&wal))
         );
         let wal = before_phase(&args).await?;
         let drain = bounded("drain", &args, drain(&messages, &downstream, &args)).await?;
         println!(
             "run {r}: drain {:.0}/s ({:.3} of the relay ceiling), first result after {} ms; per \
-             intent: worker {:.0} µs, Postgres {:.0} µs, RabbitMQ {:.0} µs{}",
+             intent: worker {:.0} µs, Postgres {:.0} µs, RabbitMQ {:.0} µs; machine busy {:.2} \
+             of {cores} cores{}",
             drain.rate,
             drain.rate / relay.rate,
             drain.first_result.as_millis(),
             us_per(drain.cpu.worker, n),
             us_per(drain.cpu.postgres, n),
             us_per(drain.cpu.rabbit, n),
+            busy(&drain.cpu, drain.rate),
             rolled_note(rolled_over_since(&wal))
         );
         relays.push(relay);
