@@ -31,8 +31,7 @@
 //!    process of each component from `/proc/<pid>/stat` before and after (`e2e::bench`),
 //!    the machine's busy cores, row versions (`pg_stat_user_tables`, read once the worker has
 //!    been stopped and its backends have exited: a live backend reports its counters seconds
-//!    late), WAL bytes
-//!    (`pg_current_wal_lsn`). Verified: every operation `succeeded`, one downstream write per
+//!    late), WAL bytes (`pg_current_wal_lsn`). Verified: every operation `succeeded`, one downstream write per
 //!    intent.
 //!
 //! Then `--latency-runs` times: a light-load run at `--light-rate` (200/s; 0 skips it), then a
@@ -213,6 +212,8 @@ fn start() -> Result<()> {
 /// One drain's figures.
 struct Drain {
     rate: f64,
+    /// From the worker's start to the N-th `succeeded` result.
+    elapsed: Duration,
     /// From the worker's start to the first `succeeded` result.
     first_result: Duration,
     cpu: CpuSplit,
@@ -223,6 +224,7 @@ struct Drain {
 /// One relay ceiling's figures.
 struct Relay {
     rate: f64,
+    elapsed: Duration,
     cpu: CpuSplit,
 }
 
@@ -255,10 +257,9 @@ async fn run(mut args: Args) -> Result<()> {
     let downstream = NullDownstream::start().await?;
     let mut drains = Vec::new();
     let mut relays = Vec::new();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    // The machine's busy cores over a phase of `n` at `rate`: the relay ceiling leaves cores idle
-    // (its relay waits on confirms) where a drain does not, so the ratio moves with the ceiling.
-    let busy = |cpu: &CpuSplit, rate: f64| cpu.busy_cores(Duration::from_secs_f64(n as f64 / rate));
+    // The machine's busy cores, printed for both: the relay ceiling leaves cores idle (its relay
+    // waits on confirms) where a drain does not, so the ratio moves with the ceiling.
+    let cores = cores();
     for r in 1..=args.runs {
         let wal = before_phase(&args).await?;
         let relay = bounded("relay ceiling", &args, relay_ceiling(&messages, &args)).await?;
@@ -267,7 +268,7 @@ async fn run(mut args: Args) -> Result<()> {
              of {cores} cores{}",
             relay.rate,
             us_per(relay.cpu.rabbit, n),
-            busy(&relay.cpu, relay.rate),
+            relay.cpu.busy_cores(relay.elapsed),
             rolled_note(rolled_over_since(&wal))
         );
         let wal = before_phase(&args).await?;
@@ -282,7 +283,7 @@ async fn run(mut args: Args) -> Result<()> {
             us_per(drain.cpu.worker, n),
             us_per(drain.cpu.postgres, n),
             us_per(drain.cpu.rabbit, n),
-            busy(&drain.cpu, drain.rate),
+            drain.cpu.busy_cores(drain.elapsed),
             rolled_note(rolled_over_since(&wal))
         );
         relays.push(relay);
@@ -326,7 +327,7 @@ async fn latency_pair(
     downstream: &NullDownstream,
     args: &Args,
 ) -> Result<(LatencyRun, LatencyRun)> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = cores();
     let wal = before_phase(args).await?;
     let mut floor = bounded(
         &format!("broker floor {label}"),
@@ -394,6 +395,11 @@ async fn bounded<T>(
         .await
         .map_err(|_| anyhow::anyhow!("{phase}: not over after {} s", limit.as_secs()))?
         .with_context(|| phase.to_string())
+}
+
+/// The machine's cores, as its busy cores are printed against.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 fn ms(d: Duration) -> f64 {
@@ -626,6 +632,7 @@ async fn relay_ceiling(messages: &Arc<Vec<(String, Vec<u8>)>>, args: &Args) -> R
         let after = CpuSample::take(&[]);
         Ok(Relay {
             rate: messages.len() as f64 / elapsed.as_secs_f64(),
+            elapsed,
             cpu: after.since(&before),
         })
     }
@@ -835,6 +842,7 @@ async fn drain_in(
     );
     Ok(Drain {
         rate: n as f64 / elapsed.as_secs_f64(),
+        elapsed,
         first_result: first_result.unwrap_or(elapsed),
         cpu,
         written,
