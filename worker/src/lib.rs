@@ -14,8 +14,9 @@
 //!   sent, with its parsed value.
 //! - [`outcome`]: what one downstream call established ([`outcome::Outcome`]): the vocabulary
 //!   the adapters classify into, the retry policy prices and dispatch maps to a next state.
-//! - [`adapter`]: the `ToolAdapter` trait, outcome classification, the HTTP adapter, receipt
-//!   checks, and every downstream call timed and counted (`meters`).
+//! - [`adapter`]: the `ToolAdapter` trait, outcome classification, the HTTP adapter and its
+//!   client (`client`: connections, timeouts, proxies), receipt checks, and every downstream
+//!   call timed and counted (`meters`).
 //! - [`intake`]: one consumer step for a batch, in stages — decode, prove the tenant
 //!   ([`intake::TenantAuth`]), look up the inbox, answer or claim.
 //! - [`dispatch`]: sending a claimed operation and recording what happened; `next_state`, the

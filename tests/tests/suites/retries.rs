@@ -528,3 +528,120 @@ async fn budget_with_the_issue_syntax_and_defaults_holds_during_an_outage() {
     // and then runs as fast as retries succeed.
     cleanup(env).await;
 }
+
+/// A listener whose accept queue is full: the kernel drops every further SYN, so a connect to it
+/// neither succeeds nor fails until the client gives up. Returns the port and what holds it.
+async fn unanswered_port() -> (u16, Vec<std::net::TcpStream>, tokio::net::TcpListener) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    // Backlog 0: one connection waits to be accepted, then the queue is full.
+    let listener = socket.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut fillers = Vec::new();
+    for _ in 0..8 {
+        match std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)) {
+            Ok(s) => fillers.push(s),
+            Err(_) => return (addr.port(), fillers, listener),
+        }
+    }
+    panic!("the accept queue of {addr} never filled");
+}
+
+#[tokio::test]
+async fn a_connect_that_never_completes_is_not_sent_and_its_cause_is_the_connection() {
+    let env = Env::new().await;
+    let (port, _fillers, _listener) = unanswered_port().await;
+    let tools = refund_tool(
+        &env,
+        port,
+        "timeout_ms = 2000\nconnect_timeout_ms = 300\n\
+         retry = { max_attempts = 2, initial_delay_ms = 100, max_delay_ms = 200 }",
+    );
+    let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
+    let agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .request(TENANT, "refund-ct", "refund", json!({"order": "o-ct"}))
+        .await;
+    let op = e2e::wait_for("a connect timeout recorded", T, || async {
+        env.operation(TENANT, "refund-ct")
+            .await
+            .filter(|o| o.evidence.as_deref().is_some_and(|e| !e.is_empty()))
+    })
+    .await;
+    let evidence = op.evidence.unwrap();
+    assert!(evidence.starts_with("not sent:"), "{evidence}");
+    assert!(evidence.contains("connect_timeout"), "{evidence}");
+    // A write that was never sent is not a timeout after a write, whatever the words.
+    assert_eq!(
+        worker::ledger::cause::classify(&op.state, Some(&evidence)),
+        "connection",
+        "{evidence}"
+    );
+    // Never sent, so it fails after its attempts rather than being held for recovery.
+    assert_eq!(env.final_state(TENANT, "refund-ct", T).await, "failed");
+    cleanup(env).await;
+}
+
+/// An HTTP proxy in front of the downstream: it records the request line of each connection,
+/// passes it on in origin form (`POST /path HTTP/1.1`, as a proxy does) and relays the rest both
+/// ways.
+async fn recording_proxy(downstream: u16) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let lines = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                return;
+            };
+            let lines = lines.clone();
+            tokio::spawn(async move {
+                let mut client = tokio::io::BufReader::new(client);
+                let mut first = String::new();
+                if client.read_line(&mut first).await.is_err() {
+                    return;
+                }
+                lines.lock().unwrap().push(first.trim_end().to_string());
+                let mut upstream = tokio::net::TcpStream::connect(("127.0.0.1", downstream))
+                    .await
+                    .unwrap();
+                let origin_form = match first.split_once("://") {
+                    Some((method_and_scheme, rest)) => {
+                        let method = method_and_scheme.split(' ').next().unwrap_or_default();
+                        let path = rest.find('/').map_or(" / HTTP/1.1\r\n", |at| &rest[at..]);
+                        format!("{method} {path}")
+                    }
+                    None => first.clone(),
+                };
+                upstream.write_all(origin_form.as_bytes()).await.unwrap();
+                let pending = client.buffer().to_vec();
+                upstream.write_all(&pending).await.unwrap();
+                let mut client = client.into_inner();
+                let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+            });
+        }
+    });
+    (port, seen)
+}
+
+#[tokio::test]
+async fn a_proxy_named_by_the_environment_carries_the_writes() {
+    let env = Env::new().await;
+    let ds = Downstream::start(&env).await;
+    let (proxy, seen) = recording_proxy(ds.port).await;
+    let tools = refund_tool(&env, ds.port, "");
+    let opts = WorkerOptions::new(tools).env("HTTP_PROXY", &format!("http://127.0.0.1:{proxy}"));
+    let _w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .request(TENANT, "refund-px", "refund", json!({"order": "o-px"}))
+        .await;
+    assert!(agent.succeeded(TENANT, "refund-px").await.receipt.is_some());
+    assert_eq!(env.mutations(&key("refund-px")).await, 1);
+    let seen = seen.lock().unwrap().clone();
+    let want = format!("POST http://127.0.0.1:{}/replay/refunds HTTP/1.1", ds.port);
+    assert!(seen.contains(&want), "the proxy saw {seen:?}, not {want:?}");
+    cleanup(env).await;
+}

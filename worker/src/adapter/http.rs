@@ -4,18 +4,17 @@
 
 use std::time::{Duration, SystemTime};
 
-use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
-use reqwest::{Method, StatusCode};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use hyper::{Method, StatusCode};
 use tracing::{Instrument as _, Span};
 
+use super::client::{Client, Reply, SendError, Target};
 use super::{receipt, status, BoxFuture, Request, ToolAdapter};
 use crate::config::ToolConfig;
 use crate::document::Document;
 use crate::outcome::{Outcome, Polled};
 use crate::recovery::Capability;
 
-/// Largest response body read; the evidence keeps an excerpt.
-const MAX_BODY: usize = 1024 * 1024;
 const EXCERPT: usize = 500;
 
 #[derive(Debug, thiserror::Error)]
@@ -27,9 +26,9 @@ pub enum BuildError {
 /// Adapter for one `[tools.<name>]` entry.
 pub struct HttpAdapter {
     config: ToolConfig,
-    client: reqwest::Client,
+    client: Client,
     /// `config.url`, parsed once rather than on every write.
-    url: reqwest::Url,
+    target: Target,
     method: Method,
     headers: HeaderMap,
     idempotency_header: HeaderName,
@@ -47,17 +46,10 @@ impl HttpAdapter {
             tool: config.name.clone(),
             reason,
         };
-        let client = crate::tls::http_client(trust)
-            .timeout(config.timeout)
-            .connect_timeout(config.connect_timeout)
-            .redirect(reqwest::redirect::Policy::none())
-            // The ledger scheduler is the only retry layer (docs/design.md section 6).
-            .retry(reqwest::retry::never())
-            .build()
-            .map_err(|e| bad(format!("cannot build HTTP client: {e}")))?;
+        let client = Client::new(&config, trust).map_err(bad)?;
         let method =
             Method::from_bytes(config.method.as_bytes()).map_err(|e| bad(e.to_string()))?;
-        let url = reqwest::Url::parse(&config.url).map_err(|e| bad(format!("url: {e}")))?;
+        let target = Target::parse(&config.url).map_err(|e| bad(format!("url: {e}")))?;
         let idempotency_header = HeaderName::from_bytes(config.idempotency_header.as_bytes())
             .map_err(|e| bad(format!("idempotency_header: {e}")))?;
         let deadline_header = match &config.absence_proof {
@@ -80,7 +72,7 @@ impl HttpAdapter {
             contract: config.completion.contract().map(status::Contract::new),
             config,
             client,
-            url,
+            target,
             method,
             headers,
             idempotency_header,
@@ -151,19 +143,23 @@ impl HttpAdapter {
         trace_headers(&mut headers, span, request);
         let sent = self
             .client
-            .request(self.method.clone(), self.url.clone())
-            .headers(headers)
-            .body(request.body.clone())
-            .send()
+            .send(
+                self.method.clone(),
+                &self.target,
+                headers,
+                Some(request.body.clone()),
+            )
             .await;
-        let response = match sent {
+        let Reply {
+            status,
+            headers,
+            body,
+        } = match sent {
             Ok(r) => r,
-            Err(e) => return Answer::bare(classify_error(&e, &self.config)),
+            Err(e) => return Answer::bare(classify_error(&e, &self.config, &self.config.url)),
         };
-        let status = response.status();
-        let content_type = content_type(&response);
-        let retry_after = parse_retry_after(response.headers().get(RETRY_AFTER), SystemTime::now());
-        let body = read_body(response).await;
+        let content_type = content_type(&headers);
+        let retry_after = parse_retry_after(headers.get(RETRY_AFTER), SystemTime::now());
         let answer = |outcome| Answer {
             outcome,
             status: Some(status.as_u16()),
@@ -363,27 +359,37 @@ impl HttpAdapter {
         url: &str,
         span: &Span,
     ) -> Polled {
+        let target = match Target::parse(url) {
+            Ok(t) => t,
+            Err(why) => {
+                return Polled::Unproven {
+                    evidence: format!("status read failed: {}: {why}", where_is(&self.config, url)),
+                }
+            }
+        };
         let mut headers = self.headers.clone();
         headers.remove(CONTENT_TYPE);
         trace_headers(&mut headers, span, request);
-        let response = match self.client.get(url).headers(headers).send().await {
+        let Reply { status, body, .. } = match self
+            .client
+            .send(Method::GET, &target, headers, None)
+            .await
+        {
             Ok(r) => r,
-            Err(e) if e.is_connect() && kit::fd::local_exhaustion(&e).is_some() => {
+            Err(e) if e.is_connect() && kit::fd::local_exhaustion(e.source_chain()).is_some() => {
                 return Polled::LocalExhaustion {
-                    evidence: local_exhaustion(&e, &self.config, "status read").evidence(),
+                    evidence: local_exhaustion(&e, &self.config, "status read", url).evidence(),
                 };
             }
             Err(e) => {
                 return Polled::Unproven {
-                    evidence: format!("status read failed: {}", error_chain(&e, &self.config)),
+                    evidence: format!("status read failed: {}", error_chain(&e, &self.config, url)),
                 }
             }
         };
-        let status = response.status();
         if !span.is_none() {
             span.record("http.response.status_code", i64::from(status.as_u16()));
         }
-        let body = read_body(response).await;
         let bytes = match (status, body) {
             (StatusCode::OK, Ok(bytes)) => bytes,
             (status, body) => {
@@ -467,21 +473,34 @@ impl HttpAdapter {
     }
 
     async fn lookup_in(&self, request: &Request, url: &str, span: &Span) -> Answer {
+        let target = match Target::parse(url) {
+            Ok(t) => t,
+            Err(why) => {
+                return Answer::bare(Outcome::Unknown {
+                    evidence: format!("lookup failed: {}: {why}", where_is(&self.config, url)),
+                    retry_after: None,
+                })
+            }
+        };
         let mut headers = self.headers.clone();
         headers.remove(CONTENT_TYPE);
         trace_headers(&mut headers, span, request);
-        let response = match self.client.get(url).headers(headers).send().await {
+        let Reply {
+            status,
+            headers,
+            body,
+        } = match self.client.send(Method::GET, &target, headers, None).await {
             Ok(r) => r,
-            Err(e) if e.is_connect() && kit::fd::local_exhaustion(&e).is_some() => {
-                return Answer::bare(local_exhaustion(&e, &self.config, "lookup"));
+            Err(e) if e.is_connect() && kit::fd::local_exhaustion(e.source_chain()).is_some() => {
+                return Answer::bare(local_exhaustion(&e, &self.config, "lookup", url));
             }
             Err(e) => {
-                let why = match crate::tls::handshake_failure(&e) {
+                let why = match crate::tls::handshake_failure(e.source_chain()) {
                     Some(reason) => format!(
                         "TLS handshake with {} failed: {reason}",
                         where_is(&self.config, url)
                     ),
-                    None => error_chain(&e, &self.config),
+                    None => error_chain(&e, &self.config, url),
                 };
                 return Answer::bare(Outcome::Unknown {
                     evidence: format!("lookup failed: {why}"),
@@ -489,10 +508,8 @@ impl HttpAdapter {
                 });
             }
         };
-        let status = response.status();
-        let content_type = content_type(&response);
-        let retry_after = parse_retry_after(response.headers().get(RETRY_AFTER), SystemTime::now());
-        let body = read_body(response).await;
+        let content_type = content_type(&headers);
+        let retry_after = parse_retry_after(headers.get(RETRY_AFTER), SystemTime::now());
         let outcome = match (status, body) {
             (StatusCode::OK, Ok(bytes)) => match &self.contract {
                 Some(contract) => self.document_outcome(contract, request, &bytes, status),
@@ -582,9 +599,8 @@ fn record_answer(span: &Span, answer: &Answer) {
     }
 }
 
-fn content_type(response: &reqwest::Response) -> Option<String> {
-    response
-        .headers()
+fn content_type(headers: &HeaderMap) -> Option<String> {
+    headers
         .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
@@ -636,20 +652,20 @@ impl ToolAdapter for HttpAdapter {
 /// connect that failed because this worker ran out of a local resource (EMFILE "Too many open
 /// files", ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL anywhere in the error's source chain) is
 /// [`Outcome::LocalExhaustion`]: not sent, and not the downstream's doing.
-pub fn classify_error(e: &reqwest::Error, config: &ToolConfig) -> Outcome {
-    let chain = error_chain(e, config);
-    if e.is_connect() && kit::fd::local_exhaustion(e).is_some() {
-        local_exhaustion(e, config, "write")
+pub fn classify_error(e: &SendError, config: &ToolConfig, url: &str) -> Outcome {
+    let chain = error_chain(e, config, url);
+    if e.is_connect() && kit::fd::local_exhaustion(e.source_chain()).is_some() {
+        local_exhaustion(e, config, "write", url)
     } else if e.is_connect() {
-        let evidence = match crate::tls::handshake_failure(e) {
+        let evidence = match crate::tls::handshake_failure(e.source_chain()) {
             Some(reason) => format!(
                 "not sent: TLS handshake with {} failed: {reason}",
-                where_is(config, &config.url)
+                where_is(config, url)
             ),
             None => format!("not sent: {chain}"),
         };
         Outcome::NotSent { evidence }
-    } else if e.is_builder() {
+    } else if e.is_invalid() {
         Outcome::Rejected {
             status: 0,
             evidence: format!("request could not be built: {chain}"),
@@ -674,14 +690,15 @@ fn where_is(config: &ToolConfig, url: &str) -> String {
 }
 
 /// The evidence of a connect this worker's own exhaustion stopped.
-fn local_exhaustion(e: &reqwest::Error, config: &ToolConfig, kind: &str) -> Outcome {
-    let cause = kit::fd::local_exhaustion(e).map_or_else(String::new, |io| io.to_string());
+fn local_exhaustion(e: &SendError, config: &ToolConfig, kind: &str, url: &str) -> Outcome {
+    let cause =
+        kit::fd::local_exhaustion(e.source_chain()).map_or_else(String::new, |io| io.to_string());
     Outcome::LocalExhaustion {
         evidence: format!(
             "not sent: worker out of local resources ({cause}) before the {kind} to tool {} could \
              connect; retried without spending an attempt: {}",
             config.name,
-            error_chain(e, config)
+            error_chain(e, config, url)
         ),
     }
 }
@@ -707,40 +724,6 @@ pub fn classify_status(
     }
 }
 
-async fn read_body(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    loop {
-        match response.chunk().await {
-            Ok(Some(chunk)) => {
-                if out.len() + chunk.len() > MAX_BODY {
-                    return Err(format!("response body over {MAX_BODY} bytes"));
-                }
-                out.extend_from_slice(&chunk);
-            }
-            Ok(None) => return Ok(out),
-            Err(e) => return Err(body_error(&e)),
-        }
-    }
-}
-
-/// An HTTP client error and its causes on one line, without the URL the client puts in its
-/// text (see [`error_chain`]).
-fn body_error(e: &reqwest::Error) -> String {
-    let mut s = e.to_string();
-    if let Some(url) = e.url() {
-        s = s.replace(&format!(" for url ({url})"), "");
-        // Anywhere else it would be quoted, e.g. by a redirect error.
-        s = s.replace(url.as_str(), &kit::url::host_port(url.as_str()));
-    }
-    let mut source = std::error::Error::source(e);
-    while let Some(cause) = source {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    s
-}
-
 fn excerpt(bytes: &[u8]) -> String {
     let text = String::from_utf8_lossy(bytes);
     let mut s: String = text.chars().take(EXCERPT).collect();
@@ -753,9 +736,8 @@ fn excerpt(bytes: &[u8]) -> String {
 /// An HTTP client error and its causes on one line, naming the tool and its host first and
 /// without the URL the client puts in its text: the URL's query, user part or an interpolated
 /// `${VAR}` may hold a secret, and the chain goes into evidence, results and logs.
-fn error_chain(e: &reqwest::Error, config: &ToolConfig) -> String {
-    let url = e.url().map_or(config.url.as_str(), |u| u.as_str());
-    format!("{}: {}", where_is(config, url), body_error(e))
+fn error_chain(e: &SendError, config: &ToolConfig, url: &str) -> String {
+    format!("{}: {}", where_is(config, url), e.text())
 }
 
 /// `Retry-After` as delay-seconds or an HTTP date (RFC 9110 section 10.2.3).

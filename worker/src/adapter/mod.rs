@@ -9,6 +9,7 @@
 //! [`http::HttpAdapter`] is configured per tool. Every call is timed and counted per tool
 //! ([`meters`]).
 
+pub mod client;
 pub mod http;
 pub mod meters;
 pub mod receipt;

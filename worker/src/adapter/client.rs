@@ -1,0 +1,361 @@
+//! The HTTP client of one tool: sends a request and reads its answer within the tool's
+//! `timeout`, connects within its `connect_timeout`, follows no redirect and retries nothing
+//! (the ledger scheduler is the only retry layer, docs/design.md section 6). It says how a
+//! request failed in the terms the adapter's classification needs ([`SendError`]): no
+//! connection (so nothing was written), the timeout, or a failure after the request may have
+//! been written.
+//!
+//! Requests go through hyper-util's pooled HTTP/1.1 client over rustls (the worker's trust)
+//! directly. reqwest, built on the same two, adds per-request layers the worker never uses (a
+//! redirect policy that parses each request's URL again even when it follows nothing, a retry
+//! policy that clones each request, proxy matching): about a twentieth of the worker's
+//! instructions per intent (docs/benchmarks.md, "What bounds them"). Where the environment names
+//! a proxy (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`, any case), requests go through reqwest as
+//! configured from it (its `NO_PROXY` too), which implements proxies and CONNECT tunnels.
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::header::{HeaderMap, HeaderValue, ACCEPT};
+use hyper::{Method, StatusCode, Uri};
+use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+
+use crate::config::ToolConfig;
+
+/// Largest response body read; a longer one is an error (the evidence keeps an excerpt anyway).
+pub const MAX_BODY: usize = 1024 * 1024;
+
+type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// The environment variables that name a proxy (as reqwest reads them).
+const PROXY_VARS: &[&str] = &[
+    "HTTP_PROXY",
+    "http_proxy",
+    "HTTPS_PROXY",
+    "https_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+];
+
+/// Where a request goes: the URL as parsed (and normalised) by the URL standard, and the same as
+/// the URI the request line carries, both made once.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub url: reqwest::Url,
+    uri: Uri,
+}
+
+impl Target {
+    pub fn parse(text: &str) -> Result<Target, String> {
+        let url = reqwest::Url::parse(text).map_err(|e| format!("invalid URL: {e}"))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(format!("unsupported URL scheme {}", url.scheme()));
+        }
+        let uri = Uri::try_from(url.as_str()).map_err(|e| format!("invalid URL: {e}"))?;
+        Ok(Target { url, uri })
+    }
+}
+
+/// An answer: its status and headers, and its body or why it could not be read whole.
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Result<Vec<u8>, String>,
+}
+
+/// How a request failed before an answer arrived.
+#[derive(Debug)]
+pub struct SendError {
+    kind: Kind,
+    error: BoxError,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// No connection was made (refused, unreachable, TLS handshake refused, connect timeout):
+    /// the request was never written.
+    Connect,
+    /// The tool's `timeout` passed; the request may have been written.
+    Timeout,
+    /// The request could not be built (nothing was written).
+    Invalid,
+    /// Anything else: the request may have been written.
+    Other,
+}
+
+impl SendError {
+    /// Nothing was written: the connection (or its TLS handshake) was never made.
+    pub fn is_connect(&self) -> bool {
+        self.kind == Kind::Connect
+    }
+
+    pub fn is_timeout(&self) -> bool {
+        self.kind == Kind::Timeout
+    }
+
+    pub fn is_invalid(&self) -> bool {
+        self.kind == Kind::Invalid
+    }
+
+    /// The error itself, whose source chain names the cause (an OS error, a rustls error).
+    pub fn source_chain(&self) -> &(dyn StdError + 'static) {
+        &*self.error
+    }
+
+    /// The error and its causes on one line. Never the URL: its query, user part or an
+    /// interpolated `${VAR}` may hold a secret, and this goes into evidence and logs.
+    pub fn text(&self) -> String {
+        match self.error.downcast_ref::<reqwest::Error>() {
+            Some(e) => reqwest_text(e),
+            None => chain(&*self.error),
+        }
+    }
+}
+
+/// The client of one tool.
+pub struct Client {
+    inner: Inner,
+    timeout: Duration,
+}
+
+enum Inner {
+    Direct(hyper_util::client::legacy::Client<Connector, Full<Bytes>>),
+    Proxied(reqwest::Client),
+}
+
+impl Client {
+    /// The client of `config`'s tool; `https://` is verified against `trust`.
+    pub fn new(config: &ToolConfig, trust: &crate::tls::Trust) -> Result<Client, String> {
+        let proxied = PROXY_VARS
+            .iter()
+            .any(|v| std::env::var_os(v).is_some_and(|v| !v.is_empty()));
+        let inner = if proxied {
+            let client = crate::tls::http_client(trust)
+                .timeout(config.timeout)
+                .connect_timeout(config.connect_timeout)
+                .redirect(reqwest::redirect::Policy::none())
+                .retry(reqwest::retry::never())
+                .build()
+                .map_err(|e| format!("cannot build HTTP client: {}", reqwest_text(&e)))?;
+            Inner::Proxied(client)
+        } else {
+            let mut http = HttpConnector::new();
+            http.enforce_http(false);
+            http.set_nodelay(true);
+            let https = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config(trust.client_config())
+                .https_or_http()
+                .enable_http1()
+                .wrap_connector(http);
+            let connector = Connector {
+                inner: https,
+                timeout: config.connect_timeout,
+            };
+            let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .pool_timer(TokioTimer::new())
+                .pool_idle_timeout(Duration::from_secs(90))
+                .build(connector);
+            Inner::Direct(client)
+        };
+        Ok(Client {
+            inner,
+            timeout: config.timeout,
+        })
+    }
+
+    /// Sends one request and reads its answer, the whole within the tool's `timeout` (a body
+    /// still arriving then is an unread body, not a failed request).
+    pub async fn send(
+        &self,
+        method: Method,
+        target: &Target,
+        mut headers: HeaderMap,
+        body: Option<String>,
+    ) -> Result<Reply, SendError> {
+        if !headers.contains_key(ACCEPT) {
+            headers.insert(ACCEPT, HeaderValue::from_static("*/*"));
+        }
+        match &self.inner {
+            Inner::Direct(client) => {
+                let deadline = tokio::time::Instant::now() + self.timeout;
+                let mut request =
+                    hyper::Request::new(Full::new(body.map(Bytes::from).unwrap_or_default()));
+                *request.method_mut() = method;
+                *request.uri_mut() = target.uri.clone();
+                *request.headers_mut() = headers;
+                let response =
+                    match tokio::time::timeout_at(deadline, client.request(request)).await {
+                        Ok(Ok(response)) => response,
+                        Ok(Err(e)) => {
+                            let kind = if e.is_connect() {
+                                Kind::Connect
+                            } else {
+                                Kind::Other
+                            };
+                            return Err(SendError {
+                                kind,
+                                error: Box::new(e),
+                            });
+                        }
+                        Err(_) => {
+                            return Err(SendError {
+                                kind: Kind::Timeout,
+                                error: Box::new(timed_out(self.timeout)),
+                            })
+                        }
+                    };
+                let (parts, incoming) = response.into_parts();
+                let body = match tokio::time::timeout_at(deadline, read_limited(incoming)).await {
+                    Ok(body) => body,
+                    Err(_) => Err(timed_out(self.timeout).to_string()),
+                };
+                Ok(Reply {
+                    status: parts.status,
+                    headers: parts.headers,
+                    body,
+                })
+            }
+            Inner::Proxied(client) => {
+                let mut builder = client.request(method, target.url.clone()).headers(headers);
+                if let Some(body) = body {
+                    builder = builder.body(body);
+                }
+                let response = builder.send().await.map_err(|e| SendError {
+                    kind: if e.is_connect() {
+                        Kind::Connect
+                    } else if e.is_builder() {
+                        Kind::Invalid
+                    } else if e.is_timeout() {
+                        Kind::Timeout
+                    } else {
+                        Kind::Other
+                    },
+                    error: Box::new(e),
+                })?;
+                let status = response.status();
+                let headers = response.headers().clone();
+                let body = read_reqwest(response).await;
+                Ok(Reply {
+                    status,
+                    headers,
+                    body,
+                })
+            }
+        }
+    }
+}
+
+fn timed_out(timeout: Duration) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("operation timed out (timeout {} ms)", timeout.as_millis()),
+    )
+}
+
+/// The TLS-or-plain connector under a connect timeout: the TCP connect and the TLS handshake
+/// together within the tool's `connect_timeout`, failing as a connect error (nothing written).
+#[derive(Clone)]
+struct Connector {
+    inner: HttpsConnector<HttpConnector>,
+    timeout: Duration,
+}
+
+type Stream = MaybeHttpsStream<TokioIo<tokio::net::TcpStream>>;
+
+impl tower_service::Service<Uri> for Connector {
+    type Response = Stream;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Stream, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, dst: Uri) -> Self::Future {
+        let connecting = self.inner.call(dst);
+        let timeout = self.timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, connecting).await {
+                Ok(connected) => connected,
+                // Worded without "timed out": the evidence's cause class of a connect that never
+                // happened is the connection, not a timeout after a write.
+                Err(_) => Err(format!(
+                    "no connection within {} ms (connect_timeout)",
+                    timeout.as_millis()
+                )
+                .into()),
+            }
+        })
+    }
+}
+
+async fn read_limited(mut body: hyper::body::Incoming) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| chain(&e))?;
+        if let Ok(data) = frame.into_data() {
+            if out.len() + data.len() > MAX_BODY {
+                return Err(format!("response body over {MAX_BODY} bytes"));
+            }
+            out.extend_from_slice(&data);
+        }
+    }
+    Ok(out)
+}
+
+async fn read_reqwest(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if out.len() + chunk.len() > MAX_BODY {
+                    return Err(format!("response body over {MAX_BODY} bytes"));
+                }
+                out.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(out),
+            Err(e) => return Err(reqwest_text(&e)),
+        }
+    }
+}
+
+/// An error and its causes on one line.
+fn chain(e: &(dyn StdError + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        // hyper-util's errors repeat their cause's text in their own.
+        if !s.ends_with(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        source = cause.source();
+    }
+    s
+}
+
+/// A reqwest error and its causes on one line, without the URL reqwest puts in its text.
+fn reqwest_text(e: &reqwest::Error) -> String {
+    let mut s = e.to_string();
+    if let Some(url) = e.url() {
+        s = s.replace(&format!(" for url ({url})"), "");
+        // Anywhere else it would be quoted, e.g. by a redirect error.
+        s = s.replace(url.as_str(), &kit::url::host_port(url.as_str()));
+    }
+    let mut source = StdError::source(e);
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
+}
