@@ -170,3 +170,94 @@ async fn secrets_in_tool_urls_reach_no_evidence_result_api_console_or_log() {
     drop(agent);
     cleanup(env).await;
 }
+
+/// A downstream that records each request's head (request line and headers, lower-cased names)
+/// and answers every write with a receipt for the key it carried.
+async fn recording_downstream() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = heads.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = listener.accept().await else {
+                return;
+            };
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut s = tokio::io::BufReader::new(s);
+                loop {
+                    let mut head = String::new();
+                    loop {
+                        let mut line = String::new();
+                        if s.read_line(&mut line).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        head.push_str(&line);
+                    }
+                    let header = |name: &str| {
+                        head.lines()
+                            .find_map(|l| {
+                                let (k, v) = l.split_once(':')?;
+                                k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+                            })
+                            .unwrap_or_default()
+                    };
+                    let length: usize = header("content-length").parse().unwrap_or(0);
+                    let mut body = vec![0u8; length];
+                    s.read_exact(&mut body).await.unwrap();
+                    let key = header("idempotency-key");
+                    seen.lock().unwrap().push(head.clone());
+                    let answer =
+                        json!({"receipt_id": "r-basic", "idempotency_key": key}).to_string();
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    s.get_mut().write_all(reply.as_bytes()).await.unwrap();
+                }
+            });
+        }
+    });
+    (port, heads)
+}
+
+#[tokio::test]
+async fn a_user_and_password_in_a_tool_url_are_sent_as_basic_auth_never_in_the_request() {
+    let env = Env::new().await;
+    let (port, heads) = recording_downstream().await;
+    // The password holds an '@' (percent-encoded in the URL) and comes from the environment.
+    let tools = env.write_tools(&format!(
+        "[tools.pay]\nurl = \"http://payer:${{PAY_PASS}}@127.0.0.1:{port}/pay?v=2\"\n\
+         recovery = \"none\"\ntimeout_ms = 2000\nreceipt_id = \"/receipt_id\"\n\
+         receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n"
+    ));
+    let opts = WorkerOptions::new(tools).env("PAY_PASS", "p%40ss-word");
+    let _w = Worker::start(&env, "w", &opts).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    agent
+        .request("north-shop", "pay-basic", "pay", json!({"amount": 1}))
+        .await;
+    agent.succeeded("north-shop", "pay-basic").await;
+    let heads = heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 1, "{heads:?}");
+    let head = &heads[0];
+    // base64("payer:p@ss-word")
+    assert!(
+        head.lines().any(|l| l
+            .split_once(':')
+            .is_some_and(|(k, v)| k.eq_ignore_ascii_case("authorization")
+                && v.trim() == "Basic cGF5ZXI6cEBzcy13b3Jk")),
+        "{head}"
+    );
+    assert!(head.starts_with("POST /pay?v=2 HTTP/1.1\r\n"), "{head}");
+    assert!(
+        !head.contains("payer"),
+        "the user stays out of the request line and Host: {head}"
+    );
+    cleanup(env).await;
+}

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
-use hyper::header::{HeaderMap, HeaderValue, ACCEPT};
+use hyper::header::{HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION};
 use hyper::{Method, StatusCode, Uri};
 use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -45,22 +45,65 @@ const PROXY_VARS: &[&str] = &[
 ];
 
 /// Where a request goes: the URL as parsed (and normalised) by the URL standard, and the same as
-/// the URI the request line carries, both made once.
-#[derive(Debug, Clone)]
+/// the URI the request line carries, both made once. A user and password in the URL
+/// (`https://user:secret@host/…`, percent-decoded) become the request's `Authorization: Basic`
+/// header, unless the tool's `headers` set one, and leave the URL.
+#[derive(Clone)]
 pub struct Target {
-    pub url: reqwest::Url,
+    url: reqwest::Url,
     uri: Uri,
+    basic_auth: Option<HeaderValue>,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the URL: its query may hold a secret.
+        f.debug_struct("Target")
+            .field("host_port", &kit::url::host_port(self.url.as_str()))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Target {
     pub fn parse(text: &str) -> Result<Target, String> {
-        let url = reqwest::Url::parse(text).map_err(|e| format!("invalid URL: {e}"))?;
+        let mut url = reqwest::Url::parse(text).map_err(|e| format!("invalid URL: {e}"))?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err(format!("unsupported URL scheme {}", url.scheme()));
         }
+        let basic_auth = take_credentials(&mut url)?;
         let uri = Uri::try_from(url.as_str()).map_err(|e| format!("invalid URL: {e}"))?;
-        Ok(Target { url, uri })
+        Ok(Target {
+            url,
+            uri,
+            basic_auth,
+        })
     }
+}
+
+/// The URL's user and password as a `Basic` credential (RFC 7617: `user:password`, base64),
+/// removed from the URL. A part that is not UTF-8 once percent-decoded is refused.
+fn take_credentials(url: &mut reqwest::Url) -> Result<Option<HeaderValue>, String> {
+    if url.username().is_empty() && url.password().is_none() {
+        return Ok(None);
+    }
+    let decode = |part: &str, what: &str| {
+        percent_encoding::percent_decode_str(part)
+            .decode_utf8()
+            .map(|s| s.into_owned())
+            .map_err(|_| format!("the URL's {what} is not UTF-8 once percent-decoded"))
+    };
+    let user = decode(url.username(), "user")?;
+    let password = url.password().map(|p| decode(p, "password")).transpose()?;
+    // A URL with a user has a host, so neither can fail.
+    let _ = url.set_username("");
+    let _ = url.set_password(None);
+    use base64::Engine as _;
+    let plain = format!("{user}:{}", password.unwrap_or_default());
+    let encoded = base64::engine::general_purpose::STANDARD.encode(plain);
+    let mut value = HeaderValue::try_from(format!("Basic {encoded}"))
+        .map_err(|_| "the URL's credentials do not make a header".to_string())?;
+    value.set_sensitive(true);
+    Ok(Some(value))
 }
 
 /// An answer: its status and headers, and its body or why it could not be read whole.
@@ -182,6 +225,11 @@ impl Client {
     ) -> Result<Reply, SendError> {
         if !headers.contains_key(ACCEPT) {
             headers.insert(ACCEPT, HeaderValue::from_static("*/*"));
+        }
+        if let Some(auth) = &target.basic_auth {
+            if !headers.contains_key(AUTHORIZATION) {
+                headers.insert(AUTHORIZATION, auth.clone());
+            }
         }
         match &self.inner {
             Inner::Direct(client) => {
@@ -358,4 +406,41 @@ fn reqwest_text(e: &reqwest::Error) -> String {
         source = cause.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_user_and_password_leave_the_url_as_a_basic_credential() {
+        let t = Target::parse("https://payer:p%40ss@pay.example:8443/pay?v=2").unwrap();
+        assert_eq!(t.uri.to_string(), "https://pay.example:8443/pay?v=2");
+        let auth = t.basic_auth.unwrap();
+        // base64("payer:p@ss")
+        assert_eq!(auth, "Basic cGF5ZXI6cEBzcw==");
+        assert!(auth.is_sensitive());
+        // A user alone is `user:`.
+        let t = Target::parse("http://payer@pay.example/pay").unwrap();
+        assert_eq!(t.basic_auth.unwrap(), "Basic cGF5ZXI6");
+        assert!(Target::parse("http://pay.example/pay")
+            .unwrap()
+            .basic_auth
+            .is_none());
+        // Never the URL in its debug form.
+        let t = Target::parse("https://payer:secret@pay.example/pay?key=k").unwrap();
+        let debug = format!("{t:?}");
+        assert!(
+            !debug.contains("secret") && !debug.contains("key=k"),
+            "{debug}"
+        );
+    }
+
+    #[test]
+    fn only_http_and_https_are_targets() {
+        assert!(Target::parse("ftp://pay.example/x")
+            .unwrap_err()
+            .contains("scheme"));
+        assert!(Target::parse("not a url").is_err());
+    }
 }
