@@ -17,6 +17,7 @@
 //! - [`otlp`]: an OTLP/HTTP trace receiver that keeps every span exported to it.
 //! - [`proxy`]: a TCP fault proxy that cuts, black-holes or holds (then delivers) one link
 //!   (broker, Postgres, a downstream).
+//! - [`recording`]: a keep-alive downstream that records every request's head.
 //! - [`soak`]: the seeded chaos soak (the `soak` binary and `tests/soak_short.rs`).
 //! - [`wait`]: polling with deadlines.
 //! - [`tls`]: a test CA, server certificates, a TLS-terminating forwarder, a Postgres cluster
@@ -35,6 +36,7 @@ pub mod pg_failover;
 pub mod procs;
 pub mod proxy;
 pub mod rabbit_cluster;
+pub mod recording;
 pub mod soak;
 pub mod sockets;
 pub mod tls;

@@ -1,6 +1,7 @@
 //! The TCP connections another process holds, read from outside it: each socket descriptor is
 //! duplicated into this process (`pidfd_getfd`, Linux 5.6+, allowed to a parent and to root) and
-//! asked for its peer and whether Nagle's algorithm is off (`TCP_NODELAY`).
+//! asked for its peer, whether Nagle's algorithm is off (`TCP_NODELAY`) and whether keepalive
+//! probes are on (`SO_KEEPALIVE`).
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -12,6 +13,8 @@ pub struct TcpConnection {
     pub local: SocketAddr,
     /// `TCP_NODELAY`: small writes go out at once instead of waiting for the previous one's ACK.
     pub nodelay: bool,
+    /// `SO_KEEPALIVE`: an idle connection whose peer vanished is found by probes.
+    pub keepalive: bool,
 }
 
 /// Every connected TCP socket of process `pid` (listeners and other descriptors left out).
@@ -81,10 +84,12 @@ fn inspect(fd: libc::c_int) -> Option<TcpConnection> {
     let peer = address(fd, libc::getpeername)?;
     let local = address(fd, libc::getsockname)?;
     let nodelay = int_opt(libc::IPPROTO_TCP, libc::TCP_NODELAY)? != 0;
+    let keepalive = int_opt(libc::SOL_SOCKET, libc::SO_KEEPALIVE)? != 0;
     Some(TcpConnection {
         peer,
         local,
         nodelay,
+        keepalive,
     })
 }
 

@@ -97,6 +97,39 @@ async fn every_connection_of_the_worker_and_the_relay_sends_small_writes_at_once
     cleanup(env).await;
 }
 
+/// The worker's pooled connection to a tool probes its peer when idle (`SO_KEEPALIVE`), so a
+/// downstream that vanished without a word (a host gone, a NAT entry dropped) is found before a
+/// write is sent into it.
+#[tokio::test]
+async fn the_worker_keeps_its_tool_connections_probed_when_idle() {
+    let env = Env::new().await;
+    // The reference downstream closes each connection; this one keeps them.
+    let (port, _) = e2e::recording::downstream().await;
+    let tools = env.standard_tools(port, "");
+    let worker = Worker::start(&env, "w1", &WorkerOptions::new(tools)).await;
+    let mut agent = Agent::new(&env, &["north-shop"]).await;
+    agent
+        .request(
+            "north-shop",
+            "keepalive-1",
+            "deploy",
+            json!({"service": "api"}),
+        )
+        .await;
+    agent.succeeded("north-shop", "keepalive-1").await;
+    let to_tool: Vec<TcpConnection> = tcp_connections(worker.pid())
+        .into_iter()
+        .filter(|c| c.peer.port() == port)
+        .collect();
+    assert!(
+        !to_tool.is_empty(),
+        "the pooled connection to the tool is kept"
+    );
+    assert!(to_tool.iter().all(|c| c.keepalive), "{to_tool:?}");
+    drop(worker);
+    cleanup(env).await;
+}
+
 /// The pool the worker and the publisher build (`kit::pg::pool`), over TLS (`sslmode=require`):
 /// a new connection opens and is checked in a few milliseconds. Nagle's stalls put a floor of
 /// 80 ms under every one (two delayed ACKs of at least 40 ms in each handshake), while a busy

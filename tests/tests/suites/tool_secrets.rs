@@ -171,65 +171,10 @@ async fn secrets_in_tool_urls_reach_no_evidence_result_api_console_or_log() {
     cleanup(env).await;
 }
 
-/// A downstream that records each request's head (request line and headers, lower-cased names)
-/// and answers every write with a receipt for the key it carried.
-async fn recording_downstream() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
-    use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let seen = heads.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((s, _)) = listener.accept().await else {
-                return;
-            };
-            let seen = seen.clone();
-            tokio::spawn(async move {
-                let mut s = tokio::io::BufReader::new(s);
-                loop {
-                    let mut head = String::new();
-                    loop {
-                        let mut line = String::new();
-                        if s.read_line(&mut line).await.unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        head.push_str(&line);
-                    }
-                    let header = |name: &str| {
-                        head.lines()
-                            .find_map(|l| {
-                                let (k, v) = l.split_once(':')?;
-                                k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
-                            })
-                            .unwrap_or_default()
-                    };
-                    let length: usize = header("content-length").parse().unwrap_or(0);
-                    let mut body = vec![0u8; length];
-                    s.read_exact(&mut body).await.unwrap();
-                    let key = header("idempotency-key");
-                    seen.lock().unwrap().push(head.clone());
-                    let answer =
-                        json!({"receipt_id": "r-basic", "idempotency_key": key}).to_string();
-                    let reply = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
-                        answer.len()
-                    );
-                    s.get_mut().write_all(reply.as_bytes()).await.unwrap();
-                }
-            });
-        }
-    });
-    (port, heads)
-}
-
 #[tokio::test]
 async fn a_user_and_password_in_a_tool_url_are_sent_as_basic_auth_never_in_the_request() {
     let env = Env::new().await;
-    let (port, heads) = recording_downstream().await;
+    let (port, heads) = e2e::recording::downstream().await;
     // The password holds an '@' (percent-encoded in the URL) and comes from the environment.
     let tools = env.write_tools(&format!(
         "[tools.pay]\nurl = \"http://payer:${{PAY_PASS}}@127.0.0.1:{port}/pay?v=2\"\n\

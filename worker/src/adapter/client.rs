@@ -189,9 +189,18 @@ impl Client {
                 .map_err(|e| format!("cannot build HTTP client: {}", reqwest_text(&e)))?;
             Inner::Proxied(client)
         } else {
+            // The TCP settings reqwest gives its connections: a dead peer of a pooled
+            // connection is found by keepalive probes, and unacknowledged data fails it after
+            // 30 s. The connect timeout is [`Connector`]'s alone, over the whole connect (every
+            // address of the host, then the TLS handshake), so its error is always the same.
             let mut http = HttpConnector::new();
             http.enforce_http(false);
             http.set_nodelay(true);
+            http.set_keepalive(Some(Duration::from_secs(15)));
+            http.set_keepalive_interval(Some(Duration::from_secs(15)));
+            http.set_keepalive_retries(Some(3));
+            #[cfg(target_os = "linux")]
+            http.set_tcp_user_timeout(Some(Duration::from_secs(30)));
             let https = hyper_rustls::HttpsConnectorBuilder::new()
                 .with_tls_config(trust.client_config())
                 .https_or_http()
