@@ -645,3 +645,61 @@ async fn a_proxy_named_by_the_environment_carries_the_writes() {
     assert!(seen.contains(&want), "the proxy saw {seen:?}, not {want:?}");
     cleanup(env).await;
 }
+
+/// A downstream that answers `200` at once with the first bytes of its body and then holds the
+/// rest forever.
+async fn stalling_body() -> u16 {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = [0u8; 8192];
+                let _ = s.read(&mut buf).await;
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 200\r\n\r\n";
+                let _ = s
+                    .write_all(format!("{head}{{\"receipt_id\":").as_bytes())
+                    .await;
+                tokio::time::sleep(Duration::from_secs(600)).await;
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test]
+async fn a_success_whose_body_stalls_past_the_timeout_is_unknown_never_succeeded() {
+    let env = Env::new().await;
+    let port = stalling_body().await;
+    let tools = env.write_tools(&format!(
+        "[tools.deploy]\nurl = \"http://127.0.0.1:{port}/deploys\"\nrecovery = \"none\"\n\
+         timeout_ms = 800\nreceipt_id = \"/receipt_id\"\n\
+         receipt_match = {{ \"/idempotency_key\" = \"{{tenant}}:{{action_id}}\" }}\n"
+    ));
+    let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
+    let agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .request(TENANT, "deploy-stall", "deploy", json!({"service": "api"}))
+        .await;
+    // Sent and answered 200, but no whole answer: it may have been applied, and nothing proves
+    // which operation it was. A `none` tool holds it for a person.
+    assert_eq!(env.final_state(TENANT, "deploy-stall", T).await, "held");
+    let evidence: Vec<String> = sqlx::query_scalar(
+        "SELECT h.evidence FROM operation_history h JOIN operations o ON o.id = h.operation_id
+         WHERE o.action_id = 'deploy-stall' AND h.evidence IS NOT NULL ORDER BY h.id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert!(
+        evidence
+            .iter()
+            .any(|e| e.contains("but the body could not be read") && e.contains("timed out")),
+        "{evidence:?}"
+    );
+    cleanup(env).await;
+}
