@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
-use hyper::header::{HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION};
+use hyper::header::{HeaderMap, HeaderValue, AUTHORIZATION};
 use hyper::{Method, StatusCode, Uri};
 use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -30,7 +30,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use crate::config::ToolConfig;
 
 /// Largest response body read; a longer one is an error (the evidence keeps an excerpt anyway).
-pub const MAX_BODY: usize = 1024 * 1024;
+const MAX_BODY: usize = 1024 * 1024;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -223,8 +223,10 @@ impl Client {
         })
     }
 
-    /// Sends one request and reads its answer, the whole within the tool's `timeout` (a body
-    /// still arriving then is an unread body, not a failed request).
+    /// Sends one request with `headers` as given (the adapter's, made once: `Accept: */*`
+    /// among them unless the tool sets its own, as reqwest sent) and reads its answer, the whole
+    /// within the tool's `timeout` (a body still arriving then is an unread body, not a failed
+    /// request).
     pub async fn send(
         &self,
         method: Method,
@@ -232,9 +234,6 @@ impl Client {
         mut headers: HeaderMap,
         body: Option<String>,
     ) -> Result<Reply, SendError> {
-        if !headers.contains_key(ACCEPT) {
-            headers.insert(ACCEPT, HeaderValue::from_static("*/*"));
-        }
         if let Some(auth) = &target.basic_auth {
             if !headers.contains_key(AUTHORIZATION) {
                 headers.insert(AUTHORIZATION, auth.clone());
@@ -386,15 +385,14 @@ async fn read_reqwest(mut response: reqwest::Response) -> Result<Vec<u8>, String
 
 /// An error and its causes on one line.
 fn chain(e: &(dyn StdError + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
+    with_causes(e.to_string(), e.source())
+}
+
+/// `s`, then each error of the chain from `source` on, after a `: `.
+fn with_causes(mut s: String, mut source: Option<&(dyn StdError + 'static)>) -> String {
     while let Some(cause) = source {
-        let text = cause.to_string();
-        // hyper-util's errors repeat their cause's text in their own.
-        if !s.ends_with(&text) {
-            s.push_str(": ");
-            s.push_str(&text);
-        }
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
         source = cause.source();
     }
     s
@@ -408,13 +406,7 @@ fn reqwest_text(e: &reqwest::Error) -> String {
         // Anywhere else it would be quoted, e.g. by a redirect error.
         s = s.replace(url.as_str(), &kit::url::host_port(url.as_str()));
     }
-    let mut source = StdError::source(e);
-    while let Some(cause) = source {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    s
+    with_causes(s, StdError::source(e))
 }
 
 #[cfg(test)]

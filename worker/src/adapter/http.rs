@@ -4,7 +4,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use hyper::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue, ACCEPT, CONTENT_TYPE, RETRY_AFTER};
 use hyper::{Method, StatusCode};
 use tracing::{Instrument as _, Span};
 
@@ -61,6 +61,8 @@ impl HttpAdapter {
         };
         let mut headers = HeaderMap::new();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        // What reqwest sent by default; a tool's own `Accept` replaces it.
+        headers.insert(ACCEPT, HeaderValue::from_static("*/*"));
         for (k, v) in &config.headers {
             let name = HeaderName::from_bytes(k.as_bytes())
                 .map_err(|e| bad(format!("header {k}: {e}")))?;
