@@ -177,6 +177,20 @@ impl Env {
         .await
     }
 
+    /// An operation's history, oldest first: each change's new state and its evidence.
+    pub async fn history(&self, tenant: &str, action_id: &str) -> Vec<(String, Option<String>)> {
+        sqlx::query_as(
+            "SELECT h.to_state, h.evidence FROM operation_history h
+             JOIN operations o ON o.id = h.operation_id
+             WHERE o.tenant = $1 AND o.action_id = $2 ORDER BY h.id",
+        )
+        .bind(tenant)
+        .bind(action_id)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+    }
+
     pub async fn state(&self, tenant: &str, action_id: &str) -> String {
         self.operation(tenant, action_id)
             .await

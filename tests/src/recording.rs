@@ -1,8 +1,13 @@
-//! A downstream with its wire in view: it records the head of every request (request line and
-//! headers as sent) and answers each with a receipt for the key it carried, keeping its
-//! connections open (keep-alive), where the reference downstream closes each one.
+//! Test servers with their wire in view: [`listen`] serves each connection of a port of its own
+//! with a handler (a downstream that misbehaves on purpose, a proxy); [`downstream`] records the
+//! head of every request (request line and headers as sent) and answers each with a receipt for
+//! the key it carried, keeping its connections open (keep-alive), where the reference
+//! downstream closes each one.
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
+
+use tokio::net::TcpStream;
 
 use serde_json::json;
 
@@ -13,17 +18,11 @@ pub type Heads = Arc<Mutex<Vec<String>>>;
 /// `200` with `{"receipt_id": "r-basic", "idempotency_key": <its Idempotency-Key>}`.
 pub async fn downstream() -> (u16, Heads) {
     use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
     let heads = Heads::default();
     let seen = heads.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((s, _)) = listener.accept().await else {
-                return;
-            };
-            let seen = seen.clone();
-            tokio::spawn(async move {
+    let port = listen(move |s| {
+        let seen = seen.clone();
+        async move {
                 let mut s = tokio::io::BufReader::new(s);
                 loop {
                     let mut head = String::new();
@@ -58,8 +57,25 @@ pub async fn downstream() -> (u16, Heads) {
                     );
                     s.get_mut().write_all(reply.as_bytes()).await.unwrap();
                 }
-            });
+        }
+    })
+    .await;
+    (port, heads)
+}
+
+/// A port of its own on 127.0.0.1 whose every connection is served by `serve`, each on a task of
+/// its own, for as long as the test runs.
+pub async fn listen<F, Fut>(serve: F) -> u16
+where
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(serve(stream));
         }
     });
-    (port, heads)
+    port
 }

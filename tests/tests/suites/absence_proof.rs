@@ -59,16 +59,11 @@ fn base(port: u16) -> String {
 
 /// The operation's history: (state entered, evidence), oldest first.
 async fn history(env: &Env, action_id: &str) -> Vec<(String, String)> {
-    sqlx::query_as(
-        "SELECT h.to_state, coalesce(h.evidence, '') FROM operation_history h
-         JOIN operations o ON o.id = h.operation_id
-         WHERE o.tenant = $1 AND o.action_id = $2 ORDER BY h.id",
-    )
-    .bind(TENANT)
-    .bind(action_id)
-    .fetch_all(&env.pool)
-    .await
-    .expect("read the history")
+    env.history(TENANT, action_id)
+        .await
+        .into_iter()
+        .map(|(state, evidence)| (state, evidence.unwrap_or_default()))
+        .collect()
 }
 
 /// The downstream's log of write requests for `key`: (answered status, seconds since the first).

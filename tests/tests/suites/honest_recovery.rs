@@ -17,18 +17,6 @@ fn key(action: &str) -> String {
     format!("{TENANT}:{action}")
 }
 
-async fn history(env: &Env, action: &str) -> Vec<(String, Option<String>)> {
-    sqlx::query_as(
-        "SELECT h.to_state, h.evidence FROM operation_history h JOIN operations o ON o.id = h.operation_id
-         WHERE o.tenant = $1 AND o.action_id = $2 ORDER BY h.id",
-    )
-    .bind(TENANT)
-    .bind(action)
-    .fetch_all(&env.pool)
-    .await
-    .unwrap()
-}
-
 /// The refund committed, its reply was lost, and every replay is answered 403 (a rotated API
 /// key, a WAF): the status says nothing about the original write, so the row stays unknown and
 /// is held after its recovery rounds, never reported failed.
@@ -52,7 +40,7 @@ async fn a_replay_refused_with_403_keeps_the_row_unknown_then_held_never_failed(
         !statuses.iter().any(|s| s == "failed"),
         "no false failure: {statuses:?}"
     );
-    let history = history(&env, "refund-403").await;
+    let history = env.history(TENANT, "refund-403").await;
     let refused_rounds = history
         .iter()
         .filter(|(_, e)| e.as_deref().unwrap_or("").contains("HTTP 403"))

@@ -265,13 +265,7 @@ async fn lookup_miss_after_a_committed_write_stays_unknown_then_recovers_the_ori
         .await;
     let events = agent.until(TENANT, "ticket-m", Status::Succeeded, T).await;
     assert_eq!(events.first().unwrap().status, Status::Pending);
-    let history: Vec<(String, Option<String>)> = sqlx::query_as(
-        "SELECT h.to_state, h.evidence FROM operation_history h JOIN operations o ON o.id = h.operation_id
-         WHERE o.action_id = 'ticket-m' ORDER BY h.id",
-    )
-    .fetch_all(&env.pool)
-    .await
-    .unwrap();
+    let history = env.history(TENANT, "ticket-m").await;
     let misses = history
         .iter()
         .filter(|(s, e)| s == "unknown" && e.as_deref().unwrap_or("").contains("lookup miss"))
@@ -309,12 +303,12 @@ async fn receipt_for_the_wrong_operation_is_rejected_and_recovery_returns_the_or
         Status::Pending,
         "the wrong receipt was not taken"
     );
-    let evidence: Vec<Option<String>> = sqlx::query_scalar(
-        "SELECT h.evidence FROM operation_history h JOIN operations o ON o.id = h.operation_id WHERE o.action_id = 'refund-x'",
-    )
-    .fetch_all(&env.pool)
-    .await
-    .unwrap();
+    let evidence: Vec<Option<String>> = env
+        .history(TENANT, "refund-x")
+        .await
+        .into_iter()
+        .map(|(_, e)| e)
+        .collect();
     assert!(
         evidence
             .iter()

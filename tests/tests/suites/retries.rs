@@ -585,44 +585,38 @@ async fn a_connect_that_never_completes_is_not_sent_and_its_cause_is_the_connect
 /// An HTTP proxy in front of the downstream: it records the request line of each connection,
 /// passes it on in origin form (`POST /path HTTP/1.1`, as a proxy does) and relays the rest both
 /// ways.
-async fn recording_proxy(downstream: u16) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+async fn recording_proxy(downstream: u16) -> (u16, e2e::recording::Heads) {
     use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = e2e::recording::Heads::default();
     let lines = seen.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((client, _)) = listener.accept().await else {
+    let port = e2e::recording::listen(move |client| {
+        let lines = lines.clone();
+        async move {
+            let mut client = tokio::io::BufReader::new(client);
+            let mut first = String::new();
+            if client.read_line(&mut first).await.is_err() {
                 return;
-            };
-            let lines = lines.clone();
-            tokio::spawn(async move {
-                let mut client = tokio::io::BufReader::new(client);
-                let mut first = String::new();
-                if client.read_line(&mut first).await.is_err() {
-                    return;
+            }
+            lines.lock().unwrap().push(first.trim_end().to_string());
+            let mut upstream = tokio::net::TcpStream::connect(("127.0.0.1", downstream))
+                .await
+                .unwrap();
+            let origin_form = match first.split_once("://") {
+                Some((method_and_scheme, rest)) => {
+                    let method = method_and_scheme.split(' ').next().unwrap_or_default();
+                    let path = rest.find('/').map_or(" / HTTP/1.1\r\n", |at| &rest[at..]);
+                    format!("{method} {path}")
                 }
-                lines.lock().unwrap().push(first.trim_end().to_string());
-                let mut upstream = tokio::net::TcpStream::connect(("127.0.0.1", downstream))
-                    .await
-                    .unwrap();
-                let origin_form = match first.split_once("://") {
-                    Some((method_and_scheme, rest)) => {
-                        let method = method_and_scheme.split(' ').next().unwrap_or_default();
-                        let path = rest.find('/').map_or(" / HTTP/1.1\r\n", |at| &rest[at..]);
-                        format!("{method} {path}")
-                    }
-                    None => first.clone(),
-                };
-                upstream.write_all(origin_form.as_bytes()).await.unwrap();
-                let pending = client.buffer().to_vec();
-                upstream.write_all(&pending).await.unwrap();
-                let mut client = client.into_inner();
-                let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
-            });
+                None => first.clone(),
+            };
+            upstream.write_all(origin_form.as_bytes()).await.unwrap();
+            let pending = client.buffer().to_vec();
+            upstream.write_all(&pending).await.unwrap();
+            let mut client = client.into_inner();
+            let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
         }
-    });
+    })
+    .await;
     (port, seen)
 }
 
@@ -650,25 +644,17 @@ async fn a_proxy_named_by_the_environment_carries_the_writes() {
 /// rest forever.
 async fn stalling_body() -> u16 {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut buf = [0u8; 8192];
-                let _ = s.read(&mut buf).await;
-                let head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 200\r\n\r\n";
-                let _ = s
-                    .write_all(format!("{head}{{\"receipt_id\":").as_bytes())
-                    .await;
-                tokio::time::sleep(Duration::from_secs(600)).await;
-            });
-        }
-    });
-    port
+    e2e::recording::listen(|mut s| async move {
+        let mut buf = [0u8; 8192];
+        let _ = s.read(&mut buf).await;
+        let head =
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 200\r\n\r\n";
+        let _ = s
+            .write_all(format!("{head}{{\"receipt_id\":").as_bytes())
+            .await;
+        tokio::time::sleep(Duration::from_secs(600)).await;
+    })
+    .await
 }
 
 #[tokio::test]
@@ -688,13 +674,8 @@ async fn a_success_whose_body_stalls_past_the_timeout_is_unknown_never_succeeded
     // Sent and answered 200, but no whole answer: it may have been applied, and nothing proves
     // which operation it was. A `none` tool holds it for a person.
     assert_eq!(env.final_state(TENANT, "deploy-stall", T).await, "held");
-    let evidence: Vec<String> = sqlx::query_scalar(
-        "SELECT h.evidence FROM operation_history h JOIN operations o ON o.id = h.operation_id
-         WHERE o.action_id = 'deploy-stall' AND h.evidence IS NOT NULL ORDER BY h.id",
-    )
-    .fetch_all(&env.pool)
-    .await
-    .unwrap();
+    let history = env.history(TENANT, "deploy-stall").await;
+    let evidence: Vec<&String> = history.iter().filter_map(|(_, e)| e.as_ref()).collect();
     assert!(
         evidence
             .iter()

@@ -20,20 +20,11 @@ const T: Duration = Duration::from_secs(60);
 
 /// A port that accepts connections, reads what is sent and never answers.
 async fn black_hole() -> u16 {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
-            });
-        }
-    });
-    port
+    e2e::recording::listen(|mut s| async move {
+        let mut buf = [0u8; 4096];
+        while matches!(s.read(&mut buf).await, Ok(n) if n > 0) {}
+    })
+    .await
 }
 
 fn leaks(text: &str) -> Vec<&'static str> {
@@ -200,6 +191,11 @@ async fn a_user_and_password_in_a_tool_url_are_sent_as_basic_auth_never_in_the_r
         "{head}"
     );
     assert!(head.starts_with("POST /pay?v=2 HTTP/1.1\r\n"), "{head}");
+    // reqwest's default, kept.
+    assert!(
+        head.lines().any(|l| l.eq_ignore_ascii_case("accept: */*")),
+        "{head}"
+    );
     assert!(
         !head.contains("payer"),
         "the user stays out of the request line and Host: {head}"
