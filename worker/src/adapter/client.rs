@@ -247,29 +247,28 @@ impl Client {
                 *request.method_mut() = method;
                 *request.uri_mut() = target.uri.clone();
                 *request.headers_mut() = headers;
-                let response =
-                    match tokio::time::timeout_at(deadline, client.request(request)).await {
-                        Ok(Ok(response)) => response,
-                        Ok(Err(e)) => {
-                            let kind = if e.is_connect() {
-                                Kind::Connect
-                            } else {
-                                Kind::Other
-                            };
-                            return Err(SendError {
-                                kind,
-                                error: Box::new(e),
-                            });
-                        }
-                        Err(_) => {
-                            return Err(SendError {
-                                kind: Kind::Timeout,
-                                error: Box::new(timed_out(self.timeout)),
-                            })
-                        }
-                    };
+                let response = match within(deadline, client.request(request)).await {
+                    Ok(Ok(response)) => response,
+                    Ok(Err(e)) => {
+                        let kind = if e.is_connect() {
+                            Kind::Connect
+                        } else {
+                            Kind::Other
+                        };
+                        return Err(SendError {
+                            kind,
+                            error: Box::new(e),
+                        });
+                    }
+                    Err(_) => {
+                        return Err(SendError {
+                            kind: Kind::Timeout,
+                            error: Box::new(timed_out(self.timeout)),
+                        })
+                    }
+                };
                 let (parts, incoming) = response.into_parts();
-                let body = match tokio::time::timeout_at(deadline, read_limited(incoming)).await {
+                let body = match within(deadline, read_limited(incoming)).await {
                     Ok(body) => body,
                     Err(_) => Err(timed_out(self.timeout).to_string()),
                 };
@@ -307,6 +306,20 @@ impl Client {
             }
         }
     }
+}
+
+/// `work` if it is done before `deadline`, judged when it is done: an answer read only after the
+/// deadline (the process was stopped, the runtime starved) is a timeout, as with reqwest, which
+/// looks at its deadline before the answer. Not left to whichever of the answer and the timer
+/// the runtime happens to see first.
+async fn within<F: Future>(deadline: tokio::time::Instant, work: F) -> Result<F::Output, ()> {
+    let done = tokio::time::timeout_at(deadline, work)
+        .await
+        .map_err(|_| ())?;
+    if tokio::time::Instant::now() >= deadline {
+        return Err(());
+    }
+    Ok(done)
 }
 
 fn timed_out(timeout: Duration) -> std::io::Error {
@@ -435,6 +448,63 @@ mod tests {
             !debug.contains("secret") && !debug.contains("key=k"),
             "{debug}"
         );
+    }
+
+    /// A worker stopped while its request waits (SIGSTOP, a VM paused, a swap storm) resumes
+    /// with the answer in its socket and its deadline past. The deadline wins, as it did with
+    /// reqwest: an answer read after the tool's timeout is a timeout, never a success that
+    /// depends on which of the two the runtime happened to see first.
+    #[test]
+    fn an_answer_read_only_after_the_deadline_is_a_timeout() {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut peer, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = peer.read(&mut buf).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            peer.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(1500));
+        });
+        let tools = crate::config::Tools::parse(
+            std::path::Path::new("t.toml"),
+            &format!(
+                "[tools.t]\nurl = 'http://127.0.0.1:{port}/w'\nrecovery = 'none'\n\
+                 receipt_id = '/id'\nreceipt_match = {{}}\ntimeout_ms = 200\n"
+            ),
+        )
+        .unwrap();
+        let config = &tools.tools["t"];
+        let client = Client::new(config, &crate::tls::load(None).unwrap()).unwrap();
+        let target = Target::parse(&format!("http://127.0.0.1:{port}/w")).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let result = runtime.block_on(async {
+            let mut send = std::pin::pin!(client.send(
+                Method::POST,
+                &target,
+                HeaderMap::new(),
+                Some("{}".into())
+            ));
+            // Polled until the request is written, then not at all, as a stopped process's
+            // task is not, while the answer arrives and the deadline passes; then resumed.
+            let written = tokio::time::timeout(Duration::from_millis(50), &mut send).await;
+            assert!(written.is_err(), "no answer within 50 ms");
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            send.await
+        });
+        match result {
+            Err(e) => assert!(e.is_timeout(), "{}", e.text()),
+            Ok(reply) => panic!(
+                "an answer read after the deadline was taken: {} {:?}",
+                reply.status, reply.body
+            ),
+        }
+        server.join().unwrap();
     }
 
     #[test]
