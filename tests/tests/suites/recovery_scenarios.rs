@@ -196,12 +196,18 @@ async fn a_late_timeout_never_overwrites_succeeded() {
     agent.until(TENANT, "refund-s", Status::Succeeded, T).await;
     let row = env.operation(TENANT, "refund-s").await.unwrap();
     a.resume();
-    e2e::wait_for("the stale timeout", T, || async {
-        a.output
-            .contains("outcome discarded: the operation moved on")
-            .then_some(())
+    // Its answer arrived while A was stopped, after its deadline: read late, it is a timeout
+    // (never a late receipt, which would depend on what A's runtime happened to poll first).
+    let seen = e2e::wait_for("A's outcome", T, || async {
+        ["outcome discarded: the operation moved on", "late receipt"]
+            .into_iter()
+            .find(|line| a.output.contains(line))
     })
     .await;
+    assert_eq!(
+        seen, "outcome discarded: the operation moved on",
+        "A took its late answer"
+    );
     let after = env.operation(TENANT, "refund-s").await.unwrap();
     assert_eq!(after.state, "succeeded");
     assert_eq!(after.receipt, row.receipt);
