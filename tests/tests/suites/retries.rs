@@ -582,6 +582,37 @@ async fn a_connect_that_never_completes_is_not_sent_and_its_cause_is_the_connect
     cleanup(env).await;
 }
 
+/// With the default connect timeout, which is the whole timeout for a tool whose `timeout_ms` is
+/// at most 5 s, the two end together: a connect that never completed is still `not sent`,
+/// never an `unknown` left to whichever of the two timers the worker saw first.
+#[tokio::test]
+async fn a_connect_ended_by_the_default_connect_timeout_is_not_sent() {
+    let env = Env::new().await;
+    let (port, _fillers, _listener) = unanswered_port().await;
+    let tools = refund_tool(
+        &env,
+        port,
+        "timeout_ms = 1000
+retry = { max_attempts = 2, initial_delay_ms = 100, max_delay_ms = 200 }",
+    );
+    let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
+    let agent = Agent::new(&env, &[TENANT]).await;
+    agent
+        .request(TENANT, "refund-cd", "refund", json!({"order": "o-cd"}))
+        .await;
+    let op = e2e::wait_for("the first attempt's outcome", T, || async {
+        env.operation(TENANT, "refund-cd")
+            .await
+            .filter(|o| o.evidence.as_deref().is_some_and(|e| !e.is_empty()))
+    })
+    .await;
+    let evidence = op.evidence.unwrap();
+    assert!(evidence.starts_with("not sent:"), "{evidence}");
+    assert!(evidence.contains("connect_timeout"), "{evidence}");
+    assert_eq!(env.final_state(TENANT, "refund-cd", T).await, "failed");
+    cleanup(env).await;
+}
+
 /// An HTTP proxy in front of the downstream: it records the request line of each connection,
 /// passes it on in origin form (`POST /path HTTP/1.1`, as a proxy does) and relays the rest both
 /// ways.

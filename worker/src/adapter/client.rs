@@ -308,18 +308,20 @@ impl Client {
     }
 }
 
-/// `work` if it is done before `deadline`, judged when it is done: an answer read only after the
-/// deadline (the process was stopped, the runtime starved) is a timeout, as with reqwest, which
-/// looks at its deadline before the answer. Not left to whichever of the answer and the timer
-/// the runtime happens to see first.
-async fn within<F: Future>(deadline: tokio::time::Instant, work: F) -> Result<F::Output, ()> {
-    let done = tokio::time::timeout_at(deadline, work)
-        .await
-        .map_err(|_| ())?;
-    if tokio::time::Instant::now() >= deadline {
-        return Err(());
+/// `work`'s answer if it is read before `deadline`, judged when it is read: an answer read only
+/// after the deadline (the process was stopped, the runtime starved) is a timeout, as with
+/// reqwest, which looks at its deadline before the answer, and not left to whichever of the
+/// answer and the timer the runtime happens to see first. A failure stands as it came: a connect
+/// failure seen late still proves that nothing was sent.
+async fn within<T, E>(
+    deadline: tokio::time::Instant,
+    work: impl Future<Output = Result<T, E>>,
+) -> Result<Result<T, E>, ()> {
+    match tokio::time::timeout_at(deadline, work).await {
+        Err(_) => Err(()),
+        Ok(Ok(_)) if tokio::time::Instant::now() >= deadline => Err(()),
+        Ok(done) => Ok(done),
     }
-    Ok(done)
 }
 
 fn timed_out(timeout: Duration) -> std::io::Error {

@@ -223,6 +223,15 @@ fn invalid(path: &Path, reason: impl Into<String>) -> ConfigError {
     }
 }
 
+/// A tool's connect timeout: `connect_timeout_ms` (5 s when unset), never more than nine tenths
+/// of `timeout_ms`. A connect that never completes then ends as a connect failure, which proves
+/// nothing was sent, before the whole request's timeout could end it as an unknown outcome (the
+/// two ending together left the verdict to whichever timer the worker saw first).
+fn connect_timeout(connect_timeout_ms: Option<u64>, timeout_ms: u64) -> Duration {
+    let cap = timeout_ms - timeout_ms / 10;
+    Duration::from_millis(connect_timeout_ms.unwrap_or(5000).min(cap))
+}
+
 impl Tools {
     pub fn load(path: &Path) -> Result<Tools, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|error| ConfigError::ToolsRead {
@@ -316,9 +325,7 @@ fn validate_tool(path: &Path, name: &str, t: RawTool) -> Result<ToolConfig, Conf
         method,
         idempotency_header: t.idempotency_header,
         timeout: Duration::from_millis(t.timeout_ms),
-        connect_timeout: Duration::from_millis(
-            t.connect_timeout_ms.unwrap_or(t.timeout_ms.min(5000)),
-        ),
+        connect_timeout: connect_timeout(t.connect_timeout_ms, t.timeout_ms),
         receipt_id: t.receipt_id,
         receipt_match,
         capability,
@@ -668,6 +675,18 @@ budget = { ratio = 0.2 }
         assert_eq!(ticket.retry.initial_delay_ms, 200);
         assert_eq!(ticket.budget.ratio, 0.2);
         assert_eq!(ticket.budget.floor_per_minute, 10);
+    }
+
+    #[test]
+    fn a_connect_always_ends_before_the_whole_request_does() {
+        let ms = |c: Option<u64>, t: u64| connect_timeout(c, t).as_millis();
+        assert_eq!(ms(None, 10_000), 5_000);
+        assert_eq!(ms(None, 60_000), 5_000);
+        assert_eq!(ms(None, 2_000), 1_800);
+        assert_eq!(ms(Some(300), 2_000), 300);
+        assert_eq!(ms(Some(2_000), 2_000), 1_800);
+        assert_eq!(ms(Some(9_000), 3_000), 2_700);
+        assert_eq!(ms(None, 1), 1);
     }
 
     #[test]
