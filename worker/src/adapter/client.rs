@@ -462,12 +462,13 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let server = std::thread::spawn(move || {
+            // Errors ignored: on a host too loaded to write the request within 50 ms the
+            // client gives up first (a timeout as well) and this peer finds it gone.
             let (mut peer, _) = listener.accept().unwrap();
             let mut buf = [0u8; 4096];
-            let _ = peer.read(&mut buf).unwrap();
+            let _ = peer.read(&mut buf);
             std::thread::sleep(Duration::from_millis(300));
-            peer.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-                .unwrap();
+            let _ = peer.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}");
             std::thread::sleep(Duration::from_millis(1500));
         });
         let tools = crate::config::Tools::parse(
