@@ -510,6 +510,22 @@ mod tests {
         server.join().unwrap();
     }
 
+    /// What reqwest sent for such URLs: an IPv6 host in brackets, no fragment, the path and
+    /// query percent-encoded by the URL standard.
+    #[test]
+    fn urls_reqwest_took_make_the_same_request_line() {
+        let t = Target::parse("http://[::1]:8080/pay?v=2#section").unwrap();
+        assert_eq!(t.uri.host(), Some("[::1]"));
+        assert_eq!(t.uri.port_u16(), Some(8080));
+        assert_eq!(t.uri.path_and_query().unwrap().as_str(), "/pay?v=2");
+        let t = Target::parse("https://pay.example/ré sumé?q=a b&k=\"x\"").unwrap();
+        assert_eq!(
+            t.uri.path_and_query().unwrap().as_str(),
+            "/r%C3%A9%20sum%C3%A9?q=a%20b&k=%22x%22"
+        );
+        assert_eq!(t.uri.port_u16(), None);
+    }
+
     #[test]
     fn only_http_and_https_are_targets() {
         assert!(Target::parse("ftp://pay.example/x")
