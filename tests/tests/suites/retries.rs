@@ -549,21 +549,37 @@ async fn unanswered_port() -> (u16, Vec<std::net::TcpStream>, tokio::net::TcpLis
 
 #[tokio::test]
 async fn a_connect_that_never_completes_is_not_sent_and_its_cause_is_the_connection() {
+    connect_never_completes("timeout_ms = 2000\nconnect_timeout_ms = 300", "refund-ct").await;
+}
+
+/// With the default connect timeout, which was the whole timeout for a tool whose `timeout_ms` is
+/// at most 5 s, the two ended together and the request's won: a connect that never completed
+/// was recorded `unknown`. It must be `not sent`, as with a connect timeout of its own.
+#[tokio::test]
+async fn a_connect_ended_by_the_default_connect_timeout_is_not_sent() {
+    connect_never_completes("timeout_ms = 1000", "refund-cd").await;
+}
+
+/// A refund whose tool (`timing`: its timeout settings) connects to a port that never completes
+/// a connect: its attempt is `not sent`, with evidence naming `connect_timeout` and cause class
+/// `connection`, and it is `failed` after its attempts, never held for recovery.
+async fn connect_never_completes(timing: &str, action_id: &str) {
     let env = Env::new().await;
     let (port, _fillers, _listener) = unanswered_port().await;
     let tools = refund_tool(
         &env,
         port,
-        "timeout_ms = 2000\nconnect_timeout_ms = 300\n\
-         retry = { max_attempts = 2, initial_delay_ms = 100, max_delay_ms = 200 }",
+        &format!(
+            "{timing}\nretry = {{ max_attempts = 2, initial_delay_ms = 100, max_delay_ms = 200 }}"
+        ),
     );
     let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
     let agent = Agent::new(&env, &[TENANT]).await;
     agent
-        .request(TENANT, "refund-ct", "refund", json!({"order": "o-ct"}))
+        .request(TENANT, action_id, "refund", json!({"order": "o-ct"}))
         .await;
-    let op = e2e::wait_for("a connect timeout recorded", T, || async {
-        env.operation(TENANT, "refund-ct")
+    let op = e2e::wait_for("the first attempt's outcome", T, || async {
+        env.operation(TENANT, action_id)
             .await
             .filter(|o| o.evidence.as_deref().is_some_and(|e| !e.is_empty()))
     })
@@ -578,38 +594,7 @@ async fn a_connect_that_never_completes_is_not_sent_and_its_cause_is_the_connect
         "{evidence}"
     );
     // Never sent, so it fails after its attempts rather than being held for recovery.
-    assert_eq!(env.final_state(TENANT, "refund-ct", T).await, "failed");
-    cleanup(env).await;
-}
-
-/// With the default connect timeout, which is the whole timeout for a tool whose `timeout_ms` is
-/// at most 5 s, the two end together: a connect that never completed is still `not sent`,
-/// never an `unknown` left to whichever of the two timers the worker saw first.
-#[tokio::test]
-async fn a_connect_ended_by_the_default_connect_timeout_is_not_sent() {
-    let env = Env::new().await;
-    let (port, _fillers, _listener) = unanswered_port().await;
-    let tools = refund_tool(
-        &env,
-        port,
-        "timeout_ms = 1000
-retry = { max_attempts = 2, initial_delay_ms = 100, max_delay_ms = 200 }",
-    );
-    let _w = Worker::start(&env, "w", &WorkerOptions::new(tools)).await;
-    let agent = Agent::new(&env, &[TENANT]).await;
-    agent
-        .request(TENANT, "refund-cd", "refund", json!({"order": "o-cd"}))
-        .await;
-    let op = e2e::wait_for("the first attempt's outcome", T, || async {
-        env.operation(TENANT, "refund-cd")
-            .await
-            .filter(|o| o.evidence.as_deref().is_some_and(|e| !e.is_empty()))
-    })
-    .await;
-    let evidence = op.evidence.unwrap();
-    assert!(evidence.starts_with("not sent:"), "{evidence}");
-    assert!(evidence.contains("connect_timeout"), "{evidence}");
-    assert_eq!(env.final_state(TENANT, "refund-cd", T).await, "failed");
+    assert_eq!(env.final_state(TENANT, action_id, T).await, "failed");
     cleanup(env).await;
 }
 
