@@ -373,10 +373,7 @@ async fn read_limited(mut body: hyper::body::Incoming) -> Result<Vec<u8>, String
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| chain(&e))?;
         if let Ok(data) = frame.into_data() {
-            if out.len() + data.len() > MAX_BODY {
-                return Err(format!("response body over {MAX_BODY} bytes"));
-            }
-            out.extend_from_slice(&data);
+            append_capped(&mut out, &data)?;
         }
     }
     Ok(out)
@@ -386,16 +383,20 @@ async fn read_reqwest(mut response: reqwest::Response) -> Result<Vec<u8>, String
     let mut out = Vec::new();
     loop {
         match response.chunk().await {
-            Ok(Some(chunk)) => {
-                if out.len() + chunk.len() > MAX_BODY {
-                    return Err(format!("response body over {MAX_BODY} bytes"));
-                }
-                out.extend_from_slice(&chunk);
-            }
+            Ok(Some(chunk)) => append_capped(&mut out, &chunk)?,
             Ok(None) => return Ok(out),
             Err(e) => return Err(reqwest_text(&e)),
         }
     }
+}
+
+/// Appends a piece of a body read so far, refusing a body over [`MAX_BODY`] (both readers).
+fn append_capped(out: &mut Vec<u8>, data: &[u8]) -> Result<(), String> {
+    if out.len() + data.len() > MAX_BODY {
+        return Err(format!("response body over {MAX_BODY} bytes"));
+    }
+    out.extend_from_slice(data);
+    Ok(())
 }
 
 /// An error and its causes on one line.
@@ -507,6 +508,49 @@ mod tests {
                 reply.status, reply.body
             ),
         }
+        server.join().unwrap();
+    }
+
+    /// An answer whose body is over the cap is read as far as the cap, then refused: the reply
+    /// keeps its status and says why its body is missing.
+    #[test]
+    fn a_body_over_the_cap_is_refused_not_read_whole() {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut peer, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = peer.read(&mut buf);
+            let len = MAX_BODY + 1;
+            let _ = peer
+                .write_all(format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n").as_bytes());
+            // The client may stop reading at the cap and close.
+            let _ = peer.write_all(&vec![b'x'; len]);
+        });
+        let tools = crate::config::Tools::parse(
+            std::path::Path::new("t.toml"),
+            &format!(
+                "[tools.t]\nurl = 'http://127.0.0.1:{port}/w'\nrecovery = 'none'\n\
+                 receipt_id = '/id'\nreceipt_match = {{}}\ntimeout_ms = 5000\n"
+            ),
+        )
+        .unwrap();
+        let client = Client::new(&tools.tools["t"], &crate::tls::load(None).unwrap()).unwrap();
+        let target = Target::parse(&format!("http://127.0.0.1:{port}/w")).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let reply = runtime
+            .block_on(client.send(Method::POST, &target, HeaderMap::new(), Some("{}".into())))
+            .unwrap_or_else(|e| panic!("{}", e.text()));
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(
+            reply.body.unwrap_err(),
+            format!("response body over {MAX_BODY} bytes")
+        );
+        drop(client);
         server.join().unwrap();
     }
 
