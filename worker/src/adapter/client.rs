@@ -428,6 +428,7 @@ fn reqwest_text(e: &reqwest::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write as _;
 
     #[test]
     fn a_user_and_password_leave_the_url_as_a_basic_credential() {
@@ -459,35 +460,14 @@ mod tests {
     /// depends on which of the two the runtime happened to see first.
     #[test]
     fn an_answer_read_only_after_the_deadline_is_a_timeout() {
-        use std::io::{Read as _, Write as _};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let server = std::thread::spawn(move || {
+        let (client, target, server) = tool_answering(200, |mut peer| {
             // Errors ignored: on a host too loaded to write the request within 50 ms the
             // client gives up first (a timeout as well) and this peer finds it gone.
-            let (mut peer, _) = listener.accept().unwrap();
-            let mut buf = [0u8; 4096];
-            let _ = peer.read(&mut buf);
             std::thread::sleep(Duration::from_millis(300));
             let _ = peer.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}");
             std::thread::sleep(Duration::from_millis(1500));
         });
-        let tools = crate::config::Tools::parse(
-            std::path::Path::new("t.toml"),
-            &format!(
-                "[tools.t]\nurl = 'http://127.0.0.1:{port}/w'\nrecovery = 'none'\n\
-                 receipt_id = '/id'\nreceipt_match = {{}}\ntimeout_ms = 200\n"
-            ),
-        )
-        .unwrap();
-        let config = &tools.tools["t"];
-        let client = Client::new(config, &crate::tls::load(None).unwrap()).unwrap();
-        let target = Target::parse(&format!("http://127.0.0.1:{port}/w")).unwrap();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let result = runtime.block_on(async {
+        let result = runtime().block_on(async {
             let mut send = std::pin::pin!(client.send(
                 Method::POST,
                 &target,
@@ -515,34 +495,14 @@ mod tests {
     /// keeps its status and says why its body is missing.
     #[test]
     fn a_body_over_the_cap_is_refused_not_read_whole() {
-        use std::io::{Read as _, Write as _};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let server = std::thread::spawn(move || {
-            let (mut peer, _) = listener.accept().unwrap();
-            let mut buf = [0u8; 4096];
-            let _ = peer.read(&mut buf);
+        let (client, target, server) = tool_answering(5000, |mut peer| {
             let len = MAX_BODY + 1;
             let _ = peer
                 .write_all(format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n").as_bytes());
             // The client may stop reading at the cap and close.
             let _ = peer.write_all(&vec![b'x'; len]);
         });
-        let tools = crate::config::Tools::parse(
-            std::path::Path::new("t.toml"),
-            &format!(
-                "[tools.t]\nurl = 'http://127.0.0.1:{port}/w'\nrecovery = 'none'\n\
-                 receipt_id = '/id'\nreceipt_match = {{}}\ntimeout_ms = 5000\n"
-            ),
-        )
-        .unwrap();
-        let client = Client::new(&tools.tools["t"], &crate::tls::load(None).unwrap()).unwrap();
-        let target = Target::parse(&format!("http://127.0.0.1:{port}/w")).unwrap();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let reply = runtime
+        let reply = runtime()
             .block_on(client.send(Method::POST, &target, HeaderMap::new(), Some("{}".into())))
             .unwrap_or_else(|e| panic!("{}", e.text()));
         assert_eq!(reply.status, StatusCode::OK);
@@ -552,6 +512,42 @@ mod tests {
         );
         drop(client);
         server.join().unwrap();
+    }
+
+    /// A tool with `timeout_ms` whose downstream, a thread, takes one connection, reads the
+    /// request and hands the connection to `answer`; the tool's client and target, and the
+    /// thread.
+    fn tool_answering(
+        timeout_ms: u64,
+        answer: impl FnOnce(std::net::TcpStream) + Send + 'static,
+    ) -> (Client, Target, std::thread::JoinHandle<()>) {
+        use std::io::Read as _;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut peer, _) = listener.accept().unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = peer.read(&mut buf);
+            answer(peer);
+        });
+        let url = format!("http://127.0.0.1:{port}/w");
+        let tools = crate::config::Tools::parse(
+            std::path::Path::new("t.toml"),
+            &format!(
+                "[tools.t]\nurl = '{url}'\nrecovery = 'none'\nreceipt_id = '/id'\n\
+                 receipt_match = {{}}\ntimeout_ms = {timeout_ms}\n"
+            ),
+        )
+        .unwrap();
+        let client = Client::new(&tools.tools["t"], &crate::tls::load(None).unwrap()).unwrap();
+        (client, Target::parse(&url).unwrap(), server)
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
     }
 
     /// What reqwest sent for such URLs: an IPv6 host in brackets, no fragment, the path and
