@@ -734,6 +734,7 @@ mod tests {
     fn defaults_match_the_documented_ones() {
         let s = from_flags(&["--database-url", "postgres://x"]).unwrap();
         assert_eq!(s.prefetch, 256);
+        assert_eq!(s.max_in_flight, 1024);
         assert_eq!(s.topology.intents_exchange, "intents");
         assert_eq!(s.topology.results_exchange, "results");
         assert_eq!(s.topology.queue_delivery_limit, 20);
